@@ -1,0 +1,113 @@
+"""Array helpers: the allowed dtypes, numpy/cupy dispatch, and flat byte views.
+
+This is the only module that imports cupy (lazily); everything above asks it
+which array module an array belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+try:  # bfloat16 is optional: present only where ml_dtypes is installed
+    import ml_dtypes  # type: ignore[import-not-found]
+
+    _BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BFLOAT16 = None
+
+_DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
+
+#: wire name -> numpy dtype, for every dtype a frame may carry
+DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in _DTYPE_NAMES}
+if _BFLOAT16 is not None:
+    DTYPES["bfloat16"] = _BFLOAT16
+
+REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
+
+_cupy: Any = None
+_cupy_checked = False
+
+
+def cupy_module() -> Any | None:
+    """Return the cupy module if it imports, else None (never raises)."""
+    global _cupy, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy  # type: ignore[import-not-found]
+
+            _cupy = cupy
+        except Exception:  # ImportError, or a CUDA library that fails to load
+            _cupy = None
+    return _cupy
+
+
+def is_cupy(x: Any) -> bool:
+    """True for a cupy ndarray (without importing cupy when x is numpy)."""
+    return type(x).__module__.startswith("cupy")
+
+
+def array_module(x: Any) -> Any:
+    """numpy or cupy, whichever x belongs to."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    if is_cupy(x):
+        return cupy_module()
+    raise TypeError(f"expected a numpy or cupy array, got {type(x).__name__}")
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a dtype; TypeError naming it if it is not allowed."""
+    dt = np.dtype(dtype)
+    if _BFLOAT16 is not None and dt == _BFLOAT16:
+        return "bfloat16"
+    name = dt.name
+    if name not in DTYPES or dt.byteorder == ">":
+        allowed = ", ".join(DTYPES)
+        raise TypeError(f"dtype {dt} is not supported by psring (allowed: {allowed})")
+    return name
+
+
+def check_array(x: Any, what: str = "x") -> Any:
+    """Validate a user array and return it C-contiguous (copying only if it was not)."""
+    if isinstance(x, np.ndarray):
+        dtype_name(x.dtype)
+        return np.ascontiguousarray(x) if not x.flags.c_contiguous else x
+    if is_cupy(x):
+        dtype_name(x.dtype)
+        cp = cupy_module()
+        return cp.ascontiguousarray(x) if not x.flags.c_contiguous else x
+    raise TypeError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
+
+
+def byte_view(x: np.ndarray) -> memoryview:
+    """A flat, writable-if-possible byte memoryview of a C-contiguous host array (no copy)."""
+    flat = x.reshape(-1)
+    return memoryview(flat.view(np.uint8))
+
+
+def empty_host(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Allocate an uninitialised host array (the receive destination)."""
+    return np.empty(shape, dtype=dtype)
+
+
+def prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,797 @@
+"""Connections: authenticated, heartbeating asyncio transports that move frames.
+
+A :class:`Connection` is an ``asyncio.BufferedProtocol`` (uvloop reads straight into
+the buffer it hands out): headers are parsed from a small staging buffer, and a
+large payload is read directly into its destination buffer, with no intermediate
+``bytes``. Sending writes the header bytes and a memoryview of the payload (no
+copy); :meth:`Connection.flush` waits until the kernel has taken every byte, after
+which the caller may reuse the payload's memory.
+
+Frames that are not connection-level (handshake, ping, bye) go to a router; the
+:class:`Mailbox` here is the router groups use: receives are matched by the
+header's ``tag``, whether posted before or after the frame arrives.
+
+Knows frames, not collectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import wire
+from .errors import AuthError, PeerLostError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+#: payloads at least this large (still to read) are read straight into their destination
+DIRECT_READ_MIN = 32 << 10
+STAGING_SIZE = 256 << 10
+HANDSHAKE_TIMEOUT = 10.0
+MAX_PENDING_HANDSHAKES = 256
+
+_warned_open_listen: set[str] = set()
+
+
+def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
+    return hmac.new(secret, label + a + b, hashlib.sha256).digest()
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+class Router(Protocol):
+    """Where a Connection sends the frames it does not handle itself."""
+
+    def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None: ...
+
+    def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None: ...
+
+    def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None: ...
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One authenticated frame stream to a peer."""
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None,
+        limits: wire.Limits | None = None,
+        name: str = "connection",
+        heartbeat_interval: float | None = None,
+        heartbeat_timeout: float | None = None,
+    ) -> None:
+        self.name = name
+        self._secret = secret
+        self._limits = limits or wire.Limits.from_env()
+        self._decoder = wire.HeaderDecoder(self._limits)
+        self._staging = bytearray(STAGING_SIZE)
+        self._stage = memoryview(self._staging)
+        self._start = 0
+        self._end = 0
+        # the payload being read
+        self._header: dict[str, Any] | None = None
+        self._dest: memoryview | None = None
+        self._dest_obj: Any = None
+        self._dest_off = 0
+        self._direct = False
+
+        self.transport: asyncio.Transport | None = None
+        self.router: Router | None = None
+        self.peer: dict[str, Any] = {}  # the peer's hello/challenge fields
+        self.peername: str = "?"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.last_heard = time.monotonic()
+        self._last_sent = self.last_heard
+        self._closing = False
+        self._lost: PeerLostError | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+        self._flush_waiters: list[asyncio.Future[None]] = []
+        self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+        self._hb_interval = heartbeat_interval or _env_float("PSRING_HEARTBEAT_INTERVAL", 1.0)
+        self._hb_timeout = heartbeat_timeout or _env_float("PSRING_HEARTBEAT_TIMEOUT", 10.0)
+        self._hb_handle: asyncio.TimerHandle | None = None
+        self._hb_last_tick = 0.0
+
+    def __repr__(self) -> str:
+        return f"Connection({self.name} <-> {self.peername})"
+
+    # ----------------------------------------------------------- transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        # high=0/low=0: pause_writing after any write the kernel did not take at once,
+        # resume_writing when the buffer is empty again -- the flush signal.
+        transport.set_write_buffer_limits(high=0, low=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - platform dependent
+                pass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peername = f"{peer[0]}:{peer[1]}"
+        self.last_heard = self._last_sent = time.monotonic()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost is None and not self._closing:
+            detail = f": {exc}" if exc else " (closed by the peer)"
+            self._lost = PeerLostError(f"connection to {self.peer_label} at {self.peername} lost{detail}")
+            if exc is not None:
+                self._lost.__cause__ = exc
+        self._teardown()
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        self._wake_flushers(None)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    # ------------------------------------------------------------- receive path
+    def get_buffer(self, sizehint: int) -> memoryview:
+        dest = self._dest
+        if dest is not None and self._start == self._end:
+            remaining = len(dest) - self._dest_off
+            if remaining >= DIRECT_READ_MIN:
+                self._direct = True
+                return dest[self._dest_off :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._staging) - self._end < 4096:
+            # compact: move the unparsed tail to the front
+            n = self._end - self._start
+            self._stage[:n] = self._stage[self._start : self._end]
+            self._start, self._end = 0, n
+        return self._stage[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.last_heard = time.monotonic()
+        try:
+            if self._direct:
+                self._direct = False
+                self._dest_off += nbytes
+                if self._dest is not None and self._dest_off == len(self._dest):
+                    self._finish_frame()
+                return
+            self._end += nbytes
+            self._process_staging()
+        except Exception as exc:  # a bad frame or a router failure ends this connection
+            self.abort(exc)
+
+    def _process_staging(self) -> None:
+        stage = self._stage
+        while self._start < self._end:
+            if self._dest is None:
+                header, used = self._decoder.feed(stage[self._start : self._end])
+                self._start += used
+                if header is None:
+                    break
+                self._begin_frame(header)
+            else:
+                take = min(self._end - self._start, len(self._dest) - self._dest_off)
+                self._dest[self._dest_off : self._dest_off + take] = stage[self._start : self._start + take]
+                self._dest_off += take
+                self._start += take
+                if self._dest_off == len(self._dest):
+                    self._finish_frame()
+            if self._transport_gone():
+                return
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _transport_gone(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def _begin_frame(self, header: dict[str, Any]) -> None:
+        nbytes = header["nbytes"]
+        self._header = header
+        dest: memoryview | None = None
+        if nbytes and self._handshake_frames is None and self.router is not None and header["kind"] not in ("ping", "bye"):
+            dest = self.router.buffer_for(self, header)
+            if dest is not None and len(dest) != nbytes:
+                dest = None
+        if dest is None:
+            obj = np.empty(nbytes, dtype=np.uint8)
+            dest = memoryview(obj)
+            self._dest_obj = obj
+        else:
+            self._dest_obj = dest
+        self._dest = dest
+        self._dest_off = 0
+        if nbytes == 0:
+            self._finish_frame()
+
+    def _finish_frame(self) -> None:
+        header, payload = self._header, self._dest_obj
+        self._header = self._dest = self._dest_obj = None
+        self._dest_off = 0
+        self.frames_received += 1
+        assert header is not None
+        kind = header["kind"]
+        if kind == "ping":
+            return
+        if kind == "bye":
+            self._closing = True  # the peer is leaving on purpose: not a loss
+            self._lost = PeerLostError(f"{self.peer_label} at {self.peername} closed its connection")
+            return
+        if self._handshake_frames is not None:
+            self._handshake_frames.put_nowait(header)
+            return
+        if self.router is None:
+            raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
+        self.router.deliver(self, header, payload)
+
+    # ---------------------------------------------------------------- send path
+    def send_frame(self, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
+        """Queue one frame (header + payload) for sending; never blocks, never copies payload.
+
+        The payload's memory must stay unchanged until :meth:`flush` returns.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise self._lost or PeerLostError(f"connection to {self.peer_label} at {self.peername} is closed")
+        size = len(payload) if payload is not None else 0
+        if isinstance(payload, memoryview):
+            size = payload.nbytes
+        header["nbytes"] = size
+        head = wire.encode_header(header)
+        if size:
+            transport.writelines((head, payload))
+            self.bytes_sent += len(head) + size
+        else:
+            transport.write(head)
+            self.bytes_sent += len(head)
+        self.frames_sent += 1
+        self._last_sent = time.monotonic()
+
+    def send_tensor(self, header: dict[str, Any], x: np.ndarray) -> None:
+        """Send a C-contiguous host array as a frame; the header gains dtype/shape/nbytes."""
+        header = {**header, **wire.tensor_fields(x)}
+        self.send_frame(header, wire.byte_view(x) if x.nbytes else None)
+
+    async def flush(self) -> None:
+        """Wait until every byte queued so far has been handed to the kernel."""
+        transport = self.transport
+        if transport is None or transport.get_write_buffer_size() == 0:
+            if self._lost is not None and transport is None:
+                raise self._lost
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        await fut
+
+    def _wake_flushers(self, exc: BaseException | None) -> None:
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+    # --------------------------------------------------------------- handshake
+    @property
+    def peer_label(self) -> str:
+        rank = self.peer.get("rank")
+        role = self.peer.get("role", "peer")
+        return f"{role} {rank}" if rank is not None else str(role)
+
+    async def _handshake_frame(self, deadline: float, expect: str) -> dict[str, Any]:
+        assert self._handshake_frames is not None
+        remaining = deadline - time.monotonic()
+        get = asyncio.ensure_future(self._handshake_frames.get())
+        done, _ = await asyncio.wait(
+            {get, self._closed}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+        )
+        if get not in done:
+            get.cancel()
+            if self._closed in done:
+                raise AuthError(
+                    f"{self.peername} closed the connection during the handshake (waiting for {expect!r}); "
+                    "check that both sides use the same PSRING_SECRET"
+                )
+            raise AuthError(f"{self.peername} did not complete the handshake in time (waiting for {expect!r})")
+        frame = get.result()
+        if frame["kind"] == "reject":
+            raise AuthError(f"{self.peername} refused the connection: {frame.get('reason', '?')}")
+        if frame["kind"] != expect:
+            raise ProtocolError(f"handshake with {self.peername}: got {frame['kind']!r}, expected {expect!r}")
+        return frame
+
+    async def client_handshake(self, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        nonce = secrets.token_bytes(32)
+        self.send_frame({"kind": "hello", "version": wire.WIRE_VERSION, "nonce": nonce, "auth": self._secret is not None, **hello})
+        challenge = await self._handshake_frame(deadline, "challenge")
+        self.peer = {k: v for k, v in challenge.items() if k not in ("kind", "nonce", "mac", "nbytes")}
+        if self._secret is None:
+            if challenge.get("auth"):
+                raise AuthError(f"{self.peername} requires a shared secret; set PSRING_SECRET (or secret=)")
+        else:
+            if not challenge.get("auth"):
+                self._reject("this process has a shared secret but the server has none")
+                raise AuthError(
+                    f"{self.peername} has no shared secret configured but this process has one; "
+                    "set the same PSRING_SECRET on both"
+                )
+            server_nonce = challenge.get("nonce")
+            mac = challenge.get("mac")
+            if not isinstance(server_nonce, bytes) or not isinstance(mac, bytes):
+                raise ProtocolError(f"handshake with {self.peername}: challenge lacks nonce or mac")
+            if not hmac.compare_digest(mac, _mac(self._secret, b"psring-server", nonce, server_nonce)):
+                self._reject("wrong secret: the server's proof did not verify")
+                raise AuthError(f"{self.peername} failed to prove the shared secret (wrong PSRING_SECRET?)")
+            self.send_frame({"kind": "auth", "mac": _mac(self._secret, b"psring-client", server_nonce, nonce)})
+        await self._handshake_frame(deadline, "welcome")
+        self._handshake_done()
+
+    async def server_handshake(self, info: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        hello = await self._handshake_frame(deadline, "hello")
+        self.peer = {k: v for k, v in hello.items() if k not in ("kind", "nonce", "auth", "nbytes", "version")}
+        if hello.get("version") != wire.WIRE_VERSION:
+            reason = f"wire version {hello.get('version')!r} is not this server's {wire.WIRE_VERSION}"
+            self._reject(reason)
+            raise ProtocolError(f"{self.peername}: {reason}")
+        nonce = secrets.token_bytes(32)
+        client_nonce = hello.get("nonce")
+        if not isinstance(client_nonce, bytes) or len(client_nonce) < 16:
+            self._reject("hello lacks a nonce")
+            raise ProtocolError(f"{self.peername}: hello lacks a nonce")
+        if self._secret is None:
+            self.send_frame({"kind": "challenge", "auth": False, **info})
+            if hello.get("auth"):
+                # the client will refuse us; wait for its reject or close
+                await self._expect_close(deadline)
+                raise AuthError(f"{self.peername} has a shared secret but this server has none")
+        else:
+            if not hello.get("auth"):
+                self._reject("a shared secret is required; set PSRING_SECRET")
+                raise AuthError(f"{self.peername} has no shared secret; this server requires one")
+            mac = _mac(self._secret, b"psring-server", client_nonce, nonce)
+            self.send_frame({"kind": "challenge", "auth": True, "nonce": nonce, "mac": mac, **info})
+            proof = await self._handshake_frame(deadline, "auth")
+            given = proof.get("mac")
+            if not isinstance(given, bytes) or not hmac.compare_digest(
+                given, _mac(self._secret, b"psring-client", nonce, client_nonce)
+            ):
+                self._reject("wrong secret: the client's proof did not verify")
+                raise AuthError(f"{self.peername} failed to prove the shared secret (wrong PSRING_SECRET?)")
+        self.send_frame({"kind": "welcome"})
+        self._handshake_done()
+
+    async def _expect_close(self, deadline: float) -> None:
+        try:
+            await self._handshake_frame(deadline, "auth")
+        except (AuthError, ProtocolError):
+            pass
+
+    def _reject(self, reason: str) -> None:
+        try:
+            self.send_frame({"kind": "reject", "reason": reason})
+        except PeerLostError:
+            pass
+
+    def _handshake_done(self) -> None:
+        queue, self._handshake_frames = self._handshake_frames, None
+        if queue is not None and not queue.empty():
+            raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
+        self._schedule_heartbeat()
+
+    # -------------------------------------------------------------- heartbeats
+    def _schedule_heartbeat(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._hb_last_tick = loop.time()
+        self._hb_handle = loop.call_later(self._hb_interval, self._heartbeat)
+
+    def _heartbeat(self) -> None:
+        if self._transport_gone():
+            return
+        loop = asyncio.get_running_loop()
+        now_loop = loop.time()
+        lag = now_loop - self._hb_last_tick - self._hb_interval
+        now = time.monotonic()
+        # If our own loop was blocked, unread bytes may be waiting: do not judge the peer now.
+        if lag < self._hb_interval and now - self.last_heard > self._hb_timeout:
+            self.abort(
+                PeerLostError(
+                    f"{self.peer_label} at {self.peername} silent for {now - self.last_heard:.1f}s "
+                    f"(heartbeat timeout {self._hb_timeout:g}s)"
+                )
+            )
+            return
+        if now - self._last_sent >= self._hb_interval * 0.5:
+            try:
+                self.send_frame({"kind": "ping"})
+            except PeerLostError:
+                return
+        self._hb_last_tick = now_loop
+        self._hb_handle = loop.call_later(self._hb_interval, self._heartbeat)
+
+    # ------------------------------------------------------------------- close
+    @property
+    def lost(self) -> PeerLostError | None:
+        return self._lost
+
+    @property
+    def is_open(self) -> bool:
+        return not self._transport_gone() and self._lost is None
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop the connection because of an error (bad frame, silent peer)."""
+        logger.debug("%r aborted: %s", self, exc)
+        if self._lost is None:
+            if isinstance(exc, PeerLostError):
+                self._lost = exc
+            else:
+                self._lost = PeerLostError(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
+                self._lost.__cause__ = exc
+        if self.transport is not None:
+            self.transport.abort()
+        self._teardown()
+
+    async def close(self, timeout: float = 2.0) -> None:
+        """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails."""
+        if self.transport is None or self._closing and self.transport.is_closing():
+            self._teardown()
+            return
+        self._closing = True
+        try:
+            if not self.transport.is_closing() and self._handshake_frames is None:
+                self.send_frame({"kind": "bye"})
+                await asyncio.wait_for(self.flush(), timeout)
+        except (Exception, asyncio.CancelledError):
+            pass
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self._hb_handle is not None:
+            self._hb_handle.cancel()
+            self._hb_handle = None
+        err = self._lost or PeerLostError(f"connection to {self.peer_label} at {self.peername} closed")
+        self._wake_flushers(err)
+        if not self._closed.done():
+            self._closed.set_result(None)
+            router = self.router
+            if router is not None:
+                router.connection_lost(self, None if self._closing and self._lost is None else self._lost)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)
+
+
+# ------------------------------------------------------------------ open / listen
+def make_ssl_context(server: bool) -> ssl.SSLContext | None:
+    """TLS from PSRING_TLS_CERT / PSRING_TLS_KEY / PSRING_TLS_CA, or None when unset."""
+    cert = os.environ.get("PSRING_TLS_CERT")
+    key = os.environ.get("PSRING_TLS_KEY")
+    ca = os.environ.get("PSRING_TLS_CA")
+    if not (cert or ca):
+        return None
+    if server:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=ca)
+        if not cert:
+            raise ValueError("PSRING_TLS_CA is set but PSRING_TLS_CERT is not: a TLS server needs a certificate")
+        ctx.load_cert_chain(cert, key)
+        if ca:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    else:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca)
+        ctx.check_hostname = False  # peers are addressed by IP; the CA pins identity
+        if cert:
+            ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+async def open_connection(
+    host: str,
+    port: int,
+    *,
+    secret: bytes | None,
+    hello: dict[str, Any],
+    router: Router | None = None,
+    timeout: float = 30.0,
+    name: str = "client",
+    retry_refused: bool = True,
+) -> Connection:
+    """Dial host:port, authenticate, and return the ready Connection.
+
+    Refused connections are retried until ``timeout`` (the peer may still be starting).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + timeout
+    ctx = make_ssl_context(server=False)
+    delay = 0.02
+    while True:
+        conn = Connection(secret=secret, name=name)
+        try:
+            remaining = deadline - time.monotonic()
+            await asyncio.wait_for(
+                loop.create_connection(lambda: conn, host, port, ssl=ctx),
+                timeout=max(remaining, 0.001),
+            )
+            break
+        except (ConnectionRefusedError, ConnectionResetError, OSError, asyncio.TimeoutError) as exc:
+            refused = isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
+            if not (retry_refused and refused) or time.monotonic() + delay >= deadline:
+                raise PeerLostError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+    conn.router = router
+    try:
+        await conn.client_handshake(hello, timeout=max(deadline - time.monotonic(), HANDSHAKE_TIMEOUT))
+    except (Exception, asyncio.CancelledError):
+        conn.abort(AuthError("handshake failed"))
+        raise
+    return conn
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Listener:
+    """One listening socket; every accepted connection is authenticated, then handed over."""
+
+    def __init__(
+        self,
+        on_connection: Callable[[Connection], Awaitable[None] | None],
+        *,
+        secret: bytes | None,
+        info: dict[str, Any] | None = None,
+        router_for: Callable[[Connection], Router | None] | None = None,
+        name: str = "server",
+        limits: wire.Limits | None = None,
+    ) -> None:
+        self._limits = limits
+        self._on_connection = on_connection
+        self._secret = secret
+        self._info = info or {}
+        self._router_for = router_for
+        self.name = name
+        self._server: asyncio.base_events.Server | None = None
+        self._pending: set[asyncio.Task[None]] = set()
+        self.connections: set[Connection] = set()
+        self.host = ""
+        self.port = 0
+        self.auth_failures = 0
+
+    async def start(self, host: str, port: int) -> Listener:
+        loop = asyncio.get_running_loop()
+        ctx = make_ssl_context(server=True)
+        self._server = await loop.create_server(self._make_protocol, host, port, ssl=ctx, reuse_address=True)
+        sock = self._server.sockets[0]
+        self.host, self.port = host, sock.getsockname()[1]
+        if self._secret is None and not _is_loopback(host) and host not in _warned_open_listen:
+            _warned_open_listen.add(host)
+            logger.warning(
+                "%s listening on %s:%d without a shared secret: anyone who can reach it may join "
+                "(set PSRING_SECRET)",
+                self.name,
+                host,
+                self.port,
+            )
+        logger.debug("%s listening on %s:%d", self.name, host, self.port)
+        return self
+
+    def _make_protocol(self) -> Connection:
+        conn = Connection(secret=self._secret, name=self.name, limits=self._limits)
+        if len(self._pending) >= MAX_PENDING_HANDSHAKES:
+            asyncio.get_running_loop().call_soon(conn.abort, ProtocolError("too many pending handshakes"))
+            return conn
+        task = asyncio.get_running_loop().create_task(self._accept(conn))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+        return conn
+
+    async def _accept(self, conn: Connection) -> None:
+        await asyncio.sleep(0)  # let connection_made run
+        try:
+            await conn.server_handshake(self._info)
+        except asyncio.CancelledError:
+            conn.abort(AuthError("listener closed"))
+            raise
+        except (AuthError, ProtocolError) as exc:
+            self.auth_failures += 1
+            logger.warning("%s: rejected %s: %s", self.name, conn.peername, exc)
+            await asyncio.sleep(0.05)  # let the reject frame go out
+            conn.abort(exc)
+            return
+        except Exception as exc:  # pragma: no cover - defensive
+            logger.error("%s: handshake with %s failed: %s", self.name, conn.peername, exc)
+            conn.abort(exc)
+            return
+        if self._router_for is not None:
+            conn.router = self._router_for(conn)
+        self.connections.add(conn)
+        conn._closed.add_done_callback(lambda _f: self.connections.discard(conn))
+        try:
+            result = self._on_connection(conn)
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception as exc:
+            logger.error("%s: handling %s failed: %s", self.name, conn.peername, exc)
+            conn.abort(exc)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for task in list(self._pending):
+            task.cancel()
+        for conn in list(self.connections):
+            conn.abort(PeerLostError(f"{self.name} shut down"))
+        await asyncio.sleep(0)
+
+
+# ------------------------------------------------------------------- mailbox
+Callback = Callable[[Connection, dict[str, Any], Any], None]
+
+
+class _Posted:
+    __slots__ = ("dest", "callback", "future")
+
+    def __init__(self, dest: memoryview | None, callback: Callback | None, future: asyncio.Future[Any] | None):
+        self.dest = dest
+        self.callback = callback
+        self.future = future
+
+
+class Mailbox:
+    """Tag-matched delivery of frames from any number of connections.
+
+    A receive is posted with a tag (and optionally a destination buffer, which the
+    payload is then read straight into, and a callback run on arrival). Frames that
+    arrive before their receive is posted wait in an unexpected queue. Inspectors
+    registered for a tag prefix see every header with that prefix (groups check a
+    collective's arguments there); an inspector returning False drops the frame.
+    """
+
+    def __init__(self) -> None:
+        self._posted: dict[tuple[Any, ...], _Posted] = {}
+        self._unexpected: dict[tuple[Any, ...], collections.deque[tuple[Connection, dict[str, Any], Any]]] = {}
+        self._inspectors: dict[tuple[Any, ...], Callable[[Connection, dict[str, Any]], bool]] = {}
+        self.on_lost: Callable[[Connection, PeerLostError | None], None] | None = None
+        self.on_control: Callable[[Connection, dict[str, Any], Any], bool] | None = None
+        self.unexpected_bytes = 0
+
+    # Router protocol
+    def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None:
+        tag = header.get("tag")
+        posted = self._posted.get(tag) if tag is not None else None
+        return posted.dest if posted is not None else None
+
+    def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        tag = header.get("tag")
+        if self.on_control is not None and self.on_control(conn, header, payload):
+            return
+        if not isinstance(tag, tuple) or len(tag) < 2:
+            raise ProtocolError(f"{header['kind']!r} frame from {conn.peername} has no valid 'tag'")
+        inspector = self._inspectors.get(tag[:2])
+        if inspector is not None and not inspector(conn, header):
+            return
+        posted = self._posted.pop(tag, None)
+        if posted is None:
+            self._unexpected.setdefault(tag, collections.deque()).append((conn, header, payload))
+            self.unexpected_bytes += header["nbytes"]
+            return
+        self._complete(posted, conn, header, payload)
+
+    def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        if self.on_lost is not None:
+            self.on_lost(conn, error)
+
+    # receives
+    @staticmethod
+    def _complete(posted: _Posted, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        if posted.dest is not None and payload is not posted.dest and len(posted.dest) == header["nbytes"]:
+            posted.dest[:] = payload  # arrived before it was posted: one copy into place
+            payload = posted.dest
+        if posted.callback is not None:
+            posted.callback(conn, header, payload)
+        if posted.future is not None and not posted.future.done():
+            posted.future.set_result((conn, header, payload))
+
+    def _pop_unexpected(self, tag: tuple[Any, ...]) -> tuple[Connection, dict[str, Any], Any] | None:
+        queue = self._unexpected.get(tag)
+        if not queue:
+            return None
+        item = queue.popleft()
+        if not queue:
+            del self._unexpected[tag]
+        self.unexpected_bytes -= item[1]["nbytes"]
+        return item
+
+    def post(self, tag: tuple[Any, ...], dest: memoryview | None = None, callback: Callback | None = None) -> None:
+        """Expect one frame with ``tag``; run ``callback(conn, header, payload)`` when it arrives."""
+        item = self._pop_unexpected(tag)
+        posted = _Posted(dest, callback, None)
+        if item is not None:
+            self._complete(posted, *item)
+            return
+        if tag in self._posted:
+            raise RuntimeError(f"a receive is already posted for tag {tag}")
+        self._posted[tag] = posted
+
+    def expect(self, tag: tuple[Any, ...], dest: memoryview | None = None) -> asyncio.Future[Any]:
+        """Like :meth:`post`, returning a future of ``(conn, header, payload)``."""
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        item = self._pop_unexpected(tag)
+        posted = _Posted(dest, None, fut)
+        if item is not None:
+            self._complete(posted, *item)
+            return fut
+        if tag in self._posted:
+            raise RuntimeError(f"a receive is already posted for tag {tag}")
+        self._posted[tag] = posted
+        return fut
+
+    def unpost(self, tag: tuple[Any, ...]) -> None:
+        self._posted.pop(tag, None)
+
+    def inspect(self, prefix: tuple[Any, ...], inspector: Callable[[Connection, dict[str, Any]], bool]) -> None:
+        """Register an inspector for a tag prefix and run it over frames already queued."""
+        self._inspectors[prefix] = inspector
+        for tag in [t for t in self._unexpected if t[:2] == prefix]:
+            queue = self._unexpected[tag]
+            kept = collections.deque(item for item in queue if inspector(item[0], item[1]))
+            if kept:
+                self._unexpected[tag] = kept
+            else:
+                del self._unexpected[tag]
+            self.unexpected_bytes -= sum(i[1]["nbytes"] for i in queue) - sum(i[1]["nbytes"] for i in kept)
+
+    def forget(self, prefix: tuple[Any, ...], drop_queued: bool = False) -> None:
+        """Remove the inspector and posted receives under a prefix (a collective ended)."""
+        self._inspectors.pop(prefix, None)
+        for tag in [t for t in self._posted if t[:2] == prefix]:
+            del self._posted[tag]
+        if drop_queued:
+            for tag in [t for t in self._unexpected if t[:2] == prefix]:
+                self.unexpected_bytes -= sum(i[1]["nbytes"] for i in self._unexpected.pop(tag))
+
+    def drop_where(self, predicate: Callable[[tuple[Any, ...]], bool]) -> None:
+        for tag in [t for t in self._unexpected if predicate(t)]:
+            self.unexpected_bytes -= sum(i[1]["nbytes"] for i in self._unexpected.pop(tag))
+        for tag in [t for t in self._posted if predicate(t)]:
+            del self._posted[tag]
