@@ -1,0 +1,153 @@
+"""Settings, resolved once: explicit argument, then environment, then defaults.
+
+Environment names follow torch.distributed (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT); psring's own start with PSRING_. When RANK/WORLD_SIZE
+are unset, Slurm's (SLURM_PROCID, SLURM_NTASKS) are used.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .store import StoreAddress, parse_store_address
+
+TOPOLOGIES = ("ring", "ps")
+DEFAULT_TIMEOUT = 300.0
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as 'node[03-05,07],gpu1'."""
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]
+    match = re.match(r"^([^\[]+)\[([^\],-]+)", first)
+    if match:
+        return match.group(1) + match.group(2)
+    return first
+
+
+def resolve_rank_world(
+    rank: int | None, world_size: int | None, env: Mapping[str, str]
+) -> tuple[int | None, int | None]:
+    if rank is None:
+        rank = _int_env(env, "RANK")
+    if rank is None:
+        rank = _int_env(env, "SLURM_PROCID")
+    if world_size is None:
+        world_size = _int_env(env, "WORLD_SIZE")
+    if world_size is None:
+        world_size = _int_env(env, "SLURM_NTASKS")
+    return rank, world_size
+
+
+def default_store_spec(env: Mapping[str, str]) -> str | None:
+    """env:// when MASTER_* are set; else the first Slurm host; else None."""
+    if env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
+        return "env://"
+    if env.get("SLURM_JOB_NODELIST"):
+        port = env.get("MASTER_PORT") or "29500"
+        return f"{_slurm_first_host(env['SLURM_JOB_NODELIST'])}:{port}"
+    return "env://"
+
+
+def advertise_host(env: Mapping[str, str] | None = None) -> str:
+    """The address other hosts should use to reach this process.
+
+    PSRING_ADVERTISE_HOST wins; on one machine (store on loopback) 127.0.0.1; else the
+    address of the interface that routes to the store, never 127.0.1.1 or docker0's.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("PSRING_ADVERTISE_HOST")
+    if explicit:
+        return explicit
+    return "127.0.0.1"
+
+
+def routable_host_towards(store_host: str) -> str:
+    """The local address the kernel would use to reach store_host (no packet is sent)."""
+    if store_host in ("127.0.0.1", "localhost", "::1", ""):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((store_host, 9))
+            return sock.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+@dataclass(frozen=True)
+class GroupSettings:
+    topology: str
+    rank: int | None
+    world_size: int | None
+    store: StoreAddress
+    secret: bytes | None
+    timeout: float
+    job: str
+    port: int
+    bind_host: str
+    advertise_host: str
+    servers: int | None
+
+
+def resolve_settings(
+    *,
+    topology: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: str | None = None,
+    secret: str | bytes | None = None,
+    timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> GroupSettings:
+    env = os.environ if env is None else env
+    topology = topology or env.get("PSRING_TOPOLOGY") or "ring"
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"topology={topology!r} is not one of {', '.join(TOPOLOGIES)}")
+    rank, world_size = resolve_rank_world(rank, world_size, env)
+    if world_size is not None and world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if rank is not None and (rank < 0 or (world_size is not None and rank >= world_size)):
+        raise ValueError(f"rank={rank} is out of range for world_size={world_size}")
+    if world_size is None:
+        raise ValueError("world_size is not set: pass world_size= or set WORLD_SIZE (psring launch sets it)")
+    if timeout is None:
+        timeout = float(env.get("PSRING_TIMEOUT") or DEFAULT_TIMEOUT)
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if secret is None:
+        secret = env.get("PSRING_SECRET") or None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    store_address = parse_store_address(store if store is not None else default_store_spec(env), env)
+    port = _int_env(env, "PSRING_PORT") or 0
+    advertise = env.get("PSRING_ADVERTISE_HOST") or (
+        routable_host_towards(store_address.host) if store_address.scheme == "tcp" else "127.0.0.1"
+    )
+    bind = env.get("PSRING_BIND_HOST") or ("127.0.0.1" if advertise.startswith("127.") else "0.0.0.0")
+    servers = _int_env(env, "PSRING_SERVERS")
+    return GroupSettings(
+        topology=topology,
+        rank=rank,
+        world_size=world_size,
+        store=store_address,
+        secret=secret,
+        timeout=float(timeout),
+        job=env.get("PSRING_JOB") or "default",
+        port=port,
+        bind_host=bind,
+        advertise_host=advertise,
+        servers=servers,
+    )

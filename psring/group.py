@@ -1,0 +1,557 @@
+"""Group: the collectives interface both topologies implement, and ``init_group``.
+
+The base class owns everything the topologies share: argument checks, sequence
+numbers, the call descriptor every frame carries (so a rank that called a different
+collective, or the same one with another dtype/shape/op, is named in a
+``MismatchError`` on every rank), per-collective deadlines naming the silent ranks,
+abort propagation (a timed-out or mismatched collective is abandoned by all ranks
+together, so the group stays usable), peer loss (the group is then broken), device
+staging for cupy arrays, and the canonical reduction order.
+
+Knows peers and frames, not models or sockets.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .arrays import REDUCE_OPS, array_module, check_array, cupy_module, dtype_name, is_cupy
+from .connection import Connection, Mailbox
+from .errors import (
+    CollectiveTimeoutError,
+    GroupClosedError,
+    MismatchError,
+    PeerLostError,
+    PsringError,
+)
+
+logger = logging.getLogger(__name__)
+
+#: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
+SMALL_BYTES = 64 << 10
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def ring_chunk_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
+    """Split n elements into world_size contiguous ring chunks (the canonical split)."""
+    return [(c * n // world_size, (c + 1) * n // world_size) for c in range(world_size)]
+
+
+def reduce_op(op: str) -> np.ufunc:
+    return _UFUNCS[op]
+
+
+def canonical_fold(parts: Sequence[np.ndarray], op: str, out: np.ndarray) -> np.ndarray:
+    """Reduce flat arrays parts[0..N-1] into out in the canonical order.
+
+    Element i in ring chunk c is ((x_c op x_c+1) op ...) op x_c-1 (ranks mod N); for
+    avg the sum is then divided by N. Every topology reproduces exactly this.
+    """
+    n_ranks = len(parts)
+    ufunc = reduce_op(op)
+    for c, (a, b) in enumerate(ring_chunk_bounds(out.size, n_ranks)):
+        if a == b:
+            continue
+        acc = out[a:b]
+        acc[...] = parts[c][a:b]
+        for k in range(1, n_ranks):
+            ufunc(acc, parts[(c + k) % n_ranks][a:b], out=acc)
+    if op == "avg":
+        finish_avg(out, n_ranks)
+    return out
+
+
+def finish_avg(acc: np.ndarray, n_ranks: int) -> None:
+    np.divide(acc, acc.dtype.type(n_ranks), out=acc)
+
+
+def check_op(op: str, dtype: np.dtype) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not one of {', '.join(REDUCE_OPS)}")
+    if op == "avg" and dtype.kind not in "fV" and dtype_name(dtype) != "bfloat16":
+        raise TypeError(f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide")
+
+
+class Collective:
+    """One in-flight collective on one rank: its descriptor, deadline and outcome."""
+
+    __slots__ = ("group", "seq", "desc", "kind", "deadline", "done", "waiting_on", "started")
+
+    def __init__(self, group: Group, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
+        self.group = group
+        self.seq = seq
+        self.desc = desc
+        self.kind = desc[0]
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting_on: set[int] = set()  # ranks we still expect frames from
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} #{self.seq}"
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+    def succeed(self, value: Any = None) -> None:
+        if not self.done.done():
+            self.done.set_result(value)
+
+    def inspect(self, conn: Connection, header: dict[str, Any]) -> bool:
+        """Check a frame of this collective against our own call; False drops it."""
+        call = header.get("call")
+        if call == self.desc or self.done.done():
+            return not self.done.done()
+        src = header.get("src", conn.peer.get("rank"))
+        err = self.group._mismatch_error(self, src, call)
+        self.group._abort_everywhere(self, err, "mismatch")
+        return False
+
+
+_FIELDS = ("kind", "dtype", "shape", "op", "root")
+
+
+class Group(abc.ABC):
+    """A set of ranks running collectives together; ``ring`` and ``ps`` implement it."""
+
+    topology: ClassVar[str] = ""
+    registry: ClassVar[dict[str, type[Group]]] = {}
+
+    def __init__(self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.gid = gid
+        self.mailbox = mailbox
+        self._seq = 0
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_recv: dict[int, int] = {}
+        self._active: dict[int, Collective] = {}
+        self._aborted: dict[int, PsringError] = {}
+        self._broken: PsringError | None = None
+        self._closed = False
+        self._subgroups = 0
+        self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
+        self.bytes_sent = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.topology:
+            Group.registry[cls.topology] = cls
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}/{self.world_size}, gid={self.gid})"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_owns_resources", False):
+            warnings.warn(f"unclosed {self!r}; created at:\n{self._created_at}", ResourceWarning, stacklevel=1)
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ state
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise GroupClosedError(f"{self!r} is closed")
+        if self._broken is not None:
+            raise type(self._broken)(f"{self!r} is broken: {self._broken}") from self._broken
+
+    def _begin(
+        self,
+        kind: str,
+        x: np.ndarray | None = None,
+        op: str | None = None,
+        root: int | None = None,
+        timeout: float | None = None,
+    ) -> Collective:
+        self._check_usable()
+        seq = self._seq
+        self._seq += 1
+        dtype = dtype_name(x.dtype) if x is not None else None
+        shape = tuple(x.shape) if x is not None else None
+        desc = (kind, dtype, shape, op, root)
+        coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout)
+        pending = self._aborted.pop(seq, None)
+        if pending is not None:
+            raise pending
+        self._active[seq] = coll
+        self.mailbox.inspect((self.gid, seq), coll.inspect)
+        return coll
+
+    def _end(self, coll: Collective) -> None:
+        self._active.pop(coll.seq, None)
+        failed = coll.done.cancelled() or coll.done.exception() is not None
+        self.mailbox.forget((self.gid, coll.seq), drop_queued=failed)
+
+    async def _run(self, coll: Collective, body: Any) -> Any:
+        """Run a collective's body under its deadline; on any failure abandon it cleanly."""
+        task = asyncio.ensure_future(body)
+        try:
+            remaining = coll.deadline - time.monotonic()
+            done, _ = await asyncio.wait({task, coll.done}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            if coll.done in done:
+                task.cancel()
+                exc = coll.done.exception()
+                if exc is not None:
+                    raise exc
+                return coll.done.result()
+            # deadline passed
+            task.cancel()
+            missing = tuple(sorted(coll.waiting_on))
+            who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"
+            err = CollectiveTimeoutError(
+                f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s waiting for {who}",
+                missing=missing,
+            )
+            self._abort_everywhere(coll, err, "timeout")
+            raise err
+        except (Exception, asyncio.CancelledError):
+            if not task.done():
+                task.cancel()
+            raise
+        finally:
+            if not coll.done.done():
+                coll.done.cancel()
+            elif not coll.done.cancelled():
+                coll.done.exception()  # mark retrieved
+            if task.done() and not task.cancelled():
+                task.exception()  # mark retrieved
+            self._end(coll)
+
+    # --------------------------------------------------------------- failures
+    def _mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
+        if not isinstance(call, (list, tuple)) or len(call) != len(_FIELDS):
+            return MismatchError(f"rank {src} sent a frame for #{coll.seq} without a valid call descriptor")
+        theirs = dict(zip(_FIELDS, call, strict=True))
+        mine = dict(zip(_FIELDS, coll.desc, strict=True))
+        if theirs["kind"] != mine["kind"]:
+            return MismatchError(
+                f"rank {src} called {theirs['kind']} as collective #{coll.seq}, rank {self.rank} called "
+                f"{mine['kind']}: every rank must call the same collectives in the same order"
+            )
+        diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
+        field = diffs[0] if diffs else "call"
+        fix = {
+            "dtype": "cast to one dtype on every rank",
+            "shape": "pass arrays of one shape on every rank",
+            "op": "pass the same op on every rank",
+            "root": "pass the same src/dst on every rank",
+        }.get(field, "")
+        return MismatchError(
+            f"rank {src} sent {field} {_show(theirs.get(field))} for {mine['kind']} #{coll.seq}, "
+            f"rank {self.rank} expected {_show(mine.get(field))}" + (f" ({fix})" if fix else "")
+        )
+
+    def _abort_everywhere(self, coll: Collective, err: PsringError, reason: str) -> None:
+        coll.fail(err)
+        self._send_abort(coll.seq, err, reason)
+
+    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+        """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
+
+    def on_abort(self, seq: int, reason: str, message: str) -> None:
+        """A peer abandoned collective ``seq``: fail ours, or remember it for when we get there."""
+        cls = MismatchError if reason == "mismatch" else CollectiveTimeoutError
+        err = cls(message)
+        coll = self._active.get(seq)
+        if coll is not None:
+            coll.fail(err)
+        elif seq >= self._seq:
+            self._aborted[seq] = err
+            if len(self._aborted) > 10_000:  # a runaway peer: keep memory bounded
+                self._aborted.pop(min(self._aborted))
+        self.mailbox.forget((self.gid, seq), drop_queued=True)
+
+    def on_peer_lost(self, err: PeerLostError) -> None:
+        """A peer this group needs is gone: fail everything in flight, refuse new calls."""
+        if self._closed:
+            return
+        if self._broken is None:
+            self._broken = err
+            logger.warning("%r broken: %s", self, err)
+        for coll in list(self._active.values()):
+            lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
+            lost.__cause__ = err.__cause__
+            coll.fail(lost)
+
+    # ---------------------------------------------------------- device staging
+    @staticmethod
+    def _host(x: Any) -> tuple[np.ndarray, Any]:
+        """(host array, the array module results go back to)."""
+        x = check_array(x)
+        if is_cupy(x):
+            return stage_to_host(x), array_module(x)
+        return x, np
+
+    @staticmethod
+    def _back(y: np.ndarray, xp: Any) -> Any:
+        if xp is np:
+            return y
+        return stage_to_device(y, xp)
+
+    # -------------------------------------------------------- public collectives
+    async def all_reduce(self, x: Any, op: str = "sum") -> Any:
+        """Reduce x over all ranks with op; every rank gets the result (a new array)."""
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        coll = self._begin("all_reduce", host, op)
+        out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
+        return self._back(out.reshape(host.shape), xp)
+
+    async def broadcast(self, x: Any, src: int = 0) -> Any:
+        """Every rank gets src's x; other ranks pass an array of the same shape and dtype."""
+        self._check_rank(src, "src")
+        host, xp = self._host(x)
+        coll = self._begin("broadcast", host, None, src)
+        out = await self._run(coll, self._broadcast(coll, host.reshape(-1), src))
+        return self._back(out.reshape(host.shape), xp)
+
+    async def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        coll = self._begin("barrier")
+        await self._run(coll, self._barrier(coll))
+
+    async def all_gather(self, x: Any) -> list[Any]:
+        """A list of every rank's x, in rank order."""
+        host, xp = self._host(x)
+        coll = self._begin("all_gather", host)
+        out = await self._run(coll, self._all_gather(coll, host.reshape(-1)))
+        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+
+    async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        """This rank's 1/world_size share of the reduction of x.
+
+        The share is ring chunk ``rank`` of the flattened tensor; when ``x.shape[0]``
+        divides by world_size that is rows ``rank*k:(rank+1)*k`` and keeps the trailing
+        shape, otherwise it is a flat slice. Bits equal the same slice of all_reduce's.
+        """
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        coll = self._begin("reduce_scatter", host, op)
+        flat = await self._run(coll, self._reduce_scatter(coll, host.reshape(-1), op))
+        n = self.world_size
+        if host.ndim >= 1 and host.shape[0] % n == 0:
+            flat = flat.reshape((host.shape[0] // n, *host.shape[1:]))
+        return self._back(flat, xp)
+
+    async def reduce(self, x: Any, dst: int = 0, op: str = "sum") -> Any:
+        """The reduction on dst (None elsewhere); same bits as all_reduce."""
+        self._check_rank(dst, "dst")
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        coll = self._begin("reduce", host, op, dst)
+        out = await self._run(coll, self._reduce(coll, host.reshape(-1), op, dst))
+        return None if out is None else self._back(out.reshape(host.shape), xp)
+
+    async def gather(self, x: Any, dst: int = 0) -> list[Any] | None:
+        """A list of every rank's x on dst (None elsewhere)."""
+        self._check_rank(dst, "dst")
+        host, xp = self._host(x)
+        coll = self._begin("gather", host, None, dst)
+        out = await self._run(coll, self._gather(coll, host.reshape(-1), dst))
+        if out is None:
+            return None
+        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+
+    async def scatter(self, xs: Sequence[Any] | None, src: int = 0) -> Any:
+        """Rank r gets xs[r] from src; xs is a list of world_size arrays on src, None elsewhere."""
+        self._check_rank(src, "src")
+        if self.rank == src:
+            if xs is None or len(xs) != self.world_size:
+                got = "None" if xs is None else f"{len(xs)} arrays"
+                raise ValueError(f"scatter on src rank {src} needs a list of {self.world_size} arrays, got {got}")
+            staged = [self._host(x) for x in xs]
+            first = staged[0][0]
+            for i, (h, _xp) in enumerate(staged):
+                if h.shape != first.shape or h.dtype != first.dtype:
+                    raise ValueError(
+                        f"scatter: xs[{i}] has shape {h.shape} dtype {h.dtype}, xs[0] has {first.shape} {first.dtype}"
+                    )
+            stacked = np.stack([h for h, _ in staged]) if first.size else np.empty((self.world_size, *first.shape), first.dtype)
+            head: tuple[np.ndarray | None, Any] = (stacked, staged[0][1])
+            meta = np.empty(first.shape, first.dtype)
+        else:
+            if xs is not None:
+                raise ValueError(f"scatter: xs must be None on rank {self.rank} (only src {src} passes arrays)")
+            head = (None, None)
+            meta = None
+        coll = self._begin("scatter", None, None, src)
+        out, (dtype, shape), dev = await self._run(coll, self._scatter(coll, head[0], src, meta))
+        xp = head[1] if head[1] is not None else (cupy_module() if dev == "cuda" else np)
+        return self._back(out.reshape(shape), xp)
+
+    async def send(self, x: Any, dst: int) -> None:
+        """Send x to rank dst (returns once the bytes left this process)."""
+        self._check_rank(dst, "dst")
+        if dst == self.rank:
+            raise ValueError(f"send: dst={dst} is this rank; use a local copy")
+        self._check_usable()
+        host, xp = self._host(x)
+        n = self._p2p_sent.get(dst, 0)
+        self._p2p_sent[dst] = n + 1
+        await self._send(host, dst, n, "cuda" if xp is not np else "cpu")
+
+    async def recv(self, src: int, timeout: float | None = None) -> Any:
+        """The next array rank src sent to this rank, as the type it was sent as."""
+        self._check_rank(src, "src")
+        if src == self.rank:
+            raise ValueError(f"recv: src={src} is this rank")
+        self._check_usable()
+        n = self._p2p_recv.get(src, 0)
+        self._p2p_recv[src] = n + 1
+        y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
+        return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
+
+    async def new_group(self, ranks: Sequence[int]) -> Group | None:
+        """A Group over ranks (renumbered 0..k-1); every rank of this group must call it.
+
+        Ranks outside ``ranks`` get a NonMemberGroup whose every call raises a clear error.
+        """
+        ranks = list(ranks)
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"new_group: ranks {ranks} must be a non-empty list without repeats")
+        for r in ranks:
+            self._check_rank(r, "ranks[]")
+        self._check_usable()
+        self._subgroups += 1
+        gid = f"{self.gid}.{self._subgroups}"
+        if self.rank not in ranks:
+            return NonMemberGroup(self.rank, ranks, gid)
+        return self._make_subgroup(gid, ranks)
+
+    def _check_rank(self, r: Any, what: str) -> None:
+        if type(r) is not int or not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r!r} is not a rank of this group (0..{self.world_size - 1})")
+
+    # --------------------------------------------------------- topology hooks
+    @abc.abstractmethod
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _barrier(self, coll: Collective) -> None: ...
+
+    @abc.abstractmethod
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None: ...
+
+    @abc.abstractmethod
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None: ...
+
+    @abc.abstractmethod
+    async def _scatter(
+        self, coll: Collective, xs: np.ndarray | None, src: int, meta: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[str, tuple[int, ...]], str]: ...
+
+    @abc.abstractmethod
+    async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None: ...
+
+    @abc.abstractmethod
+    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]: ...
+
+    @abc.abstractmethod
+    def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    def stats(self) -> dict[str, int]:
+        """Bytes and frames this rank's connections sent and received."""
+        return {"bytes_sent": 0, "bytes_received": 0}
+
+
+class NonMemberGroup:
+    """What new_group returns on ranks outside the subset: every call raises."""
+
+    def __init__(self, rank: int, ranks: list[int], gid: str) -> None:
+        self.rank = -1
+        self.world_size = len(ranks)
+        self.gid = gid
+        self._message = f"this process (parent rank {rank}) is not a member of subgroup {gid} over ranks {ranks}"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def refuse(*args: Any, **kwargs: Any) -> Any:
+            if name == "close":
+                return None
+            raise GroupClosedError(self._message)
+
+        return refuse
+
+    def __repr__(self) -> str:
+        return f"NonMemberGroup({self.gid})"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return str(list(value))
+    return str(value)
+
+
+# ------------------------------------------------------------------ staging
+def stage_to_host(x: Any) -> np.ndarray:
+    """Copy a cupy array to host memory (pinned staging buffers are reused)."""
+    from . import gpu
+
+    return gpu.to_host(x)
+
+
+def stage_to_device(y: np.ndarray, xp: Any) -> Any:
+    from . import gpu
+
+    return gpu.to_device(y, xp)
+
+
+# ---------------------------------------------------------------- init_group
+async def init_group(
+    topology: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: str | None = None,
+    secret: str | bytes | None = None,
+    timeout: float = 300.0,
+    **options: Any,
+) -> Group:
+    """Join (or form) a group of ``world_size`` ranks over ``topology`` ("ring" or "ps").
+
+    Arguments default from the environment (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT,
+    PSRING_TOPOLOGY, PSRING_SECRET); a rank that is not given one gets one from the store.
+    """
+    from .config import resolve_settings
+
+    settings = resolve_settings(
+        topology=topology, rank=rank, world_size=world_size, store=store, secret=secret, timeout=timeout
+    )
+    # import the implementations so they register themselves
+    import importlib
+
+    importlib.import_module(f"psring.{settings.topology}")
+
+    cls = Group.registry[settings.topology]
+    return await cls.create(settings, **options)  # type: ignore[attr-defined,no-any-return]

@@ -1,0 +1,710 @@
+"""Ring topology: every collective over peer-to-peer links between the ranks.
+
+``all_reduce`` is a pipelined ring reduce-scatter then all-gather: the tensor is
+split into N ring chunks, each chunk into pieces of ``PSRING_RING_PIECE`` bytes
+(1 MiB), and each piece is reduced and forwarded the moment it arrives (a callback
+in the connection's receive path, straight into the output array: no scratch
+buffers, no per-piece tasks). Each rank sends 2(N-1)/N of the tensor. Small
+tensors take a one-hop path (every rank sends its tensor to every other and folds
+locally) in the same canonical order, so the bits do not depend on the path.
+
+Each process listens on exactly one port; peers dial it (no back-connections).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .arrays import byte_view
+from .config import GroupSettings
+from .connection import Connection, Listener, Mailbox, open_connection
+from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
+from .group import (
+    SMALL_BYTES,
+    Collective,
+    Group,
+    canonical_fold,
+    finish_avg,
+    reduce_op,
+    ring_chunk_bounds,
+)
+from .store import StoreClient, StoreServer, connect_store, start_store
+
+logger = logging.getLogger(__name__)
+
+PIECE_BYTES = int(os.environ.get("PSRING_RING_PIECE", 1 << 20))
+
+# phases in data tags: (gid, seq, phase, ...)
+_RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER = range(7)
+
+
+def pieces(a: int, b: int, per_piece: int) -> list[tuple[int, int]]:
+    """Split [a, b) into pieces of at most per_piece elements."""
+    return [(s, min(s + per_piece, b)) for s in range(a, b, per_piece)]
+
+
+class PeerNet:
+    """This process's rank endpoint: one listening port, links to other ranks, one mailbox."""
+
+    def __init__(self, rank: int, world_size: int, settings: GroupSettings, store: Any, prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.store = store
+        self.prefix = prefix
+        self.mailbox = Mailbox()
+        self.mailbox.on_lost = self._on_conn_lost
+        self.mailbox.on_control = self._on_control
+        self.links: dict[int, Connection] = {}
+        self.conns: set[Connection] = set()
+        self.groups: dict[str, RingGroup] = {}
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self.lost: dict[int, PeerLostError] = {}
+        self._dialing: dict[int, asyncio.Future[Connection]] = {}
+        self._seen_controls: set[tuple[Any, ...]] = set()
+        self._closing = False
+        self.listener: Listener | None = None
+        self.embedded_store: StoreServer | None = None
+
+    def hello(self) -> dict[str, Any]:
+        return {"role": "rank", "rank": self.rank, "job": self.settings.job}
+
+    async def start(self) -> None:
+        self.listener = Listener(
+            self._accepted,
+            secret=self.settings.secret,
+            info=self.hello(),
+            router_for=lambda conn: self.mailbox,
+            name=f"rank {self.rank}",
+        )
+        await self.listener.start(self.settings.bind_host, self.settings.port)
+        address = f"{self.settings.advertise_host}:{self.listener.port}"
+        await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
+
+    async def resolve(self, timeout: float) -> None:
+        keys = [f"{self.prefix}/addr/{r}" for r in range(self.world_size)]
+        try:
+            await self.store.wait(keys, timeout)
+        except StoreError:
+            present = [r for r in range(self.world_size) if await self.store.get(keys[r]) is not None]
+            missing = sorted(set(range(self.world_size)) - set(present))
+            raise CollectiveTimeoutError(
+                f"rendezvous: rank(s) {missing} did not join within {timeout:g}s "
+                f"({len(present)} of {self.world_size} ranks joined at {self.store.address})",
+                missing=tuple(missing),
+            ) from None
+        for r in range(self.world_size):
+            raw = await self.store.get(keys[r])
+            assert raw is not None
+            host, _, port = raw.decode().rpartition(":")
+            self.addresses[r] = (host, int(port))
+
+    def _register(self, conn: Connection, peer_rank: int) -> None:
+        self.conns.add(conn)
+        current = self.links.get(peer_rank)
+        if current is None or not current.is_open:
+            self.links[peer_rank] = conn
+
+    def _accepted(self, conn: Connection) -> None:
+        peer_rank = conn.peer.get("rank")
+        if conn.peer.get("job") != self.settings.job:
+            raise ProtocolError(f"peer from job {conn.peer.get('job')!r} dialed job {self.settings.job!r}")
+        if type(peer_rank) is not int or not 0 <= peer_rank < self.world_size:
+            raise ProtocolError(f"peer claims rank {peer_rank!r}, outside 0..{self.world_size - 1}")
+        self._register(conn, peer_rank)
+
+    async def link(self, rank: int, timeout: float) -> Connection:
+        conn = self.links.get(rank)
+        if conn is not None and conn.is_open:
+            return conn
+        if rank in self.lost:
+            raise self.lost[rank]
+        pending = self._dialing.get(rank)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._dialing[rank] = fut
+        try:
+            host, port = self.addresses[rank]
+            conn = await open_connection(
+                host,
+                port,
+                secret=self.settings.secret,
+                hello=self.hello(),
+                router=self.mailbox,
+                timeout=timeout,
+                name=f"rank {self.rank}",
+            )
+            if conn.peer.get("rank") != rank:
+                conn.abort(ProtocolError("wrong peer"))
+                raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {rank}")
+            self._register(conn, rank)
+            fut.set_result(conn)
+            return conn
+        except BaseException as exc:
+            if isinstance(exc, PeerLostError):
+                exc = PeerLostError(f"rank {rank} at {self.addresses.get(rank)} is unreachable: {exc}", rank=rank)
+            fut.set_exception(exc)
+            fut.exception()
+            raise exc from None
+        finally:
+            del self._dialing[rank]
+
+    # -------------------------------------------------------------- failures
+    def _on_conn_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        self.conns.discard(conn)
+        peer_rank = conn.peer.get("rank")
+        if self._closing or type(peer_rank) is not int:
+            return
+        if self.links.get(peer_rank) is conn:
+            del self.links[peer_rank]
+        if any(c.peer.get("rank") == peer_rank and c.is_open for c in self.conns):
+            return  # another link to that rank is still up
+        ago = time.monotonic() - conn.last_heard
+        how = "closed its connection" if error is None else "was lost"
+        err = PeerLostError(
+            f"rank {peer_rank} at {conn.peername} {how} (last heard {ago:.1f}s ago)"
+            + (f": {error}" if error is not None else ""),
+            rank=peer_rank,
+        )
+        err.__cause__ = error
+        self._peer_lost(peer_rank, err)
+
+    def _peer_lost(self, peer_rank: int, err: PeerLostError) -> None:
+        if peer_rank in self.lost:
+            return
+        self.lost[peer_rank] = err
+        for group in list(self.groups.values()):
+            if peer_rank in group.members:
+                group.on_peer_lost(err)
+        self.flood({"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": peer_rank, "message": str(err)})
+
+    def flood(self, header: dict[str, Any]) -> None:
+        """Send a control frame over every open link (receivers forward it once)."""
+        key = (header["reason"], header["tag"][0], header["tag"][1], header.get("lost"))
+        self._seen_controls.add(key)
+        for conn in list(self.conns):
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+
+    def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
+        if header["kind"] != "abort":
+            return False
+        tag = header.get("tag")
+        reason = header.get("reason")
+        if not isinstance(tag, tuple) or len(tag) != 2 or reason not in ("lost", "mismatch", "timeout"):
+            raise ProtocolError(f"malformed abort frame from {conn.peername}")
+        key = (reason, tag[0], tag[1], header.get("lost"))
+        if key in self._seen_controls:
+            return True
+        message = str(header.get("message", ""))[:2000]
+        if reason == "lost":
+            lost = header.get("lost")
+            if type(lost) is int and lost != self.rank:
+                self._peer_lost(lost, PeerLostError(message, rank=lost))
+            return True
+        self.flood(dict(header))
+        group = self.groups.get(tag[0])
+        if group is not None and type(tag[1]) is int:
+            group.on_abort(tag[1], reason, message)
+        return True
+
+    async def close(self) -> None:
+        self._closing = True
+        conns = list(self.conns)
+        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        if self.listener is not None:
+            await self.listener.close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        if self.embedded_store is not None:
+            await self.embedded_store.close()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()),
+            "bytes_received": sum(c.bytes_received for c in self._all_conns()),
+        }
+
+    def _all_conns(self) -> list[Connection]:
+        seen = set(self.conns)
+        if self.listener is not None:
+            seen |= self.listener.connections
+        return list(seen)
+
+
+async def open_store_for(settings: GroupSettings, rank: int | None) -> tuple[Any, StoreServer | None]:
+    """Connect to the store; rank 0 on the store's own host starts it (like TCPStore's is_master)."""
+    address = settings.store
+    embedded = None
+    if address.scheme == "tcp" and rank == 0 and address.host in ("127.0.0.1", "localhost", settings.advertise_host):
+        try:
+            embedded = await start_store(
+                "127.0.0.1" if address.host in ("127.0.0.1", "localhost") else "0.0.0.0",
+                address.port,
+                secret=settings.secret,
+            )
+        except OSError:
+            embedded = None  # someone (psring launch, psring store) already serves it
+    store = await connect_store(address, secret=settings.secret, timeout=settings.timeout, role="rank")
+    return store, embedded
+
+
+async def assign_rank(store: Any, prefix: str, rank: int | None, world_size: int) -> int:
+    if rank is not None:
+        return rank
+    assigned = await store.add(f"{prefix}/rank_counter", 1) - 1
+    if assigned >= world_size:
+        raise StoreError(
+            f"the store assigned rank {assigned} but world_size is {world_size}: more processes joined "
+            f"job {prefix!r} than expected (set PSRING_JOB to separate jobs sharing a store)"
+        )
+    return assigned
+
+
+class RingGroup(Group):
+    """Collectives over a ring of peer links."""
+
+    topology = "ring"
+
+    def __init__(self, net: PeerNet, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=net.mailbox)
+        self.net = net
+        self.members = members
+        self._owns_resources = gid == "0"
+        net.groups[gid] = self
+
+    @classmethod
+    async def create(cls, settings: GroupSettings, **options: Any) -> RingGroup:
+        if options:
+            raise TypeError(f"init_group(topology='ring') got unexpected options {sorted(options)}")
+        assert settings.world_size is not None
+        world = settings.world_size
+        prefix = f"psring/{settings.job}"
+        store, embedded = await open_store_for(settings, settings.rank)
+        net: PeerNet | None = None
+        try:
+            rank = await assign_rank(store, prefix, settings.rank, world)
+            net = PeerNet(rank, world, settings, store, prefix)
+            net.embedded_store = embedded
+            await net.start()
+            await net.resolve(settings.timeout)
+            group = cls(net, rank, world, list(range(world)), "0", settings.timeout)
+            if world > 1:
+                await net.link((rank + 1) % world, settings.timeout)
+            await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            logger.info("%r ready (store %s)", group, store.address)
+            return group
+        except (Exception, asyncio.CancelledError):
+            if net is not None:
+                await net.close()
+            else:
+                with contextlib.suppress(Exception):
+                    await store.close()
+                if embedded is not None:
+                    await embedded.close()
+            raise
+
+    # ---------------------------------------------------------------- plumbing
+    async def _link(self, local_rank: int) -> Connection:
+        return await self.net.link(self.members[local_rank], self.timeout)
+
+    def _header(self, coll: Collective, *tag: Any) -> dict[str, Any]:
+        return {"kind": "data", "tag": (self.gid, coll.seq, *tag), "call": coll.desc, "src": self.rank}
+
+    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+        self.net.flood({"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err)})
+
+    def _make_subgroup(self, gid: str, ranks: list[int]) -> RingGroup:
+        return RingGroup(self.net, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout)
+
+    def on_peer_lost(self, err: PeerLostError) -> None:
+        if err.rank is not None and err.rank in self.members and self.members != list(range(self.world_size)):
+            local = self.members.index(err.rank)
+            err = PeerLostError(f"{err} [rank {local} of subgroup {self.gid}]", rank=err.rank)
+        super().on_peer_lost(err)
+
+    def stats(self) -> dict[str, int]:
+        return self.net.stats()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.net.groups.pop(self.gid, None)
+        for coll in list(self._active.values()):
+            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
+        if self.gid == "0":
+            await asyncio.shield(self.net.close())
+
+    async def _flush_all(self, conns: list[Connection]) -> None:
+        for conn in conns:
+            await conn.flush()
+
+    def _wait_piece(
+        self, coll: Collective, conn_count: int
+    ) -> tuple[asyncio.Future[None], Callable[[], None]]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        remaining = [conn_count]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                done.set_result(None)
+
+        if conn_count == 0:
+            done.set_result(None)
+        return done, one_done
+
+    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a receive callback: any error in it fails the collective, not the connection."""
+
+        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            try:
+                fn(conn, header, payload)
+            except PsringError as exc:
+                coll.fail(exc)
+            except Exception as exc:  # pragma: no cover - a bug; surface it on the collective
+                logger.exception("%r: receive callback failed", self)
+                coll.fail(exc)
+
+        return callback
+
+    async def _direct_exchange(
+        self, coll: Collective, x: np.ndarray | None, phase: int, out: np.ndarray | None, senders: list[int],
+        receivers: list[int],
+    ) -> None:
+        """Send x to every rank in receivers; receive one frame from every rank in senders into out[src]."""
+        me = self.rank
+        expect = [s for s in senders if s != me]
+        done, one_done = self._wait_piece(coll, len(expect))
+        coll.waiting_on = set(expect)
+
+        def make_cb(src: int) -> Callable[..., None]:
+            def cb(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+                if out is not None and header["nbytes"] != out[src].nbytes:
+                    raise ProtocolError(f"rank {src} sent {header['nbytes']} bytes, expected {out[src].nbytes}")
+                coll.waiting_on.discard(src)
+                one_done()
+
+            return cb
+
+        for src in expect:
+            dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
+            self.mailbox.post((self.gid, coll.seq, phase, src), dest, self._guard(coll, make_cb(src)))
+        targets = [d for d in receivers if d != me]
+        conns = await asyncio.gather(*(self._link(d) for d in targets))
+        for conn in conns:
+            if x is None:
+                conn.send_frame(self._header(coll, phase, me))
+            else:
+                conn.send_tensor(self._header(coll, phase, me), x)
+        await done
+        await self._flush_all(list(conns))
+
+    # -------------------------------------------------------------- collectives
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        n_ranks = self.world_size
+        if n_ranks == 1:
+            out = x.copy()
+            if op == "avg":
+                finish_avg(out, 1)
+            return out
+        if x.nbytes <= SMALL_BYTES:
+            bufs = np.empty((n_ranks, x.size), x.dtype)
+            bufs[self.rank] = x
+            ranks = list(range(n_ranks))
+            await self._direct_exchange(coll, x, _DIRECT, bufs, ranks, ranks)
+            return canonical_fold(bufs, op, np.empty_like(x))
+        return await self._ring_reduce(coll, x, op, mode="all")
+
+    async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        n_ranks = self.world_size
+        a, b = ring_chunk_bounds(x.size, n_ranks)[self.rank]
+        if n_ranks == 1:
+            out = x.copy()
+            if op == "avg":
+                finish_avg(out, 1)
+            return out
+        if x.nbytes <= SMALL_BYTES:
+            bufs = np.empty((n_ranks, x.size), x.dtype)
+            bufs[self.rank] = x
+            ranks = list(range(n_ranks))
+            await self._direct_exchange(coll, x, _DIRECT, bufs, ranks, ranks)
+            return canonical_fold(bufs, op, np.empty_like(x))[a:b].copy()
+        out = await self._ring_reduce(coll, x, op, mode="scatter")
+        return out[a:b].copy()
+
+    async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
+        n_ranks = self.world_size
+        if n_ranks == 1:
+            out = x.copy()
+            if op == "avg":
+                finish_avg(out, 1)
+            return out
+        if x.nbytes <= SMALL_BYTES:
+            if self.rank == dst:
+                bufs = np.empty((n_ranks, x.size), x.dtype)
+                bufs[self.rank] = x
+                await self._direct_exchange(coll, None, _DIRECT, bufs, list(range(n_ranks)), [])
+                return canonical_fold(bufs, op, np.empty_like(x))
+            await self._direct_exchange(coll, x, _DIRECT, None, [], [dst])
+            return None
+        out = await self._ring_reduce(coll, x, op, mode="reduce", dst=dst)
+        return out if self.rank == dst else None
+
+    async def _ring_reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
+        """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
+        n_ranks, me = self.world_size, self.rank
+        right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
+        per_piece = max(1, PIECE_BYTES // x.itemsize)
+        bounds = ring_chunk_bounds(x.size, n_ranks)
+        chunk_pieces = [pieces(a, b, per_piece) for a, b in bounds]
+        out = np.empty_like(x)
+        ufunc = reduce_op(op)
+        final_chunk = right_rank  # the chunk whose fold completes here
+        right = await self._link(right_rank)
+        to_dst = await self._link(dst) if mode == "reduce" and me != dst else None
+        coll.waiting_on = {left_rank}
+        gid, seq = self.gid, coll.seq
+
+        # every posted receive calls one_done once: done means all forwarding duties are met too
+        ag_chunks = [
+            c
+            for c in range(n_ranks)
+            if c != final_chunk
+            and (mode == "all" or (mode == "scatter" and c == me) or (mode == "reduce" and me == dst))
+        ]
+        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
+        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        done, one_done = self._wait_piece(coll, needed)
+        header = self._header
+
+        def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                seg = out[a:b]
+                if payload is not None and hdr["nbytes"] != seg.nbytes:
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                ufunc(seg, x[a:b], out=seg)  # canonical: (fold so far) op own
+                if c != final_chunk:
+                    right.send_tensor(header(coll, _RS, c, j), seg)
+                else:
+                    if op == "avg":
+                        finish_avg(seg, n_ranks)
+                    if mode in ("all", "scatter"):  # to the next rank (in scatter mode: c's owner)
+                        right.send_tensor(header(coll, _AG, c, j), seg)
+                    elif to_dst is not None:
+                        to_dst.send_tensor(header(coll, _AG, c, j), seg)
+                one_done()
+
+            return cb
+
+        def ag_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            forward = mode == "all" and right_rank != (c - 1) % n_ranks
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward:
+                    right.send_tensor(header(coll, _AG, c, j), out[a:b])
+                one_done()
+
+            return cb
+
+        post = self.mailbox.post
+        for c in range(n_ranks):
+            if c != me:
+                for j, (a, b) in enumerate(chunk_pieces[c]):
+                    post((gid, seq, _RS, c, j), byte_view(out[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
+        for c in ag_chunks:
+            for j, (a, b) in enumerate(chunk_pieces[c]):
+                post((gid, seq, _AG, c, j), byte_view(out[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
+        for j, (a, b) in enumerate(chunk_pieces[me]):
+            right.send_tensor(header(coll, _RS, me, j), x[a:b])
+        await done
+        await right.flush()
+        if to_dst is not None:
+            await to_dst.flush()
+        return out
+
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = x.copy() if me == src else np.empty_like(x)
+        if n_ranks == 1:
+            return out
+        if x.nbytes <= SMALL_BYTES:
+            if me == src:
+                await self._direct_exchange(coll, x, _BCAST, None, [], list(range(n_ranks)))
+            else:
+                await self._recv_into(coll, (self.gid, coll.seq, _BCAST, src), out, src)
+            return out
+        # pipelined chain src -> src+1 -> ... -> src-1
+        right_rank = (me + 1) % n_ranks
+        forward = right_rank != src
+        right = await self._link(right_rank) if (forward or me == src) else None
+        per_piece = max(1, PIECE_BYTES // x.itemsize)
+        parts = pieces(0, x.size, per_piece)
+        if me == src:
+            assert right is not None
+            for j, (a, b) in enumerate(parts):
+                right.send_tensor(self._header(coll, _BCAST, "p", j), x[a:b])
+            await right.flush()
+            return out
+        done, one_done = self._wait_piece(coll, len(parts))
+        coll.waiting_on = {(me - 1) % n_ranks}
+
+        def arrived(a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward and right is not None:
+                    right.send_tensor(self._header(coll, *hdr["tag"][2:]), out[a:b])
+                one_done()
+
+            return cb
+
+        for j, (a, b) in enumerate(parts):
+            self.mailbox.post((self.gid, coll.seq, _BCAST, "p", j), byte_view(out[a:b]), self._guard(coll, arrived(a, b)))
+        await done
+        if right is not None:
+            await right.flush()
+        return out
+
+    async def _recv_into(self, coll: Collective, tag: tuple[Any, ...], out: np.ndarray, src: int) -> None:
+        done, one_done = self._wait_piece(coll, 1)
+        coll.waiting_on = {src}
+
+        def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+            if hdr["nbytes"] != out.nbytes:
+                raise ProtocolError(f"rank {src} sent {hdr['nbytes']} bytes, expected {out.nbytes}")
+            if payload is not None and out.nbytes and not _same_memory(payload, out):
+                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, np.uint8)
+            one_done()
+
+        self.mailbox.post(tag, byte_view(out) if out.nbytes else None, self._guard(coll, cb))
+        await done
+
+    async def _barrier(self, coll: Collective) -> None:
+        ranks = list(range(self.world_size))
+        if self.world_size > 1:
+            await self._direct_exchange(coll, None, _DIRECT, None, ranks, ranks)
+
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        if n_ranks == 1:
+            return out
+        ranks = list(range(n_ranks))
+        if x.nbytes <= SMALL_BYTES:
+            await self._direct_exchange(coll, x, _DIRECT, out, ranks, ranks)
+            return out
+        right_rank = (me + 1) % n_ranks
+        right = await self._link(right_rank)
+        per_piece = max(1, PIECE_BYTES // x.itemsize)
+        parts = pieces(0, x.size, per_piece)
+        done, one_done = self._wait_piece(coll, (n_ranks - 1) * len(parts))
+        coll.waiting_on = {(me - 1) % n_ranks}
+
+        def arrived(c: int, a: int, b: int) -> Callable[..., None]:
+            forward = right_rank != c
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward:
+                    right.send_tensor(self._header(coll, _GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
+                one_done()
+
+            return cb
+
+        for c in ranks:
+            if c == me:
+                continue
+            for j, (a, b) in enumerate(parts):
+                self.mailbox.post(
+                    (self.gid, coll.seq, _GATHER_RING, c, j), byte_view(out[c, a:b]), self._guard(coll, arrived(c, a, b))
+                )
+        for j, (a, b) in enumerate(parts):
+            right.send_tensor(self._header(coll, _GATHER_RING, me, j), x[a:b])
+        await done
+        await right.flush()
+        return out
+
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None:
+        n_ranks, me = self.world_size, self.rank
+        if me == dst:
+            out = np.empty((n_ranks, x.size), x.dtype)
+            out[me] = x
+            if n_ranks > 1:
+                await self._direct_exchange(coll, None, _TO_ROOT, out, list(range(n_ranks)), [])
+            return out
+        await self._direct_exchange(coll, x, _TO_ROOT, None, [], [dst])
+        return None
+
+    async def _scatter(
+        self, coll: Collective, xs: np.ndarray | None, src: int, meta: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[str, tuple[int, ...]], str]:
+        me = self.rank
+        if me == src:
+            assert xs is not None and meta is not None
+            targets = [r for r in range(self.world_size) if r != me]
+            conns = await asyncio.gather(*(self._link(r) for r in targets))
+            for r, conn in zip(targets, conns, strict=True):
+                conn.send_tensor(self._header(coll, _SCATTER, 0), xs[r])
+            await self._flush_all(list(conns))
+            return xs[me].copy(), (str(meta.dtype), meta.shape), "cpu"
+        coll.waiting_on = {src}
+        fut = self.mailbox.expect((self.gid, coll.seq, _SCATTER, 0))
+        try:
+            _conn, hdr, payload = await fut
+        finally:
+            self.mailbox.unpost((self.gid, coll.seq, _SCATTER, 0))
+        if "dtype" not in hdr:
+            raise ProtocolError(f"scatter frame from rank {src} carries no array")
+        y = wire.decode_tensor(hdr, payload)
+        return y, (hdr["dtype"], tuple(hdr["shape"])), str(hdr.get("dev", "cpu"))
+
+    async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
+        conn = await self._link(dst)
+        conn.send_tensor({"kind": "data", "tag": (self.gid, "p2p", self.rank, n), "dev": device}, x)
+        await conn.flush()
+
+    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
+        tag = (self.gid, "p2p", src, n)
+        fut = self.mailbox.expect(tag)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self._broken is not None:
+                    raise PeerLostError(f"recv from rank {src}: {self._broken}", rank=self._broken.rank)  # type: ignore[attr-defined]
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
+                    break
+        finally:
+            self.mailbox.unpost(tag)
+            if not fut.done():
+                fut.cancel()
+        if "dtype" not in hdr:
+            raise ProtocolError(f"frame from rank {src} carries no array")
+        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
+
+
+def _same_memory(payload: Any, out: np.ndarray) -> bool:
+    try:
+        return np.shares_memory(np.frombuffer(payload, np.uint8), out)
+    except (TypeError, ValueError):
+        return False
+
+
+# keep a reference for type checkers: StoreClient is the tcp store client
+__all__ = ["PeerNet", "RingGroup", "StoreClient"]
