@@ -1,0 +1,42 @@
+"""psring: synchronous data-parallel SGD over a parameter server or a peer-to-peer ring.
+
+Public API (see DESIGN.md): ``init_group`` (async) and ``init`` (blocking) return a
+Group with all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce,
+scatter, gather, send/recv, new_group and close. Errors derive from PsringError.
+"""
+
+from .errors import (
+    AuthError,
+    CollectiveTimeoutError,
+    GroupClosedError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    PsringError,
+    StoreError,
+)
+from .facade import BlockingGroup, Handle, init
+from .group import Group, init_group
+from .store import FileStoreClient, StoreClient, StoreServer, start_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuthError",
+    "BlockingGroup",
+    "CollectiveTimeoutError",
+    "FileStoreClient",
+    "Group",
+    "GroupClosedError",
+    "Handle",
+    "MismatchError",
+    "PeerLostError",
+    "ProtocolError",
+    "PsringError",
+    "StoreClient",
+    "StoreError",
+    "StoreServer",
+    "init",
+    "init_group",
+    "start_store",
+]

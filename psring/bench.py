@@ -1,0 +1,237 @@
+"""``psring bench allreduce``: nccl-tests-style timing of all_reduce over real processes.
+
+The parent starts a store and N ranks (``psring launch`` machinery); each rank times
+every size (warm-up, then ``iters`` timed calls, each after a barrier); the figure
+per size is the median over iterations of the slowest rank. busbw = algbw * 2(N-1)/N.
+The same rank worker can run torch.distributed's gloo backend (``--backend gloo``)
+so benchmarks/compare_gloo.py measures both side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB")
+    num = text.rstrip("KMGB")
+    unit = text[len(num) :]
+    if unit not in _SUFFIX or not num:
+        raise ValueError(f"size {text!r} is not a byte count like 4, 64K, 1M or 1G")
+    value = float(num) * _SUFFIX[unit]
+    if value < 0:
+        raise ValueError(f"size {text!r} is negative")
+    return int(value)
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ------------------------------------------------------------------ rank side
+async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    import psring
+
+    group = await psring.init_group(timeout=spec.get("timeout", 300.0))
+    try:
+        return await _time_sizes(group, spec)
+    finally:
+        await group.close()
+
+
+async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None:
+    dtype = np.dtype(spec["dtype"])
+    results = []
+    for size in spec["sizes"]:
+        count = max(1, size // dtype.itemsize)
+        rng = np.random.default_rng(group.rank)
+        x = (rng.standard_normal(count) * 10).astype(dtype)
+        await group.barrier()
+        idle = _rss_bytes()
+        for _ in range(spec["warmup"]):
+            await group.all_reduce(x)
+        times = []
+        for _ in range(spec["iters"]):
+            await group.barrier()
+            t0 = time.perf_counter()
+            await group.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        slowest = await group.all_reduce(np.array(times), op="max")
+        peaks = await group.all_gather(np.array([peak - idle], dtype=np.int64))
+        results.append(
+            {
+                "size": count * dtype.itemsize,
+                "count": count,
+                "time_s": float(np.median(slowest)),
+                "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
+            }
+        )
+    return {"results": results} if group.rank == 0 else None
+
+
+def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    dtype = np.dtype(spec["dtype"])
+    results = []
+    try:
+        for size in spec["sizes"]:
+            count = max(1, size // dtype.itemsize)
+            rng = np.random.default_rng(rank)
+            x = torch.from_numpy((rng.standard_normal(count) * 10).astype(dtype))
+            dist.barrier()
+            for _ in range(spec["warmup"]):
+                y = x.clone()
+                dist.all_reduce(y)
+            times = []
+            for _ in range(spec["iters"]):
+                y = x.clone()  # psring returns a new array; give gloo the same allocation
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(y)
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results.append({"size": count * dtype.itemsize, "count": count, "time_s": float(np.median(t.numpy()))})
+    finally:
+        dist.destroy_process_group()
+    return {"results": results} if rank == 0 else None
+
+
+def rank_main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    if spec.get("backend", "psring") == "gloo":
+        out = _gloo_rank(spec)
+    else:
+        from .facade import new_event_loop
+
+        loop = new_event_loop()
+        try:
+            out = loop.run_until_complete(_psring_rank(spec))
+        finally:
+            loop.close()
+    if out is not None:
+        with open(spec["out"], "w") as fh:
+            json.dump(out, fh)
+    return 0
+
+
+# ---------------------------------------------------------------- parent side
+def run_allreduce(
+    *,
+    topology: str,
+    workers: int,
+    sizes: list[int],
+    dtype: str = "float32",
+    iters: int = 10,
+    warmup: int = 2,
+    backend: str = "psring",
+    servers: int | None = None,
+    quiet: bool = True,
+) -> list[dict[str, Any]]:
+    """Spawn the ranks, time every size, return one row per size."""
+    from .facade import new_event_loop
+    from .launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {"sizes": sizes, "dtype": dtype, "iters": iters, "warmup": warmup, "out": out, "backend": backend}
+        env = dict(os.environ)
+        if servers is not None:
+            env["PSRING_SERVERS"] = str(servers)
+        cmd = [sys.executable, "-m", "psring.bench", json.dumps(spec)]
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=not quiet))
+        finally:
+            loop.close()
+        if code != 0:
+            raise RuntimeError(f"benchmark ranks failed (exit code {code})")
+        with open(out) as fh:
+            rows = json.load(fh)["results"]
+    for row in rows:
+        t = row["time_s"]
+        row["algbw_GBps"] = row["size"] / t / 1e9 if t > 0 else 0.0
+        row["busbw_GBps"] = row["algbw_GBps"] * 2 * (workers - 1) / workers
+        row["dtype"] = dtype
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [f"# {title}", f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
+    for r in rows:
+        lines.append(
+            f"{human(r['size']):>10} {r['count']:>12} {r['dtype']:>8} {r['time_s'] * 1e6:>12.1f} "
+            f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["size"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def cli(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    if args.workers < 1:
+        raise SystemExit(f"psring bench: --workers must be at least 1, got {args.workers}")
+    rows = run_allreduce(
+        topology=args.topology,
+        workers=args.workers,
+        sizes=sizes,
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        servers=getattr(args, "servers", None),
+    )
+    title = f"psring all_reduce, topology={args.topology}, workers={args.workers}"
+    if args.json:
+        print(json.dumps({"title": title, "rows": rows}))
+    else:
+        print(format_table(rows, title))
+    if args.plot:
+        plot(rows, args.plot, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""The ``psring`` command line: store, launch, bench (and the jobs built on them).
+
+Every option that has an environment variable names it in its help; the
+environment is read once, here, and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from .facade import new_event_loop
+
+
+def _run(coro: object) -> int:
+    loop = new_event_loop()
+    try:
+        return int(loop.run_until_complete(coro) or 0)  # type: ignore[arg-type]
+    finally:
+        loop.close()
+
+
+async def _serve_store(host: str, port: int, secret: str | None) -> int:
+    from .store import start_store
+
+    server = await start_store(host, port, secret=secret.encode() if secret else None)
+    print(f"psring store listening on {host}:{server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+    return 0
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    return _run(_serve_store(args.host, args.port, args.secret))
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from .launch import launch
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("psring launch: give the command to run after --, as in: psring launch -n 2 -- python train.py",
+              file=sys.stderr)
+        return 2
+    if args.n < 1:
+        print(f"psring launch: -n must be at least 1, got {args.n}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    if args.servers is not None:
+        env["PSRING_SERVERS"] = str(args.servers)
+    try:
+        return _run(launch(args.n, cmd, topology=args.topology, env=env))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cli
+
+    return cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="psring", description="Synchronous data-parallel SGD over a ring or a parameter server.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("store", help="run a rendezvous store", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default=os.environ.get("PSRING_HOST", "0.0.0.0"), help="address to bind (PSRING_HOST)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PSRING_PORT") or 29500), help="port (PSRING_PORT)")
+    p.add_argument("--secret", default=os.environ.get("PSRING_SECRET"), help="shared secret (PSRING_SECRET)")
+    p.set_defaults(func=_cmd_store)
+
+    p = sub.add_parser("launch", help="run a command as N local ranks (torchrun-like)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("--topology", choices=("ring", "ps"), default=os.environ.get("PSRING_TOPOLOGY", "ring"),
+                   help="PSRING_TOPOLOGY for the ranks")
+    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
+    p.set_defaults(func=_cmd_launch)
+
+    p = sub.add_parser("bench", help="benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("allreduce", help="time all_reduce over N local processes",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument("--sizes", default="4,1M,16M,64M", help="comma-separated byte sizes (K, M, G suffixes)")
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.add_argument("--plot", default=None, help="write a PNG of busbw against size")
+    b.set_defaults(func=_cmd_bench)
+    _register_jobs(sub)
+    return parser
+
+
+def _register_jobs(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Commands defined by higher layers (train, ...), when present."""
+    try:
+        from . import train
+    except ImportError:
+        return
+    train.register(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError) as exc:
+        print(f"psring {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Shared fixtures: real stores and real groups on 127.0.0.1, torn down together."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import pytest_asyncio
+import uvloop
+
+import psring
+from psring.store import StoreServer, start_store
+
+TOPOLOGIES = ["ring"]
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
+    """Every async test runs on uvloop, as psring's entry points do."""
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest_asyncio.fixture
+async def store() -> AsyncIterator[StoreServer]:
+    server = await start_store("127.0.0.1", 0)
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    yield server
+    await server.close()
+    assert not errors, f"unhandled event-loop exceptions: {errors}"
+
+
+MakeGroups = Callable[..., Awaitable[list[psring.Group]]]
+
+
+@pytest_asyncio.fixture
+async def make_groups(store: StoreServer) -> AsyncIterator[MakeGroups]:
+    """make_groups(n, topology) -> n groups of one job, all in this event loop."""
+    made: list[psring.Group] = []
+    jobs = iter(range(10_000))
+
+    async def make(n: int, topology: str = "ring", timeout: float = 20.0, **kw: object) -> list[psring.Group]:
+        job = f"t{next(jobs)}"
+        os.environ["PSRING_JOB"] = job
+        try:
+            groups = await asyncio.gather(
+                *(
+                    psring.init_group(
+                        topology, rank=r, world_size=n, store=f"127.0.0.1:{store.port}", timeout=timeout, **kw
+                    )
+                    for r in range(n)
+                )
+            )
+        finally:
+            del os.environ["PSRING_JOB"]
+        made.extend(groups)
+        return list(groups)
+
+    yield make
+    await asyncio.gather(*(g.close() for g in made), return_exceptions=True)
+
+
+@pytest.fixture(params=TOPOLOGIES)
+def topology(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start a Python subprocess running psring code (ended by the test, by PID)."""
+    full = dict(os.environ)
+    full["PYTHONUNBUFFERED"] = "1"
+    if env:
+        full.update(env)
+    return subprocess.Popen(
+        [sys.executable, *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def end(proc: subprocess.Popen[str]) -> str:
+    """Kill a subprocess by PID if still running and return its output."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=30)
+    return out or ""

@@ -1,0 +1,160 @@
+"""Frame codec: round trips, split points, and every kind of bad header."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from psring import ProtocolError, wire
+from psring.arrays import DTYPES
+
+DTYPE_NAMES = sorted(DTYPES)
+
+
+def frame_bytes(header: dict, x: np.ndarray) -> bytes:
+    head, payload = wire.encode_tensor(header, x)
+    return head + bytes(payload)
+
+
+def random_array(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * DTYPES[dtype].itemsize, dtype=np.uint8)
+    return raw.view(DTYPES[dtype]).reshape(shape)
+
+
+shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
+
+
+@given(dtype=st.sampled_from(DTYPE_NAMES), shape=shapes, seed=st.integers(0, 2**16))
+@settings(max_examples=200, deadline=None)
+def test_round_trip_every_dtype_and_shape(dtype: str, shape: tuple[int, ...], seed: int) -> None:
+    x = random_array(dtype, shape, seed)
+    header, payload = wire.decode_frame(frame_bytes({"kind": "data", "tag": (0, 1)}, x))
+    y = wire.decode_tensor(header, payload)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y.tobytes() == x.tobytes()
+
+
+def test_zero_d_and_empty() -> None:
+    for x in (np.array(3.5, np.float64), np.empty((0, 4), np.int16), np.empty((0,), bool)):
+        header, payload = wire.decode_frame(frame_bytes({"kind": "data"}, x))
+        y = wire.decode_tensor(header, payload)
+        assert y.shape == x.shape and y.dtype == x.dtype and np.array_equal(y, x)
+
+
+def test_large_shape_header_only() -> None:
+    # a header describing 1 GiB validates without any payload present
+    head = wire.encode_header({"kind": "data", "dtype": "float32", "shape": [1 << 28], "nbytes": 1 << 30})
+    header, used = wire.HeaderDecoder().feed(head + b"xyz")
+    assert header is not None and header["nbytes"] == 1 << 30 and used == len(head)
+
+
+def test_non_contiguous_input_is_made_contiguous_without_touching_input() -> None:
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    view = base[:, ::2]
+    header, payload = wire.decode_frame(frame_bytes({"kind": "data"}, view))
+    assert np.array_equal(wire.decode_tensor(header, payload), view)
+    assert np.array_equal(base, np.arange(24, dtype=np.float32).reshape(4, 6))
+
+
+def test_encode_does_not_copy_payload() -> None:
+    x = np.arange(1000, dtype=np.float64)
+    _head, payload = wire.encode_tensor({"kind": "data"}, x)
+    assert np.shares_memory(np.frombuffer(payload, np.uint8), x)
+
+
+@given(data=st.data())
+@settings(max_examples=100, deadline=None)
+def test_decoder_waits_then_yields_at_every_split(data: st.DataObject) -> None:
+    x = random_array("float32", (5,), 1)
+    raw = frame_bytes({"kind": "data", "tag": ("g", 3, 0)}, x)
+    head_len = len(wire.encode_header({**{"kind": "data", "tag": ("g", 3, 0)}, **wire.tensor_fields(x)}))
+    cuts = sorted(data.draw(st.lists(st.integers(1, len(raw) - 1), max_size=8)))
+    decoder = wire.HeaderDecoder()
+    pos = 0
+    header = None
+    for end in [*cuts, len(raw)]:
+        if end <= pos:
+            continue
+        chunk = raw[pos:end]
+        got, used = decoder.feed(chunk)
+        if got is not None:
+            header = got
+            assert pos + used == head_len
+            break
+        assert used == len(chunk)
+        pos = end
+    assert header is not None and header["shape"] == (5,)
+
+
+def test_one_byte_at_a_time() -> None:
+    raw = frame_bytes({"kind": "data"}, np.arange(3, dtype=np.int8))
+    decoder = wire.HeaderDecoder()
+    for i in range(len(raw)):
+        header, used = decoder.feed(raw[i : i + 1])
+        if header is not None:
+            assert used == 1 and header["nbytes"] == 3
+            assert i == len(raw) - 4
+            return
+    pytest.fail("header never completed")
+
+
+@pytest.mark.parametrize(
+    "header, pattern",
+    [
+        ({"kind": "nonsense"}, r"^frame header field 'kind' is 'nonsense'"),
+        ({"kind": "data", "dtype": "complex64", "shape": [1], "nbytes": 8}, r"field 'dtype' is 'complex64'"),
+        ({"kind": "data", "dtype": "float32", "shape": [3], "nbytes": 8}, r"shape \[3\] of float32 needs 12 bytes"),
+        ({"kind": "data", "dtype": "float32", "shape": [-1], "nbytes": 0}, r"field 'shape'"),
+        ({"kind": "data", "nbytes": -5}, r"field 'nbytes' is -5"),
+        ({"kind": "data", "nbytes": 3 << 30}, r"over the frame limit of 2147483648 bytes"),
+        ({"kind": "data", "shape": [2]}, r"field 'dtype' is None"),
+    ],
+)
+def test_bad_headers_name_the_field(header: dict, pattern: str) -> None:
+    with pytest.raises(ProtocolError, match=pattern):
+        wire.HeaderDecoder().feed(msgpack.packb(header))
+
+
+def test_not_a_map() -> None:
+    with pytest.raises(ProtocolError, match=r"^frame header is a msgpack int, expected a map$"):
+        wire.HeaderDecoder().feed(b"GET / HTTP/1.1\r\n")
+
+
+@given(garbage=st.binary(min_size=1, max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_garbage_never_crashes(garbage: bytes) -> None:
+    decoder = wire.HeaderDecoder()
+    try:
+        decoder.feed(garbage)
+    except ProtocolError:
+        pass
+
+
+def test_oversized_header_is_refused() -> None:
+    limits = wire.Limits(max_header=1024)
+    big = msgpack.packb({"kind": "data", "pad": "x" * 5000})
+    decoder = wire.HeaderDecoder(limits)
+    with pytest.raises(ProtocolError, match="longer than the 1024-byte limit"):
+        decoder.feed(big)
+
+
+def test_truncated_frame() -> None:
+    raw = frame_bytes({"kind": "data"}, np.arange(10, dtype=np.int32))
+    with pytest.raises(ProtocolError, match="truncated frame"):
+        wire.decode_frame(raw[:-3])
+    with pytest.raises(ProtocolError, match="header incomplete"):
+        wire.decode_frame(raw[:5])
+
+
+def test_frame_limit_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSRING_MAX_FRAME", "100")
+    limits = wire.Limits.from_env()
+    with pytest.raises(ProtocolError, match="over the frame limit of 100 bytes"):
+        wire.HeaderDecoder(limits).feed(msgpack.packb({"kind": "data", "nbytes": 101}))
+    monkeypatch.setenv("PSRING_MAX_FRAME", "lots")
+    with pytest.raises(ValueError, match="PSRING_MAX_FRAME='lots' is not an integer"):
+        wire.Limits.from_env()
