@@ -64,7 +64,9 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         spec = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "iters": args.iters, "out": f"{tmp}/r.json"}
-        code = asyncio.run(launch(args.workers, [sys.executable, __file__, "--rank", json.dumps(spec)], env=dict(os.environ)))
+        code = asyncio.run(
+            launch(args.workers, [sys.executable, __file__, "--rank", json.dumps(spec)], env=dict(os.environ))
+        )
         if code:
             return code
         rows = json.load(open(spec["out"]))

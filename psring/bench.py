@@ -10,7 +10,6 @@ so benchmarks/compare_gloo.py measures both side by side in one run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource
@@ -182,7 +181,10 @@ def run_allreduce(
 
 
 def format_table(rows: list[dict[str, Any]], title: str) -> str:
-    lines = [f"# {title}", f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"]
+    lines = [
+        f"# {title}",
+        f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
+    ]
     for r in rows:
         lines.append(
             f"{human(r['size']):>10} {r['count']:>12} {r['dtype']:>8} {r['time_s'] * 1e6:>12.1f} "

@@ -50,8 +50,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
     if not cmd:
-        print("psring launch: give the command to run after --, as in: psring launch -n 2 -- python train.py",
-              file=sys.stderr)
+        print(
+            "psring launch: give the command to run after --, as in: psring launch -n 2 -- python train.py",
+            file=sys.stderr,
+        )
         return 2
     if args.n < 1:
         print(f"psring launch: -n must be at least 1, got {args.n}", file=sys.stderr)
@@ -72,7 +74,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="psring", description="Synchronous data-parallel SGD over a ring or a parameter server.")
+    parser = argparse.ArgumentParser(
+        prog="psring", description="Synchronous data-parallel SGD over a ring or a parameter server."
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -82,19 +86,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret", default=os.environ.get("PSRING_SECRET"), help="shared secret (PSRING_SECRET)")
     p.set_defaults(func=_cmd_store)
 
-    p = sub.add_parser("launch", help="run a command as N local ranks (torchrun-like)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        "launch",
+        help="run a command as N local ranks (torchrun-like)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
-    p.add_argument("--topology", choices=("ring", "ps"), default=os.environ.get("PSRING_TOPOLOGY", "ring"),
-                   help="PSRING_TOPOLOGY for the ranks")
+    p.add_argument(
+        "--topology",
+        choices=("ring", "ps"),
+        default=os.environ.get("PSRING_TOPOLOGY", "ring"),
+        help="PSRING_TOPOLOGY for the ranks",
+    )
     p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     p.set_defaults(func=_cmd_launch)
 
     p = sub.add_parser("bench", help="benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bsub = p.add_subparsers(dest="bench", required=True)
-    b = bsub.add_parser("allreduce", help="time all_reduce over N local processes",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    b = bsub.add_parser(
+        "allreduce",
+        help="time all_reduce over N local processes",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     b.add_argument("--topology", choices=("ring", "ps"), default="ring")
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")

@@ -218,7 +218,12 @@ class Connection(asyncio.BufferedProtocol):
         nbytes = header["nbytes"]
         self._header = header
         dest: memoryview | None = None
-        if nbytes and self._handshake_frames is None and self.router is not None and header["kind"] not in ("ping", "bye"):
+        if (
+            nbytes
+            and self._handshake_frames is None
+            and self.router is not None
+            and header["kind"] not in ("ping", "bye")
+        ):
             dest = self.router.buffer_for(self, header)
             if dest is not None and len(dest) != nbytes:
                 dest = None
@@ -244,7 +249,6 @@ class Connection(asyncio.BufferedProtocol):
             return
         if kind == "bye":
             self._closing = True  # the peer is leaving on purpose: not a loss
-            self._lost = PeerLostError(f"{self.peer_label} at {self.peername} closed its connection")
             return
         if self._handshake_frames is not None:
             self._handshake_frames.put_nowait(header)
@@ -333,7 +337,9 @@ class Connection(asyncio.BufferedProtocol):
     async def client_handshake(self, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         nonce = secrets.token_bytes(32)
-        self.send_frame({"kind": "hello", "version": wire.WIRE_VERSION, "nonce": nonce, "auth": self._secret is not None, **hello})
+        self.send_frame(
+            {"kind": "hello", "version": wire.WIRE_VERSION, "nonce": nonce, "auth": self._secret is not None, **hello}
+        )
         challenge = await self._handshake_frame(deadline, "challenge")
         self.peer = {k: v for k, v in challenge.items() if k not in ("kind", "nonce", "mac", "nbytes")}
         if self._secret is None:
@@ -464,7 +470,7 @@ class Connection(asyncio.BufferedProtocol):
 
     async def close(self, timeout: float = 2.0) -> None:
         """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails."""
-        if self.transport is None or self._closing and self.transport.is_closing():
+        if self.transport is None or (self._closing and self.transport.is_closing()):
             self._teardown()
             return
         self._closing = True
@@ -542,11 +548,11 @@ async def open_connection(
         try:
             remaining = deadline - time.monotonic()
             await asyncio.wait_for(
-                loop.create_connection(lambda: conn, host, port, ssl=ctx),
+                loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx),  # type: ignore[misc]
                 timeout=max(remaining, 0.001),
             )
             break
-        except (ConnectionRefusedError, ConnectionResetError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ConnectionRefusedError, ConnectionResetError, OSError) as exc:
             refused = isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
             if not (retry_refused and refused) or time.monotonic() + delay >= deadline:
                 raise PeerLostError(f"cannot connect to {host}:{port}: {exc or 'timed out'}") from exc
@@ -605,8 +611,7 @@ class Listener:
         if self._secret is None and not _is_loopback(host) and host not in _warned_open_listen:
             _warned_open_listen.add(host)
             logger.warning(
-                "%s listening on %s:%d without a shared secret: anyone who can reach it may join "
-                "(set PSRING_SECRET)",
+                "%s listening on %s:%d without a shared secret: anyone who can reach it may join (set PSRING_SECRET)",
                 self.name,
                 host,
                 self.port,
@@ -669,7 +674,7 @@ Callback = Callable[[Connection, dict[str, Any], Any], None]
 
 
 class _Posted:
-    __slots__ = ("dest", "callback", "future")
+    __slots__ = ("callback", "dest", "future")
 
     def __init__(self, dest: memoryview | None, callback: Callback | None, future: asyncio.Future[Any] | None):
         self.dest = dest

@@ -85,7 +85,7 @@ def check_op(op: str, dtype: np.dtype) -> None:
 class Collective:
     """One in-flight collective on one rank: its descriptor, deadline and outcome."""
 
-    __slots__ = ("group", "seq", "desc", "kind", "deadline", "done", "waiting_on", "started")
+    __slots__ = ("deadline", "desc", "done", "group", "kind", "seq", "started", "waiting_on")
 
     def __init__(self, group: Group, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
         self.group = group
@@ -263,6 +263,7 @@ class Group(abc.ABC):
         coll.fail(err)
         self._send_abort(coll.seq, err, reason)
 
+    @abc.abstractmethod
     def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
 
@@ -285,7 +286,8 @@ class Group(abc.ABC):
             return
         if self._broken is None:
             self._broken = err
-            logger.warning("%r broken: %s", self, err)
+            log = logger.warning if self._active else logger.debug
+            log("%r broken: %s", self, err)
         for coll in list(self._active.values()):
             lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
             lost.__cause__ = err.__cause__
@@ -384,7 +386,11 @@ class Group(abc.ABC):
                     raise ValueError(
                         f"scatter: xs[{i}] has shape {h.shape} dtype {h.dtype}, xs[0] has {first.shape} {first.dtype}"
                     )
-            stacked = np.stack([h for h, _ in staged]) if first.size else np.empty((self.world_size, *first.shape), first.dtype)
+            stacked = (
+                np.stack([h for h, _ in staged])
+                if first.size
+                else np.empty((self.world_size, *first.shape), first.dtype)
+            )
             head: tuple[np.ndarray | None, Any] = (stacked, staged[0][1])
             meta = np.empty(first.shape, first.dtype)
         else:
@@ -393,7 +399,7 @@ class Group(abc.ABC):
             head = (None, None)
             meta = None
         coll = self._begin("scatter", None, None, src)
-        out, (dtype, shape), dev = await self._run(coll, self._scatter(coll, head[0], src, meta))
+        out, (_dtype, shape), dev = await self._run(coll, self._scatter(coll, head[0], src, meta))
         xp = head[1] if head[1] is not None else (cupy_module() if dev == "cuda" else np)
         return self._back(out.reshape(shape), xp)
 

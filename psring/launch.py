@@ -34,7 +34,7 @@ async def _terminate(procs: Sequence[asyncio.subprocess.Process], grace: float =
                 os.kill(proc.pid, signal.SIGTERM)
     try:
         await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         for proc in procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -326,7 +326,9 @@ class RingGroup(Group):
         self.net.flood({"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err)})
 
     def _make_subgroup(self, gid: str, ranks: list[int]) -> RingGroup:
-        return RingGroup(self.net, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout)
+        return RingGroup(
+            self.net, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
+        )
 
     def on_peer_lost(self, err: PeerLostError) -> None:
         if err.rank is not None and err.rank in self.members and self.members != list(range(self.world_size)):
@@ -351,9 +353,7 @@ class RingGroup(Group):
         for conn in conns:
             await conn.flush()
 
-    def _wait_piece(
-        self, coll: Collective, conn_count: int
-    ) -> tuple[asyncio.Future[None], Callable[[], None]]:
+    def _wait_piece(self, coll: Collective, conn_count: int) -> tuple[asyncio.Future[None], Callable[[], None]]:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         remaining = [conn_count]
 
@@ -381,7 +381,12 @@ class RingGroup(Group):
         return callback
 
     async def _direct_exchange(
-        self, coll: Collective, x: np.ndarray | None, phase: int, out: np.ndarray | None, senders: list[int],
+        self,
+        coll: Collective,
+        x: np.ndarray | None,
+        phase: int,
+        out: np.ndarray | None,
+        senders: list[int],
         receivers: list[int],
     ) -> None:
         """Send x to every rank in receivers; receive one frame from every rank in senders into out[src]."""
@@ -570,7 +575,9 @@ class RingGroup(Group):
             return cb
 
         for j, (a, b) in enumerate(parts):
-            self.mailbox.post((self.gid, coll.seq, _BCAST, "p", j), byte_view(out[a:b]), self._guard(coll, arrived(a, b)))
+            self.mailbox.post(
+                (self.gid, coll.seq, _BCAST, "p", j), byte_view(out[a:b]), self._guard(coll, arrived(a, b))
+            )
         await done
         if right is not None:
             await right.flush()
@@ -627,7 +634,9 @@ class RingGroup(Group):
                 continue
             for j, (a, b) in enumerate(parts):
                 self.mailbox.post(
-                    (self.gid, coll.seq, _GATHER_RING, c, j), byte_view(out[c, a:b]), self._guard(coll, arrived(c, a, b))
+                    (self.gid, coll.seq, _GATHER_RING, c, j),
+                    byte_view(out[c, a:b]),
+                    self._guard(coll, arrived(c, a, b)),
                 )
         for j, (a, b) in enumerate(parts):
             right.send_tensor(self._header(coll, _GATHER_RING, me, j), x[a:b])

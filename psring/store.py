@@ -113,7 +113,7 @@ class StoreServer:
                 self._waiters.setdefault(key, set()).add(fut)
                 try:
                     await asyncio.wait_for(fut, remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     return False
                 finally:
                     waiters = self._waiters.get(key)

@@ -140,8 +140,7 @@ def validate_header(obj: Any, limits: Limits) -> dict[str, Any]:
         expected = prod(tuple(shape)) * DTYPES[dtype].itemsize
         if expected != nbytes:
             raise ProtocolError(
-                f"frame header field 'nbytes' is {nbytes}, but shape {list(shape)} of "
-                f"{dtype} needs {expected} bytes"
+                f"frame header field 'nbytes' is {nbytes}, but shape {list(shape)} of {dtype} needs {expected} bytes"
             )
     elif shape is not None:
         raise _fail("dtype", dtype, "a dtype name when 'shape' is given")
@@ -158,7 +157,7 @@ class HeaderDecoder:
     payload) are left for the caller.
     """
 
-    __slots__ = ("_limits", "_unpacker", "_fed")
+    __slots__ = ("_fed", "_limits", "_unpacker")
 
     def __init__(self, limits: Limits | None = None) -> None:
         self._limits = limits or Limits()
@@ -224,7 +223,5 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
         raise ProtocolError(f"truncated frame: header incomplete after {len(data)} bytes")
     payload = data[used : used + header["nbytes"]]
     if len(payload) != header["nbytes"]:
-        raise ProtocolError(
-            f"truncated frame: header says nbytes={header['nbytes']}, {len(payload)} bytes follow"
-        )
+        raise ProtocolError(f"truncated frame: header says nbytes={header['nbytes']}, {len(payload)} bytes follow")
     return header, payload

@@ -69,7 +69,7 @@ async def test_all_reduce_every_dtype_and_op(make_groups, topology: str, dtype: 
         "prod": lambda s: np.prod(s, axis=0, dtype=s.dtype) if s.dtype != bool else np.all(s, axis=0),
         "min": lambda s: np.min(s, axis=0),
         "max": lambda s: np.max(s, axis=0),
-        "avg": lambda s: (np.sum(s.astype(np.float64), axis=0) / 3),
+        "avg": lambda s: np.sum(s.astype(np.float64), axis=0) / 3,
     }[op](np.stack(xs))
     tol = 2e-2 if dtype in ("float16", "bfloat16") else 1e-5
     np.testing.assert_allclose(ref.astype(np.float64), np.asarray(numpy_ref, dtype=np.float64), rtol=tol, atol=tol)

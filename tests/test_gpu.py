@@ -22,8 +22,10 @@ GPU_DTYPES = ["bool", "int8", "int32", "int64", "uint8", "float16", "float32", "
 
 def _inputs(cp, world: int, shape: tuple[int, ...], dtype: str):
     rng = np.random.default_rng(1)
-    host = [(rng.standard_normal(shape) * 3).astype(dtype) if dtype != "bool" else rng.integers(0, 2, shape).astype(bool)
-            for _ in range(world)]
+    host = [
+        (rng.standard_normal(shape) * 3).astype(dtype) if dtype != "bool" else rng.integers(0, 2, shape).astype(bool)
+        for _ in range(world)
+    ]
     return host, [cp.asarray(h) for h in host]
 
 

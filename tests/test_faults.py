@@ -1,0 +1,161 @@
+"""Mistakes and failures are caught, not hung on: mismatch, timeout, peer loss, auth."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import psring
+from psring.connection import Listener, Mailbox, open_connection
+
+from .conftest import end, spawn
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+
+async def test_dtype_mismatch_names_ranks_and_values(make_groups, topology: str) -> None:
+    groups = await make_groups(3, topology)
+    xs = [np.zeros(10, np.float32), np.zeros(10, np.float64), np.zeros(10, np.float32)]
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any("float64" in str(r) and "float32" in str(r) and "rank 1" in str(r) for r in results), results
+    # the group is still usable: the mismatched collective was abandoned by everyone
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(4)) for g in groups))
+    assert all(np.array_equal(y, np.full(4, 3.0)) for y in ys)
+
+
+async def test_kind_and_shape_mismatch(make_groups, topology: str) -> None:
+    groups = await make_groups(2, topology)
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].broadcast(np.zeros(4)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results)
+    pattern = r"^rank (0|1) called (broadcast|all_reduce) as collective #0, rank (0|1) called (all_reduce|broadcast)"
+    assert all(re.match(pattern, str(r)) for r in results), results
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].all_reduce(np.zeros(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results)
+    assert any("shape [5]" in str(r) and "expected [4]" in str(r) for r in results), results
+
+
+async def test_timeout_names_the_silent_rank_and_group_recovers(make_groups, topology: str) -> None:
+    groups = await make_groups(3, topology, timeout=1.0)
+    t0 = time.monotonic()
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.ones(3)), groups[1].all_reduce(np.ones(3)), return_exceptions=True
+    )
+    assert time.monotonic() - t0 < 5
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    assert any("rank(s) 2" in str(r) for r in results), results
+    # rank 2 arrives late: it learns the collective was abandoned, and everyone stays aligned
+    with pytest.raises(psring.CollectiveTimeoutError):
+        await groups[2].all_reduce(np.ones(3))
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in groups))
+    assert all(np.array_equal(y, np.full(2, 3.0)) for y in ys)
+
+
+RANK_SCRIPT = """
+import asyncio, os, sys, numpy as np, psring, uvloop
+async def main():
+    g = await psring.init_group(timeout=60)
+    x = np.ones(int(sys.argv[1]), np.float32)
+    await g.all_reduce(x)
+    print("ready", flush=True)
+    if g.rank == int(os.environ.get("HANG_RANK", -1)):
+        await asyncio.sleep(3600)
+    try:
+        while True:
+            await g.all_reduce(x)
+    except psring.PeerLostError as e:
+        print("LOST", e, flush=True)
+        sys.exit(3)
+uvloop.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("size", [16, 4_000_000])
+async def test_sigkilled_rank_raises_peer_lost_everywhere(store, topology: str, size: int, tmp_path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    world = 3
+    procs = [
+        spawn(
+            [str(script), str(size)],
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                "PSRING_TOPOLOGY": topology,
+                "PSRING_JOB": f"kill{size}",
+                "HANG_RANK": "1",
+            },
+        )
+        for r in range(world)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.to_thread(p.stdout.readline)
+            assert line.strip() == "ready", line
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        codes = [await asyncio.to_thread(p.wait, 30) for p in (procs[0], procs[2])]
+        detect = time.monotonic() - t0
+        outs = [end(p) for p in procs]
+        assert codes == [3, 3], outs
+        assert detect < 10
+        for out in (outs[0], outs[2]):
+            assert "LOST" in out and "rank 1" in out, out
+    finally:
+        for p in procs:
+            end(p)
+
+
+async def test_auth_right_wrong_and_missing_secret() -> None:
+    mailbox = Mailbox()
+    listener = await Listener(lambda c: None, secret=b"s3cret", router_for=lambda c: mailbox).start("127.0.0.1", 0)
+    try:
+        good = await open_connection("127.0.0.1", listener.port, secret=b"s3cret", hello={"role": "t"})
+        assert good.is_open
+        await good.close()
+        with pytest.raises(psring.AuthError, match="failed to prove the shared secret"):
+            await open_connection("127.0.0.1", listener.port, secret=b"wrong", hello={"role": "t"})
+        with pytest.raises(psring.AuthError, match="a shared secret is required"):
+            await open_connection("127.0.0.1", listener.port, secret=None, hello={"role": "t"})
+        await asyncio.sleep(0.2)
+        assert listener.auth_failures == 2
+    finally:
+        await listener.close()
+    open_listener = await Listener(lambda c: None, secret=None, router_for=lambda c: mailbox).start("127.0.0.1", 0)
+    try:
+        with pytest.raises(psring.AuthError, match="has no shared secret configured"):
+            await open_connection("127.0.0.1", open_listener.port, secret=b"x", hello={"role": "t"})
+        plain = await open_connection("127.0.0.1", open_listener.port, secret=None, hello={"role": "t"})
+        await plain.close()
+    finally:
+        await open_listener.close()
+
+
+async def test_group_with_secret_refuses_outsider(tmp_path) -> None:
+    server = await psring.start_store("127.0.0.1", 0, secret=b"k")
+    try:
+        with pytest.raises(psring.AuthError):
+            await psring.init_group(
+                "ring", rank=0, world_size=1, store=f"127.0.0.1:{server.port}", secret="bad", timeout=5
+            )
+        g = await psring.init_group(
+            "ring", rank=0, world_size=1, store=f"127.0.0.1:{server.port}", secret="k", timeout=5
+        )
+        assert np.array_equal(await g.all_reduce(np.ones(2)), np.ones(2))
+        await g.close()
+    finally:
+        await server.close()

@@ -1,0 +1,60 @@
+"""psring launch and psring bench as a user runs them: real processes, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+PSRING = [sys.executable, "-m", "psring"]
+
+
+def run(args: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PSRING, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_launch_good_run(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, numpy as np, psring\n"
+        "g = psring.init()\n"
+        "y = g.all_reduce(np.full(3, float(g.rank)))\n"
+        "h = g.broadcast(np.arange(4.0) * (g.rank + 1), src=0, async_op=True)\n"
+        "print('local', os.environ['LOCAL_RANK'], 'sum', y.tolist(), 'bcast', h.wait().tolist(), flush=True)\n"
+        "g.close()\n"
+    )
+    proc = run(["launch", "-n", "3", "--", sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(3):
+        assert f"[rank {r}] local {r} sum [3.0, 3.0, 3.0] bcast [0.0, 1.0, 2.0, 3.0]" in proc.stdout
+
+
+def test_launch_failing_rank_stops_the_others(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(7)\ntime.sleep(60)\n")
+    proc = run(["launch", "-n", "3", "--", sys.executable, str(script)], timeout=60)
+    assert proc.returncode == 7
+    assert "rank 1 exited with code 7; stopping the others" in proc.stderr
+
+
+def test_launch_bad_arguments() -> None:
+    proc = run(["launch", "-n", "0", "--", "true"])
+    assert proc.returncode == 2 and "-n must be at least 1" in proc.stderr
+    proc = run(["launch", "-n", "2"])
+    assert proc.returncode == 2 and "give the command to run after --" in proc.stderr
+
+
+def test_bench_allreduce_table_and_json() -> None:
+    proc = run(["bench", "allreduce", "--workers", "2", "--sizes", "4,256K", "--iters", "2", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    rows = data["rows"]
+    assert [r["size"] for r in rows] == [4, 256 << 10]
+    for r in rows:
+        assert r["time_s"] > 0 and r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(N-1)/N = 1 at N=2
+    proc = run(["bench", "allreduce", "--workers", "2", "--sizes", "1K", "--iters", "1"])
+    assert proc.returncode == 0 and "busbw(GB/s)" in proc.stdout and "1K" in proc.stdout
