@@ -418,53 +418,36 @@ class RingGroup(Group):
         await self._flush_all(list(conns))
 
     # -------------------------------------------------------------- collectives
+    async def _gather_and_fold(self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None) -> Any:
+        """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order."""
+        n_ranks, me = self.world_size, self.rank
+        ranks = list(range(n_ranks))
+        receives = dst is None or me == dst
+        bufs = np.empty((n_ranks, x.size), x.dtype) if receives else None
+        if bufs is not None:
+            bufs[me] = x
+        if n_ranks > 1:
+            await self._direct_exchange(
+                coll, x, _DIRECT, bufs, ranks if receives else [], ranks if dst is None else [dst]
+            )
+        return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
+
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        n_ranks = self.world_size
-        if n_ranks == 1:
-            out = x.copy()
-            if op == "avg":
-                finish_avg(out, 1)
-            return out
-        if x.nbytes <= SMALL_BYTES:
-            bufs = np.empty((n_ranks, x.size), x.dtype)
-            bufs[self.rank] = x
-            ranks = list(range(n_ranks))
-            await self._direct_exchange(coll, x, _DIRECT, bufs, ranks, ranks)
-            return canonical_fold(bufs, op, np.empty_like(x))
+        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
+            return await self._gather_and_fold(coll, x, op)  # type: ignore[no-any-return]
         return await self._ring_reduce(coll, x, op, mode="all")
 
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        n_ranks = self.world_size
-        a, b = ring_chunk_bounds(x.size, n_ranks)[self.rank]
-        if n_ranks == 1:
-            out = x.copy()
-            if op == "avg":
-                finish_avg(out, 1)
-            return out
-        if x.nbytes <= SMALL_BYTES:
-            bufs = np.empty((n_ranks, x.size), x.dtype)
-            bufs[self.rank] = x
-            ranks = list(range(n_ranks))
-            await self._direct_exchange(coll, x, _DIRECT, bufs, ranks, ranks)
-            return canonical_fold(bufs, op, np.empty_like(x))[a:b].copy()
-        out = await self._ring_reduce(coll, x, op, mode="scatter")
-        return out[a:b].copy()
+        a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
+        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
+            out = await self._gather_and_fold(coll, x, op)
+        else:
+            out = await self._ring_reduce(coll, x, op, mode="scatter")
+        return out[a:b].copy()  # type: ignore[no-any-return]
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
-        n_ranks = self.world_size
-        if n_ranks == 1:
-            out = x.copy()
-            if op == "avg":
-                finish_avg(out, 1)
-            return out
-        if x.nbytes <= SMALL_BYTES:
-            if self.rank == dst:
-                bufs = np.empty((n_ranks, x.size), x.dtype)
-                bufs[self.rank] = x
-                await self._direct_exchange(coll, None, _DIRECT, bufs, list(range(n_ranks)), [])
-                return canonical_fold(bufs, op, np.empty_like(x))
-            await self._direct_exchange(coll, x, _DIRECT, None, [], [dst])
-            return None
+        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
+            return await self._gather_and_fold(coll, x, op, dst)  # type: ignore[no-any-return]
         out = await self._ring_reduce(coll, x, op, mode="reduce", dst=dst)
         return out if self.rank == dst else None
 
