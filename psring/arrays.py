@@ -71,8 +71,22 @@ def array_module(x: Any) -> Any:
     raise TypeError(f"expected a numpy or cupy array, got {type(x).__name__}")
 
 
+_NAME_CACHE: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """The wire name of a dtype; TypeError naming it if it is not allowed."""
+    try:
+        return _NAME_CACHE[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(dtype)
+    if isinstance(dtype, np.dtype):
+        _NAME_CACHE[dtype] = name
+    return name
+
+
+def _dtype_name(dtype: Any) -> str:
     dt = np.dtype(dtype)
     if _BFLOAT16 is not None and dt == _BFLOAT16:
         return "bfloat16"

@@ -47,7 +47,37 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so the next peak is this size's alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 # ------------------------------------------------------------------ rank side
+def _iters_for(spec: dict[str, Any], size: int) -> int:
+    """Latency-bound sizes are cheap and noisy: time them more often."""
+    return int(spec.get("small_iters", spec["iters"])) if size <= (64 << 10) else int(spec["iters"])
+
+
+def _warmup_for(spec: dict[str, Any], size: int) -> int:
+    return max(int(spec["warmup"]), 20) if size <= (64 << 10) else int(spec["warmup"])
+
+
 async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     import psring
 
@@ -67,15 +97,16 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
         x = (rng.standard_normal(count) * 10).astype(dtype)
         await group.barrier()
         idle = _rss_bytes()
-        for _ in range(spec["warmup"]):
+        _reset_peak_rss()
+        for _ in range(_warmup_for(spec, size)):
             await group.all_reduce(x)
         times = []
-        for _ in range(spec["iters"]):
+        for _ in range(_iters_for(spec, size)):
             await group.barrier()
             t0 = time.perf_counter()
             await group.all_reduce(x)
             times.append(time.perf_counter() - t0)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = _peak_rss_bytes()
         slowest = await group.all_reduce(np.array(times), op="max")
         peaks = await group.all_gather(np.array([peak - idle], dtype=np.int64))
         results.append(
@@ -93,7 +124,10 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
+    # psring's launcher owns MASTER_PORT (its store): gloo meets through a file instead
+    dist.init_process_group(
+        "gloo", init_method=spec["gloo_init"], rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"])
+    )
     rank = dist.get_rank()
     dtype = np.dtype(spec["dtype"])
     results = []
@@ -103,11 +137,11 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
             rng = np.random.default_rng(rank)
             x = torch.from_numpy((rng.standard_normal(count) * 10).astype(dtype))
             dist.barrier()
-            for _ in range(spec["warmup"]):
+            for _ in range(_warmup_for(spec, size)):
                 y = x.clone()
                 dist.all_reduce(y)
             times = []
-            for _ in range(spec["iters"]):
+            for _ in range(_iters_for(spec, size)):
                 y = x.clone()  # psring returns a new array; give gloo the same allocation
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -158,7 +192,16 @@ def run_allreduce(
 
     with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        spec = {"sizes": sizes, "dtype": dtype, "iters": iters, "warmup": warmup, "out": out, "backend": backend}
+        spec = {
+            "sizes": sizes,
+            "dtype": dtype,
+            "iters": iters,
+            "warmup": warmup,
+            "out": out,
+            "backend": backend,
+            "gloo_init": "file://" + os.path.join(tmp, "gloo-rendezvous"),
+            "small_iters": max(iters, 200),
+        }
         env = dict(os.environ)
         if servers is not None:
             env["PSRING_SERVERS"] = str(servers)

@@ -85,7 +85,7 @@ def check_op(op: str, dtype: np.dtype) -> None:
 class Collective:
     """One in-flight collective on one rank: its descriptor, deadline and outcome."""
 
-    __slots__ = ("deadline", "desc", "done", "group", "kind", "seq", "started", "waiting_on")
+    __slots__ = ("deadline", "desc", "done", "group", "interrupted", "kind", "seq", "started", "task", "waiting_on")
 
     def __init__(self, group: Group, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
         self.group = group
@@ -96,6 +96,8 @@ class Collective:
         self.deadline = self.started + timeout
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
+        self.task: asyncio.Task[Any] | None = None  # the task running the body
+        self.interrupted = False
 
     @property
     def label(self) -> str:
@@ -104,6 +106,10 @@ class Collective:
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():
             self.done.set_exception(exc)
+            task = self.task
+            if task is not None and not self.interrupted:
+                self.interrupted = True
+                task.cancel()  # Group._run turns this back into exc
 
     def succeed(self, value: Any = None) -> None:
         if not self.done.done():
@@ -141,6 +147,7 @@ class Group(abc.ABC):
         self._active: dict[int, Collective] = {}
         self._aborted: dict[int, PsringError] = {}
         self._broken: PsringError | None = None
+        self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
         self._closed = False
         self._subgroups = 0
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
@@ -165,11 +172,16 @@ class Group(abc.ABC):
         await self.close()
 
     # ------------------------------------------------------------------ state
-    def _check_usable(self) -> None:
+    def _check_usable(self, peer: int | None = None) -> None:
+        """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank)."""
         if self._closed:
             raise GroupClosedError(f"{self!r} is closed")
         if self._broken is not None:
             raise type(self._broken)(f"{self!r} is broken: {self._broken}") from self._broken
+        if self._departed:
+            gone = self._departed.get(peer) if peer is not None else next(iter(self._departed.values()))
+            if gone is not None:
+                raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
 
     def _begin(
         self,
@@ -199,41 +211,46 @@ class Group(abc.ABC):
         self.mailbox.forget((self.gid, coll.seq), drop_queued=failed)
 
     async def _run(self, coll: Collective, body: Any) -> Any:
-        """Run a collective's body under its deadline; on any failure abandon it cleanly."""
-        task = asyncio.ensure_future(body)
+        """Run a collective's body under its deadline; on any failure abandon it cleanly.
+
+        The body runs inline in the caller's task (no task per call: small collectives
+        are latency-bound). A failure from elsewhere -- a peer's abort, a mismatch, a lost
+        peer, the deadline -- sets ``coll.done`` and cancels this task; the cancellation
+        is turned back into that error here.
+        """
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        coll.task = task
+        timer = loop.call_later(max(coll.deadline - time.monotonic(), 0.0), self._deadline_passed, coll)
         try:
-            remaining = coll.deadline - time.monotonic()
-            done, _ = await asyncio.wait({task, coll.done}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return task.result()
-            if coll.done in done:
-                task.cancel()
-                exc = coll.done.exception()
-                if exc is not None:
-                    raise exc
-                return coll.done.result()
-            # deadline passed
-            task.cancel()
-            missing = tuple(sorted(coll.waiting_on))
-            who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"
-            err = CollectiveTimeoutError(
-                f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s waiting for {who}",
-                missing=missing,
-            )
-            self._abort_everywhere(coll, err, "timeout")
-            raise err
-        except (Exception, asyncio.CancelledError):
-            if not task.done():
-                task.cancel()
-            raise
+            result = await body
+            if coll.interrupted:  # failed from elsewhere after the body's last await
+                await _absorb_cancel(task)
+                raise _failure(coll)
+            return result
+        except asyncio.CancelledError:
+            if coll.interrupted and task is not None and task.uncancel() == 0:
+                raise _failure(coll) from None
+            raise  # cancelled by the caller too
         finally:
+            timer.cancel()
+            coll.task = None
             if not coll.done.done():
                 coll.done.cancel()
             elif not coll.done.cancelled():
                 coll.done.exception()  # mark retrieved
-            if task.done() and not task.cancelled():
-                task.exception()  # mark retrieved
             self._end(coll)
+
+    def _deadline_passed(self, coll: Collective) -> None:
+        if coll.done.done():
+            return
+        missing = tuple(sorted(coll.waiting_on))
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"
+        err = CollectiveTimeoutError(
+            f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s waiting for {who}",
+            missing=missing,
+        )
+        self._abort_everywhere(coll, err, "timeout")
 
     # --------------------------------------------------------------- failures
     def _mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
@@ -292,6 +309,24 @@ class Group(abc.ABC):
             lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
             lost.__cause__ = err.__cause__
             coll.fail(lost)
+
+    def on_peer_departed(self, local_rank: int, err: PeerLostError) -> bool:
+        """A peer closed its connections cleanly (its process is done with the group).
+
+        Everything it sent has arrived by then, so only a collective still waiting for
+        its frames fails (returns True: the caller then tells the other ranks); later
+        collectives (and send/recv with it) raise at once.
+        """
+        if self._closed:
+            return False
+        self._departed.setdefault(local_rank, err)
+        hurt = False
+        for coll in list(self._active.values()):
+            if local_rank in coll.waiting_on:
+                lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
+                coll.fail(lost)
+                hurt = True
+        return hurt
 
     # ---------------------------------------------------------- device staging
     @staticmethod
@@ -408,7 +443,7 @@ class Group(abc.ABC):
         self._check_rank(dst, "dst")
         if dst == self.rank:
             raise ValueError(f"send: dst={dst} is this rank; use a local copy")
-        self._check_usable()
+        self._check_usable(peer=dst)
         host, xp = self._host(x)
         n = self._p2p_sent.get(dst, 0)
         self._p2p_sent[dst] = n + 1
@@ -419,7 +454,7 @@ class Group(abc.ABC):
         self._check_rank(src, "src")
         if src == self.rank:
             raise ValueError(f"recv: src={src} is this rank")
-        self._check_usable()
+        self._check_usable(peer=src)
         n = self._p2p_recv.get(src, 0)
         self._p2p_recv[src] = n + 1
         y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
@@ -512,6 +547,20 @@ class NonMemberGroup:
 
     def __repr__(self) -> str:
         return f"NonMemberGroup({self.gid})"
+
+
+def _failure(coll: Collective) -> BaseException:
+    exc = coll.done.exception() if coll.done.done() and not coll.done.cancelled() else None
+    return exc or PsringError(f"{coll.label} was abandoned")
+
+
+async def _absorb_cancel(task: asyncio.Task[Any] | None) -> None:
+    """Consume a cancellation requested for this task that no await has delivered yet."""
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        if task is not None:
+            task.uncancel()
 
 
 def _show(value: Any) -> str:

@@ -170,11 +170,19 @@ class PeerNet:
         if any(c.peer.get("rank") == peer_rank and c.is_open for c in self.conns):
             return  # another link to that rank is still up
         ago = time.monotonic() - conn.last_heard
-        how = "closed its connection" if error is None else "was lost"
+        if error is None:  # a clean goodbye: the peer finished, it did not crash
+            err = PeerLostError(f"rank {peer_rank} at {conn.peername} closed its connections", rank=peer_rank)
+            hurt = False
+            for group in list(self.groups.values()):
+                if peer_rank in group.members:
+                    hurt |= group.on_peer_departed(group.members.index(peer_rank), err)
+            if hurt:  # it left in the middle of a collective: everyone must give up on it
+                self._peer_lost(peer_rank, err)
+            else:
+                self.lost.setdefault(peer_rank, err)
+            return
         err = PeerLostError(
-            f"rank {peer_rank} at {conn.peername} {how} (last heard {ago:.1f}s ago)"
-            + (f": {error}" if error is not None else ""),
-            rank=peer_rank,
+            f"rank {peer_rank} at {conn.peername} was lost (last heard {ago:.1f}s ago): {error}", rank=peer_rank
         )
         err.__cause__ = error
         self._peer_lost(peer_rank, err)
@@ -360,6 +368,7 @@ class RingGroup(Group):
         def one_done() -> None:
             remaining[0] -= 1
             if remaining[0] == 0 and not done.done():
+                coll.waiting_on.clear()  # every frame is in: a peer leaving now costs nothing
                 done.set_result(None)
 
         if conn_count == 0:
@@ -674,6 +683,8 @@ class RingGroup(Group):
             while True:
                 if self._broken is not None:
                     raise PeerLostError(f"recv from rank {src}: {self._broken}", rank=self._broken.rank)  # type: ignore[attr-defined]
+                if src in self._departed:
+                    raise PeerLostError(f"recv from rank {src}: {self._departed[src]}", rank=src)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveTimeoutError(

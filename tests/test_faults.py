@@ -159,3 +159,33 @@ async def test_group_with_secret_refuses_outsider(tmp_path) -> None:
         await g.close()
     finally:
         await server.close()
+
+
+async def test_rank_that_finishes_first_does_not_break_the_others(make_groups, topology: str) -> None:
+    """A rank that closes right after the last collective leaves the slower ranks unharmed."""
+    groups = await make_groups(4, topology)
+
+    async def run(g: psring.Group, delay: float) -> float:
+        y = None
+        for _ in range(30):
+            y = await g.all_reduce(np.full(3, g.rank + 1.0, np.float32))
+        await asyncio.sleep(delay)
+        await g.close()
+        return float(y[0])
+
+    results = await asyncio.gather(*(run(g, 0.0 if g.rank == 0 else 0.05) for g in groups))
+    assert results == [10.0] * 4
+
+
+async def test_rank_closing_mid_collective_fails_the_others_fast(make_groups, topology: str) -> None:
+    groups = await make_groups(3, topology, timeout=30.0)
+    t0 = time.monotonic()
+    pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000, np.float32))) for g in groups[1:]]
+    await asyncio.sleep(0.2)
+    await groups[0].close()
+    results = await asyncio.gather(*pending, return_exceptions=True)
+    assert time.monotonic() - t0 < 10
+    assert all(isinstance(r, psring.PeerLostError) for r in results), results
+    assert all("rank 0" in str(r) for r in results), results
+    with pytest.raises(psring.PeerLostError, match="rank 0"):
+        await groups[1].barrier()
