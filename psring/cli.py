@@ -43,6 +43,48 @@ def _cmd_store(args: argparse.Namespace) -> int:
     return _run(_serve_store(args.host, args.port, args.secret))
 
 
+async def _serve_shards(args: argparse.Namespace) -> int:
+    from .config import advertise_host, routable_host_towards
+    from .server import serve_forever, start_servers
+    from .store import connect_store, parse_store_address
+
+    secret = args.secret.encode() if args.secret else None
+    address = parse_store_address(args.store)
+    if args.shard is not None:
+        num = args.num_shards or args.shards
+        ids = [args.shard]
+    else:
+        num, ids = args.shards, None
+    if num is None or num < 1:
+        raise ValueError(f"--shards must be at least 1, got {num}")
+    store = await connect_store(address, secret=secret, timeout=args.timeout, role="server")
+    advertise = os.environ.get("PSRING_ADVERTISE_HOST") or (
+        routable_host_towards(address.host) if address.scheme == "tcp" else advertise_host()
+    )
+    server = await start_servers(
+        store,
+        num,
+        job=args.job,
+        secret=secret,
+        host=args.host,
+        port=args.port,
+        advertise=advertise,
+        shard_ids=ids,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        restore=args.restore,
+    )
+    print(
+        f"psring server: shard(s) {sorted(server.shards)} of {num} for job {args.job!r} on {server.address}", flush=True
+    )
+    await serve_forever(server)
+    return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    return _run(_serve_shards(args))
+
+
 def _cmd_launch(args: argparse.Namespace) -> int:
     from .launch import launch
 
@@ -85,6 +127,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=int(os.environ.get("PSRING_PORT") or 29500), help="port (PSRING_PORT)")
     p.add_argument("--secret", default=os.environ.get("PSRING_SECRET"), help="shared secret (PSRING_SECRET)")
     p.set_defaults(func=_cmd_store)
+
+    p = sub.add_parser(
+        "server",
+        help="run parameter-server shard(s) for the ps topology",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--store", required=True, help="the store, HOST:PORT (or tcp://, file://)")
+    p.add_argument("--shards", type=int, default=1, help="shards this process hosts (all of them)")
+    p.add_argument("--shard", type=int, default=None, help="host only shard i (with --num-shards)")
+    p.add_argument("--num-shards", type=int, default=None, help="total shards when --shard is given")
+    p.add_argument("--host", default=os.environ.get("PSRING_BIND_HOST", "0.0.0.0"), help="bind (PSRING_BIND_HOST)")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PSRING_PORT") or 0), help="port (PSRING_PORT)")
+    p.add_argument("--job", default=os.environ.get("PSRING_JOB", "default"), help="job name (PSRING_JOB)")
+    p.add_argument("--secret", default=os.environ.get("PSRING_SECRET"), help="shared secret (PSRING_SECRET)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to reach the store")
+    p.add_argument("--checkpoint-dir", default=None, help="write parameter-mode checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps (and on SIGTERM)")
+    p.add_argument("--restore", action="store_true", help="resume from the checkpoints in --checkpoint-dir")
+    p.set_defaults(func=_cmd_server)
 
     p = sub.add_parser(
         "launch",

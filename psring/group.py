@@ -51,16 +51,22 @@ def reduce_op(op: str) -> np.ufunc:
     return _UFUNCS[op]
 
 
-def canonical_fold(parts: Sequence[np.ndarray], op: str, out: np.ndarray) -> np.ndarray:
+def canonical_fold(
+    parts: Sequence[np.ndarray], op: str, out: np.ndarray, offset: int = 0, total: int | None = None
+) -> np.ndarray:
     """Reduce flat arrays parts[0..N-1] into out in the canonical order.
 
     Element i in ring chunk c is ((x_c op x_c+1) op ...) op x_c-1 (ranks mod N); for
-    avg the sum is then divided by N. Every topology reproduces exactly this.
+    avg the sum is then divided by N. Every topology reproduces exactly this. The
+    arrays may hold a window [offset, offset + out.size) of a flat tensor of ``total``
+    elements (a parameter-server slice): the ring chunks are those of the whole tensor.
     """
     n_ranks = len(parts)
     ufunc = reduce_op(op)
-    for c, (a, b) in enumerate(ring_chunk_bounds(out.size, n_ranks)):
-        if a == b:
+    lo, hi = offset, offset + out.size
+    for c, (a, b) in enumerate(ring_chunk_bounds(out.size if total is None else total, n_ranks)):
+        a, b = max(a, lo) - lo, min(b, hi) - lo
+        if a >= b:
             continue
         acc = out[a:b]
         acc[...] = parts[c][a:b]
@@ -127,6 +133,31 @@ class Collective:
 
 
 _FIELDS = ("kind", "dtype", "shape", "op", "root")
+
+
+def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, ...]) -> str:
+    """Say how rank src's call descriptor for collective #seq differs from rank's own."""
+    if not isinstance(call, (list, tuple)) or len(call) != len(_FIELDS):
+        return f"rank {src} sent a frame for #{seq} without a valid call descriptor"
+    theirs = dict(zip(_FIELDS, call, strict=True))
+    mine = dict(zip(_FIELDS, desc, strict=True))
+    if theirs["kind"] != mine["kind"]:
+        return (
+            f"rank {src} called {theirs['kind']} as collective #{seq}, rank {rank} called "
+            f"{mine['kind']}: every rank must call the same collectives in the same order"
+        )
+    diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
+    field = diffs[0] if diffs else "call"
+    fix = {
+        "dtype": "cast to one dtype on every rank",
+        "shape": "pass arrays of one shape on every rank",
+        "op": "pass the same op on every rank",
+        "root": "pass the same src/dst on every rank",
+    }.get(field, "")
+    return (
+        f"rank {src} sent {field} {_show(theirs.get(field))} for {mine['kind']} #{seq}, "
+        f"rank {rank} expected {_show(mine.get(field))}" + (f" ({fix})" if fix else "")
+    )
 
 
 class Group(abc.ABC):
@@ -254,27 +285,7 @@ class Group(abc.ABC):
 
     # --------------------------------------------------------------- failures
     def _mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
-        if not isinstance(call, (list, tuple)) or len(call) != len(_FIELDS):
-            return MismatchError(f"rank {src} sent a frame for #{coll.seq} without a valid call descriptor")
-        theirs = dict(zip(_FIELDS, call, strict=True))
-        mine = dict(zip(_FIELDS, coll.desc, strict=True))
-        if theirs["kind"] != mine["kind"]:
-            return MismatchError(
-                f"rank {src} called {theirs['kind']} as collective #{coll.seq}, rank {self.rank} called "
-                f"{mine['kind']}: every rank must call the same collectives in the same order"
-            )
-        diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
-        field = diffs[0] if diffs else "call"
-        fix = {
-            "dtype": "cast to one dtype on every rank",
-            "shape": "pass arrays of one shape on every rank",
-            "op": "pass the same op on every rank",
-            "root": "pass the same src/dst on every rank",
-        }.get(field, "")
-        return MismatchError(
-            f"rank {src} sent {field} {_show(theirs.get(field))} for {mine['kind']} #{coll.seq}, "
-            f"rank {self.rank} expected {_show(mine.get(field))}" + (f" ({fix})" if fix else "")
-        )
+        return MismatchError(mismatch_message(coll.seq, src, call, self.rank, coll.desc))
 
     def _abort_everywhere(self, coll: Collective, err: PsringError, reason: str) -> None:
         coll.fail(err)
@@ -284,10 +295,13 @@ class Group(abc.ABC):
     def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
 
-    def on_abort(self, seq: int, reason: str, message: str) -> None:
+    def on_abort(self, seq: int, reason: str, message: str, missing: Sequence[int] = ()) -> None:
         """A peer abandoned collective ``seq``: fail ours, or remember it for when we get there."""
-        cls = MismatchError if reason == "mismatch" else CollectiveTimeoutError
-        err = cls(message)
+        err: PsringError
+        if reason == "mismatch":
+            err = MismatchError(message)
+        else:
+            err = CollectiveTimeoutError(message, missing=tuple(missing))
         coll = self._active.get(seq)
         if coll is not None:
             coll.fail(err)

@@ -1,6 +1,7 @@
 """``psring launch``: a local launcher in the manner of torchrun.
 
-Starts an embedded store, spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK,
+Starts an embedded store (and, for ``--topology ps``, one ``psring server`` process
+per parameter-server shard), spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT and PSRING_* set, prefixes each output line with the
 rank, and if one exits non-zero ends the others (by PID) and exits non-zero too.
 """
@@ -17,11 +18,14 @@ from collections.abc import Sequence
 from .store import StoreServer, start_store
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: str, out: object) -> None:
+async def _pump(stream: asyncio.StreamReader, prefix: str, out: object, quiet_first: bool = False) -> None:
     while True:
         line = await stream.readline()
         if not line:
             return
+        if quiet_first:  # a server's "listening on" banner
+            quiet_first = False
+            continue
         text = line.decode(errors="replace")
         out.write(f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n")  # type: ignore[attr-defined]
         out.flush()  # type: ignore[attr-defined]
@@ -63,7 +67,17 @@ async def launch(
     server = store or await start_store("127.0.0.1", 0, secret=secret.encode() if secret else None)
     procs: list[asyncio.subprocess.Process] = []
     pumps: list[asyncio.Task[None]] = []
+    servers: list[asyncio.subprocess.Process] = []
     try:
+        if topology == "ps":
+            servers = await _start_local_servers(server, base, n)
+            for i, proc in enumerate(servers):
+                assert proc.stdout is not None
+                pumps.append(
+                    asyncio.ensure_future(
+                        _pump(proc.stdout, f"[server {i}] " if prefix_output else "", sys.stdout, quiet_first=True)
+                    )
+                )
         for rank in range(n):
             child = dict(base)
             child.update(
@@ -85,23 +99,68 @@ async def launch(
             assert proc.stdout is not None
             label = f"[rank {rank}] " if prefix_output else ""
             pumps.append(asyncio.ensure_future(_pump(proc.stdout, label, sys.stdout)))
-        waits = {asyncio.ensure_future(p.wait()): r for r, p in enumerate(procs)}
+        waits = {asyncio.ensure_future(p.wait()): f"rank {r}" for r, p in enumerate(procs)}
+        server_waits = {asyncio.ensure_future(p.wait()): f"server shard {i}" for i, p in enumerate(servers)}
         failed = 0
-        pending = set(waits)
-        while pending:
+        pending = set(waits) | set(server_waits)
+        while pending & set(waits):
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 code = task.result()
-                if code != 0 and not failed:
-                    failed = code if code > 0 else 128 - code
-                    rank = waits[task]
-                    sys.stderr.write(f"psring launch: rank {rank} exited with code {code}; stopping the others\n")
-                    await _terminate(procs)
+                who = waits.get(task) or server_waits[task]
+                if (code != 0 or task in server_waits) and not failed:
+                    failed = code if code > 0 else (128 - code if code < 0 else 1)
+                    sys.stderr.write(f"psring launch: {who} exited with code {code}; stopping the others\n")
+                    await _terminate([*procs, *servers])
+        await _terminate(servers)
+        for task in server_waits:
+            task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
         return failed
     except (Exception, asyncio.CancelledError):
-        await _terminate(procs)
+        await _terminate([*procs, *servers])
         raise
     finally:
         if own_store:
             await server.close()
+
+
+async def _start_local_servers(
+    store: StoreServer, env: dict[str, str], workers: int
+) -> list[asyncio.subprocess.Process]:
+    """The parameter-server shards of a local ps job: one ``psring server`` process per shard.
+
+    PSRING_SERVERS of them (default: one per worker); PSRING_CHECKPOINT_DIR, when set,
+    is passed on as --checkpoint-dir.
+    """
+    count = int(env.get("PSRING_SERVERS") or workers)
+    if count < 1:
+        raise ValueError(f"--servers must be at least 1, got {count}")
+    procs = []
+    for i in range(count):
+        cmd = [
+            sys.executable,
+            "-m",
+            "psring",
+            "server",
+            "--store",
+            f"127.0.0.1:{store.port}",
+            "--shard",
+            str(i),
+            "--num-shards",
+            str(count),
+            "--host",
+            "127.0.0.1",
+            "--job",
+            env.get("PSRING_JOB") or "default",
+        ]
+        if env.get("PSRING_CHECKPOINT_DIR"):
+            cmd += ["--checkpoint-dir", env["PSRING_CHECKPOINT_DIR"]]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            env={**env, "PYTHONUNBUFFERED": "1"},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        procs.append(proc)
+    return procs

@@ -45,7 +45,7 @@ KINDS = frozenset(
         "store_resp",
         # parameter server
         "ps_req",
-        "ps_resp",
+        "ps_param",
         "ps_data",
     }
 )

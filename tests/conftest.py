@@ -14,9 +14,10 @@ import pytest_asyncio
 import uvloop
 
 import psring
-from psring.store import StoreServer, start_store
+from psring.server import ShardServer, start_servers
+from psring.store import StoreServer, connect_store, parse_store_address, start_store
 
-TOPOLOGIES = ["ring"]
+TOPOLOGIES = ["ring", "ps"]
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
@@ -41,12 +42,18 @@ MakeGroups = Callable[..., Awaitable[list[psring.Group]]]
 async def make_groups(store: StoreServer) -> AsyncIterator[MakeGroups]:
     """make_groups(n, topology) -> n groups of one job, all in this event loop."""
     made: list[psring.Group] = []
+    servers: list[ShardServer] = []
     jobs = iter(range(10_000))
 
-    async def make(n: int, topology: str = "ring", timeout: float = 20.0, **kw: object) -> list[psring.Group]:
+    async def make(
+        n: int, topology: str = "ring", timeout: float = 20.0, servers_n: int = 2, **kw: object
+    ) -> list[psring.Group]:
         job = f"t{next(jobs)}"
         os.environ["PSRING_JOB"] = job
         try:
+            if topology == "ps":
+                client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=10)
+                servers.append(await start_servers(client, servers_n, job=job))
             groups = await asyncio.gather(
                 *(
                     psring.init_group(
@@ -62,6 +69,9 @@ async def make_groups(store: StoreServer) -> AsyncIterator[MakeGroups]:
 
     yield make
     await asyncio.gather(*(g.close() for g in made), return_exceptions=True)
+    leftover = {(i, key): p.label for s in servers for i, sh in s.shards.items() for key, p in sh.pending.items()}
+    await asyncio.gather(*(s.close() for s in servers), return_exceptions=True)
+    assert not leftover, f"server shards kept state for finished collectives: {leftover}"
 
 
 @pytest.fixture(params=TOPOLOGIES)

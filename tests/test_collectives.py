@@ -165,15 +165,18 @@ async def test_barrier_and_send_recv(make_groups, topology: str) -> None:
 
 
 async def test_bytes_sent_is_bandwidth_optimal(make_groups, topology: str) -> None:
+    """Ring: each rank sends 2(N-1)/N of the tensor. ps: each worker pushes it once and pulls it once."""
     for world in (2, 3, 4):
         groups = await make_groups(world, topology)
         x = np.ones(4 << 20, np.float32)  # 16 MiB
-        before = [g.stats()["bytes_sent"] for g in groups]
+        before = [g.stats() for g in groups]
         await asyncio.gather(*(g.all_reduce(x) for g in groups))
-        sent = [g.stats()["bytes_sent"] - b for g, b in zip(groups, before, strict=True)]
-        optimal = 2 * (world - 1) / world * x.nbytes
-        for s in sent:
+        sent = [g.stats()["bytes_sent"] - b["bytes_sent"] for g, b in zip(groups, before, strict=True)]
+        received = [g.stats()["bytes_received"] - b["bytes_received"] for g, b in zip(groups, before, strict=True)]
+        optimal = 2 * (world - 1) / world * x.nbytes if topology == "ring" else x.nbytes
+        for s, r in zip(sent, received, strict=True):
             assert optimal <= s <= optimal * 1.01 + (64 << 10), (world, s, optimal)
+            assert optimal <= r <= optimal * 1.01 + (64 << 10), (world, r, optimal)
 
 
 async def test_inputs_are_validated(make_groups, topology: str) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 import psring
 from psring.connection import Listener, Mailbox, open_connection
+from psring.server import start_servers
+from psring.store import connect_store, parse_store_address
 
 from .conftest import end, spawn
 
@@ -86,6 +88,7 @@ async def test_sigkilled_rank_raises_peer_lost_everywhere(store, topology: str, 
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     world = 3
+    shards = await _servers_for(store, topology, f"kill{size}")
     procs = [
         spawn(
             [str(script), str(size)],
@@ -118,6 +121,54 @@ async def test_sigkilled_rank_raises_peer_lost_everywhere(store, topology: str, 
     finally:
         for p in procs:
             end(p)
+        if shards is not None:
+            await shards.close()
+
+
+async def _servers_for(store, topology: str, job: str, count: int = 2):
+    if topology != "ps":
+        return None
+    client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=10)
+    return await start_servers(client, count, job=job)
+
+
+@pytest.mark.timeout(60)
+async def test_sigkilled_server_raises_peer_lost_on_every_worker(store, tmp_path) -> None:
+    """A `psring server` process SIGKILLed mid-collective: every worker names the lost shard."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    job = "killserver"
+    env = {"PSRING_JOB": job, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    server = spawn(
+        ["-m", "psring", "server", "--store", f"127.0.0.1:{store.port}", "--shards", "2", "--host", "127.0.0.1"], env
+    )
+    procs = []
+    try:
+        assert server.stdout is not None
+        line = await asyncio.to_thread(server.stdout.readline)
+        assert "psring server: shard(s) [0, 1] of 2" in line, line
+        procs = [
+            spawn([str(script), "4000000"], {**env, "RANK": str(r), "WORLD_SIZE": "2", "PSRING_TOPOLOGY": "ps"})
+            for r in range(2)
+        ]
+        for p in procs:
+            assert p.stdout is not None
+            line = await asyncio.to_thread(p.stdout.readline)
+            assert line.strip() == "ready", line
+        await asyncio.sleep(0.3)
+        os.kill(server.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        codes = [await asyncio.to_thread(p.wait, 30) for p in procs]
+        detect = time.monotonic() - t0
+        outs = [end(p) for p in procs]
+        assert codes == [3, 3], outs
+        assert detect < 10
+        for out in outs:
+            assert "LOST" in out and "server shard" in out, out
+    finally:
+        for p in procs:
+            end(p)
+        end(server)
 
 
 async def test_auth_right_wrong_and_missing_secret() -> None:

@@ -1,0 +1,510 @@
+"""Parameter-server topology: every collective through sharded servers.
+
+Ranks are the workers; the S server shards are found through the store
+(``psring/{job}/server/{i}``). Every tensor is split over the shards by
+:func:`psring.server.plan`; for each collective a worker sends each involved shard a
+join frame and its pieces, and receives result pieces straight into its output
+array. Shards fold in the ring's canonical order, so ``all_reduce`` over ps returns
+the same bits as over the ring. Pushes to different shards go out together.
+
+``init_group(topology="ps")`` waits (up to its timeout) for the servers registered in
+the store. It starts servers itself only when asked (``servers=S``) or on the local
+default, where rank 0 embedded the store and so nobody else can have started any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import wire
+from .arrays import byte_view
+from .config import GroupSettings
+from .connection import Connection, Mailbox, open_connection
+from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from .group import Collective, Group, ring_chunk_bounds
+from .rendezvous import assign_rank, open_store_for
+from .server import ShardServer, per_piece, pieces, plan, start_servers
+
+logger = logging.getLogger(__name__)
+
+#: seconds a worker waits for the shards to name the missing ranks after its deadline
+TIMEOUT_REPORT_GRACE = 1.0
+
+
+class ServerLinks:
+    """A worker's connections to the server shards, and the mailbox they deliver to."""
+
+    def __init__(self, rank: int, world_size: int, settings: GroupSettings, store: Any, prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.store = store
+        self.prefix = prefix
+        self.mailbox = Mailbox()
+        self.mailbox.on_lost = self._on_conn_lost
+        self.mailbox.on_control = self._on_control
+        self.shards: list[Connection] = []
+        self.addresses: list[str] = []
+        self.groups: dict[str, PsGroup] = {}
+        self.lost: PsringError | None = None
+        self.embedded_store: Any = None
+        self.own_servers: ShardServer | None = None
+        self._closing = False
+
+    async def resolve(self, timeout: float) -> int:
+        """Wait for the servers to register; return how many shards there are."""
+        deadline = time.monotonic() + timeout
+        key = f"{self.prefix}/num_servers"
+        try:
+            await self.store.wait([key], timeout)
+        except PsringError:
+            raise CollectiveTimeoutError(
+                f"no parameter server registered for job {self.settings.job!r} at {self.store.address} within "
+                f"{timeout:g}s: start them with `psring server --store HOST:PORT --shards S` "
+                f"(psring launch --topology ps and psring train start local ones)"
+            ) from None
+        raw = await self.store.get(key)
+        count = int(raw.decode()) if raw else 0
+        keys = [f"{self.prefix}/server/{i}" for i in range(count)]
+        try:
+            await self.store.wait(keys, max(deadline - time.monotonic(), 0.1))
+        except PsringError:
+            missing = [i for i, k in enumerate(keys) if await self.store.get(k) is None]
+            raise CollectiveTimeoutError(
+                f"server shard(s) {missing} of {count} did not register within {timeout:g}s"
+            ) from None
+        for k in keys:
+            raw = await self.store.get(k)
+            assert raw is not None
+            self.addresses.append(raw.decode())
+        return count
+
+    async def connect(self, timeout: float) -> None:
+        async def dial(i: int) -> Connection:
+            host, _, port = self.addresses[i].rpartition(":")
+            try:
+                conn = await open_connection(
+                    host,
+                    int(port),
+                    secret=self.settings.secret,
+                    hello={
+                        "role": "rank",
+                        "rank": self.rank,
+                        "world_size": self.world_size,
+                        "job": self.settings.job,
+                        "shard": i,
+                    },
+                    router=self.mailbox,
+                    timeout=timeout,
+                    name=f"rank {self.rank}",
+                )
+            except PeerLostError as exc:
+                raise PeerLostError(f"server shard {i} at {self.addresses[i]} is unreachable: {exc}") from exc
+            conn.peer["shard"] = i
+            return conn
+
+        self.shards = list(await asyncio.gather(*(dial(i) for i in range(len(self.addresses)))))
+
+    # -------------------------------------------------------------- failures
+    def _on_conn_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        if self._closing:
+            return
+        i = conn.peer.get("shard")
+        ago = time.monotonic() - conn.last_heard
+        how = "closed its connection" if error is None else f"was lost: {error}"
+        err = PeerLostError(
+            f"server shard {i} at {self.addresses[i] if isinstance(i, int) else conn.peername} {how} "
+            f"(last heard {ago:.1f}s ago)"
+        )
+        err.__cause__ = error
+        self._break(err)
+
+    def _break(self, err: PsringError) -> None:
+        if self.lost is None:
+            self.lost = err
+        for group in list(self.groups.values()):
+            if isinstance(err, PeerLostError):
+                group.on_peer_lost(err)
+            else:
+                group.on_server_error(err)
+
+    def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
+        kind = header["kind"]
+        if kind == "reject":
+            self._break(ProtocolError(str(header.get("reason", "the server rejected this worker"))[:2000]))
+            return True
+        if kind != "abort":
+            return False
+        tag, reason = header.get("tag"), header.get("reason")
+        if not isinstance(tag, tuple) or len(tag) != 2 or reason not in ("lost", "mismatch", "timeout"):
+            raise ProtocolError(f"malformed abort frame from {conn.peername}")
+        message = str(header.get("message", ""))[:2000]
+        if reason == "lost":
+            lost = header.get("lost")
+            for group in list(self.groups.values()):
+                local = group.local_rank(lost)
+                if local is not None or group.gid == "0":
+                    suffix = (
+                        f" [rank {local} of subgroup {group.gid}]" if group.gid != "0" and local is not None else ""
+                    )
+                    group.on_peer_lost(PeerLostError(message + suffix, rank=lost if type(lost) is int else None))
+            return True
+        group = self.groups.get(tag[0])
+        if group is not None and type(tag[1]) is int:
+            missing = header.get("missing") or ()
+            group.on_abort(tag[1], reason, message, [m for m in missing if type(m) is int])
+        return True
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "bytes_sent": sum(c.bytes_sent for c in self.shards),
+            "bytes_received": sum(c.bytes_received for c in self.shards),
+        }
+
+    async def close(self) -> None:
+        self._closing = True
+        await asyncio.gather(*(c.close() for c in self.shards), return_exceptions=True)
+        if self.own_servers is not None:
+            await self.own_servers.drain(timeout=10.0)
+            await self.own_servers.close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        if self.embedded_store is not None:
+            await self.embedded_store.close()
+
+
+class PsGroup(Group):
+    """Collectives through parameter-server shards."""
+
+    topology = "ps"
+
+    def __init__(self, links: ServerLinks, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=links.mailbox)
+        self.links = links
+        self.members = members
+        self._owns_resources = gid == "0"
+        links.groups[gid] = self
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.links.shards)
+
+    @classmethod
+    async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
+        servers = options.pop("servers", None)
+        if options:
+            raise TypeError(f"init_group(topology='ps') got unexpected options {sorted(options)}")
+        if servers is not None and (type(servers) is not int or servers < 1):
+            raise ValueError(f"servers={servers!r} must be a positive number of shards")
+        assert settings.world_size is not None
+        world = settings.world_size
+        prefix = f"psring/{settings.job}"
+        store, embedded = await open_store_for(settings, settings.rank)
+        links: ServerLinks | None = None
+        try:
+            rank = await assign_rank(store, prefix, settings.rank, world)
+            links = ServerLinks(rank, world, settings, store, prefix)
+            links.embedded_store = embedded
+            if rank == 0 and (servers is not None or embedded is not None):
+                # asked to, or the local default (this process serves the store): start the shards here
+                count = servers or settings.servers or 1
+                links.own_servers = await start_servers(
+                    store,
+                    count,
+                    job=settings.job,
+                    secret=settings.secret,
+                    host=settings.bind_host,
+                    advertise=settings.advertise_host,
+                )
+            await links.resolve(settings.timeout)
+            await links.connect(settings.timeout)
+            group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
+            await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            logger.info("%r ready with %d server shard(s)", group, len(links.shards))
+            return group
+        except (Exception, asyncio.CancelledError):
+            if links is not None:
+                await links.close()
+            else:
+                with contextlib.suppress(Exception):
+                    await store.close()
+                if embedded is not None:
+                    await embedded.close()
+            raise
+
+    # ---------------------------------------------------------------- plumbing
+    def local_rank(self, global_rank: Any) -> int | None:
+        return self.members.index(global_rank) if global_rank in self.members else None
+
+    def on_server_error(self, err: PsringError) -> None:
+        if self._broken is None:
+            self._broken = err
+        for coll in list(self._active.values()):
+            coll.fail(type(err)(f"{err} (while {coll.label} was pending on rank {self.rank})"))
+
+    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+        header = {"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err), "src": self.rank}
+        for conn in self.links.shards:
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+
+    def _deadline_passed(self, coll: Collective) -> None:
+        """Ask the shards who is missing; they answer every worker with an abort naming them."""
+        if coll.done.done():
+            return
+        header = {
+            "kind": "abort",
+            "tag": (self.gid, coll.seq),
+            "reason": "timeout",
+            "timeout": self.timeout,
+            "src": self.rank,
+            "message": f"{coll.label} timed out after {self.timeout:g}s on rank {self.rank}",
+        }
+        for conn in self.links.shards:
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+        asyncio.get_running_loop().call_later(TIMEOUT_REPORT_GRACE, self._timeout_unanswered, coll)
+
+    def _timeout_unanswered(self, coll: Collective) -> None:
+        coll.fail(
+            CollectiveTimeoutError(
+                f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s (the servers did not say why)"
+            )
+        )
+
+    def _make_subgroup(self, gid: str, ranks: list[int]) -> PsGroup:
+        return PsGroup(
+            self.links, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
+        )
+
+    def stats(self) -> dict[str, int]:
+        return self.links.stats()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.links.groups.pop(self.gid, None)
+        for coll in list(self._active.values()):
+            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
+        if self.gid == "0":
+            await asyncio.shield(self.links.close())
+
+    def _check_usable(self, peer: int | None = None) -> None:
+        super()._check_usable(peer)
+        if self.links.lost is not None and self._broken is None:
+            self._broken = self.links.lost
+            super()._check_usable(peer)
+
+    # ------------------------------------------------------------- the engine
+    def _join(self, coll: Collective) -> dict[str, Any]:
+        return {
+            "kind": "ps_req",
+            "tag": (self.gid, coll.seq, "join"),
+            "call": coll.desc,
+            "src": self.rank,
+            "size": self.world_size,
+        }
+
+    def _push(self, coll: Collective, j: int) -> dict[str, Any]:
+        return {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", j), "call": coll.desc, "src": self.rank}
+
+    async def _exchange(
+        self,
+        coll: Collective,
+        x: np.ndarray | None,
+        expects: list[tuple[tuple[Any, ...], np.ndarray | None]],
+        push: bool,
+        n: int,
+        itemsize: int,
+    ) -> None:
+        """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
+        gid, seq = self.gid, coll.seq
+        layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
+        step = per_piece(itemsize)
+        total = sum(len(pieces(a, b, step)) for _, a, b in layout)
+        if total == 0 and coll.kind != "scatter":
+            expects = [((gid, seq, "done"), None)]
+        remaining = [len(expects)]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        coll.waiting_on = set()
+
+        def make_cb(dest: np.ndarray | None) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                want = dest.nbytes if dest is not None else 0
+                if hdr["nbytes"] != want:
+                    raise ProtocolError(f"server sent {hdr['nbytes']} bytes for {hdr['tag']}, expected {want}")
+                remaining[0] -= 1
+                if remaining[0] == 0 and not done.done():
+                    done.set_result(None)
+
+            return cb
+
+        for tag, dest in expects:
+            view = byte_view(dest) if dest is not None and dest.nbytes else None
+            self.mailbox.post(tag, view, self._guard(coll, make_cb(dest)))
+        if not expects:
+            done.set_result(None)
+        used = []
+        for shard, a, b in layout:
+            conn = self.links.shards[shard]
+            conn.send_frame(self._join(coll))
+            if push and x is not None:
+                for j, (pa, pb) in enumerate(pieces(a, b, step)):
+                    conn.send_tensor(self._push(coll, j), x[pa:pb])
+            used.append(conn)
+        await done
+        for conn in used:
+            await conn.flush()
+
+    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            try:
+                fn(conn, header, payload)
+            except PsringError as exc:
+                coll.fail(exc)
+
+        return callback
+
+    def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
+        """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
+        step = per_piece(itemsize)
+        tags = []
+        for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
+            for j, (pa, pb) in enumerate(pieces(a, b, step)):
+                tag = (self.gid, coll.seq, "r", shard, j) + ((src,) if src is not None else ())
+                tags.append((tag, out[pa:pb], pa, pb))
+        return tags
+
+    # -------------------------------------------------------------- collectives
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        out = np.empty_like(x)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
+        out = np.empty_like(x)
+        me = self.rank == dst
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)] if me else []
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out if me else None
+
+    async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
+        out = np.empty_like(x)
+        expects = [(t, d) for t, d, pa, pb in self._result_tags(coll, x.size, x.itemsize, out) if a < pb and pa < b]
+        await self._exchange(coll, x, expects if a < b else [], True, x.size, x.itemsize)
+        return out[a:b].copy()
+
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+        if self.rank == src:
+            await self._exchange(coll, x, [], True, x.size, x.itemsize)
+            return x.copy()
+        out = np.empty_like(x)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out, src)]
+        await self._exchange(coll, None, expects, False, x.size, x.itemsize)
+        return out
+
+    async def _barrier(self, coll: Collective) -> None:
+        await self._exchange(coll, None, [], False, 0, 1)
+
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        expects = []
+        for r in range(n_ranks):
+            if r != me:
+                expects += [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out[r], r)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None:
+        n_ranks, me = self.world_size, self.rank
+        if me != dst:
+            await self._exchange(coll, x, [], True, x.size, x.itemsize)
+            return None
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        expects = []
+        for r in range(n_ranks):
+            if r != me:
+                expects += [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out[r], r)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _scatter(
+        self, coll: Collective, xs: np.ndarray | None, src: int, meta: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[str, tuple[int, ...]], str]:
+        me, shards = self.rank, self.num_servers
+        tag = (self.gid, coll.seq, "row")
+        if me == src:
+            assert xs is not None and meta is not None
+            for s, conn in enumerate(self.links.shards):
+                conn.send_frame(self._join(coll))
+                for r in range(self.world_size):
+                    if r != me and r % shards == s:
+                        conn.send_tensor(
+                            {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", r), "call": coll.desc, "src": me},
+                            xs[r],
+                        )
+            for conn in self.links.shards:
+                await conn.flush()
+            return xs[me].copy(), (str(meta.dtype), meta.shape), "cpu"
+        fut = self.mailbox.expect(tag)
+        try:
+            for conn in self.links.shards:
+                conn.send_frame(self._join(coll))
+            _conn, hdr, payload = await fut
+        finally:
+            self.mailbox.unpost(tag)
+        if "dtype" not in hdr:
+            raise ProtocolError(f"scatter row from the servers carries no array (rank {src} scattered)")
+        y = wire.decode_tensor(hdr, payload)
+        return y, (hdr["dtype"], tuple(hdr["shape"])), str(hdr.get("dev", "cpu"))
+
+    # ------------------------------------------------------------------- p2p
+    def _relay_shard(self, a: int, b: int) -> Connection:
+        return self.links.shards[(self.members[a] + self.members[b]) % self.num_servers]
+
+    async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
+        conn = self._relay_shard(self.rank, dst)
+        header = {"kind": "ps_data", "tag": (self.gid, "p2p", self.rank, n), "dev": device, "to": self.members[dst]}
+        conn.send_tensor(header, x)
+        await conn.flush()
+
+    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
+        tag = (self.gid, "p2p", src, n)
+        fut = self.mailbox.expect(tag)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self._check_usable(peer=src)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
+                    break
+        finally:
+            self.mailbox.unpost(tag)
+            if not fut.done():
+                fut.cancel()
+        if "dtype" not in hdr:
+            raise ProtocolError(f"frame from rank {src} carries no array")
+        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
+
+
+__all__ = ["PsGroup", "ServerLinks"]

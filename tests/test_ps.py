@@ -1,0 +1,114 @@
+"""Parameter-server specifics: the partition rule, and shards surviving bad clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import psring
+from psring import wire
+from psring.connection import Mailbox, open_connection
+from psring.server import SMALL_BYTES, plan, start_servers
+from psring.store import connect_store, parse_store_address
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 1 << 26),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    shards=st.integers(1, 16),
+    seq=st.integers(0, 1000),
+    kind=st.sampled_from(["all_reduce", "broadcast", "all_gather", "reduce_scatter"]),
+)
+def test_partition_owns_every_element_once_balanced_and_deterministic(n, itemsize, shards, seq, kind) -> None:
+    layout = plan(kind, n, itemsize, shards, seq)
+    assert layout == plan(kind, n, itemsize, shards, seq)  # every worker and shard computes the same
+    assert all(0 <= s < shards for s, _, _ in layout)
+    assert len({s for s, _, _ in layout}) == len(layout)  # a shard owns at most one slice
+    covered = sorted((a, b) for _, a, b in layout if b > a)
+    pos = 0
+    for a, b in covered:  # contiguous, disjoint, in order: each element exactly once
+        assert a == pos
+        pos = b
+    assert pos == n
+    if n * itemsize > SMALL_BYTES and n >= shards:
+        sizes = [b - a for _, a, b in layout]
+        assert len(layout) == shards  # a large tensor spreads over every shard
+        assert max(sizes) - min(sizes) <= 1  # balanced by bytes
+    else:
+        assert layout == [(seq % shards, 0, n)]
+
+
+async def _server_and_groups(store, make_groups, job_n: int = 2):
+    groups = await make_groups(job_n, "ps")
+    return groups
+
+
+@pytest.mark.asyncio
+async def test_shard_drops_a_malformed_client_and_serves_the_others(store, make_groups) -> None:
+    groups = await make_groups(2, "ps")
+    shard_addr = groups[0].links.addresses[0]
+    host, _, port = shard_addr.rpartition(":")
+    job = groups[0].links.settings.job
+    # 1) raw garbage after the handshake
+    box = Mailbox()
+    bad = await open_connection(
+        host, int(port), secret=None, hello={"role": "rank", "rank": 7, "job": job, "shard": 0}, router=box
+    )
+    bad.transport.write(b"\xc1" * 64)  # 0xc1 is never valid msgpack
+    await asyncio.wait_for(bad.wait_closed(), 5)
+    # 2) a well-formed frame that lies: data for a collective it never joined
+    box2 = Mailbox()
+    liar = await open_connection(
+        host, int(port), secret=None, hello={"role": "rank", "rank": 8, "job": job, "shard": 0}, router=box2
+    )
+    rejected = asyncio.get_running_loop().create_future()
+    box2.on_control = lambda c, h, p: (rejected.set_result(h) if h["kind"] == "reject" else None) or True
+    liar.send_tensor({"kind": "ps_data", "tag": ("0", 99, "p", 0), "call": ("all_reduce",), "src": 0}, np.ones(4))
+    header = await asyncio.wait_for(rejected, 5)
+    assert "before joining" in header["reason"] and "server shard 0" in header["reason"]
+    await asyncio.wait_for(liar.wait_closed(), 5)
+    # 3) a wrong-sized piece inside a real collective: the liar is named, the honest ranks are told
+    # meanwhile the real workers are still served
+    ys = await asyncio.gather(*(g.all_reduce(np.arange(5.0)) for g in groups))
+    assert all(np.array_equal(y, np.arange(5.0) * 2) for y in ys)
+
+
+@pytest.mark.asyncio
+async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> None:
+    groups = await make_groups(2, "ps", servers_n=1)
+    conn = groups[1].links.shards[0]
+    x = np.ones(100_000, np.float32)  # > SMALL_BYTES: pieces are checked against the plan
+    coll_desc = ("all_reduce", "float32", (100_000,), "sum", None)
+    # rank 1 joins, then pushes a piece of the wrong length by hand
+    conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": coll_desc, "src": 1, "size": 2})
+    conn.send_tensor({"kind": "ps_data", "tag": ("0", 0, "p", 0), "call": coll_desc, "src": 1}, x[:10])
+    with pytest.raises(psring.PsringError, match=r"expected 400000 bytes|rank 1"):
+        await groups[0].all_reduce(x)
+
+
+@pytest.mark.asyncio
+async def test_worker_that_stops_reading_is_dropped_and_named(store, make_groups, monkeypatch) -> None:
+    from psring import server as server_mod
+
+    monkeypatch.setattr(server_mod, "MAX_BACKLOG", 8 << 20)
+    groups = await make_groups(2, "ps", servers_n=1)
+    # rank 1 stops reading: the shard's unsent backlog to it grows past the bound
+    groups[1].links.shards[0].transport.pause_reading()
+    x = np.ones(8 << 20, np.float32)  # 32 MiB result to each worker
+    with pytest.raises(psring.PeerLostError, match="rank 1"):
+        await asyncio.wait_for(groups[0].all_reduce(x), 20)
+
+
+def test_wire_knows_ps_kinds() -> None:
+    for kind in ("ps_req", "ps_data", "ps_param"):
+        assert kind in wire.KINDS
+
+
+__all__ = ["connect_store", "parse_store_address", "start_servers"]
