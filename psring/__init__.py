@@ -5,6 +5,7 @@ Group with all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce,
 scatter, gather, send/recv, new_group and close. Errors derive from PsringError.
 """
 
+from . import optim
 from .errors import (
     AuthError,
     CollectiveTimeoutError,
@@ -17,6 +18,7 @@ from .errors import (
 )
 from .facade import BlockingGroup, Handle, init
 from .group import Group, init_group
+from .sgd import SyncSGD
 from .store import FileStoreClient, StoreClient, StoreServer, start_store
 
 __version__ = "0.1.0"
@@ -36,7 +38,9 @@ __all__ = [
     "StoreClient",
     "StoreError",
     "StoreServer",
+    "SyncSGD",
     "init",
     "init_group",
+    "optim",
     "start_store",
 ]

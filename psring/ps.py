@@ -56,7 +56,48 @@ class ServerLinks:
         self.lost: PsringError | None = None
         self.embedded_store: Any = None
         self.own_servers: ShardServer | None = None
+        self.reconnect_servers = True  # parameter mode re-sends to a restarted shard
+        self._loss_waiters: set[asyncio.Future[None]] = set()
         self._closing = False
+
+    def loss_future(self) -> asyncio.Future[None]:
+        """A future that fails with the PeerLostError of the next lost shard connection."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if isinstance(self.lost, PeerLostError):
+            fut.set_exception(self.lost)
+        else:
+            self._loss_waiters.add(fut)
+            fut.add_done_callback(self._loss_waiters.discard)
+        return fut
+
+    async def reconnect(self, deadline: float) -> None:
+        """Dial every lost shard again at the address the store now has for it (a restarted server)."""
+        for i, conn in enumerate(self.shards):
+            if conn.is_open:
+                continue
+            key = f"{self.prefix}/server/{i}"
+            while True:
+                raw = await self.store.get(key)
+                host, _, port = (raw or b"").decode().rpartition(":")
+                try:
+                    new = await open_connection(
+                        host,
+                        int(port),
+                        secret=self.settings.secret,
+                        hello=self._hello(i),
+                        router=self.mailbox,
+                        timeout=min(2.0, max(deadline - time.monotonic(), 0.1)),
+                        name=f"rank {self.rank}",
+                    )
+                    break
+                except (PsringError, ValueError, OSError) as exc:
+                    if time.monotonic() > deadline:
+                        raise PeerLostError(f"server shard {i} did not come back: {exc}") from exc
+                    await asyncio.sleep(0.2)
+            new.peer["shard"] = i
+            self.shards[i] = new
+            self.addresses[i] = f"{host}:{port}"
+        self.lost = None
 
     async def resolve(self, timeout: float) -> int:
         """Wait for the servers to register; return how many shards there are."""
@@ -86,6 +127,9 @@ class ServerLinks:
             self.addresses.append(raw.decode())
         return count
 
+    def _hello(self, i: int) -> dict[str, Any]:
+        return {"role": "rank", "rank": self.rank, "world_size": self.world_size, "job": self.settings.job, "shard": i}
+
     async def connect(self, timeout: float) -> None:
         async def dial(i: int) -> Connection:
             host, _, port = self.addresses[i].rpartition(":")
@@ -94,13 +138,7 @@ class ServerLinks:
                     host,
                     int(port),
                     secret=self.settings.secret,
-                    hello={
-                        "role": "rank",
-                        "rank": self.rank,
-                        "world_size": self.world_size,
-                        "job": self.settings.job,
-                        "shard": i,
-                    },
+                    hello=self._hello(i),
                     router=self.mailbox,
                     timeout=timeout,
                     name=f"rank {self.rank}",
@@ -129,6 +167,10 @@ class ServerLinks:
     def _break(self, err: PsringError) -> None:
         if self.lost is None:
             self.lost = err
+        for fut in list(self._loss_waiters):
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
         for group in list(self.groups.values()):
             if isinstance(err, PeerLostError):
                 group.on_peer_lost(err)
@@ -148,6 +190,10 @@ class ServerLinks:
         message = str(header.get("message", ""))[:2000]
         if reason == "lost":
             lost = header.get("lost")
+            for fut in list(self._loss_waiters):
+                if not fut.done():
+                    fut.set_exception(PeerLostError(message, rank=lost if type(lost) is int else None))
+                    fut.exception()
             for group in list(self.groups.values()):
                 local = group.local_rank(lost)
                 if local is not None or group.gid == "0":
@@ -473,6 +519,113 @@ class PsGroup(Group):
         y = wire.decode_tensor(hdr, payload)
         return y, (hdr["dtype"], tuple(hdr["shape"])), str(hdr.get("dev", "cpu"))
 
+    # -------------------------------------------------------- parameter mode
+    # Used by SyncSGD: the shards hold the parameters and the optimizer state.
+
+    def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        step = per_piece(flat.itemsize)
+        return [
+            (s, a, pieces(a, z, step)) for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b)
+        ]
+
+    async def param_init(self, buckets: list[np.ndarray], optimizer: dict[str, Any]) -> tuple[list[np.ndarray], int]:
+        """Rank 0 offers its parameters; every rank then pulls what the shards hold (and their step)."""
+        self._check_usable()
+        if self.gid != "0":
+            raise ValueError("parameter mode runs on the main group, not a subgroup")
+        if self.rank == 0:
+            for b, flat in enumerate(buckets):
+                for shard, _a, parts in self._param_layout(b, flat):
+                    conn = self.links.shards[shard]
+                    base = {
+                        "kind": "ps_param",
+                        "op": "init",
+                        "n": flat.size,
+                        "dtype": wire.tensor_fields(flat)["dtype"],
+                        "size": self.world_size,
+                        "optimizer": optimizer,
+                    }
+                    if not parts:
+                        conn.send_frame({**base, "tag": ("param", b, "init", -1), "piece": None})
+                    for j, (pa, pb) in enumerate(parts):
+                        conn.send_tensor({**base, "tag": ("param", b, "init", j), "piece": j}, flat[pa:pb])
+        outs = [np.empty_like(flat) for flat in buckets]
+        steps: list[int] = []
+
+        async def pull(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
+            futs = [
+                self.mailbox.expect(("param", b, "pull", shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
+                for j, (pa, pb) in enumerate(parts)
+            ]
+            marker = self.mailbox.expect(("param", b, "pulled", shard))
+            self.links.shards[shard].send_frame(
+                {"kind": "ps_param", "op": "pull", "tag": ("param", b, "pull"), "src": self.rank}
+            )
+            for fut in futs:
+                _c, hdr, payload = await fut
+                if payload is not None and hdr["nbytes"] and not _same(payload, outs[b]):
+                    raise ProtocolError("parameter piece did not land in place")
+            _c, hdr, _p = await marker
+            steps.append(int(hdr["step"]))
+
+        jobs = [
+            pull(b, shard, parts) for b, flat in enumerate(buckets) for shard, _a, parts in self._param_layout(b, flat)
+        ]
+        await self._param_wait(asyncio.gather(*jobs), "pulling the initial parameters")
+        if len(set(steps)) > 1:
+            raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
+        return outs, (steps[0] if steps else 0)
+
+    async def param_step(self, t: int, grads: list[np.ndarray], outs: list[np.ndarray]) -> None:
+        """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart."""
+        self._check_usable()
+        got: set[tuple[Any, ...]] = set()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                await self._param_round(t, grads, outs, got, deadline)
+                return
+            except PeerLostError as exc:
+                if exc.rank is not None or not self.links.reconnect_servers:
+                    raise
+                logger.warning("%r: %s; reconnecting to re-send step %d", self, exc, t)
+                await self.links.reconnect(deadline)
+                self._broken = None
+
+    async def _param_round(
+        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], got: set[tuple[Any, ...]], deadline: float
+    ) -> None:
+        futs = []
+        for b, flat in enumerate(grads):
+            for shard, _a, parts in self._param_layout(b, flat):
+                conn = self.links.shards[shard]
+                for j, (pa, pb) in enumerate(parts):
+                    tag = ("param", b, t, "r", shard, j)
+                    if tag in got:
+                        continue
+                    self.mailbox.unpost(tag)
+                    fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                    fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
+                    futs.append(fut)
+                    conn.send_tensor(
+                        {"kind": "ps_param", "op": "push", "tag": ("param", b, t, j), "src": self.rank}, flat[pa:pb]
+                    )
+        await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
+
+    async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:
+        lost = self.links.loss_future()
+        remaining = (deadline or time.monotonic() + self.timeout) - time.monotonic()
+        done, _ = await asyncio.wait({work, lost}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            work.result()
+            return
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        if lost in done:
+            raise lost.exception() or PeerLostError("a server shard was lost")
+        raise CollectiveTimeoutError(f"rank {self.rank}: the servers did not answer {what} within {self.timeout:g}s")
+
     # ------------------------------------------------------------------- p2p
     def _relay_shard(self, a: int, b: int) -> Connection:
         return self.links.shards[(self.members[a] + self.members[b]) % self.num_servers]
@@ -505,6 +658,13 @@ class PsGroup(Group):
         if "dtype" not in hdr:
             raise ProtocolError(f"frame from rank {src} carries no array")
         return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
+
+
+def _same(payload: Any, out: np.ndarray) -> bool:
+    try:
+        return bool(np.shares_memory(np.frombuffer(payload, np.uint8), out))
+    except (TypeError, ValueError):
+        return False
 
 
 __all__ = ["PsGroup", "ServerLinks"]

@@ -540,6 +540,7 @@ class ShardServer:
         self.listener: Listener | None = None
         self.store: Any = None
         self.address = ""
+        self.on_stop: Any = None  # parameter mode: the final checkpoint
 
     @property
     def port(self) -> int:
@@ -650,8 +651,9 @@ async def serve_forever(server: ShardServer, on_stop: Any = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if on_stop is not None:
-        on_stop()
+    for hook in (on_stop, server.on_stop):
+        if hook is not None:
+            hook()
     await server.close()
 
 
