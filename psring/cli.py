@@ -74,8 +74,11 @@ async def _serve_shards(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         restore=args.restore,
     )
+    restored = sum(len(s.params.buckets) for s in server.shards.values() if s.params is not None) if args.restore else 0
     print(
-        f"psring server: shard(s) {sorted(server.shards)} of {num} for job {args.job!r} on {server.address}", flush=True
+        f"psring server: shard(s) {sorted(server.shards)} of {num} for job {args.job!r} on {server.address}"
+        + (f", restored {restored} bucket(s) from {args.checkpoint_dir}" if args.restore else ""),
+        flush=True,
     )
     await serve_forever(server)
     return 0

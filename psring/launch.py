@@ -13,12 +13,18 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .store import StoreServer, start_store
 
 
-async def _pump(stream: asyncio.StreamReader, prefix: str, out: object, quiet_first: bool = False) -> None:
+async def _pump(
+    stream: asyncio.StreamReader,
+    prefix: str,
+    out: object,
+    quiet_first: bool = False,
+    on_line: Callable[[str], bool] | None = None,
+) -> None:
     while True:
         line = await stream.readline()
         if not line:
@@ -27,6 +33,8 @@ async def _pump(stream: asyncio.StreamReader, prefix: str, out: object, quiet_fi
             quiet_first = False
             continue
         text = line.decode(errors="replace")
+        if on_line is not None and on_line(text):
+            continue
         out.write(f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n")  # type: ignore[attr-defined]
         out.flush()  # type: ignore[attr-defined]
 
@@ -55,6 +63,7 @@ async def launch(
     prefix_output: bool = True,
     store: StoreServer | None = None,
     extra_env: Sequence[dict[str, str]] | None = None,
+    on_line: Callable[[str], bool] | None = None,
 ) -> int:
     """Run cmd as n ranks; return 0 if all succeeded, else the first failing exit code."""
     if n < 1:
@@ -98,7 +107,7 @@ async def launch(
             procs.append(proc)
             assert proc.stdout is not None
             label = f"[rank {rank}] " if prefix_output else ""
-            pumps.append(asyncio.ensure_future(_pump(proc.stdout, label, sys.stdout)))
+            pumps.append(asyncio.ensure_future(_pump(proc.stdout, label, sys.stdout, on_line=on_line)))
         waits = {asyncio.ensure_future(p.wait()): f"rank {r}" for r, p in enumerate(procs)}
         server_waits = {asyncio.ensure_future(p.wait()): f"server shard {i}" for i, p in enumerate(servers)}
         failed = 0

@@ -156,7 +156,7 @@ class ParamStore:
                         bucket.state[k][...] = data[f"{prefix}state.{k}"]
                 bucket.step = int(meta["step"])
                 self.buckets[bucket.b] = bucket
-        logger.warning("%r restored %d bucket(s) from %s", self.shard, len(metas), self.path())
+        logger.info("%r restored %d bucket(s) from %s", self.shard, len(metas), self.path())
         return len(metas)
 
     # ----------------------------------------------------------------- frames

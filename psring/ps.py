@@ -578,11 +578,14 @@ class PsGroup(Group):
 
     async def param_step(self, t: int, grads: list[np.ndarray], outs: list[np.ndarray]) -> None:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart."""
-        self._check_usable()
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.timeout
         while True:
             try:
+                lost = self.links.lost
+                if isinstance(lost, PeerLostError) and lost.rank is None:
+                    raise lost  # a server went away since the last step: reconnect first
+                self._check_usable()
                 await self._param_round(t, grads, outs, got, deadline)
                 return
             except PeerLostError as exc:
