@@ -155,8 +155,64 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     return {"results": results} if rank == 0 else None
 
 
+def synthetic_model(total: int, tensors: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``tensors`` float32 tensors of ``total`` elements in all, sized like a conv net's.
+
+    A few large weight matrices hold most elements; many small ones (biases, norms)
+    make up the count -- the shape of the problem bucketing is for.
+    """
+    rng = np.random.default_rng(seed)
+    small = max(tensors // 2, 1)
+    big = max(tensors - small, 1)
+    small_sizes = rng.integers(64, 2048, small)
+    rest = max(total - int(small_sizes.sum()), big)
+    weights = rng.uniform(0.2, 1.0, big)
+    big_sizes = np.maximum((weights / weights.sum() * rest).astype(np.int64), 1)
+    big_sizes[0] += rest - int(big_sizes.sum())
+    sizes = [int(s) for s in np.concatenate([big_sizes, small_sizes])]
+    return {f"t{i:04d}": np.full(n, 0.01, np.float32) for i, n in enumerate(sizes)}
+
+
+async def _sgd_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    import psring
+
+    group = await psring.init_group(timeout=spec.get("timeout", 300.0))
+    try:
+        params = synthetic_model(spec["params"], spec["tensors"])
+        opt = psring.SyncSGD(group, params, psring.optim.SGD(lr=0.01, momentum=0.9))
+        await opt.start()
+        rng = np.random.default_rng(group.rank)
+        grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        rows = []
+        for i in range(spec["warmup"] + spec["steps"]):
+            await group.barrier()
+            t0 = time.perf_counter()
+            await opt.step(grads)
+            total = time.perf_counter() - t0
+            if i >= spec["warmup"]:
+                rows.append([total, opt.last_timing["exchange_s"], opt.last_timing["update_s"]])
+        worst = await group.all_reduce(np.array(rows), op="max")
+        return (
+            {"step_s": worst.tolist(), "buckets": len(opt.buckets), "tensors": len(params)} if group.rank == 0 else None
+        )
+    finally:
+        await group.close()
+
+
 def rank_main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
+    if spec.get("mode") == "sgd":
+        from .facade import new_event_loop
+
+        loop = new_event_loop()
+        try:
+            out = loop.run_until_complete(_sgd_rank(spec))
+        finally:
+            loop.close()
+        if out is not None:
+            with open(spec["out"], "w") as fh:
+                json.dump(out, fh)
+        return 0
     if spec.get("backend", "psring") == "gloo":
         out = _gloo_rank(spec)
     else:
@@ -221,6 +277,64 @@ def run_allreduce(
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (workers - 1) / workers
         row["dtype"] = dtype
     return rows
+
+
+def run_sgd(
+    *, topology: str, workers: int, params: int, tensors: int, steps: int, warmup: int, servers: int | None
+) -> dict[str, Any]:
+    from .facade import new_event_loop
+    from .launch import launch
+
+    with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {"mode": "sgd", "params": params, "tensors": tensors, "steps": steps, "warmup": warmup, "out": out}
+        env = dict(os.environ)
+        if servers is not None:
+            env["PSRING_SERVERS"] = str(servers)
+        cmd = [sys.executable, "-m", "psring.bench", json.dumps(spec)]
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=False))
+        finally:
+            loop.close()
+        if code != 0:
+            raise RuntimeError(f"benchmark ranks failed (exit code {code})")
+        with open(out) as fh:
+            result: dict[str, Any] = json.load(fh)
+    steps_s = np.array(result["step_s"])
+    med = np.median(steps_s, axis=0)
+    result.update(step_ms=1e3 * med[0], exchange_ms=1e3 * med[1], update_ms=1e3 * med[2])
+    return result
+
+
+def cli_sgd(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit(f"psring bench: --workers must be at least 1, got {args.workers}")
+    if args.topology == "ring" and args.servers is not None:
+        raise SystemExit("psring bench: --servers applies to --topology ps only")
+    n = parse_size(args.params.upper().replace("M", "000000").replace("K", "000")) if args.params else 0
+    r = run_sgd(
+        topology=args.topology,
+        workers=args.workers,
+        params=n,
+        tensors=args.tensors,
+        steps=args.steps,
+        warmup=args.warmup,
+        servers=args.servers,
+    )
+    title = (
+        f"psring SyncSGD step, topology={args.topology}, workers={args.workers}, {n / 1e6:g}M float32 params "
+        f"in {r['tensors']} tensors ({r['buckets']} buckets)"
+    )
+    if args.json:
+        print(json.dumps({"title": title, **r}))
+        return 0
+    print(f"# {title}")
+    print(f"{'step (ms)':>12} {'exchange (ms)':>14} {'update (ms)':>12}")
+    print(f"{r['step_ms']:>12.1f} {r['exchange_ms']:>14.1f} {r['update_ms']:>12.1f}")
+    if args.topology == "ps":
+        print("# over ps the optimizer runs on the servers: its time is inside the exchange")
+    return 0
 
 
 def format_table(rows: list[dict[str, Any]], title: str) -> str:

@@ -118,6 +118,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return cli(args)
 
 
+def _cmd_bench_sgd(args: argparse.Namespace) -> int:
+    from .bench import cli_sgd
+
+    return cli_sgd(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psring", description="Synchronous data-parallel SGD over a ring or a parameter server."
@@ -183,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--plot", default=None, help="write a PNG of busbw against size")
     b.set_defaults(func=_cmd_bench)
+    b = bsub.add_parser(
+        "sgd",
+        help="time SyncSGD steps on synthetic gradients of a realistic model shape",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    b.add_argument("--params", default="25M", help="total float32 parameters (K, M suffixes: decimal)")
+    b.add_argument("--tensors", type=int, default=160, help="how many tensors they are split into")
+    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=_cmd_bench_sgd)
     _register_jobs(sub)
     return parser
 

@@ -100,6 +100,7 @@ class ParamStore:
         self.checkpoint_every = 1
         self.checkpoints_written = 0
         self.updates_applied = 0
+        self.early_pulls: dict[int, list[Connection]] = {}
 
     # ------------------------------------------------------------ checkpoints
     def path(self) -> str:
@@ -169,11 +170,14 @@ class ParamStore:
         if op == "init":
             self._init(conn, b, header, payload)
         elif op == "pull":
-            bucket = self._bucket(b)
-            if bucket.ready:
+            bucket = self.buckets.get(b)
+            if bucket is not None and bucket.ready:
                 self._send_params(conn, bucket, "pull")
-            else:
-                bucket.waiting_pulls.append(conn)
+            else:  # rank 0's init may still be on its way (another connection): answer when it lands
+                early = self.early_pulls.setdefault(b, [])
+                if len(self.early_pulls) > 100_000 or len(early) > 1 << 16:
+                    raise ProtocolError(f"too many pulls of parameter buckets nobody initialised (bucket {b})")
+                early.append(conn)
         elif op == "push":
             self._push(conn, b, header, payload)
         else:
@@ -224,9 +228,10 @@ class ParamStore:
             if len(bucket.init_seen) == len(bucket.pieces):
                 bucket.start()
         if bucket.ready:
-            pulls, bucket.waiting_pulls = bucket.waiting_pulls, []
+            pulls, bucket.waiting_pulls = bucket.waiting_pulls + self.early_pulls.pop(b, []), []
             for waiter in pulls:
-                self._send_params(waiter, bucket, "pull")
+                if waiter.is_open:
+                    self._send_params(waiter, bucket, "pull")
 
     def _push(self, conn: Connection, b: int, header: dict[str, Any], payload: Any) -> None:
         bucket = self._bucket(b)

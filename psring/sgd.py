@@ -13,6 +13,8 @@ Knows a Group and an optimizer, not sockets.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +100,7 @@ class SyncSGD:
         self._micro = 0
         self.step_count = 0  # optimizer steps taken (server-side step for ps)
         self.started = False
+        self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self._views()
 
     # ------------------------------------------------------------ layout
@@ -175,17 +178,20 @@ class SyncSGD:
                 return self.params
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
+        t0 = time.perf_counter()
         if self.topology == "ps":
             host = [_to_host(f) for f in flats]
             outs = [np.empty_like(h) for h in host]
             await self.group.param_step(self.step_count, host, outs)
             self._flat = [_like(self.xp, o) for o in outs]
+            t1 = t2 = time.perf_counter()  # the update ran on the servers, inside the exchange
         else:
-            import asyncio
-
             avgs = await asyncio.gather(*(self.group.all_reduce(f, op="avg") for f in flats))
+            t1 = time.perf_counter()
             for flat, avg, state in zip(self._flat, avgs, self._state, strict=True):
                 self.optimizer.update(flat, avg, state)
+            t2 = time.perf_counter()
+        self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
         self.params = self._views()
         return self.params

@@ -1,0 +1,78 @@
+"""Short forms of the benchmarks, so they cannot rot: they run and report sane fields.
+
+Speed is not asserted here; the figures come from the long runs (see README)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _json(args: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_p2p_benchmark_reports_both_transports() -> None:
+    r = _json(["benchmarks/p2p.py", "--size", "4M", "--iters", "3", "--repeats", "2", "--json"])
+    assert r["size"] == 4 << 20 and r["psring_GBps"] > 0 and r["socket_GBps"] > 0
+    assert r["ratio"] == pytest.approx(r["psring_GBps"] / r["socket_GBps"])
+
+
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_bench_allreduce_table_fields(topology: str) -> None:
+    r = _json(
+        [
+            "-m",
+            "psring",
+            "bench",
+            "allreduce",
+            "--topology",
+            topology,
+            "--workers",
+            "2",
+            "--sizes",
+            "4,256K",
+            "--iters",
+            "2",
+            "--json",
+        ]
+    )
+    assert [row["size"] for row in r["rows"]] == [4, 256 << 10]
+    for row in r["rows"]:
+        assert row["time_s"] > 0 and row["busbw_GBps"] == pytest.approx(row["algbw_GBps"])  # N=2: busbw = algbw
+        assert row["peak_rss_over_idle"] >= 0
+
+
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_bench_sgd_splits_step_time(topology: str) -> None:
+    r = _json(
+        [
+            "-m",
+            "psring",
+            "bench",
+            "sgd",
+            "--params",
+            "1M",
+            "--tensors",
+            "40",
+            "--topology",
+            topology,
+            "--workers",
+            "2",
+            "--steps",
+            "2",
+            "--json",
+        ]
+    )
+    assert r["tensors"] == 40 and r["buckets"] >= 1
+    assert r["step_ms"] > 0 and r["exchange_ms"] > 0
+    assert (r["update_ms"] > 0) == (topology == "ring")
