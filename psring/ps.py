@@ -214,6 +214,10 @@ class ServerLinks:
             "bytes_received": sum(c.bytes_received for c in self.shards),
         }
 
+    def per_shard(self) -> list[tuple[int, int]]:
+        """(bytes this worker sent to, received from) each shard."""
+        return [(c.bytes_sent, c.bytes_received) for c in self.shards]
+
     async def close(self) -> None:
         self._closing = True
         await asyncio.gather(*(c.close() for c in self.shards), return_exceptions=True)

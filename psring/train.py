@@ -187,6 +187,11 @@ async def worker(spec: dict[str, Any]) -> None:
         wall = time.perf_counter() - t_start
         stats = group.stats()
         all_stats = await group.all_gather(np.array([stats["bytes_sent"], stats["bytes_received"]], np.int64))
+        servers: list[list[int]] = []
+        if group.topology == "ps":  # what the shards received and sent = the sum over workers of the reverse
+            mine = np.array(group.links.per_shard(), np.int64).reshape(-1, 2)
+            total = await group.all_reduce(mine, op="sum")
+            servers = [[int(r), int(s)] for s, r in total]
         if group.rank == 0:
             summary = {
                 "topology": group.topology,
@@ -200,6 +205,7 @@ async def worker(spec: dict[str, Any]) -> None:
                 "ms_per_step_compute": 1e3 * compute / max(steps, 1),
                 "ms_per_step_comm": 1e3 * comm / max(steps, 1),
                 "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
+                "bytes_per_server": servers,
                 "ranks_agree": agree,
                 "param_digest": digest,
                 "history": history,
@@ -298,6 +304,8 @@ def print_summary(summary: dict[str, Any]) -> None:
     )
     for r, (sent, received) in enumerate(summary["bytes_per_worker"]):
         print(f"  worker {r}           sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
+    for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
+        print(f"  server shard {i}     sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
     print(f"  ranks bit-identical {summary['ranks_agree']}")
 
 

@@ -73,3 +73,23 @@ def test_train_compare_gives_bit_identical_topologies_with_adam() -> None:
     assert results["ring"]["param_digest"] == results["ps"]["param_digest"]
     assert results["ps"]["servers"] == 2
     assert "ring and ps final parameters bit-identical: True" in proc.stdout
+
+
+@pytest.mark.parametrize("n, world", [(1437, 4), (10, 3), (7, 7), (5, 8)])
+def test_sampler_shards_are_disjoint_even_and_reshuffled(n: int, world: int) -> None:
+    import numpy as np
+
+    from psring.train import shard_indices
+
+    for epoch in (0, 1):
+        shards = [shard_indices(n, epoch, seed=3, rank=r, world=world) for r in range(world)]
+        assert len({len(s) for s in shards}) == 1  # even sizes
+        assert len(shards[0]) == -(-n // world)
+        everything = np.concatenate(shards)
+        assert set(everything.tolist()) == set(range(n))  # every sample, padding only by wrapping
+        if n % world == 0:
+            assert len(everything) == len(set(everything.tolist()))  # disjoint
+        again = [shard_indices(n, epoch, seed=3, rank=r, world=world) for r in range(world)]
+        assert all(np.array_equal(a, b) for a, b in zip(shards, again, strict=True))  # shared seed
+    if n > 10:
+        assert not np.array_equal(shard_indices(n, 0, 3, 0, world), shard_indices(n, 1, 3, 0, world))
