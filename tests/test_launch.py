@@ -58,3 +58,39 @@ def test_bench_allreduce_table_and_json() -> None:
         assert r["time_s"] > 0 and r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(N-1)/N = 1 at N=2
     proc = run(["bench", "allreduce", "--workers", "2", "--sizes", "1K", "--iters", "1"])
     assert proc.returncode == 0 and "busbw(GB/s)" in proc.stdout and "1K" in proc.stdout
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("topology, extra", [("ring", []), ("ps", ["--hand-written-ring"])])
+def test_tutorial_example_runs_and_its_ring_equals_all_reduce(topology: str, extra: list[str]) -> None:
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tutorial_sync_sgd.py"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psring",
+            "launch",
+            "-n",
+            "3",
+            "--topology",
+            topology,
+            "--",
+            sys.executable,
+            str(script),
+            "--epochs",
+            "2",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("hand-written ring == all_reduce: True") == 3, proc.stdout
+    assert proc.stdout.count("ranks agree: True") == 3, proc.stdout
+    losses = [
+        float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "epoch" in line and "rank 0:" in line
+    ]
+    assert len(losses) == 2 and losses[1] < losses[0]
