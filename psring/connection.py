@@ -63,6 +63,10 @@ def _env_float(name: str, default: float) -> float:
     return value
 
 
+#: payloads up to this many bytes are copied next to their header and written in one call
+SMALL_COPY = 16 << 10
+
+
 class Router(Protocol):
     """Where a Connection sends the frames it does not handle itself."""
 
@@ -271,7 +275,10 @@ class Connection(asyncio.BufferedProtocol):
             size = payload.nbytes
         header["nbytes"] = size
         head = wire.encode_header(header)
-        if size:
+        if size and size <= SMALL_COPY:
+            transport.write(b"".join((head, payload)))  # one syscall, one segment: small frames are latency-bound
+            self.bytes_sent += len(head) + size
+        elif size:
             transport.writelines((head, payload))
             self.bytes_sent += len(head) + size
         else:

@@ -297,7 +297,17 @@ class RingGroup(Group):
 
     # ---------------------------------------------------------------- plumbing
     async def _link(self, local_rank: int) -> Connection:
+        conn = self.net.links.get(self.members[local_rank])
+        if conn is not None and conn.is_open:
+            return conn  # the common case, without a dial
         return await self.net.link(self.members[local_rank], self.timeout)
+
+    async def _links(self, local_ranks: list[int]) -> list[Connection]:
+        links, members = self.net.links, self.members
+        conns = [links.get(members[r]) for r in local_ranks]
+        if all(c is not None and c.is_open for c in conns):
+            return conns  # type: ignore[return-value]
+        return list(await asyncio.gather(*(self._link(r) for r in local_ranks)))
 
     def _header(self, coll: Collective, *tag: Any) -> dict[str, Any]:
         return {"kind": "data", "tag": (self.gid, coll.seq, *tag), "call": coll.desc, "src": self.rank}
@@ -389,7 +399,7 @@ class RingGroup(Group):
             dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
             self.mailbox.post((self.gid, coll.seq, phase, src), dest, self._guard(coll, make_cb(src)))
         targets = [d for d in receivers if d != me]
-        conns = await asyncio.gather(*(self._link(d) for d in targets))
+        conns = await self._links(targets)
         for conn in conns:
             if x is None:
                 conn.send_frame(self._header(coll, phase, me))
@@ -626,7 +636,7 @@ class RingGroup(Group):
         if me == src:
             assert xs is not None and meta is not None
             targets = [r for r in range(self.world_size) if r != me]
-            conns = await asyncio.gather(*(self._link(r) for r in targets))
+            conns = await self._links(targets)
             for r, conn in zip(targets, conns, strict=True):
                 conn.send_tensor(self._header(coll, _SCATTER, 0), xs[r])
             await self._flush_all(list(conns))
