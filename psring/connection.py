@@ -115,6 +115,8 @@ class Connection(asyncio.BufferedProtocol):
         self.last_heard = time.monotonic()
         self._last_sent = self.last_heard
         self._closing = False
+        #: the peer's goodbye frame, once it said goodbye (it may carry where the peer stopped)
+        self.farewell: dict[str, Any] | None = None
         self._lost: PeerLostError | None = None
         self._closed = asyncio.get_running_loop().create_future()
         self._flush_waiters: list[asyncio.Future[None]] = []
@@ -253,6 +255,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         if kind == "bye":
             self._closing = True  # the peer is leaving on purpose: not a loss
+            self.farewell = header
             return
         if self._handshake_frames is not None:
             self._handshake_frames.put_nowait(header)
@@ -475,15 +478,18 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.abort()
         self._teardown()
 
-    async def close(self, timeout: float = 2.0) -> None:
-        """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails."""
+    async def close(self, timeout: float = 2.0, farewell: dict[str, Any] | None = None) -> None:
+        """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails.
+
+        ``farewell`` adds fields to the goodbye frame (the peer sees them as its ``farewell``).
+        """
         if self.transport is None or (self._closing and self.transport.is_closing()):
             self._teardown()
             return
         self._closing = True
         try:
             if not self.transport.is_closing() and self._handshake_frames is None:
-                self.send_frame({"kind": "bye"})
+                self.send_frame({**(farewell or {}), "kind": "bye"})
                 await asyncio.wait_for(self.flush(), timeout)
         except (Exception, asyncio.CancelledError):
             pass

@@ -179,6 +179,7 @@ class Group(abc.ABC):
         self._aborted: dict[int, PsringError] = {}
         self._broken: PsringError | None = None
         self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
+        self._departed_at: dict[int, int | None] = {}  # ... and the first seq they did not finish
         self._closed = False
         self._subgroups = 0
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
@@ -203,16 +204,30 @@ class Group(abc.ABC):
         await self.close()
 
     # ------------------------------------------------------------------ state
-    def _check_usable(self, peer: int | None = None) -> None:
-        """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank)."""
+    def _check_usable(self, peer: int | None = None, receiving: bool = False) -> None:
+        """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank).
+
+        A rank that left cleanly finished every collective before the one it reported
+        in its goodbye, and everything it sent has arrived: slower ranks may still run
+        those collectives, and receive what it sent them, without it.
+        """
         if self._closed:
             raise GroupClosedError(f"{self!r} is closed")
         if self._broken is not None:
             raise type(self._broken)(f"{self!r} is broken: {self._broken}") from self._broken
         if self._departed:
-            gone = self._departed.get(peer) if peer is not None else next(iter(self._departed.values()))
-            if gone is not None:
+            if peer is None:
+                for r, gone in self._departed.items():
+                    stopped_at = self._departed_at.get(r)
+                    if stopped_at is None or self._seq >= stopped_at:
+                        raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
+            elif peer in self._departed and not receiving:
+                gone = self._departed[peer]
                 raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
+
+    def stopped_at(self) -> int:
+        """The first collective seq this rank has not finished (told to peers when it leaves)."""
+        return min(self._active, default=self._seq)
 
     def _begin(
         self,
@@ -324,7 +339,7 @@ class Group(abc.ABC):
             lost.__cause__ = err.__cause__
             coll.fail(lost)
 
-    def on_peer_departed(self, local_rank: int, err: PeerLostError) -> bool:
+    def on_peer_departed(self, local_rank: int, err: PeerLostError, stopped_at: int | None = None) -> bool:
         """A peer closed its connections cleanly (its process is done with the group).
 
         Everything it sent has arrived by then, so only a collective still waiting for
@@ -334,6 +349,7 @@ class Group(abc.ABC):
         if self._closed:
             return False
         self._departed.setdefault(local_rank, err)
+        self._departed_at.setdefault(local_rank, stopped_at)
         hurt = False
         for coll in list(self._active.values()):
             if local_rank in coll.waiting_on:
@@ -468,7 +484,7 @@ class Group(abc.ABC):
         self._check_rank(src, "src")
         if src == self.rank:
             raise ValueError(f"recv: src={src} is this rank")
-        self._check_usable(peer=src)
+        self._check_usable(peer=src, receiving=True)
         n = self._p2p_recv.get(src, 0)
         self._p2p_recv[src] = n + 1
         y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)

@@ -53,6 +53,7 @@ class ServerLinks:
         self.shards: list[Connection] = []
         self.addresses: list[str] = []
         self.groups: dict[str, PsGroup] = {}
+        self.stopped_at: dict[str, int] = {}  # per group: the first seq this rank did not finish
         self.lost: PsringError | None = None
         self.embedded_store: Any = None
         self.own_servers: ShardServer | None = None
@@ -220,7 +221,10 @@ class ServerLinks:
 
     async def close(self) -> None:
         self._closing = True
-        await asyncio.gather(*(c.close() for c in self.shards), return_exceptions=True)
+        for gid, group in self.groups.items():
+            self.stopped_at.setdefault(gid, group.stopped_at())
+        farewell = {"seqs": self.stopped_at}
+        await asyncio.gather(*(c.close(farewell=farewell) for c in self.shards), return_exceptions=True)
         if self.own_servers is not None:
             await self.own_servers.drain(timeout=10.0)
             await self.own_servers.close()
@@ -342,6 +346,7 @@ class PsGroup(Group):
     async def close(self) -> None:
         if self._closed:
             return
+        self.links.stopped_at[self.gid] = self.stopped_at()
         self._closed = True
         self.links.groups.pop(self.gid, None)
         for coll in list(self._active.values()):
@@ -349,11 +354,11 @@ class PsGroup(Group):
         if self.gid == "0":
             await asyncio.shield(self.links.close())
 
-    def _check_usable(self, peer: int | None = None) -> None:
-        super()._check_usable(peer)
+    def _check_usable(self, peer: int | None = None, receiving: bool = False) -> None:
+        super()._check_usable(peer, receiving)
         if self.links.lost is not None and self._broken is None:
             self._broken = self.links.lost
-            super()._check_usable(peer)
+            super()._check_usable(peer, receiving)
 
     # ------------------------------------------------------------- the engine
     def _join(self, coll: Collective) -> dict[str, Any]:
@@ -649,7 +654,10 @@ class PsGroup(Group):
         deadline = time.monotonic() + timeout
         try:
             while True:
-                self._check_usable(peer=src)
+                if fut.done():  # it arrived before anything went wrong: deliver it
+                    _conn, hdr, payload = fut.result()
+                    break
+                self._check_usable(peer=src, receiving=True)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveTimeoutError(

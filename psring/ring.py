@@ -68,6 +68,7 @@ class PeerNet:
         self.links: dict[int, Connection] = {}
         self.conns: set[Connection] = set()
         self.groups: dict[str, RingGroup] = {}
+        self.stopped_at: dict[str, int] = {}  # per group: the first seq this rank did not finish
         self.addresses: dict[int, tuple[str, int]] = {}
         self.lost: dict[int, PeerLostError] = {}
         self._dialing: dict[int, asyncio.Future[Connection]] = {}
@@ -174,9 +175,13 @@ class PeerNet:
         if error is None:  # a clean goodbye: the peer finished, it did not crash
             err = PeerLostError(f"rank {peer_rank} at {conn.peername} closed its connections", rank=peer_rank)
             hurt = False
+            seqs = (conn.farewell or {}).get("seqs")
+            seqs = seqs if isinstance(seqs, dict) else {}
             for group in list(self.groups.values()):
                 if peer_rank in group.members:
-                    hurt |= group.on_peer_departed(group.members.index(peer_rank), err)
+                    at = seqs.get(group.gid)
+                    at = at if type(at) is int else None
+                    hurt |= group.on_peer_departed(group.members.index(peer_rank), err, at)
             if hurt:  # it left in the middle of a collective: everyone must give up on it
                 self._peer_lost(peer_rank, err)
             else:
@@ -230,8 +235,11 @@ class PeerNet:
 
     async def close(self) -> None:
         self._closing = True
+        for gid, group in self.groups.items():
+            self.stopped_at.setdefault(gid, group.stopped_at())
+        farewell = {"seqs": self.stopped_at}
         conns = list(self.conns)
-        await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+        await asyncio.gather(*(c.close(farewell=farewell) for c in conns), return_exceptions=True)
         if self.listener is not None:
             await self.listener.close()
         with contextlib.suppress(Exception):
@@ -332,6 +340,7 @@ class RingGroup(Group):
     async def close(self) -> None:
         if self._closed:
             return
+        self.net.stopped_at[self.gid] = self.stopped_at()
         self._closed = True
         self.net.groups.pop(self.gid, None)
         for coll in list(self._active.values()):
@@ -663,6 +672,9 @@ class RingGroup(Group):
         deadline = time.monotonic() + timeout
         try:
             while True:
+                if fut.done():  # it arrived before anything went wrong: deliver it
+                    _conn, hdr, payload = fut.result()
+                    break
                 if self._broken is not None:
                     raise PeerLostError(f"recv from rank {src}: {self._broken}", rank=self._broken.rank)  # type: ignore[attr-defined]
                 if src in self._departed:

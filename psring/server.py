@@ -166,6 +166,7 @@ class Shard:
         self.conns: set[Connection] = set()
         self.buffered: dict[Connection, int] = {}
         self.gone: dict[int, str] = {}  # ranks of the main group that left or were lost
+        self.gone_at: dict[int, int | None] = {}  # ... and the first main-group seq they did not finish
         self.frames_in = 0
         self.bytes_folded = 0
         self.params: Any = None  # ParamStore, created on first use
@@ -185,6 +186,7 @@ class Shard:
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
         self.by_rank[rank] = conn
         self.gone.pop(rank, None)
+        self.gone_at.pop(rank, None)
         self.conns.add(conn)
         self.idle.clear()
 
@@ -198,13 +200,28 @@ class Shard:
         if not self.conns:
             self.idle.set()
         dropped = error is not None and isinstance(error.__cause__, ProtocolError)  # our own doing
-        needed = [key for key, p in self.pending.items() if any(c is conn for c in p.conns.values())]
+        # a worker that said goodbye reports, per group, the first collective it did not
+        # finish: the ones before it need nothing more from it, whoever has yet to join them
+        seqs = (conn.farewell or {}).get("seqs") if error is None else None
+        seqs = seqs if isinstance(seqs, dict) else {}
+
+        def finished(p: _Pending) -> bool:
+            at = seqs.get(p.gid)
+            return type(at) is int and p.seq < at
+
+        needed = [
+            key for key, p in self.pending.items() if any(c is conn for c in p.conns.values()) and not finished(p)
+        ]
         if member:
-            needed += [key for key, p in self.pending.items() if p.gid == "0" and rank not in p.conns]
+            needed += [
+                key for key, p in self.pending.items() if p.gid == "0" and rank not in p.conns and not finished(p)
+            ]
         if error is None or dropped:
             how = f"rank {rank} left (closed its connection)" if error is None else f"rank {rank} was dropped: {error}"
             if member:
                 self.gone[rank] = how
+                at = seqs.get("0")
+                self.gone_at[rank] = at if type(at) is int else None
             if not needed:
                 return  # nothing outstanding needs it: later collectives that do are told at their join
             how += f" while {self.pending[needed[0]].label} still needed it"
@@ -212,12 +229,18 @@ class Shard:
             how = f"rank {rank} at {conn.peername} was lost: {error}"
             if member:
                 self.gone[rank] = how
+                self.gone_at[rank] = None
                 needed = list(self.pending)
             elif not needed:
                 return
         self._report_lost(rank, how)
         for key in needed:
             self._finish(key, "lost")
+
+    def _left_before(self, rank: int, seq: int) -> bool:
+        """Whether gone rank left before finishing main-group collective seq."""
+        at = self.gone_at.get(rank)
+        return at is None or seq >= at
 
     def _report_lost(self, rank: Any, how: str) -> None:
         header = {"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": rank, "message": how}
@@ -271,7 +294,7 @@ class Shard:
             return
         pending = self.pending.get(key)
         if pending is None:
-            gone = [r for r in self.gone if r < size] if key[0] == "0" else []
+            gone = [r for r in self.gone if r < size and self._left_before(r, key[1])] if key[0] == "0" else []
             if gone:  # it can never complete: say so now rather than at the deadline
                 conn.send_frame(
                     {

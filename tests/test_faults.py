@@ -240,3 +240,29 @@ async def test_rank_closing_mid_collective_fails_the_others_fast(make_groups, to
     assert all("rank 0" in str(r) for r in results), results
     with pytest.raises(psring.PeerLostError, match="rank 0"):
         await groups[1].barrier()
+
+
+@pytest.mark.parametrize("size", [3, 300_000])
+async def test_slower_ranks_finish_what_a_departed_rank_finished(make_groups, topology: str, size: int) -> None:
+    """Rank 0 broadcasts, sends, and leaves before the others even start: they still get everything it sent.
+
+    A collective it never joined, and a send to it, then fail at once naming rank 0.
+    """
+    groups = await make_groups(3, topology, timeout=20.0)
+    x = np.arange(size, dtype=np.float64)
+    await groups[0].broadcast(x, src=0)
+    await groups[0].send(x * 2, dst=2)
+    await groups[0].close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and topology == "ring" and not all(0 in g._departed for g in groups[1:]):
+        await asyncio.sleep(0.01)
+    ys = await asyncio.gather(*(g.broadcast(np.empty_like(x), src=0) for g in groups[1:]))
+    for y in ys:
+        np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(await groups[2].recv(src=0), x * 2)
+    t0 = time.monotonic()
+    with pytest.raises(psring.PeerLostError, match="rank 0"):
+        await asyncio.gather(*(g.barrier() for g in groups[1:]))
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(psring.PeerLostError, match="rank 0"):
+        await groups[1].send(x, dst=0)
