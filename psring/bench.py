@@ -179,7 +179,9 @@ async def _sgd_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     group = await psring.init_group(timeout=spec.get("timeout", 300.0))
     try:
         params = synthetic_model(spec["params"], spec["tensors"])
-        opt = psring.SyncSGD(group, params, psring.optim.SGD(lr=0.01, momentum=0.9))
+        opt = psring.SyncSGD(
+            group, params, psring.optim.SGD(lr=0.01, momentum=0.9), compression=spec.get("compression")
+        )
         await opt.start()
         rng = np.random.default_rng(group.rank)
         grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
@@ -280,14 +282,30 @@ def run_allreduce(
 
 
 def run_sgd(
-    *, topology: str, workers: int, params: int, tensors: int, steps: int, warmup: int, servers: int | None
+    *,
+    topology: str,
+    workers: int,
+    params: int,
+    tensors: int,
+    steps: int,
+    warmup: int,
+    servers: int | None,
+    compression: str | None = None,
 ) -> dict[str, Any]:
     from .facade import new_event_loop
     from .launch import launch
 
     with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        spec = {"mode": "sgd", "params": params, "tensors": tensors, "steps": steps, "warmup": warmup, "out": out}
+        spec = {
+            "mode": "sgd",
+            "params": params,
+            "tensors": tensors,
+            "steps": steps,
+            "warmup": warmup,
+            "out": out,
+            "compression": compression,
+        }
         env = dict(os.environ)
         if servers is not None:
             env["PSRING_SERVERS"] = str(servers)
@@ -321,10 +339,11 @@ def cli_sgd(args: argparse.Namespace) -> int:
         steps=args.steps,
         warmup=args.warmup,
         servers=args.servers,
+        compression=None if args.compression == "none" else args.compression,
     )
     title = (
         f"psring SyncSGD step, topology={args.topology}, workers={args.workers}, {n / 1e6:g}M float32 params "
-        f"in {r['tensors']} tensors ({r['buckets']} buckets)"
+        f"in {r['tensors']} tensors ({r['buckets']} buckets), compression={args.compression}"
     )
     if args.json:
         print(json.dumps({"title": title, **r}))

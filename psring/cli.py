@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
     b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients as float16")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=_cmd_bench_sgd)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .arrays import REDUCE_OPS, array_module, check_array, cupy_module, dtype_name, is_cupy
+from .compress import check_codec, codec_op, scale_exponent
 from .connection import Connection, Mailbox
 from .errors import (
     CollectiveTimeoutError,
@@ -204,7 +205,7 @@ class Group(abc.ABC):
         await self.close()
 
     # ------------------------------------------------------------------ state
-    def _check_usable(self, peer: int | None = None, receiving: bool = False) -> None:
+    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
         """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank).
 
         A rank that left cleanly finished every collective before the one it reported
@@ -219,7 +220,7 @@ class Group(abc.ABC):
             if peer is None:
                 for r, gone in self._departed.items():
                     stopped_at = self._departed_at.get(r)
-                    if stopped_at is None or self._seq >= stopped_at:
+                    if stopped_at is None or (self._seq if seq is None else seq) >= stopped_at:
                         raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
             elif peer in self._departed and not receiving:
                 gone = self._departed[peer]
@@ -236,10 +237,15 @@ class Group(abc.ABC):
         op: str | None = None,
         root: int | None = None,
         timeout: float | None = None,
+        seq: int | None = None,
     ) -> Collective:
-        self._check_usable()
-        seq = self._seq
-        self._seq += 1
+        """Start a collective: the next sequence number, or one reserved earlier (``seq``)."""
+        if seq is None:
+            self._check_usable()
+            seq = self._seq
+            self._seq += 1
+        else:
+            self._check_usable(seq=seq)
         dtype = dtype_name(x.dtype) if x is not None else None
         shape = tuple(x.shape) if x is not None else None
         desc = (kind, dtype, shape, op, root)
@@ -374,10 +380,26 @@ class Group(abc.ABC):
         return stage_to_device(y, xp)
 
     # -------------------------------------------------------- public collectives
-    async def all_reduce(self, x: Any, op: str = "sum") -> Any:
-        """Reduce x over all ranks with op; every rank gets the result (a new array)."""
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        """Reduce x over all ranks with op; every rank gets the result (a new array).
+
+        ``compression="fp16"`` (float32 x, op sum or avg) moves float16 on the wire:
+        the ranks first agree on a power-of-two scale (a one-element max all_reduce),
+        then fold in float32 in the canonical order; see :mod:`psring.compress`.
+        """
         host, xp = self._host(x)
         check_op(op, host.dtype)
+        if compression is not None:
+            check_codec(compression, host.dtype, op)
+            amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
+            agree = self._begin("all_reduce", amax, "max")
+            seq = self._seq  # reserved now, so concurrent calls take the same numbers on every rank
+            self._seq += 1
+            amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+            e = scale_exponent(float(amax[0]), self.world_size)
+            coll = self._begin("all_reduce", host, codec_op(op, compression, e), seq=seq)
+            out = await self._run(coll, self._all_reduce_fp16(coll, host.reshape(-1), op, e))
+            return self._back(out.reshape(host.shape), xp)
         coll = self._begin("all_reduce", host, op)
         out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
         return self._back(out.reshape(host.shape), xp)
@@ -514,6 +536,10 @@ class Group(abc.ABC):
     # --------------------------------------------------------- topology hooks
     @abc.abstractmethod
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        """all_reduce of float32 x with float16 on the wire at scale 2**e (see psring.compress)."""
 
     @abc.abstractmethod
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...

@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import DTYPES
+from .arrays import DTYPES, dtype_name
+from .compress import dequantize, fold_fp16, parse_codec_op
 from .connection import Connection
 from .errors import ProtocolError, PsringError
 from .group import canonical_fold
@@ -60,6 +61,7 @@ class Bucket:
         self.ready = False
         self.init_seen: set[int] = set()
         self.inbox: dict[int, dict[int, np.ndarray]] = {}
+        self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
         self.applied: set[int] = set()  # pieces of the current step already updated
         self.conns: dict[int, Connection] = {}
         self.held: list[tuple[int, np.ndarray]] = []  # results waiting for the checkpoint
@@ -253,21 +255,39 @@ class ParamStore:
                 f"(restored from an older checkpoint: steps {bucket.step}..{t - 1} were lost)"
             )
         pa, pb, view = bucket.piece_view(j)
-        if header["nbytes"] != view.nbytes or header.get("dtype") != bucket.dtype_name:
+        scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.compress)
+        if scale is not None:
+            if bucket.dtype != np.float32:
+                raise ProtocolError(f"fp16 push to bucket {b} of {bucket.dtype_name}: compression needs float32")
+            parse_codec_op(f"avg:fp16@{scale}")  # validates the exponent
+        wire_dtype = np.dtype(np.float16) if scale is not None else bucket.dtype
+        want = (pb - pa) * wire_dtype.itemsize
+        if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
             raise ProtocolError(
                 f"push piece {j} of bucket {b} from rank {src}: {header['nbytes']} bytes of {header.get('dtype')}, "
-                f"expected {view.nbytes} bytes of {bucket.dtype_name}"
+                f"expected {want} bytes of {dtype_name(wire_dtype)}"
             )
         bucket.conns[src] = conn
         box = bucket.inbox.setdefault(j, {})
         if src in box:
             return  # a duplicate of a push still waiting for the others
-        box[src] = np.frombuffer(payload, bucket.dtype, count=pb - pa)
+        first = bucket.inbox_scale.setdefault(j, scale)
+        if first != scale:
+            raise ProtocolError(
+                f"rank {src} pushed piece {j} of bucket {b} at fp16 scale {scale}, another rank at {first} "
+                "(None: uncompressed); every worker must use the same compression"
+            )
+        box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
         if len(box) < bucket.size:
             return
         grad = np.empty(pb - pa, bucket.dtype)
-        canonical_fold([box[r] for r in range(bucket.size)], "avg", grad, offset=pa, total=bucket.n)
+        parts = [box[r] for r in range(bucket.size)]
+        if scale is not None:
+            dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
+        else:
+            canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n)
         del bucket.inbox[j]
+        del bucket.inbox_scale[j]
         a = bucket.slice[0]
         state = {k: (v[pa - a : pb - a] if isinstance(v, np.ndarray) else v) for k, v in bucket.state.items()}
         state["step"] = bucket.step

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import wire
 from .arrays import byte_view
+from .compress import check_codec, dequantize, quantize, scale_exponent
 from .config import GroupSettings
 from .connection import Connection, Mailbox, open_connection
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
@@ -354,11 +355,11 @@ class PsGroup(Group):
         if self.gid == "0":
             await asyncio.shield(self.links.close())
 
-    def _check_usable(self, peer: int | None = None, receiving: bool = False) -> None:
-        super()._check_usable(peer, receiving)
+    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
+        super()._check_usable(peer, receiving, seq)
         if self.links.lost is not None and self._broken is None:
             self._broken = self.links.lost
-            super()._check_usable(peer, receiving)
+            super()._check_usable(peer, receiving, seq)
 
     # ------------------------------------------------------------- the engine
     def _join(self, coll: Collective) -> dict[str, Any]:
@@ -446,6 +447,14 @@ class PsGroup(Group):
         expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)]
         await self._exchange(coll, x, expects, True, x.size, x.itemsize)
         return out
+
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        # the layout is the float32 tensor's (as the shard computes it from the call); pieces travel as float16
+        q = quantize(x, e)
+        r16 = np.empty_like(q)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, r16)]
+        await self._exchange(coll, q, expects, True, x.size, x.itemsize)
+        return dequantize(r16, e)
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
         out = np.empty_like(x)
@@ -585,8 +594,22 @@ class PsGroup(Group):
             raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
         return outs, (steps[0] if steps else 0)
 
-    async def param_step(self, t: int, grads: list[np.ndarray], outs: list[np.ndarray]) -> None:
-        """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart."""
+    async def param_step(
+        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | None = None
+    ) -> None:
+        """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
+
+        With ``compression="fp16"`` the gradients travel as float16 at a scale the workers
+        agree on first, exactly as a compressed all_reduce does (psring.compress).
+        """
+        wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
+        if compression is not None:
+            for g in grads:
+                check_codec(compression, g.dtype, "avg")
+            amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
+            amax = await self.all_reduce(amax, op="max")
+            exps = [scale_exponent(float(a), self.world_size) for a in amax]
+            wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.timeout
         while True:
@@ -595,7 +618,7 @@ class PsGroup(Group):
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
                 self._check_usable()
-                await self._param_round(t, grads, outs, got, deadline)
+                await self._param_round(t, grads, wire_grads, outs, got, deadline)
                 return
             except PeerLostError as exc:
                 if exc.rank is not None or not self.links.reconnect_servers:
@@ -605,10 +628,20 @@ class PsGroup(Group):
                 self._broken = None
 
     async def _param_round(
-        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], got: set[tuple[Any, ...]], deadline: float
+        self,
+        t: int,
+        grads: list[np.ndarray],
+        wire_grads: list[tuple[np.ndarray, int | None]],
+        outs: list[np.ndarray],
+        got: set[tuple[Any, ...]],
+        deadline: float,
     ) -> None:
         futs = []
         for b, flat in enumerate(grads):
+            sent, e = wire_grads[b]
+            push = {"kind": "ps_param", "op": "push", "src": self.rank}
+            if e is not None:
+                push["scale"] = e
             for shard, _a, parts in self._param_layout(b, flat):
                 conn = self.links.shards[shard]
                 for j, (pa, pb) in enumerate(parts):
@@ -619,9 +652,7 @@ class PsGroup(Group):
                     fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
                     fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
                     futs.append(fut)
-                    conn.send_tensor(
-                        {"kind": "ps_param", "op": "push", "tag": ("param", b, t, j), "src": self.rank}, flat[pa:pb]
-                    )
+                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, sent[pa:pb])
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
 
     async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import wire
 from .arrays import byte_view
+from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
 from .connection import Connection, Listener, Mailbox, open_connection
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
@@ -521,6 +522,80 @@ class RingGroup(Group):
         await right.flush()
         if to_dst is not None:
             await to_dst.flush()
+        return out
+
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        n_ranks = self.world_size
+        q = quantize(x, e)
+        if n_ranks == 1 or x.nbytes <= SMALL_BYTES:
+            bufs = np.empty((n_ranks, x.size), np.float16)
+            bufs[self.rank] = q
+            if n_ranks > 1:
+                ranks = list(range(n_ranks))
+                await self._direct_exchange(coll, q, _DIRECT, bufs, ranks, ranks)
+            return dequantize(fold_fp16(bufs, op, e, np.empty(x.size, np.float16)), e)
+        return await self._ring_fp16(coll, q, op, e)
+
+    async def _ring_fp16(self, coll: Collective, q: np.ndarray, op: str, e: int) -> np.ndarray:
+        """The pipelined ring all_reduce with float16 on the wire (psring.compress gives the rules)."""
+        n_ranks, me = self.world_size, self.rank
+        right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
+        chunk_pieces = [pieces(a, b, PIECE_BYTES // 2) for a, b in ring_chunk_bounds(q.size, n_ranks)]
+        own = dequantize(q, e)  # what this rank contributes
+        out = np.empty(q.size, np.float32)
+        rs16, ag16 = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
+        final_chunk = right_rank
+        right = await self._link(right_rank)
+        coll.waiting_on = {left_rank}
+        ag_chunks = [c for c in range(n_ranks) if c != final_chunk]
+        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
+        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        done, one_done = self._wait_piece(coll, needed)
+        header = self._header
+
+        def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if hdr["nbytes"] != 2 * (b - a):
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                seg = out[a:b]
+                dequantize(rs16[a:b], e, out=seg)
+                np.add(seg, own[a:b], out=seg)
+                if c != final_chunk:
+                    right.send_tensor(header(coll, _RS, c, j), quantize(seg, e, out=rs16[a:b]))
+                else:
+                    if op == "avg":
+                        finish_avg(seg, n_ranks)
+                    dequantize(quantize(seg, e, out=ag16[a:b]), e, out=seg)
+                    right.send_tensor(header(coll, _AG, c, j), ag16[a:b])
+                one_done()
+
+            return cb
+
+        def ag_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            forward = right_rank != (c - 1) % n_ranks
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if hdr["nbytes"] != 2 * (b - a):
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                dequantize(ag16[a:b], e, out=out[a:b])
+                if forward:
+                    right.send_tensor(header(coll, _AG, c, j), ag16[a:b])
+                one_done()
+
+            return cb
+
+        post, gid, seq = self.mailbox.post, self.gid, coll.seq
+        for c in range(n_ranks):
+            if c != me:
+                for j, (a, b) in enumerate(chunk_pieces[c]):
+                    post((gid, seq, _RS, c, j), byte_view(rs16[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
+        for c in ag_chunks:
+            for j, (a, b) in enumerate(chunk_pieces[c]):
+                post((gid, seq, _AG, c, j), byte_view(ag16[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
+        for j, (a, b) in enumerate(chunk_pieces[me]):
+            right.send_tensor(header(coll, _RS, me, j), q[a:b])
+        await done
+        await right.flush()
         return out
 
     async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .arrays import DTYPES, byte_view, prod
+from .arrays import DTYPES, byte_view, dtype_name, prod
+from .compress import fold_fp16, parse_codec_op
 from .connection import Connection, Listener
 from .errors import PeerLostError, ProtocolError, PsringError
 from .group import SMALL_BYTES, canonical_fold, mismatch_message, ring_chunk_bounds
@@ -89,6 +90,7 @@ class _Pending:
     """One collective on one shard: who joined, what arrived, what is left to do."""
 
     __slots__ = (
+        "codec",
         "conns",
         "created",
         "desc",
@@ -112,7 +114,8 @@ class _Pending:
     def __init__(self, gid: str, seq: int, desc: tuple[Any, ...], size: int, first: int, shard: int, shards: int):
         self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
         kind, dtype, shape, op, root = desc
-        self.kind, self.op, self.root = kind, op, root
+        self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.compress says
+        self.kind, self.op, self.root = kind, (self.codec[0] if self.codec else op), root
         self.dtype = DTYPES[dtype] if dtype is not None else None
         self.n = prod(tuple(shape)) if shape is not None else 0
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
@@ -354,13 +357,14 @@ class Shard:
             raise ProtocolError(f"piece {j} of {pending.label} is out of range (this shard has {len(pending.pieces)})")
         pa, pb = pending.pieces[j]
         assert pending.dtype is not None
-        want = (pb - pa) * pending.dtype.itemsize
-        if header["nbytes"] != want or header.get("dtype") != pending.desc[1]:
+        wire_dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        want = (pb - pa) * wire_dtype.itemsize
+        if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
             raise ProtocolError(
                 f"piece {j} of {pending.label} from rank {src} has {header['nbytes']} bytes of "
-                f"{header.get('dtype')}, expected {want} bytes of {pending.desc[1]}"
+                f"{header.get('dtype')}, expected {want} bytes of {dtype_name(wire_dtype)}"
             )
-        data = np.frombuffer(payload, dtype=pending.dtype, count=pb - pa)
+        data = np.frombuffer(payload, dtype=wire_dtype, count=pb - pa)
         if pending.kind in FOLD_KINDS:
             box = pending.inbox.setdefault(j, {})
             if src in box:
@@ -382,8 +386,10 @@ class Shard:
     def _fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
         pa, pb = pending.pieces[j]
         parts = [box[r] for r in range(pending.size)]
-        out = np.empty(pb - pa, dtype=pending.dtype)
-        canonical_fold(parts, pending.op, out, offset=pa, total=pending.n)
+        if pending.codec:
+            out = fold_fp16(parts, pending.op, pending.codec[1], np.empty(pb - pa, np.float16), pa, pending.n)
+        else:
+            out = canonical_fold(parts, pending.op, np.empty(pb - pa, dtype=pending.dtype), pa, pending.n)
         del pending.inbox[j]
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
@@ -536,7 +542,10 @@ def _check_desc(desc: Any) -> None:
         raise ProtocolError(f"shape {shape!r} is not a tuple of sizes")
     if shape is not None and dtype is not None and prod(shape) * DTYPES[dtype].itemsize > MAX_TENSOR:
         raise ProtocolError(f"a {list(shape)} {dtype} tensor is larger than this server accepts ({MAX_TENSOR} bytes)")
-    if kind in FOLD_KINDS and op not in ("sum", "avg", "min", "max", "prod"):
+    if kind in FOLD_KINDS and parse_codec_op(op) is not None:
+        if kind != "all_reduce" or dtype != "float32":
+            raise ProtocolError(f"op {op!r} (compressed) needs a float32 all_reduce, not a {dtype} {kind}")
+    elif kind in FOLD_KINDS and op not in ("sum", "avg", "min", "max", "prod"):
         raise ProtocolError(f"op {op!r} is not a reduction")
     if root is not None and type(root) is not int:
         raise ProtocolError(f"root {root!r} is not a rank")

@@ -14,6 +14,8 @@ Knows a Group and an optimizer, not sockets.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from .arrays import array_module, check_array, dtype_name
+from .compress import check_codec
+from .errors import MismatchError
 from .optim import SGD, Optimizer
 
 #: default bucket size (torch DDP's default is 25 MiB)
@@ -79,11 +83,19 @@ class SyncSGD:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         accumulate: int = 1,
+        compression: str | None = None,
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
+        if compression is not None:
+            for name, v in params.items():
+                try:
+                    check_codec(compression, check_array(v, f"params[{name!r}]").dtype, "avg")
+                except TypeError as exc:
+                    raise TypeError(f"SyncSGD: params[{name!r}]: {exc}") from None
+        self.compression = compression
         self.group = group
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
@@ -140,6 +152,7 @@ class SyncSGD:
         """
         if self.started:
             return self.params
+        await self._check_setup()
         if self.topology == "ps":
             host = [_to_host(f) for f in self._flat]
             outs, step = await self.group.param_init(host, self.optimizer.config())
@@ -151,6 +164,28 @@ class SyncSGD:
         self.started = True
         self.params = self._views()
         return self.params
+
+    def setup(self) -> dict[str, Any]:
+        """What every rank must agree on: optimizer, compression, accumulation, parameter layout."""
+        return {
+            "optimizer": self.optimizer.config(),
+            "compression": self.compression,
+            "accumulate": self.accumulate,
+            "buckets": [[dtype_name(b.dtype), b.names, [list(s) for s in b.shapes]] for b in self.buckets],
+        }
+
+    async def _check_setup(self) -> None:
+        """One small all_gather: a rank set up differently fails at once on every rank, named."""
+        mine = json.dumps(self.setup(), sort_keys=True, default=str)
+        digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:8], "little", signed=True)
+        digests = await self.group.all_gather(np.array([digest], np.int64))
+        differ = [r for r, d in enumerate(digests) if int(d[0]) != int(digests[0][0])]
+        if differ:
+            shown = mine if len(mine) < 400 else mine[:397] + "..."
+            raise MismatchError(
+                f"SyncSGD: rank(s) {', '.join(map(str, differ))} set up a different optimizer, compression, "
+                f"accumulate or parameter layout than rank 0 (this is rank {self.group.rank}: {shown})"
+            )
 
     async def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
         """Average grads over the group, apply the optimizer; returns the new parameters.
@@ -182,11 +217,13 @@ class SyncSGD:
         if self.topology == "ps":
             host = [_to_host(f) for f in flats]
             outs = [np.empty_like(h) for h in host]
-            await self.group.param_step(self.step_count, host, outs)
+            await self.group.param_step(self.step_count, host, outs, compression=self.compression)
             self._flat = [_like(self.xp, o) for o in outs]
             t1 = t2 = time.perf_counter()  # the update ran on the servers, inside the exchange
         else:
-            avgs = await asyncio.gather(*(self.group.all_reduce(f, op="avg") for f in flats))
+            avgs = await asyncio.gather(
+                *(self.group.all_reduce(f, op="avg", compression=self.compression) for f in flats)
+            )
             t1 = time.perf_counter()
             for flat, avg, state in zip(self._flat, avgs, self._state, strict=True):
                 self.optimizer.update(flat, avg, state)

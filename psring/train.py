@@ -121,7 +121,13 @@ async def worker(spec: dict[str, Any]) -> None:
             xtr, ytr, xte, yte = (xp.asarray(v) for v in (xtr, ytr, xte, yte))
         # ranks start from different seeds and agree on rank 0's parameters in start()
         params = {k: xp.asarray(v) for k, v in init_params(spec["seed"] + group.rank).items()}
-        opt = psring.SyncSGD(group, params, make_optimizer(spec), accumulate=spec.get("accumulate", 1))
+        opt = psring.SyncSGD(
+            group,
+            params,
+            make_optimizer(spec),
+            accumulate=spec.get("accumulate", 1),
+            compression=spec.get("compression"),
+        )
         params = await opt.start()
         comm = compute = 0.0
         steps = 0
@@ -198,6 +204,8 @@ async def worker(spec: dict[str, Any]) -> None:
                 "workers": group.world_size,
                 "servers": getattr(group, "num_servers", 0),
                 "optimizer": spec["optimizer"],
+                "compression": spec.get("compression"),
+                "accumulate": spec.get("accumulate", 1),
                 "test_accuracy": history[-1]["test_accuracy"],
                 "final_loss": history[-1]["loss"],
                 "wall_s": wall,
@@ -264,6 +272,8 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             "lr": args.lr,
             "momentum": args.momentum,
             "optimizer": args.optimizer,
+            "compression": None if args.compression == "none" else args.compression,
+            "accumulate": args.accumulate,
             "device": args.device,
             "seed": args.seed,
             "timeout": args.timeout,
@@ -371,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
         return bad(f"--servers must be at least 1, got {args.servers}")
     if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
         return bad("--epochs, --batch-size and --lr must be positive")
+    if args.accumulate < 1:
+        return bad(f"--accumulate must be at least 1, got {args.accumulate}")
     if args.device == "cuda":
         from . import gpu
 
@@ -383,7 +395,9 @@ def run(args: argparse.Namespace) -> int:
             f"psring train: topology={topology} workers={args.workers}"
             + (f" servers={args.servers or args.workers}" if topology == "ps" else "")
             + f" epochs={args.epochs} batch={args.batch_size}/worker optimizer={args.optimizer} lr={args.lr}"
-            + f" device={args.device}",
+            + f" device={args.device}"
+            + (f" compression={args.compression}" if args.compression != "none" else "")
+            + (f" accumulate={args.accumulate}" if args.accumulate > 1 else ""),
             flush=True,
         )
         summary = train_once(args, topology)
@@ -416,6 +430,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (with --momentum) or adam")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--compare", action="store_true", help="train over ring and ps with the same seed, side by side")

@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -125,8 +126,9 @@ async def _train(groups, opt_factory, steps: int, **kw) -> list[dict[str, np.nda
     return outs
 
 
-def _reference(opt: Optimizer, world: int, steps: int) -> dict[str, np.ndarray]:
+def _reference(opt: Optimizer, world: int, steps: int, compression: str | None = None) -> dict[str, np.ndarray]:
     """Single process: the same averaged gradients (canonical order), the same optimizer."""
+    from psring.compress import dequantize, fold_fp16, quantize, scale_exponent
     from psring.group import canonical_fold
 
     params = {k: v.copy() for k, v in _model(0).items()}  # rank 0's parameters win
@@ -134,7 +136,12 @@ def _reference(opt: Optimizer, world: int, steps: int) -> dict[str, np.ndarray]:
     state = opt.init_state(flat)
     for t in range(steps):
         parts = [np.concatenate([g.reshape(-1) for g in _grads(t, r).values()]) for r in range(world)]
-        avg = canonical_fold(parts, "avg", np.empty_like(flat))
+        if compression == "fp16":
+            e = scale_exponent(max(float(np.max(np.abs(p))) for p in parts), world)
+            q = fold_fp16([quantize(p, e) for p in parts], "avg", e, np.empty(flat.size, np.float16))
+            avg = dequantize(q, e)
+        else:
+            avg = canonical_fold(parts, "avg", np.empty_like(flat))
         opt.update(flat, avg, state)
     out, off = {}, 0
     for k, v in params.items():
@@ -155,6 +162,45 @@ async def test_syncsgd_ring_ps_and_single_process_agree_bit_for_bit(make_groups,
             assert np.array_equal(ring[r][k], ring[0][k]) and np.array_equal(ps[r][k], ps[0][k])
         assert np.array_equal(ring[0][k], ps[0][k]), k
         assert np.array_equal(ring[0][k], ref[k]), k
+
+
+@pytest.mark.asyncio
+async def test_syncsgd_fp16_compression_ring_ps_and_single_process_agree_bit_for_bit(make_groups) -> None:
+    steps, world = 100, 3
+    opt_factory = lambda: SGD(lr=0.05, momentum=0.9)  # noqa: E731
+    ring = await _train(await make_groups(world, "ring"), opt_factory, steps, compression="fp16")
+    ps = await _train(await make_groups(world, "ps", servers_n=2), opt_factory, steps, compression="fp16")
+    ref = _reference(opt_factory(), world, steps, compression="fp16")
+    plain = _reference(opt_factory(), world, steps)
+    for k in ref:
+        for r in range(world):
+            assert np.array_equal(ring[r][k], ring[0][k]) and np.array_equal(ps[r][k], ps[0][k])
+        assert np.array_equal(ring[0][k], ps[0][k]), k
+        assert np.array_equal(ring[0][k], ref[k]), k
+        # compression changes the bits, but only at float16's resolution
+        np.testing.assert_allclose(ref[k], plain[k], rtol=0, atol=0.05)
+    assert any(not np.array_equal(ref[k], plain[k]) for k in ref)
+
+
+@pytest.mark.asyncio
+async def test_syncsgd_compression_errors(make_groups) -> None:
+    groups = await make_groups(2, "ps", servers_n=1)
+    with pytest.raises(TypeError, match=r"params\['x'\].*needs float32 arrays, got float64"):
+        psring.SyncSGD(groups[0], {"x": np.zeros(3)}, compression="fp16")
+    with pytest.raises(ValueError, match="compression='bf8' is not one of"):
+        psring.SyncSGD(groups[0], _model(0), compression="bf8")
+    # a worker that compresses while the other does not: named, not silently mixed
+    opts = [
+        psring.SyncSGD(g, _model(0), SGD(lr=0.1), compression=c) for g, c in zip(groups, ("fp16", None), strict=True)
+    ]
+    t0 = time.monotonic()
+    results = await asyncio.gather(
+        *(o.step(_grads(0, g.rank)) for o, g in zip(opts, groups, strict=True)), return_exceptions=True
+    )
+    assert time.monotonic() - t0 < 5  # found at start, not at the collective timeout
+    for r in results:
+        assert isinstance(r, psring.MismatchError), results
+        assert "rank(s) 1 set up a different optimizer, compression" in str(r)
 
 
 @pytest.mark.asyncio

@@ -36,6 +36,7 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
         (["--servers", "2"], "--servers applies to --topology ps only"),
         (["--device", "cuda"], "--device cuda"),
         (["--topology", "ps", "--servers", "0"], "--servers must be at least 1"),
+        (["--accumulate", "0"], "--accumulate must be at least 1"),
     ],
 )
 def test_train_bad_arguments_exit_nonzero_with_a_reason(args: list[str], message: str) -> None:
@@ -73,6 +74,24 @@ def test_train_compare_gives_bit_identical_topologies_with_adam() -> None:
     assert results["ring"]["param_digest"] == results["ps"]["param_digest"]
     assert results["ps"]["servers"] == 2
     assert "ring and ps final parameters bit-identical: True" in proc.stdout
+
+
+def test_train_fp16_compression_halves_ring_bytes_and_keeps_topologies_identical() -> None:
+    base = [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", "2", "--json"]
+    runs = {}
+    for extra in (["--topology", "ring"], ["--compare", "--compression", "fp16"]):
+        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=170)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[extra[-1]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, fp16 = runs["ring"], runs["fp16"]
+    assert fp16["ring"]["compression"] == "fp16" and fp16["ps"]["compression"] == "fp16"
+    assert fp16["ring"]["param_digest"] == fp16["ps"]["param_digest"]
+    assert fp16["ring"]["param_digest"] != plain["param_digest"]  # float16 rounding does change the bits
+    assert abs(fp16["ring"]["test_accuracy"] - plain["test_accuracy"]) <= 0.02
+    # ring: the float16 payloads are half the bytes (plus the small scale agreement and headers)
+    sent_plain = plain["bytes_per_worker"][0][0]
+    sent_fp16 = fp16["ring"]["bytes_per_worker"][0][0]
+    assert sent_fp16 < 0.6 * sent_plain, (sent_fp16, sent_plain)
 
 
 @pytest.mark.parametrize("n, world", [(1437, 4), (10, 3), (7, 7), (5, 8)])
