@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from . import cluster
 from .facade import new_event_loop
 
 
@@ -85,6 +86,10 @@ async def _serve_shards(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
+    if args.cluster:
+        from .cluster import cli_server_daemon
+
+        return cli_server_daemon(args)
     return _run(_serve_shards(args))
 
 
@@ -154,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None, help="write parameter-mode checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps (and on SIGTERM)")
     p.add_argument("--restore", action="store_true", help="resume from the checkpoints in --checkpoint-dir")
+    p.add_argument("--cluster", action="store_true", help="a server daemon: host the shards of submitted ps jobs")
+    p.add_argument("--advertise", default=os.environ.get("PSRING_ADVERTISE_HOST"), help="address others use")
+    p.add_argument("--name", default=os.environ.get("PSRING_NAME"), help="daemon id (--cluster)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.set_defaults(func=_cmd_server)
 
     p = sub.add_parser(
@@ -215,6 +224,7 @@ def _register_jobs(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     except ImportError:
         return
     train.register(sub)
+    cluster.register(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,8 @@ def resolve_rank_world(
         rank = _int_env(env, "RANK")
     if rank is None:
         rank = _int_env(env, "SLURM_PROCID")
+    if rank is None:
+        rank = statefulset_ordinal(env)
     if world_size is None:
         world_size = _int_env(env, "WORLD_SIZE")
     if world_size is None:
@@ -52,9 +54,20 @@ def resolve_rank_world(
     return rank, world_size
 
 
+def statefulset_ordinal(env: Mapping[str, str]) -> int | None:
+    """A Kubernetes StatefulSet pod's ordinal (``name-3`` -> 3), only inside Kubernetes."""
+    if not env.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    hostname = env.get("HOSTNAME") or socket.gethostname()
+    match = re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?-(\d+)$", hostname)
+    return int(match.group(2)) if match else None
+
+
 def default_store_spec(env: Mapping[str, str]) -> str | None:
-    """env:// when MASTER_* are set; else the first Slurm host; else None."""
-    if env.get("MASTER_ADDR") or env.get("MASTER_PORT"):
+    """PSRING_STORE; env:// when MASTER_* are set; else the first Slurm host; else env://."""
+    if env.get("PSRING_STORE"):
+        return env["PSRING_STORE"]
+    if env.get("MASTER_ADDR") or (env.get("MASTER_PORT") and not env.get("SLURM_JOB_NODELIST")):
         return "env://"
     if env.get("SLURM_JOB_NODELIST"):
         port = env.get("MASTER_PORT") or "29500"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 import time
 import traceback
 import warnings
@@ -36,6 +37,10 @@ from .errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: callables called with a record (seq, rank, kind, bytes, start, end, ok, ...) after every
+#: collective: the flight recorder (psring.observe) and the metrics use them; empty by default
+OBSERVERS: list[Any] = []
 
 #: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
 SMALL_BYTES = 64 << 10
@@ -274,16 +279,22 @@ class Group(abc.ABC):
         task = asyncio.current_task()
         coll.task = task
         timer = loop.call_later(max(coll.deadline - time.monotonic(), 0.0), self._deadline_passed, coll)
+        error: BaseException | None = None
         try:
             result = await body
             if coll.interrupted:  # failed from elsewhere after the body's last await
                 await _absorb_cancel(task)
                 raise _failure(coll)
             return result
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if coll.interrupted and task is not None and task.uncancel() == 0:
-                raise _failure(coll) from None
+                error = _failure(coll)
+                raise error from None
+            error = exc
             raise  # cancelled by the caller too
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             timer.cancel()
             coll.task = None
@@ -292,6 +303,40 @@ class Group(abc.ABC):
             elif not coll.done.cancelled():
                 coll.done.exception()  # mark retrieved
             self._end(coll)
+            if OBSERVERS:
+                self._observe(coll, error)
+
+    def _observe(self, coll: Collective, failed: BaseException | None) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        kind, dtype, shape, op, root = coll.desc
+        nbytes = 0
+        if dtype is not None and shape is not None:
+            from .arrays import DTYPES
+
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        settings = getattr(getattr(self, "net", None) or getattr(self, "links", None), "settings", None)
+        record = {
+            "job": getattr(settings, "job", None),
+            "seq": coll.seq,
+            "gid": self.gid,
+            "rank": self.rank,
+            "world": self.world_size,
+            "topology": self.topology,
+            "kind": kind,
+            "op": op,
+            "root": root,
+            "dtype": dtype,
+            "bytes": nbytes,
+            "start": now_wall - (now - coll.started),
+            "end": now_wall,
+            "ok": failed is None,
+            "error": None if failed is None else f"{type(failed).__name__}: {failed}",
+        }
+        for observer in list(OBSERVERS):
+            try:
+                observer(record)
+            except Exception:  # an observer must never break a collective
+                logger.exception("psring observer %r failed", observer)
 
     def _deadline_passed(self, coll: Collective) -> None:
         if coll.done.done():
@@ -665,4 +710,9 @@ async def init_group(
     importlib.import_module(f"psring.{settings.topology}")
 
     cls = Group.registry[settings.topology]
-    return await cls.create(settings, **options)  # type: ignore[attr-defined,no-any-return]
+    group = await cls.create(settings, **options)  # type: ignore[attr-defined]
+    if os.environ.get("PSRING_TRACE_DIR"):
+        from .observe import process_recorder
+
+        process_recorder(os.environ["PSRING_TRACE_DIR"], settings.job)
+    return group  # type: ignore[no-any-return]

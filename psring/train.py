@@ -107,8 +107,18 @@ PROGRESS = "PSRING-PROGRESS "
 
 
 # ------------------------------------------------------------------ worker
-async def worker(spec: dict[str, Any]) -> None:
+async def worker(spec: dict[str, Any], progress: Any = None) -> dict[str, Any] | None:
+    """One rank of the main job; rank 0 returns (and writes to spec["out"], if set) the summary.
+
+    ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines).
+    """
     import psring
+
+    def emit(record: dict[str, Any]) -> None:
+        if progress is not None:
+            progress(record)
+        else:
+            print(PROGRESS + json.dumps(record), flush=True)
 
     group = await psring.init_group(timeout=spec["timeout"])
     try:
@@ -151,38 +161,30 @@ async def worker(spec: dict[str, Any]) -> None:
                 steps += 1
                 if group.rank == 0 and (steps % 10 == 0 or start + spec["batch_size"] >= len(idx)):
                     moved = sum(group.stats().values())
-                    print(
-                        PROGRESS
-                        + json.dumps(
-                            {
-                                "step": steps,
-                                "total": per_epoch * spec["epochs"],
-                                "epoch": epoch + 1,
-                                "loss": float(np.mean(losses[-10:])),
-                                "elapsed": time.perf_counter() - t_start,
-                                "mb": moved / 1e6,
-                            }
-                        ),
-                        flush=True,
+                    emit(
+                        {
+                            "step": steps,
+                            "total": per_epoch * spec["epochs"],
+                            "epoch": epoch + 1,
+                            "loss": float(np.mean(losses[-10:])),
+                            "elapsed": time.perf_counter() - t_start,
+                            "mb": moved / 1e6,
+                        }
                     )
             mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
             acc = accuracy(params, xte, yte)
             history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": steps})
             if group.rank == 0:
-                print(
-                    PROGRESS
-                    + json.dumps(
-                        {
-                            "step": steps,
-                            "total": per_epoch * spec["epochs"],
-                            "epoch": epoch + 1,
-                            "loss": mean_loss,
-                            "acc": acc,
-                            "elapsed": time.perf_counter() - t_start,
-                            "mb": sum(group.stats().values()) / 1e6,
-                        }
-                    ),
-                    flush=True,
+                emit(
+                    {
+                        "step": steps,
+                        "total": per_epoch * spec["epochs"],
+                        "epoch": epoch + 1,
+                        "loss": mean_loss,
+                        "acc": acc,
+                        "elapsed": time.perf_counter() - t_start,
+                        "mb": sum(group.stats().values()) / 1e6,
+                    }
                 )
         # every rank must hold identical parameters: check it, do not assume it
         host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in params.items()}
@@ -218,8 +220,11 @@ async def worker(spec: dict[str, Any]) -> None:
                 "param_digest": digest,
                 "history": history,
             }
-            with open(spec["out"], "w") as fh:
-                json.dump(summary, fh)
+            if spec.get("out"):
+                with open(spec["out"], "w") as fh:
+                    json.dump(summary, fh)
+            return summary
+        return None
     finally:
         await group.close()
 
