@@ -440,7 +440,12 @@ class Group(abc.ABC):
             agree = self._begin("all_reduce", amax, "max")
             seq = self._seq  # reserved now, so concurrent calls take the same numbers on every rank
             self._seq += 1
-            amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+            try:
+                amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+            except BaseException:
+                if self._seq == seq + 1:  # give the number back: ranks that made a plain call never took it
+                    self._seq = seq
+                raise
             e = scale_exponent(float(amax[0]), self.world_size)
             coll = self._begin("all_reduce", host, codec_op(op, compression, e), seq=seq)
             out = await self._run(coll, self._all_reduce_fp16(coll, host.reshape(-1), op, e))
