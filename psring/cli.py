@@ -227,7 +227,22 @@ def _register_jobs(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     cluster.register(sub)
 
 
+def load_secret_file() -> None:
+    """PSRING_SECRET_FILE (a Docker or Kubernetes secret mounted as a file) sets PSRING_SECRET."""
+    path = os.environ.get("PSRING_SECRET_FILE")
+    if path and not os.environ.get("PSRING_SECRET"):
+        try:
+            with open(path) as fh:
+                secret = fh.read().strip()
+        except OSError as exc:
+            raise SystemExit(f"psring: PSRING_SECRET_FILE={path!r} cannot be read: {exc}") from None
+        if not secret:
+            raise SystemExit(f"psring: PSRING_SECRET_FILE={path!r} is empty")
+        os.environ["PSRING_SECRET"] = secret
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    load_secret_file()
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)

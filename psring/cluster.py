@@ -405,6 +405,10 @@ class ServerDaemon(_Daemon):
 
     kind = "servers"
 
+    def __init__(self, store: str, *, checkpoint_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.checkpoint_dir = checkpoint_dir
+
     async def serve(self) -> None:
         from .server import start_servers
 
@@ -419,14 +423,20 @@ class ServerDaemon(_Daemon):
                     await self.store.delete(key("serve", self.id))
                     order = json.loads(raw)
                     jid = int(order["job"])
+                    port = 0
+                    if not running:  # the declared port serves the shards (one job's at a time)
+                        await self._close_port()
+                        port = self.port
                     running[jid] = await start_servers(
                         await self._new_store(),
                         order["num_shards"],
                         job=f"job{jid}",
                         secret=self.secret,
                         host=self.bind_host,
+                        port=port,
                         advertise=self.advertise,
                         shard_ids=order["shards"],
+                        checkpoint_dir=os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None,
                     )
                     self.state, self.job = "busy", jid
                 for jid in list(running):
@@ -435,8 +445,9 @@ class ServerDaemon(_Daemon):
                         srv = running.pop(jid)
                         await srv.close()
                         self.jobs_run += 1
-                if not running:
+                if not running and self.state == "busy":
                     self.state, self.job = "idle", None
+                    await self._open_port()
         finally:
             self.stopping.set()
             self._stop_heartbeat(beat)
@@ -874,6 +885,7 @@ def cli_server_daemon(args: Any) -> int:
         advertise=args.advertise,
         name=args.name,
         metrics_port=args.metrics_port,
+        checkpoint_dir=args.checkpoint_dir,
     )
     try:
         _run(daemon.serve())
