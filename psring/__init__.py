@@ -5,7 +5,10 @@ Group with all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce,
 scatter, gather, send/recv, new_group and close. Errors derive from PsringError.
 """
 
+__version__ = "0.1.0"
+
 from . import optim
+from .cluster import Client, Job, JobError
 from .errors import (
     AuthError,
     CollectiveTimeoutError,
@@ -21,16 +24,17 @@ from .group import Group, init_group
 from .sgd import SyncSGD
 from .store import FileStoreClient, StoreClient, StoreServer, start_store
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AuthError",
     "BlockingGroup",
+    "Client",
     "CollectiveTimeoutError",
     "FileStoreClient",
     "Group",
     "GroupClosedError",
     "Handle",
+    "Job",
+    "JobError",
     "MismatchError",
     "PeerLostError",
     "ProtocolError",
