@@ -243,6 +243,7 @@ class PsGroup(Group):
     def __init__(self, links: ServerLinks, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
         super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=links.mailbox)
         self.links = links
+        self._broken_waiters: set[asyncio.Future[None]] = set()
         self.members = members
         self._owns_resources = gid == "0"
         links.groups[gid] = self
@@ -655,10 +656,27 @@ class PsGroup(Group):
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, sent[pa:pb])
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
 
+    def on_peer_lost(self, err: PeerLostError) -> None:
+        super().on_peer_lost(err)
+        for fut in list(self._broken_waiters):
+            if not fut.done():
+                fut.set_result(None)
+
     async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:
         lost = self.links.loss_future()
+        broken: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # a worker was lost
+        if self._broken is not None:
+            broken.set_result(None)
+        self._broken_waiters.add(broken)
         remaining = (deadline or time.monotonic() + self.timeout) - time.monotonic()
-        done, _ = await asyncio.wait({work, lost}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(
+                {work, lost, broken}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._broken_waiters.discard(broken)
+            if not lost.done():
+                lost.cancel()
         if work in done:
             work.result()
             return
@@ -667,6 +685,9 @@ class PsGroup(Group):
             await work
         if lost in done:
             raise lost.exception() or PeerLostError("a server shard was lost")
+        if broken in done and isinstance(self._broken, PeerLostError):
+            lost_rank = self._broken.rank if self._broken.rank is not None else -1  # a worker, not a server
+            raise PeerLostError(f"{self!r}: {self._broken} (during {what})", rank=lost_rank) from self._broken
         raise CollectiveTimeoutError(f"rank {self.rank}: the servers did not answer {what} within {self.timeout:g}s")
 
     # ------------------------------------------------------------------- p2p
