@@ -356,8 +356,6 @@ class WorkerDaemon(_Daemon):
 
         def progress(record: dict[str, Any]) -> None:
             now = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.steps.labels("worker").inc(0)
             if now - last[0] > 0.2 or "acc" in record:
                 last[0] = now
                 asyncio.get_running_loop().create_task(self.store.set(key("jobs", jid, "progress"), json.dumps(record)))
@@ -857,42 +855,32 @@ def _run(coro: Any) -> Any:
         loop.close()
 
 
-def cli_worker(args: Any) -> int:
-    daemon = WorkerDaemon(
-        args.store,
-        secret=args.secret,
-        host=args.host,
-        port=args.port,
-        advertise=args.advertise,
-        name=args.name,
-        metrics_port=args.metrics_port,
-        trace_dir=args.trace_dir,
-    )
+def _serve(daemon: _Daemon, label: str) -> int:
     try:
-        _run(daemon.serve())
+        _run(daemon.serve())  # type: ignore[attr-defined]
     except (PsringError, OSError) as exc:
-        print(f"psring worker: {exc}", flush=True)
+        print(f"psring {label}: {exc}", flush=True)
         return 1
     return 0
+
+
+def _daemon_args(args: Any) -> dict[str, Any]:
+    return {
+        "secret": args.secret,
+        "host": args.host,
+        "port": args.port,
+        "advertise": args.advertise,
+        "name": args.name,
+        "metrics_port": args.metrics_port,
+    }
+
+
+def cli_worker(args: Any) -> int:
+    return _serve(WorkerDaemon(args.store, trace_dir=args.trace_dir, **_daemon_args(args)), "worker")
 
 
 def cli_server_daemon(args: Any) -> int:
-    daemon = ServerDaemon(
-        args.store,
-        secret=args.secret,
-        host=args.host,
-        port=args.port,
-        advertise=args.advertise,
-        name=args.name,
-        metrics_port=args.metrics_port,
-        checkpoint_dir=args.checkpoint_dir,
-    )
-    try:
-        _run(daemon.serve())
-    except (PsringError, OSError) as exc:
-        print(f"psring server: {exc}", flush=True)
-        return 1
-    return 0
+    return _serve(ServerDaemon(args.store, checkpoint_dir=args.checkpoint_dir, **_daemon_args(args)), "server")
 
 
 def cli_submit(args: Any) -> int:
@@ -1001,12 +989,12 @@ def register(sub: Any) -> None:
 
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    def common(p: Any, port_default: str) -> None:
+    def common(p: Any) -> None:
         p.add_argument("--store", default=os.environ.get("PSRING_STORE"), required="PSRING_STORE" not in os.environ)
         p.add_argument("--secret", default=os.environ.get("PSRING_SECRET"), help="shared secret (PSRING_SECRET)")
 
     p = sub.add_parser("worker", help="worker daemon: registers, waits for jobs, runs them", formatter_class=fmt)
-    common(p, "0")
+    common(p)
     p.add_argument("--host", default=os.environ.get("PSRING_BIND_HOST", "0.0.0.0"), help="bind address")
     p.add_argument("--port", type=int, default=int(os.environ.get("PSRING_PORT") or 0), help="declared port")
     p.add_argument("--advertise", default=os.environ.get("PSRING_ADVERTISE_HOST"), help="address others use")
@@ -1016,7 +1004,7 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cli_worker)
 
     p = sub.add_parser("submit", help="run a training job on a running cluster", formatter_class=fmt)
-    common(p, "0")
+    common(p)
     p.add_argument("--topology", choices=("ring", "ps"), default="ring")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
@@ -1037,12 +1025,12 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cli_submit)
 
     p = sub.add_parser("status", help="daemons and jobs of a cluster", formatter_class=fmt)
-    common(p, "0")
+    common(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cli_status)
 
     p = sub.add_parser("doctor", help="pre-flight checks of a cluster", formatter_class=fmt)
-    common(p, "0")
+    common(p)
     p.add_argument("--timeout", type=float, default=5.0)
     p.set_defaults(func=cli_doctor)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from . import wire
 from .arrays import REDUCE_OPS, array_module, check_array, cupy_module, dtype_name, is_cupy
 from .compress import check_codec, codec_op, scale_exponent
 from .connection import Connection, Mailbox
@@ -33,6 +35,7 @@ from .errors import (
     GroupClosedError,
     MismatchError,
     PeerLostError,
+    ProtocolError,
     PsringError,
 )
 
@@ -617,8 +620,34 @@ class Group(abc.ABC):
     @abc.abstractmethod
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None: ...
 
-    @abc.abstractmethod
-    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]: ...
+    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
+        """The n-th array src sent this rank (whichever way it travelled), and its device."""
+        tag = (self.gid, "p2p", src, n)
+        fut = self.mailbox.expect(tag)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if fut.done():  # it arrived before anything went wrong: deliver it
+                    _conn, hdr, payload = fut.result()
+                    break
+                self._check_usable(peer=src, receiving=True)
+                if src in self._departed:  # it left, and everything it sent has arrived
+                    raise PeerLostError(f"recv from rank {src}: {self._departed[src]}", rank=src)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
+                    break
+        finally:
+            self.mailbox.unpost(tag)
+            if not fut.done():
+                fut.cancel()
+        if "dtype" not in hdr:
+            raise ProtocolError(f"frame from rank {src} carries no array")
+        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
 
     @abc.abstractmethod
     def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...

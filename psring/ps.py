@@ -700,32 +700,6 @@ class PsGroup(Group):
         conn.send_tensor(header, x)
         await conn.flush()
 
-    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
-        tag = (self.gid, "p2p", src, n)
-        fut = self.mailbox.expect(tag)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if fut.done():  # it arrived before anything went wrong: deliver it
-                    _conn, hdr, payload = fut.result()
-                    break
-                self._check_usable(peer=src, receiving=True)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CollectiveTimeoutError(
-                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
-                    )
-                with contextlib.suppress(asyncio.TimeoutError):
-                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
-                    break
-        finally:
-            self.mailbox.unpost(tag)
-            if not fut.done():
-                fut.cancel()
-        if "dtype" not in hdr:
-            raise ProtocolError(f"frame from rank {src} carries no array")
-        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
-
 
 def _same(payload: Any, out: np.ndarray) -> bool:
     try:
