@@ -320,6 +320,9 @@ class Connection(asyncio.BufferedProtocol):
     def peer_label(self) -> str:
         rank = self.peer.get("rank")
         role = self.peer.get("role", "peer")
+        shards = self.peer.get("shards")
+        if role == "server" and isinstance(shards, list) and shards:
+            return f"server shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
         return f"{role} {rank}" if rank is not None else str(role)
 
     async def _handshake_frame(self, deadline: float, expect: str) -> dict[str, Any]:
