@@ -86,6 +86,13 @@ def canonical_fold(
     return out
 
 
+def farewell(groups: dict[str, Group], stopped_at: dict[str, int]) -> dict[str, Any]:
+    """The goodbye a connection layer sends: per group, the first collective this rank did not finish."""
+    for gid, group in groups.items():
+        stopped_at.setdefault(gid, group.stopped_at())
+    return {"seqs": stopped_at}
+
+
 def finish_avg(acc: np.ndarray, n_ranks: int) -> None:
     np.divide(acc, acc.dtype.type(n_ranks), out=acc)
 
@@ -317,7 +324,7 @@ class Group(abc.ABC):
             from .arrays import DTYPES
 
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-        settings = getattr(getattr(self, "net", None) or getattr(self, "links", None), "settings", None)
+        settings = getattr(self._layer(), "settings", None)
         record = {
             "job": getattr(settings, "job", None),
             "seq": coll.seq,
@@ -653,7 +660,21 @@ class Group(abc.ABC):
     def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
 
     @abc.abstractmethod
-    async def close(self) -> None: ...
+    def _layer(self) -> Any:
+        """The connection layer under this group (ring: PeerNet; ps: ServerLinks)."""
+
+    async def close(self) -> None:
+        """Leave the group: pending calls fail here; peers learn which collectives this rank finished."""
+        if self._closed:
+            return
+        layer = self._layer()
+        layer.stopped_at[self.gid] = self.stopped_at()
+        self._closed = True
+        layer.groups.pop(self.gid, None)
+        for coll in list(self._active.values()):
+            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
+        if self.gid == "0":
+            await asyncio.shield(layer.close())
 
     def stats(self) -> dict[str, int]:
         """Bytes and frames this rank's connections sent and received."""

@@ -29,7 +29,7 @@ from .compress import check_codec, dequantize, quantize, scale_exponent
 from .config import GroupSettings
 from .connection import Connection, Mailbox, open_connection
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
-from .group import Collective, Group, ring_chunk_bounds
+from .group import Collective, Group, farewell, ring_chunk_bounds
 from .rendezvous import assign_rank, open_store_for
 from .server import ShardServer, per_piece, pieces, plan, start_servers
 
@@ -222,10 +222,8 @@ class ServerLinks:
 
     async def close(self) -> None:
         self._closing = True
-        for gid, group in self.groups.items():
-            self.stopped_at.setdefault(gid, group.stopped_at())
-        farewell = {"seqs": self.stopped_at}
-        await asyncio.gather(*(c.close(farewell=farewell) for c in self.shards), return_exceptions=True)
+        goodbye = farewell(self.groups, self.stopped_at)
+        await asyncio.gather(*(c.close(farewell=goodbye) for c in self.shards), return_exceptions=True)
         if self.own_servers is not None:
             await self.own_servers.drain(timeout=10.0)
             await self.own_servers.close()
@@ -345,16 +343,8 @@ class PsGroup(Group):
     def stats(self) -> dict[str, int]:
         return self.links.stats()
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self.links.stopped_at[self.gid] = self.stopped_at()
-        self._closed = True
-        self.links.groups.pop(self.gid, None)
-        for coll in list(self._active.values()):
-            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
-        if self.gid == "0":
-            await asyncio.shield(self.links.close())
+    def _layer(self) -> Any:
+        return self.links
 
     def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
         super()._check_usable(peer, receiving, seq)

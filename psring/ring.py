@@ -34,6 +34,7 @@ from .group import (
     Collective,
     Group,
     canonical_fold,
+    farewell,
     finish_avg,
     reduce_op,
     ring_chunk_bounds,
@@ -236,11 +237,9 @@ class PeerNet:
 
     async def close(self) -> None:
         self._closing = True
-        for gid, group in self.groups.items():
-            self.stopped_at.setdefault(gid, group.stopped_at())
-        farewell = {"seqs": self.stopped_at}
+        goodbye = farewell(self.groups, self.stopped_at)
         conns = list(self.conns)
-        await asyncio.gather(*(c.close(farewell=farewell) for c in conns), return_exceptions=True)
+        await asyncio.gather(*(c.close(farewell=goodbye) for c in conns), return_exceptions=True)
         if self.listener is not None:
             await self.listener.close()
         with contextlib.suppress(Exception):
@@ -338,16 +337,8 @@ class RingGroup(Group):
     def stats(self) -> dict[str, int]:
         return self.net.stats()
 
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self.net.stopped_at[self.gid] = self.stopped_at()
-        self._closed = True
-        self.net.groups.pop(self.gid, None)
-        for coll in list(self._active.values()):
-            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
-        if self.gid == "0":
-            await asyncio.shield(self.net.close())
+    def _layer(self) -> Any:
+        return self.net
 
     async def _flush_all(self, conns: list[Connection]) -> None:
         for conn in conns:
