@@ -149,7 +149,7 @@ class Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost is None and not self._closing:
             detail = f": {exc}" if exc else " (closed by the peer)"
-            self._lost = PeerLostError(f"connection to {self.peer_label} at {self.peername} lost{detail}")
+            self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} lost{detail}")
             if exc is not None:
                 self._lost.__cause__ = exc
         self._teardown()
@@ -272,7 +272,7 @@ class Connection(asyncio.BufferedProtocol):
         """
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise self._lost or PeerLostError(f"connection to {self.peer_label} at {self.peername} is closed")
+            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
         size = len(payload) if payload is not None else 0
         if isinstance(payload, memoryview):
             size = payload.nbytes
@@ -316,6 +316,15 @@ class Connection(asyncio.BufferedProtocol):
                     fut.set_exception(exc)
 
     # --------------------------------------------------------------- handshake
+    @property
+    def peer_rank(self) -> int | None:
+        """The peer's rank when the peer is a rank of a group (None for servers, stores, ...)."""
+        rank = self.peer.get("rank")
+        return rank if self.peer.get("role") == "rank" and type(rank) is int else None
+
+    def _lost_error(self, message: str) -> PeerLostError:
+        return PeerLostError(message, rank=self.peer_rank)
+
     @property
     def peer_label(self) -> str:
         rank = self.peer.get("rank")
@@ -445,7 +454,7 @@ class Connection(asyncio.BufferedProtocol):
         # If our own loop was blocked, unread bytes may be waiting: do not judge the peer now.
         if lag < self._hb_interval and now - self.last_heard > self._hb_timeout:
             self.abort(
-                PeerLostError(
+                self._lost_error(
                     f"{self.peer_label} at {self.peername} silent for {now - self.last_heard:.1f}s "
                     f"(heartbeat timeout {self._hb_timeout:g}s)"
                 )
@@ -475,7 +484,7 @@ class Connection(asyncio.BufferedProtocol):
             if isinstance(exc, PeerLostError):
                 self._lost = exc
             else:
-                self._lost = PeerLostError(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
+                self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
                 self._lost.__cause__ = exc
         if self.transport is not None:
             self.transport.abort()
@@ -505,7 +514,7 @@ class Connection(asyncio.BufferedProtocol):
         if self._hb_handle is not None:
             self._hb_handle.cancel()
             self._hb_handle = None
-        err = self._lost or PeerLostError(f"connection to {self.peer_label} at {self.peername} closed")
+        err = self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} closed")
         self._wake_flushers(err)
         if not self._closed.done():
             self._closed.set_result(None)

@@ -230,7 +230,13 @@ class Group(abc.ABC):
         if self._closed:
             raise GroupClosedError(f"{self!r} is closed")
         if self._broken is not None:
-            raise type(self._broken)(f"{self!r} is broken: {self._broken}") from self._broken
+            broken = self._broken
+            message = f"{self!r} is broken: {broken}"
+            if isinstance(broken, PeerLostError):  # keep who was lost: callers tell servers from workers by it
+                raise PeerLostError(message, rank=broken.rank) from broken
+            if isinstance(broken, CollectiveTimeoutError):
+                raise CollectiveTimeoutError(message, missing=broken.missing) from broken
+            raise type(broken)(message) from broken
         if self._departed:
             if peer is None:
                 for r, gone in self._departed.items():

@@ -76,8 +76,12 @@ async def main():
         while True:
             await g.all_reduce(x)
     except psring.PeerLostError as e:
-        print("LOST", e, flush=True)
-        sys.exit(3)
+        print("LOST", e.rank, e, flush=True)
+    try:  # the group is broken now: a later call raises at once, still naming the lost rank
+        await g.all_reduce(x)
+    except psring.PeerLostError as e:
+        print("AGAIN", e.rank, flush=True)
+    sys.exit(3)
 uvloop.run(main())
 """
 
@@ -117,7 +121,8 @@ async def test_sigkilled_rank_raises_peer_lost_everywhere(store, topology: str, 
         assert codes == [3, 3], outs
         assert detect < 10
         for out in (outs[0], outs[2]):
-            assert "LOST" in out and "rank 1" in out, out
+            assert "LOST 1 " in out and "rank 1" in out, out
+            assert "AGAIN 1" in out, out
     finally:
         for p in procs:
             end(p)
