@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 #: payloads at least this large (still to read) are read straight into their destination
 DIRECT_READ_MIN = 32 << 10
 STAGING_SIZE = 256 << 10
+HANDSHAKE_STAGING_SIZE = 4 << 10
 HANDSHAKE_TIMEOUT = 10.0
 MAX_PENDING_HANDSHAKES = 256
 
@@ -93,7 +94,8 @@ class Connection(asyncio.BufferedProtocol):
         self._secret = secret
         self._limits = limits or wire.Limits.from_env()
         self._decoder = wire.HeaderDecoder(self._limits)
-        self._staging = bytearray(STAGING_SIZE)
+        # a small buffer until the peer has proved itself: a flood of connections costs little
+        self._staging = bytearray(HANDSHAKE_STAGING_SIZE)
         self._stage = memoryview(self._staging)
         self._start = 0
         self._end = 0
@@ -222,6 +224,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def _begin_frame(self, header: dict[str, Any]) -> None:
         nbytes = header["nbytes"]
+        if nbytes and self._handshake_frames is not None:
+            # nothing is allocated for a party that has not proved itself yet
+            raise ProtocolError(f"a {header['kind']!r} frame with a {nbytes}-byte payload before the handshake completed")
         self._header = header
         dest: memoryview | None = None
         if (
@@ -258,6 +263,8 @@ class Connection(asyncio.BufferedProtocol):
             self.farewell = header
             return
         if self._handshake_frames is not None:
+            if self._handshake_frames.qsize() >= 4:  # a handshake is 2-3 frames, one at a time
+                raise ProtocolError(f"{self.peername} sent a stream of frames before the handshake completed")
             self._handshake_frames.put_nowait(header)
             return
         if self.router is None:
@@ -436,6 +443,11 @@ class Connection(asyncio.BufferedProtocol):
         queue, self._handshake_frames = self._handshake_frames, None
         if queue is not None and not queue.empty():
             raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
+        n = self._end - self._start  # bytes already read past the handshake move to the full-size buffer
+        staging = bytearray(STAGING_SIZE)
+        staging[:n] = self._stage[self._start : self._end]
+        self._staging, self._stage = staging, memoryview(staging)
+        self._start, self._end = 0, n
         self._schedule_heartbeat()
 
     # -------------------------------------------------------------- heartbeats
@@ -626,6 +638,8 @@ class Listener:
         self.host = ""
         self.port = 0
         self.auth_failures = 0
+        self._warn_window = 0.0
+        self._warned = self._quiet = 0
 
     async def start(self, host: str, port: int) -> Listener:
         loop = asyncio.get_running_loop()
@@ -663,7 +677,7 @@ class Listener:
             raise
         except (AuthError, ProtocolError) as exc:
             self.auth_failures += 1
-            logger.warning("%s: rejected %s: %s", self.name, conn.peername, exc)
+            self._log_rejection(conn, exc)
             await asyncio.sleep(0.05)  # let the reject frame go out
             conn.abort(exc)
             return
@@ -671,17 +685,34 @@ class Listener:
             logger.error("%s: handshake with %s failed: %s", self.name, conn.peername, exc)
             conn.abort(exc)
             return
-        if self._router_for is not None:
-            conn.router = self._router_for(conn)
         self.connections.add(conn)
         conn._closed.add_done_callback(lambda _f: self.connections.discard(conn))
         try:
+            if self._router_for is not None:
+                conn.router = self._router_for(conn)
             result = self._on_connection(conn)
             if asyncio.iscoroutine(result):
                 await result
         except Exception as exc:
-            logger.error("%s: handling %s failed: %s", self.name, conn.peername, exc)
+            if isinstance(exc, ProtocolError):  # a hello this listener does not take (job, rank, ...)
+                self._log_rejection(conn, exc)
+            else:
+                logger.error("%s: handling %s failed: %s", self.name, conn.peername, exc)
             conn.abort(exc)
+
+    def _log_rejection(self, conn: Connection, exc: Exception) -> None:
+        """Warn about refused connections, but at most a few times a second (a flood must not flood the log)."""
+        now = time.monotonic()
+        if now - self._warn_window >= 1.0:
+            if self._quiet:
+                logger.warning("%s: %d more connection(s) rejected in the last second", self.name, self._quiet)
+            self._warn_window, self._warned, self._quiet = now, 0, 0
+        if self._warned < 5:
+            self._warned += 1
+            logger.warning("%s: rejected %s: %s", self.name, conn.peername, exc)
+        else:
+            self._quiet += 1
+            logger.debug("%s: rejected %s: %s", self.name, conn.peername, exc)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -198,7 +198,7 @@ class ServerLinks:
                     fut.exception()
             for group in list(self.groups.values()):
                 local = group.local_rank(lost)
-                if local is not None or group.gid == "0":
+                if local is not None or type(lost) is not int:  # a rank outside this job is none of its business
                     suffix = (
                         f" [rank {local} of subgroup {group.gid}]" if group.gid != "0" and local is not None else ""
                     )

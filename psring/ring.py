@@ -165,6 +165,8 @@ class PeerNet:
 
     # -------------------------------------------------------------- failures
     def _on_conn_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        if conn not in self.conns:
+            return  # never accepted (wrong job, impossible rank): it was no link to anyone
         self.conns.discard(conn)
         peer_rank = conn.peer.get("rank")
         if self._closing or type(peer_rank) is not int:

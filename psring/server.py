@@ -182,8 +182,17 @@ class Shard:
     # ---------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
         rank = conn.peer.get("rank")
-        if type(rank) is not int or rank < 0:
-            raise ProtocolError(f"worker hello has no valid rank: {rank!r}")
+        world = conn.peer.get("world_size")
+        if type(rank) is not int or rank < 0 or type(world) is not int or world < 1:
+            raise ProtocolError(f"worker hello claims rank {rank!r} of a world of {world!r}")
+        # a rank outside its world is no member: it may talk to the shard, but no collective
+        # waits for it and its loss is nobody's business; members must agree on the world
+        worlds = {c.peer.get("world_size") for r, c in self.by_rank.items() if c.is_open and r < c.peer["world_size"]}
+        if rank < world and worlds and world not in worlds:
+            raise ProtocolError(
+                f"rank {rank} says job {self.job!r} has {world} ranks; the ranks connected to shard "
+                f"{self.index} say {sorted(worlds)}"
+            )
         old = self.by_rank.get(rank)
         if old is not None and old.is_open and old is not conn:
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
@@ -197,7 +206,7 @@ class Shard:
         self.conns.discard(conn)
         self.buffered.pop(conn, None)
         rank = conn.peer.get("rank")
-        member = self.by_rank.get(rank) is conn and rank < conn.peer.get("world_size", 1 << 30)
+        member = type(rank) is int and self.by_rank.get(rank) is conn and rank < conn.peer["world_size"]
         if member:
             del self.by_rank[rank]
         if not self.conns:

@@ -4,9 +4,11 @@ Operations: set, get (optionally waiting for the key), add (atomic counter),
 compare-and-set, delete, list by prefix, wait for keys, and a counting barrier.
 Values are bytes and travel as frame payloads, never inside the msgpack header.
 
-The server never trusts a client: frames are bounded (``STORE_MAX_VALUE``), a bad
-request gets an error response, a bad frame drops that client only, and a client
-that disconnects mid-wait is forgotten.
+The server never trusts a client: frames are bounded (``STORE_MAX_VALUE``), so is
+what it holds (``STORE_MAX_KEYS`` keys, ``STORE_MAX_BYTES`` of values) and what one
+client may have in flight (``STORE_MAX_INFLIGHT`` requests); a bad request gets an
+error response, a bad frame drops that client only, and a client that disconnects
+mid-wait is forgotten (its waiting requests are cancelled).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 STORE_MAX_VALUE = 64 << 20
 STORE_MAX_KEYS = 1_000_000
+STORE_MAX_BYTES = 1 << 30
+STORE_MAX_INFLIGHT = 1024
 _OPS = ("set", "get", "add", "cas", "delete", "list", "wait", "ping")
 
 
@@ -49,6 +53,8 @@ class StoreServer:
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._by_conn: dict[Connection, set[asyncio.Task[None]]] = {}
+        self._bytes = 0
         self.requests = 0
         self.bad_requests = 0
 
@@ -96,6 +102,10 @@ class StoreServer:
     def _set(self, key: str, value: bytes) -> None:
         if key not in self._data and len(self._data) >= STORE_MAX_KEYS:
             raise StoreError(f"store is full ({STORE_MAX_KEYS} keys)")
+        grown = self._bytes + len(value) - len(self._data.get(key, b""))
+        if grown > STORE_MAX_BYTES:
+            raise StoreError(f"store is full ({STORE_MAX_BYTES} bytes of values); {key!r} not set")
+        self._bytes = grown
         self._data[key] = value
         for fut in self._waiters.pop(key, ()):
             if not fut.done():
@@ -164,7 +174,9 @@ class StoreServer:
             return {"ok": False, "found": current is not None}, current or b""
         if op == "delete":
             key = _key(req)
-            existed = self._data.pop(key, None) is not None
+            old = self._data.pop(key, None)
+            self._bytes -= len(old or b"")
+            existed = old is not None
             return {"deleted": existed}, b""
         if op == "list":
             prefix = req.get("prefix", "")
@@ -186,9 +198,24 @@ class StoreServer:
 
     def serve(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         self.requests += 1
+        mine = self._by_conn.setdefault(conn, set())
+        if len(mine) >= STORE_MAX_INFLIGHT:
+            self.bad_requests += 1
+            rid = header.get("id")
+            error = f"too many requests in flight from this client ({STORE_MAX_INFLIGHT})"
+            with contextlib.suppress(PeerLostError):
+                conn.send_frame({"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": error})
+            return
         task = asyncio.get_running_loop().create_task(self._serve(conn, header, payload))
         self._tasks.add(task)
+        mine.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(mine.discard)
+
+    def forget(self, conn: Connection) -> None:
+        """A client went away: cancel whatever it is still waiting for."""
+        for task in self._by_conn.pop(conn, ()):
+            task.cancel()
 
     async def _serve(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         rid = header.get("id")
@@ -224,7 +251,7 @@ class _StoreRouter:
         self._server.serve(conn, header, payload)
 
     def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None:
-        pass
+        self._server.forget(conn)
 
 
 async def start_store(host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None) -> StoreServer:
