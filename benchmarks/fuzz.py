@@ -76,9 +76,12 @@ print("DONE", n, flush=True)
 # ------------------------------------------------------------------ processes
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, *args], env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, *args],
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 30) -> re.Match[str]:
@@ -124,19 +127,66 @@ def hello_bytes() -> bytes:
 
 def scalars() -> st.SearchStrategy[Any]:
     return st.one_of(
-        st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(), st.text(max_size=40),
-        st.binary(max_size=40), st.sampled_from(["uint8", "float32", "float64", "bfloat16", "int64", "x"]),
-    )  # fmt: skip
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=40),
+        st.binary(max_size=40),
+        st.sampled_from(["uint8", "float32", "float64", "bfloat16", "int64", "x"]),
+    )
 
 
 def values() -> st.SearchStrategy[Any]:
-    return st.recursive(scalars(), lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5), max_leaves=12)  # fmt: skip
+    return st.recursive(
+        scalars(),
+        lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+        max_leaves=12,
+    )
 
 
-KIND_NAMES = ["hello", "challenge", "auth", "welcome", "reject", "ping", "bye", "data", "abort",
-              "store_req", "store_resp", "ps_req", "ps_param", "ps_data", "nonsense"]  # fmt: skip
-FIELDS = ["tag", "op", "key", "keys", "timeout", "id", "seq", "gid", "dtype", "shape", "src", "dst", "rank",
-          "world_size", "step", "bucket", "name", "desc", "reason", "lost", "amount", "expected", "prefix"]  # fmt: skip
+KIND_NAMES = [
+    "hello",
+    "challenge",
+    "auth",
+    "welcome",
+    "reject",
+    "ping",
+    "bye",
+    "data",
+    "abort",
+    "store_req",
+    "store_resp",
+    "ps_req",
+    "ps_param",
+    "ps_data",
+    "nonsense",
+]
+FIELDS = [
+    "tag",
+    "op",
+    "key",
+    "keys",
+    "timeout",
+    "id",
+    "seq",
+    "gid",
+    "dtype",
+    "shape",
+    "src",
+    "dst",
+    "rank",
+    "world_size",
+    "step",
+    "bucket",
+    "name",
+    "desc",
+    "reason",
+    "lost",
+    "amount",
+    "expected",
+    "prefix",
+]
 
 
 @st.composite
@@ -193,9 +243,12 @@ def generate(strategy: st.SearchStrategy[Any], count: int, seed: int) -> list[An
 
     @hseed(seed)
     @settings(
-        max_examples=count, database=None, deadline=None, phases=[Phase.generate],
+        max_examples=count,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
         suppress_health_check=list(HealthCheck),
-    )  # fmt: skip
+    )
     @given(strategy)
     def collect(x: Any) -> None:
         got.append(x)
@@ -294,8 +347,9 @@ class ShardTarget(Target):
 
         env = {"PSRING_SECRET": SECRET}
         address = self.start_store(env)
-        server = spawn(["-m", "psring", "server", "--store", address, "--shards", "1", "--host", "127.0.0.1",
-                        "--job", JOB], env)  # fmt: skip
+        server = spawn(
+            ["-m", "psring", "server", "--store", address, "--shards", "1", "--host", "127.0.0.1", "--job", JOB], env
+        )
         self.procs.append(server)
         self.port = int(read_until(server, r"on [\d.]+:(\d+)").group(1))
         self.drain(server)
@@ -303,15 +357,19 @@ class ShardTarget(Target):
         os.environ["PSRING_JOB"] = JOB
         try:
             self.groups = await asyncio.gather(
-                *(psring.init_group("ps", rank=r, world_size=2, store=address, secret=SECRET, timeout=10)
-                  for r in range(2))  # fmt: skip
+                *(
+                    psring.init_group("ps", rank=r, world_size=2, store=address, secret=SECRET, timeout=10)
+                    for r in range(2)
+                )
             )
         finally:
             del os.environ["PSRING_JOB"]
 
     async def probe(self) -> None:
         xs = [np.arange(5000, dtype=np.float32) * (r + 1) for r in range(2)]
-        ys = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(x) for g, x in zip(self.groups, xs))), 10)
+        ys = await asyncio.wait_for(
+            asyncio.gather(*(g.all_reduce(x) for g, x in zip(self.groups, xs, strict=True))), 10
+        )
         if not all(np.array_equal(y, xs[0] * 3) for y in ys):
             raise RuntimeError("a ps all_reduce gave a wrong result")
 
@@ -333,8 +391,17 @@ class RingTarget(Target):
         with open(script, "w") as fh:
             fh.write(RING_RANK)
         ranks = [
-            spawn([script, self.stop_file], {**env, "PSRING_STORE": address, "PSRING_JOB": JOB, "RANK": str(r),
-                                             "WORLD_SIZE": "2", "PSRING_TOPOLOGY": "ring"})  # fmt: skip
+            spawn(
+                [script, self.stop_file],
+                {
+                    **env,
+                    "PSRING_STORE": address,
+                    "PSRING_JOB": JOB,
+                    "RANK": str(r),
+                    "WORLD_SIZE": "2",
+                    "PSRING_TOPOLOGY": "ring",
+                },
+            )
             for r in range(2)
         ]
         self.procs += ranks
@@ -356,7 +423,7 @@ class RingTarget(Target):
         before = list(self.progress)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            if all(now > was for now, was in zip(self.progress, before)):
+            if all(now > was for now, was in zip(self.progress, before, strict=True)):
                 return
             if not self.alive():
                 break
@@ -401,11 +468,12 @@ async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str,
         try:
             conn = await authed_connection(target)
         except Exception as exc:  # the target refused the handshake: counts as closed
-            outcome[f"handshake refused ({type(exc).__name__})"] = outcome.get(f"handshake refused ({type(exc).__name__})", 0) + 1  # fmt: skip
+            what = f"handshake refused ({type(exc).__name__})"
+            outcome[what] = outcome.get(what, 0) + 1
             return
         assert conn.transport is not None
         conn.transport.write(data)
-        closed = conn._closed  # noqa: SLF001 - the harness watches the connection end
+        closed = conn._closed  # the harness watches the connection end
         try:
             await asyncio.wait_for(asyncio.shield(closed), 0.05)
             outcome["closed by target"] = outcome.get("closed by target", 0) + 1
@@ -416,7 +484,8 @@ async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str,
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(target.host, target.port), 10)
     except OSError as exc:
-        outcome[f"connect failed ({exc.__class__.__name__})"] = outcome.get(f"connect failed ({exc.__class__.__name__})", 0) + 1  # fmt: skip
+        what = f"connect failed ({exc.__class__.__name__})"
+        outcome[what] = outcome.get(what, 0) + 1
         return
     try:
         writer.write(data)
@@ -494,8 +563,11 @@ async def slowloris(target: Target, count: int, row: dict[str, Any]) -> None:
         await check(target, row)
         probes += 1
         await asyncio.sleep(0.5)
-    row["slowloris"] = {"connections": count, "probes_served_meanwhile": probes,
-                        "max_held_s": round(max(held), 2) if held else None}  # fmt: skip
+    row["slowloris"] = {
+        "connections": count,
+        "probes_served_meanwhile": probes,
+        "max_held_s": round(max(held), 2) if held else None,
+    }
     row["inputs"] += count
 
 
@@ -523,20 +595,21 @@ async def flood(target: Target, count: int, row: dict[str, Any]) -> None:
 
 
 async def fuzz_target(kind: type[Target], args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    n = args.inputs
+    plans = {  # drawn before the target starts: this loop must not stall while the target's job runs
+        "random": generate(st.binary(min_size=1, max_size=4096), n, args.seed),
+        "mutated": generate(mutated(hello_bytes()), n, args.seed + 1),
+        "lying": generate(lying(), n, args.seed + 2),
+        "authed": generate(
+            st.one_of(frames(), mutated(frame({"kind": "ping"})), st.binary(max_size=512)), n, args.seed + 3
+        ),
+    }
     target = kind(tmp)
     await target.start()
     row: dict[str, Any] = {"target": target.name, "inputs": 0, "crashes": 0, "hangs": 0, "families": {}}
     row["rss_start_kib"], row["peak_kib"] = target.memory()
     try:
         await check(target, row)
-        n = args.inputs
-        plans = {
-            "random": generate(st.binary(min_size=1, max_size=4096), n, args.seed),
-            "mutated": generate(mutated(hello_bytes()), n, args.seed + 1),
-            "lying": generate(lying(), n, args.seed + 2),
-            "authed": generate(st.one_of(frames(), mutated(frame({"kind": "ping"})), st.binary(max_size=512)),
-                               n, args.seed + 3),  # fmt: skip
-        }
         for family in args.families.split(","):
             row["now"] = family
             await run_family(target, family, plans[family], row)
@@ -595,9 +668,15 @@ def run_atheris(runs: int) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, __file__, "--atheris-child", str(runs)], capture_output=True, text=True)
     tail = proc.stderr.strip().splitlines()[-3:]
     done = re.findall(r"#(\d+)\s+DONE\s+cov: (\d+)", proc.stderr)
-    return {"target": "decoder (atheris)", "inputs": int(done[-1][0]) if done else None,
-            "coverage_edges": int(done[-1][1]) if done else None, "crashes": 0 if proc.returncode == 0 else 1,
-            "hangs": 0, "seconds": round(time.monotonic() - t0, 1), "tail": tail}  # fmt: skip
+    return {
+        "target": "decoder (atheris)",
+        "inputs": int(done[-1][0]) if done else None,
+        "coverage_edges": int(done[-1][1]) if done else None,
+        "crashes": 0 if proc.returncode == 0 else 1,
+        "hangs": 0,
+        "seconds": round(time.monotonic() - t0, 1),
+        "tail": tail,
+    }
 
 
 def main() -> int:
@@ -641,15 +720,21 @@ def main() -> int:
         print(json.dumps(rows))
         return 0 if ok else 1
     print()
-    print(f"{'target':>18} {'inputs':>7} {'crashes':>7} {'hangs':>5} {'RSS start':>10} {'end':>8} {'peak':>8} {'loris held':>10}")
+    head = ("target", 18), ("inputs", 7), ("crashes", 7), ("hangs", 5), ("RSS start", 10), ("end", 8), ("peak", 8)
+    print(" ".join(f"{h:>{w}}" for h, w in head), f"{'loris held':>10}")
     for r in rows:
         if "skipped" in r or "error" in r:
             print(f"{r['target']:>18}  {r.get('skipped') or r.get('error')}")
             continue
-        mib = lambda k: f"{r[k] / 1024:.0f}M" if r.get(k) else "-"  # noqa: E731
+
+        def mib(k: str, r: dict[str, Any] = r) -> str:
+            return f"{r[k] / 1024:.0f}M" if r.get(k) else "-"
+
         loris = r.get("slowloris", {}).get("max_held_s")
-        print(f"{r['target']:>18} {r['inputs']:>7} {r['crashes']:>7} {r['hangs']:>5} {mib('rss_start_kib'):>10} "
-              f"{mib('rss_end_kib'):>8} {mib('peak_kib'):>8} {f'{loris}s' if loris else '-':>10}")  # fmt: skip
+        print(
+            f"{r['target']:>18} {r['inputs']:>7} {r['crashes']:>7} {r['hangs']:>5} {mib('rss_start_kib'):>10} "
+            f"{mib('rss_end_kib'):>8} {mib('peak_kib'):>8} {f'{loris}s' if loris else '-':>10}"
+        )
     return 0 if ok else 1
 
 

@@ -226,7 +226,8 @@ class Connection(asyncio.BufferedProtocol):
         nbytes = header["nbytes"]
         if nbytes and self._handshake_frames is not None:
             # nothing is allocated for a party that has not proved itself yet
-            raise ProtocolError(f"a {header['kind']!r} frame with a {nbytes}-byte payload before the handshake completed")
+            kind = header["kind"]
+            raise ProtocolError(f"a {kind!r} frame with a {nbytes}-byte payload before the handshake completed")
         self._header = header
         dest: memoryview | None = None
         if (
@@ -442,6 +443,9 @@ class Connection(asyncio.BufferedProtocol):
     def _handshake_done(self) -> None:
         queue, self._handshake_frames = self._handshake_frames, None
         if queue is not None and not queue.empty():
+            early = queue.get_nowait()
+            if early.get("kind") == "reject":  # welcomed, then turned away (wrong job, rank, world size)
+                raise ProtocolError(f"{self.peername} refused this connection: {str(early.get('reason'))[:2000]}")
             raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
         n = self._end - self._start  # bytes already read past the handshake move to the full-size buffer
         staging = bytearray(STAGING_SIZE)
@@ -696,6 +700,7 @@ class Listener:
         except Exception as exc:
             if isinstance(exc, ProtocolError):  # a hello this listener does not take (job, rank, ...)
                 self._log_rejection(conn, exc)
+                conn._reject(str(exc)[:2000])  # tell the client why (close() sends it before closing)
             else:
                 logger.error("%s: handling %s failed: %s", self.name, conn.peername, exc)
             conn.abort(exc)

@@ -204,7 +204,8 @@ class StoreServer:
             rid = header.get("id")
             error = f"too many requests in flight from this client ({STORE_MAX_INFLIGHT})"
             with contextlib.suppress(PeerLostError):
-                conn.send_frame({"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": error})
+                tag = ("store", rid if type(rid) is int else -1)
+                conn.send_frame({"kind": "store_resp", "tag": tag, "error": error})
             return
         task = asyncio.get_running_loop().create_task(self._serve(conn, header, payload))
         self._tasks.add(task)

@@ -59,14 +59,22 @@ async def test_shard_drops_a_malformed_client_and_serves_the_others(store, make_
     # 1) raw garbage after the handshake
     box = Mailbox()
     bad = await open_connection(
-        host, int(port), secret=None, hello={"role": "rank", "rank": 7, "world_size": 2, "job": job, "shard": 0}, router=box
+        host,
+        int(port),
+        secret=None,
+        hello={"role": "rank", "rank": 7, "world_size": 2, "job": job, "shard": 0},
+        router=box,
     )
     bad.transport.write(b"\xc1" * 64)  # 0xc1 is never valid msgpack
     await asyncio.wait_for(bad.wait_closed(), 5)
     # 2) a well-formed frame that lies: data for a collective it never joined
     box2 = Mailbox()
     liar = await open_connection(
-        host, int(port), secret=None, hello={"role": "rank", "rank": 8, "world_size": 2, "job": job, "shard": 0}, router=box2
+        host,
+        int(port),
+        secret=None,
+        hello={"role": "rank", "rank": 8, "world_size": 2, "job": job, "shard": 0},
+        router=box2,
     )
     rejected = asyncio.get_running_loop().create_future()
     box2.on_control = lambda c, h, p: (rejected.set_result(h) if h["kind"] == "reject" else None) or True
