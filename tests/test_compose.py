@@ -9,7 +9,6 @@ Also: the Kubernetes manifests parse and agree with the compose file and the cod
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -17,83 +16,12 @@ import uuid
 
 import pytest
 
+from benchmarks.netns import NetnsCluster, netns_available
+
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it is in the dev extra)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.timeout(300)]
-
-
-def sh(*args: str) -> None:
-    subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
-
-
-def netns_available() -> str | None:
-    if shutil.which("ip") is None:
-        return "the ip command (iproute2) is not installed"
-    probe = f"psr-probe-{uuid.uuid4().hex[:6]}"
-    try:
-        sh("ip", "netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return f"network namespaces cannot be created here: {getattr(exc, 'stderr', exc)}"
-    sh("ip", "netns", "del", probe)
-    return None
-
-
-class NetnsCluster:
-    """Namespaces on one bridge; processes started in them are ended by PID."""
-
-    def __init__(self, tag: str) -> None:
-        self.tag = tag
-        self.bridge_ns = f"psr-{tag}-br"
-        self.hosts: dict[str, str] = {}
-        self.namespaces: list[str] = []
-        self.procs: list[subprocess.Popen[str]] = []
-        sh("ip", "netns", "add", self.bridge_ns)
-        self.namespaces.append(self.bridge_ns)
-        sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
-        sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
-
-    def host(self, name: str) -> str:
-        ns = f"psr-{self.tag}-{len(self.hosts)}"
-        index = len(self.hosts) + 1
-        address = f"10.213.0.{index}"
-        sh("ip", "netns", "add", ns)
-        self.namespaces.append(ns)
-        veth = f"v{self.tag[:6]}{index}"
-        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        sh("ip", "link", "set", veth, "netns", self.bridge_ns)
-        sh("ip", "-n", self.bridge_ns, "link", "set", veth, "master", "br0", "up")
-        sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-        sh("ip", "-n", ns, "link", "set", "eth0", "up")
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        self.hosts[name] = ns
-        self.addresses = getattr(self, "addresses", {})
-        self.addresses[name] = address
-        return ns
-
-    def write_hosts(self) -> None:
-        lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for n, a in self.addresses.items()]
-        for name, ns in self.hosts.items():
-            os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
-            with open(f"/etc/netns/{ns}/hosts", "w") as fh:
-                fh.write("\n".join([*lines, f"{self.addresses[name]} {name}-self"]) + "\n")
-
-    def run(self, name: str, cmd: list[str], env: dict[str, str], **kw) -> subprocess.Popen[str]:
-        full = ["ip", "netns", "exec", self.hosts[name], "env", *[f"{k}={v}" for k, v in env.items()], *cmd]
-        proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> dict[int, str]:
-        out = {}
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            out[proc.pid] = proc.communicate(timeout=30)[0] or ""
-        for ns in self.namespaces:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
-            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
-        return out
 
 
 def service_command(service: dict, tmp) -> tuple[list[str], dict[str, str]]:

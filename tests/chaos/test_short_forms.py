@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = [pytest.mark.timeout(280)]
 
 
-def run(script: str, *args: str, timeout: float = 260) -> list[dict]:
+def run(script: str, *args: str, timeout: float = 260) -> list[dict]:  # (or one dict)
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--json"],
         capture_output=True,
@@ -57,3 +58,29 @@ def test_soak_short_form_memory_flat_no_fd_growth_no_wrong_results() -> None:
         assert r["fds_after"] <= r["fds_before"], r
         assert abs(r["rss_slope_small_kib_per_1000"]) < 512, r  # under 0.5 KiB per call
         assert r["rss_end_kib"] - r["rss_start_kib"] < 200 * 1024, r
+
+
+def test_netfaults_short_form_cut_links_raise_degraded_links_give_identical_results() -> None:
+    from benchmarks.netns import netns_available
+
+    why = netns_available()
+    if why:
+        pytest.skip(why)
+    conditions = ["none", "rate 200mbit", "loss 1%"]
+    out: dict = run("netfaults.py", "--cuts", "1", "--steps", "12", "--conditions", ";".join(conditions), timeout=270)  # type: ignore[assignment]
+    cuts, degraded, summary = out["cuts"], out["degraded"], out["summary"]
+    assert [(c["topology"], c["cut"]) for c in cuts] == [("ring", "rank2"), ("ps", "rank2"), ("ps", "server")]
+    for c in cuts:
+        # packets to and from the cut host vanish (no reset): every rank, the cut-off one too,
+        # raises; a lost peer within the heartbeat bound (3 s timeout + 1 s interval), a lost
+        # server once the workers stop waiting for it to come back (the 8 s group timeout)
+        assert c["hangs"] == 0 and c["all_raised"], c
+        bound = (8 if c["cut"] == "server" else 0) + 3 + 1 + 2
+        assert c["detect_max_s"] <= bound, c
+    for d in degraded:
+        if d["condition"] == "loss 1%" and shutil.which("iptables") is None:
+            assert "iptables" in d["unavailable"], d
+            continue
+        assert d["finished"] == 3 and d["ranks_agree"], d
+    # ring and ps, clean and degraded links: the same bits
+    assert summary["identical_when_degraded"] and summary["degraded_runs"] >= 4, summary
