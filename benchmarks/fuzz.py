@@ -272,6 +272,10 @@ class Target:
 
     async def start(self) -> None: ...
 
+    def hello(self) -> dict[str, Any]:
+        """The hello of an authenticated fuzzing client."""
+        return dict(self.authed_hello)
+
     async def probe(self) -> None: ...
 
     async def stop(self) -> dict[str, Any]:
@@ -339,8 +343,12 @@ class StoreTarget(Target):
 class ShardTarget(Target):
     name = "shard"
     secret = SECRET
-    # holds the secret but is no member of the running 2-rank job (rank 7 of a world of 2)
-    authed_hello = {"role": "rank", "rank": 7, "world_size": 2, "job": JOB, "shard": 0}
+    # holds the secret but is no member of the running 2-rank job (ranks 2, 3, ... of a world of 2)
+    authed_hello = {"role": "rank", "rank": 2, "world_size": 2, "job": JOB, "shard": 0}
+
+    def hello(self) -> dict[str, Any]:
+        self.strangers = getattr(self, "strangers", 0) + 1  # one rank each: they run concurrently
+        return {**self.authed_hello, "rank": 1 + self.strangers}
 
     async def start(self) -> None:
         import psring
@@ -458,7 +466,7 @@ async def authed_connection(target: Target) -> Any:
 
     secret = target.secret.encode() if target.secret else None
     return await open_connection(
-        target.host, target.port, secret=secret, hello=dict(target.authed_hello), router=Sink(), timeout=10
+        target.host, target.port, secret=secret, hello=target.hello(), router=Sink(), timeout=10
     )
 
 

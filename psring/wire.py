@@ -164,8 +164,13 @@ class HeaderDecoder:
         self._reset()
 
     def _reset(self) -> None:
+        # made when bytes come (an Unpacker weighs ~44 KiB: idle and flooding connections hold none)
+        self._unpacker: msgpack.Unpacker | None = None
+        self._fed = 0
+
+    def _new_unpacker(self) -> msgpack.Unpacker:
         cap = self._limits.max_header
-        self._unpacker = msgpack.Unpacker(
+        return msgpack.Unpacker(
             raw=False,
             use_list=False,
             strict_map_key=True,
@@ -176,7 +181,6 @@ class HeaderDecoder:
             max_map_len=64,
             max_ext_len=0,
         )
-        self._fed = 0
 
     @property
     def pending(self) -> int:
@@ -189,15 +193,18 @@ class HeaderDecoder:
         used = 0
         step = 256
         total = len(data)
+        unpacker = self._unpacker
+        if unpacker is None:
+            unpacker = self._unpacker = self._new_unpacker()
         while True:
             room = self._limits.max_header - self._fed
             take = min(step, room, total - used)
             base = self._fed
             if take > 0:
-                self._unpacker.feed(data[used : used + take])
+                unpacker.feed(data[used : used + take])
                 self._fed += take
             try:
-                obj = self._unpacker.unpack()
+                obj = unpacker.unpack()
             except msgpack.OutOfData:
                 if self._fed >= self._limits.max_header:
                     raise ProtocolError(
@@ -210,7 +217,7 @@ class HeaderDecoder:
                 continue
             except Exception as exc:  # FormatError, StackError, ValueError on a limit, ...
                 raise ProtocolError(f"frame header is not valid msgpack: {exc}") from exc
-            used += self._unpacker.tell() - base
+            used += unpacker.tell() - base
             self._reset()
             return validate_header(obj, self._limits), used
 
