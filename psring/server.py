@@ -206,8 +206,9 @@ class Shard:
         self.conns.discard(conn)
         self.buffered.pop(conn, None)
         rank = conn.peer.get("rank")
-        member = type(rank) is int and self.by_rank.get(rank) is conn and rank < conn.peer["world_size"]
-        if member:
+        attached = type(rank) is int and self.by_rank.get(rank) is conn
+        member = attached and rank < conn.peer["world_size"]
+        if attached:  # members and strangers alike: nothing keeps a closed connection
             del self.by_rank[rank]
         if not self.conns:
             self.idle.set()

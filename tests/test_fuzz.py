@@ -17,6 +17,7 @@ import pytest
 from psring import store as store_mod
 from psring.connection import Mailbox, open_connection
 from psring.errors import ProtocolError, StoreError
+from psring.server import start_servers
 from psring.store import connect_store, parse_store_address
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -177,3 +178,23 @@ async def test_a_flood_of_bad_connections_does_not_flood_the_log(store, caplog) 
             writer.close()
     rejected = [r for r in caplog.records if "rejected" in r.getMessage()]
     assert 5 <= len(rejected) <= 12, [r.getMessage() for r in rejected]
+
+
+@pytest.mark.asyncio
+async def test_a_shard_keeps_nothing_of_strangers_that_left(store) -> None:
+    client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=5)
+    server = await start_servers(client, 1, job="strangers")
+    try:
+        for i in range(50):  # ranks outside the job's world (2): strangers, as fuzzing makes them
+            hello = {"role": "rank", "rank": 2 + i, "world_size": 2, "job": "strangers", "shard": 0}
+            conn = await open_connection("127.0.0.1", server.port, secret=None, hello=hello, router=Mailbox())
+            conn.abort(ConnectionResetError("gone"))
+        shard = server.shards[0]
+        for _ in range(100):
+            if not shard.by_rank and not shard.conns:
+                break
+            await asyncio.sleep(0.02)
+        assert not shard.by_rank and not shard.conns  # each held a 256 KiB buffer: this leaked
+    finally:
+        await server.close()
+        await client.close()
