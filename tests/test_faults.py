@@ -81,8 +81,9 @@ async def main():
         await g.all_reduce(x)
     except psring.PeerLostError as e:
         print("AGAIN", e.rank, flush=True)
-    sys.exit(3)
-uvloop.run(main())
+    return 3
+# exit outside the loop: uvloop may swallow a SystemExit raised inside a coroutine (uvloop #612)
+sys.exit(uvloop.run(main()))
 """
 
 
