@@ -46,6 +46,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
+from psring.wire import KINDS
+
 SECRET = "fuzz-secret-0123456789"
 JOB = "fuzz"
 FAMILIES = ("random", "mutated", "lying", "authed")
@@ -145,23 +147,7 @@ def values() -> st.SearchStrategy[Any]:
     )
 
 
-KIND_NAMES = [
-    "hello",
-    "challenge",
-    "auth",
-    "welcome",
-    "reject",
-    "ping",
-    "bye",
-    "data",
-    "abort",
-    "store_req",
-    "store_resp",
-    "ps_req",
-    "ps_param",
-    "ps_data",
-    "nonsense",
-]
+KIND_NAMES = [*sorted(KINDS), "nonsense"]  # every kind psring knows, and one it does not
 FIELDS = [
     "tag",
     "op",
