@@ -27,6 +27,7 @@ import secrets
 import socket
 import ssl
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -62,6 +63,31 @@ def _env_float(name: str, default: float) -> float:
     if value <= 0:
         raise ValueError(f"{name}={raw!r} must be positive")
     return value
+
+
+def _crc32c(data: Any) -> int:
+    try:
+        import crc32c
+    except ImportError:
+        raise ProtocolError("a crc32c checksum needs the crc32c package (pip install crc32c)") from None
+    return int(crc32c.crc32c(data))
+
+
+#: payload checksums by name: the sender names the one it used in the frame header
+CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32": zlib.crc32, "crc32c": _crc32c}
+
+
+def checksum_from_env() -> str | None:
+    """PSRING_CHECKSUM: "crc32c" (hardware-accelerated, needs the crc32c package), "crc32"
+    (zlib), or unset/"0" for none (the default: TCP's checksum and TLS's MAC guard the bytes)."""
+    name = os.environ.get("PSRING_CHECKSUM", "").strip().lower()
+    if name in ("", "0", "none", "off", "no"):
+        return None
+    if name not in CHECKSUMS:
+        raise ValueError(f"PSRING_CHECKSUM={name!r}: expected one of {', '.join(CHECKSUMS)} (or unset)")
+    if name == "crc32c":
+        _crc32c(b"")  # fail now, not on the first frame
+    return name
 
 
 #: payloads up to this many bytes are copied next to their header and written in one call
@@ -123,6 +149,7 @@ class Connection(asyncio.BufferedProtocol):
         self._closed = asyncio.get_running_loop().create_future()
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+        self._checksum = checksum_from_env()
         self._hb_interval = heartbeat_interval or _env_float("PSRING_HEARTBEAT_INTERVAL", 1.0)
         self._hb_timeout = heartbeat_timeout or _env_float("PSRING_HEARTBEAT_TIMEOUT", 10.0)
         self._hb_handle: asyncio.TimerHandle | None = None
@@ -270,7 +297,21 @@ class Connection(asyncio.BufferedProtocol):
             return
         if self.router is None:
             raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
+        if "sum" in header:
+            self._verify(header, payload)
         self.router.deliver(self, header, payload)
+
+    def _verify(self, header: dict[str, Any], payload: Any) -> None:
+        """The sender put a checksum of the payload in the header: check it before anyone uses the bytes."""
+        claim = header["sum"]
+        if not (isinstance(claim, tuple) and len(claim) == 2 and claim[0] in CHECKSUMS and type(claim[1]) is int):
+            raise ProtocolError(f"{self.peer_label} at {self.peername} sent a malformed checksum field: {claim!r}")
+        got = CHECKSUMS[claim[0]](memoryview(payload).cast("B") if header["nbytes"] else b"")
+        if got != claim[1]:
+            raise ProtocolError(
+                f"payload checksum mismatch on a {header['kind']!r} frame from {self.peer_label} at {self.peername} "
+                f"({claim[0]} {got:#010x}, sender said {claim[1]:#010x}): the bytes were corrupted in transit"
+            )
 
     # ---------------------------------------------------------------- send path
     def send_frame(self, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
@@ -285,6 +326,8 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(payload, memoryview):
             size = payload.nbytes
         header["nbytes"] = size
+        if self._checksum is not None and size and self._handshake_frames is None:
+            header["sum"] = (self._checksum, CHECKSUMS[self._checksum](payload))
         head = wire.encode_header(header)
         if size and size <= SMALL_COPY:
             transport.write(b"".join((head, payload)))  # one syscall, one segment: small frames are latency-bound

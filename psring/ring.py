@@ -173,8 +173,8 @@ class PeerNet:
             return
         if self.links.get(peer_rank) is conn:
             del self.links[peer_rank]
-        if any(c.peer.get("rank") == peer_rank and c.is_open for c in self.conns):
-            return  # another link to that rank is still up
+        if error is None and any(c.peer.get("rank") == peer_rank and c.is_open for c in self.conns):
+            return  # closed cleanly while another link to that rank is up (a dropped one may have lost frames)
         ago = time.monotonic() - conn.last_heard
         if error is None:  # a clean goodbye: the peer finished, it did not crash
             err = PeerLostError(f"rank {peer_rank} at {conn.peername} closed its connections", rank=peer_rank)
