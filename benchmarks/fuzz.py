@@ -456,8 +456,8 @@ async def authed_connection(target: Target) -> Any:
     )
 
 
-async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str, int]) -> None:
-    """Send data on a fresh connection; note whether the target closed it or kept waiting."""
+async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str, int], wait: float = 0.05) -> None:
+    """Send data on a fresh connection; note whether the target closed it within wait seconds."""
     if authed:
         try:
             conn = await authed_connection(target)
@@ -469,7 +469,7 @@ async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str,
         conn.transport.write(data)
         closed = conn._closed  # the harness watches the connection end
         try:
-            await asyncio.wait_for(asyncio.shield(closed), 0.05)
+            await asyncio.wait_for(asyncio.shield(closed), wait)
             outcome["closed by target"] = outcome.get("closed by target", 0) + 1
         except TimeoutError:
             outcome["left open"] = outcome.get("left open", 0) + 1
@@ -487,7 +487,7 @@ async def send_one(target: Target, data: bytes, authed: bool, outcome: dict[str,
             await writer.drain()
         try:
             while True:  # read what the target says until it closes, or stop waiting
-                chunk = await asyncio.wait_for(reader.read(65536), 0.05)
+                chunk = await asyncio.wait_for(reader.read(65536), wait)
                 if not chunk:
                     outcome["closed by target"] = outcome.get("closed by target", 0) + 1
                     break
@@ -505,7 +505,9 @@ async def run_family(target: Target, family: str, inputs: list[bytes], row: dict
     outcome: dict[str, int] = {}
     batch = 25
     for i in range(0, len(inputs), batch):
-        await asyncio.gather(*(send_one(target, d, family == "authed", outcome) for d in inputs[i : i + batch]))
+        # a lying size must be refused: give the target time to say so (it takes none when it does)
+        wait = 3.0 if family == "lying" else 0.05
+        await asyncio.gather(*(send_one(target, d, family == "authed", outcome, wait) for d in inputs[i : i + batch]))
         await check(target, row)
     row["families"][family] = {"inputs": len(inputs), **outcome}
     row["inputs"] += len(inputs)

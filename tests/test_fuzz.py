@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -168,6 +170,7 @@ async def test_shard_refuses_a_rank_of_another_world_and_ignores_a_strangers_los
 @pytest.mark.asyncio
 async def test_a_flood_of_bad_connections_does_not_flood_the_log(store, caplog) -> None:
     caplog.set_level(logging.WARNING, logger="psring.connection")
+    t0 = time.monotonic()
     for _ in range(3):
         tasks = []
         for _ in range(20):
@@ -176,8 +179,10 @@ async def test_a_flood_of_bad_connections_does_not_flood_the_log(store, caplog) 
             writer.write(b"\xc1" * 8)
             await closed_by_peer(reader)
             writer.close()
+    windows = math.ceil(time.monotonic() - t0) + 1  # one-second windows the 60 rejections fell in
     rejected = [r for r in caplog.records if "rejected" in r.getMessage()]
-    assert 5 <= len(rejected) <= 12, [r.getMessage() for r in rejected]
+    # at most 5 warnings a window, plus one "N more" line: fewer than one per connection
+    assert 5 <= len(rejected) <= min(6 * windows, 59), [r.getMessage() for r in rejected]
 
 
 @pytest.mark.asyncio
