@@ -689,6 +689,7 @@ class Listener:
         self._warned = self._quiet = 0
 
     async def start(self, host: str, port: int) -> Listener:
+        checksum_from_env()  # a bad PSRING_CHECKSUM fails here, not in every accepted connection
         loop = asyncio.get_running_loop()
         ctx = make_ssl_context(server=True)
         self._server = await loop.create_server(self._make_protocol, host, port, ssl=ctx, reuse_address=True)

@@ -51,3 +51,12 @@ def test_an_unknown_checksum_name_is_refused(monkeypatch) -> None:
         checksum_from_env()
     monkeypatch.setenv("PSRING_CHECKSUM", "0")
     assert checksum_from_env() is None
+
+
+@pytest.mark.asyncio
+async def test_a_server_with_a_bad_checksum_setting_does_not_start(monkeypatch) -> None:
+    from psring.store import start_store
+
+    monkeypatch.setenv("PSRING_CHECKSUM", "sha1")
+    with pytest.raises(ValueError, match="PSRING_CHECKSUM='sha1'"):
+        await start_store("127.0.0.1", 0)
