@@ -381,7 +381,7 @@ class Connection(asyncio.BufferedProtocol):
         rank = self.peer.get("rank")
         role = self.peer.get("role", "peer")
         shards = self.peer.get("shards")
-        if role == "server" and isinstance(shards, list) and shards:
+        if role == "server" and isinstance(shards, (list, tuple)) and shards:
             return f"server shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
         return f"{role} {rank}" if rank is not None else str(role)
 

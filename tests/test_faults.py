@@ -272,3 +272,13 @@ async def test_slower_ranks_finish_what_a_departed_rank_finished(make_groups, to
     assert time.monotonic() - t0 < 10
     with pytest.raises(psring.PeerLostError, match="rank 0"):
         await groups[1].send(x, dst=0)
+
+
+async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decodes_them() -> None:
+    from psring.connection import Connection
+
+    conn = Connection(secret=None)
+    conn.peer = {"role": "server", "shards": (0, 1)}  # msgpack gives tuples (use_list=False)
+    assert conn.peer_label == "server shards 0, 1"
+    conn.peer = {"role": "server", "shards": [3]}
+    assert conn.peer_label == "server shard 3"
