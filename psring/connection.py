@@ -549,6 +549,30 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.abort()
         self._teardown()
 
+    def detach(self) -> socket.socket:
+        """Take this connection's socket out of the event loop, as a blocking socket for a thread.
+
+        Call it right after the handshake, before either side sent anything else: bytes the
+        transport already read would be lost. This Connection is closed quietly (no goodbye,
+        no loss reported to its router); the socket itself stays open.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._lost is not None:
+            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
+        if transport.get_extra_info("ssl_object") is not None:
+            raise ProtocolError("a TLS connection cannot be detached from its transport")
+        if self._end != self._start or self._header is not None:
+            raise ProtocolError(f"{self.peername} sent bytes before its link was taken over")
+        sock = transport.get_extra_info("socket")
+        raw = socket.socket(fileno=os.dup(sock.fileno()))
+        raw.setblocking(True)
+        transport.pause_reading()
+        self._closing = True
+        self.router = None
+        transport.abort()  # closes this fd only: the dup keeps the socket (no RST, no FIN)
+        self._teardown()
+        return raw
+
     async def close(self, timeout: float = 2.0, farewell: dict[str, Any] | None = None) -> None:
         """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails.
 

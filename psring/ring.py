@@ -15,19 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from . import wire
-from .arrays import byte_view
+from .arrays import byte_view, result_empty
 from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
-from .connection import Connection, Listener, Mailbox, open_connection
+from .connection import Connection, Listener, Mailbox, checksum_from_env, open_connection
+from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
 from .group import (
     SMALL_BYTES,
@@ -48,6 +51,19 @@ PIECE_BYTES = int(os.environ.get("PSRING_RING_PIECE", 1 << 20))
 
 # phases in data tags: (gid, seq, phase, ...)
 _RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER = range(7)
+
+
+#: seconds a broken data link waits for the control plane to report the same loss (with its reason)
+PLANE_GRACE = 1.0
+
+
+def plane_possible() -> bool:
+    """Whether this process can run the threaded data plane (plain TCP, no per-frame checksums)."""
+    if os.environ.get("PSRING_RING_THREADS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if os.environ.get("PSRING_TLS_CERT") or os.environ.get("PSRING_TLS_CA"):
+        return False  # a TLS stream cannot leave its transport
+    return checksum_from_env() is None
 
 
 def pieces(a: int, b: int, per_piece: int) -> list[tuple[int, int]]:
@@ -78,6 +94,10 @@ class PeerNet:
         self._closing = False
         self.listener: Listener | None = None
         self.embedded_store: StoreServer | None = None
+        self.plane: DataPlane | None = None
+        if world_size > 1 and plane_possible():
+            self.plane = DataPlane(rank, world_size)
+            self.plane.recv_ready = asyncio.Event()
 
     def hello(self) -> dict[str, Any]:
         return {"role": "rank", "rank": self.rank, "job": self.settings.job}
@@ -91,6 +111,7 @@ class PeerNet:
             name=f"rank {self.rank}",
         )
         await self.listener.start(self.settings.bind_host, self.settings.port)
+        await self.store.set(f"{self.prefix}/plane/{self.rank}", b"1" if self.plane is not None else b"0")
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
 
@@ -111,6 +132,70 @@ class PeerNet:
             assert raw is not None
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
+        if self.plane is not None:  # every rank must take the same path: the plane only if all can
+            flags = [await self.store.get(f"{self.prefix}/plane/{r}") for r in range(self.world_size)]
+            if any(f != b"1" for f in flags):
+                without = [r for r, f in enumerate(flags) if f != b"1"]
+                logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
+                self.plane = None
+
+    async def open_plane(self, timeout: float) -> None:
+        """Dial the data link to the right neighbour, wait for the left's, start the threads."""
+        plane = self.plane
+        assert plane is not None and plane.recv_ready is not None
+        right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        host, port = self.addresses[right]
+        conn = await open_connection(
+            host,
+            port,
+            secret=self.settings.secret,
+            hello={**self.hello(), "data": 1},
+            router=None,
+            timeout=timeout,
+            name=f"rank {self.rank} data",
+        )
+        if conn.peer.get("rank") != right:
+            conn.abort(ProtocolError("wrong peer"))
+            raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {right}")
+        plane.set_send(conn.detach())
+        try:
+            await asyncio.wait_for(plane.recv_ready.wait(), timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
+            ) from None
+        plane.start()
+
+    def _accept_data_link(self, conn: Connection, peer_rank: int) -> None:
+        left = (self.rank - 1) % self.world_size
+        plane = self.plane
+        if plane is None or peer_rank != left:
+            raise ProtocolError(
+                f"rank {peer_rank} offered a data link to rank {self.rank}: only its left neighbour "
+                f"(rank {left}) may, and only when every rank runs the data plane"
+            )
+        if plane.recv_sock is not None:
+            raise ProtocolError(f"rank {self.rank} already has a data link from rank {left}")
+        plane.set_recv(conn.detach())
+
+    def plane_broken(self, peer_rank: int, exc: PlaneLinkError, coll: Collective) -> None:
+        """A data link failed mid-collective. The control plane usually reports the same loss with
+        its reason (a crash, a goodbye) at once; if it has not after PLANE_GRACE, report this."""
+
+        def check() -> None:
+            if self._closing or coll.done.done():
+                return
+            err = PeerLostError(
+                f"the data link {'to' if exc.side == 'send' else 'from'} rank {peer_rank} at "
+                f"{self.addresses.get(peer_rank)} broke: {exc}",
+                rank=peer_rank,
+            )
+            if peer_rank in self.lost:  # it left cleanly earlier; this collective needed it
+                coll.fail(err)
+            else:
+                self._peer_lost(peer_rank, err)
+
+        asyncio.get_running_loop().call_later(PLANE_GRACE, check)
 
     def _register(self, conn: Connection, peer_rank: int) -> None:
         self.conns.add(conn)
@@ -124,6 +209,9 @@ class PeerNet:
             raise ProtocolError(f"peer from job {conn.peer.get('job')!r} dialed job {self.settings.job!r}")
         if type(peer_rank) is not int or not 0 <= peer_rank < self.world_size:
             raise ProtocolError(f"peer claims rank {peer_rank!r}, outside 0..{self.world_size - 1}")
+        if conn.peer.get("data"):
+            self._accept_data_link(conn, peer_rank)
+            return
         self._register(conn, peer_rank)
 
     async def link(self, rank: int, timeout: float) -> Connection:
@@ -242,6 +330,8 @@ class PeerNet:
         goodbye = farewell(self.groups, self.stopped_at)
         conns = list(self.conns)
         await asyncio.gather(*(c.close(farewell=goodbye) for c in conns), return_exceptions=True)
+        if self.plane is not None:
+            self.plane.close()
         if self.listener is not None:
             await self.listener.close()
         with contextlib.suppress(Exception):
@@ -250,9 +340,10 @@ class PeerNet:
             await self.embedded_store.close()
 
     def stats(self) -> dict[str, int]:
+        plane = self.plane
         return {
-            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()),
-            "bytes_received": sum(c.bytes_received for c in self._all_conns()),
+            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()) + (plane.bytes_sent if plane else 0),
+            "bytes_received": sum(c.bytes_received for c in self._all_conns()) + (plane.bytes_received if plane else 0),
         }
 
     def _all_conns(self) -> list[Connection]:
@@ -292,6 +383,8 @@ class RingGroup(Group):
             group = cls(net, rank, world, list(range(world)), "0", settings.timeout)
             if world > 1:
                 await net.link((rank + 1) % world, settings.timeout)
+            if net.plane is not None:
+                await net.open_plane(settings.timeout)
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group
@@ -427,9 +520,41 @@ class RingGroup(Group):
         return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
 
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        plane = self.net.plane
+        if plane is not None and self.gid == "0" and plane.ready and x.nbytes > SMALL_BYTES:
+            return await self._plane_all_reduce(coll, x, op, plane)
         if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
             return await self._gather_and_fold(coll, x, op)  # type: ignore[no-any-return]
         return await self._ring_reduce(coll, x, op, mode="all")
+
+    async def _plane_all_reduce(self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane) -> np.ndarray:
+        """all_reduce on the threaded data plane (psring.dataplane). Queued before the first
+        await, so concurrent calls reach the plane in call order, the same on every rank."""
+        n_ranks, me = self.world_size, self.rank
+        piece = max(1, PIECE_BYTES // x.itemsize)
+        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, reduce_op(op), op == "avg", piece)
+        left = (me - 1) % n_ranks
+        coll.waiting_on = {left}
+        job.on_error = functools.partial(self._plane_failed, coll)  # no cycle: out is freed at once
+        finished = False
+        try:
+            await job.done
+            finished = True
+        finally:
+            if not finished:
+                job.cancel()  # failed from elsewhere (which also cancelled job.done): the threads drop it
+        return job.out
+
+    def _plane_failed(self, coll: Collective, exc: BaseException) -> None:
+        if coll.done.done():
+            return
+        n_ranks, me = self.world_size, self.rank
+        if isinstance(exc, PlaneMismatch):
+            self._abort_everywhere(coll, self._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
+        elif isinstance(exc, PlaneLinkError):
+            self.net.plane_broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
+        else:
+            coll.fail(exc)
 
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
@@ -452,7 +577,7 @@ class RingGroup(Group):
         per_piece = max(1, PIECE_BYTES // x.itemsize)
         bounds = ring_chunk_bounds(x.size, n_ranks)
         chunk_pieces = [pieces(a, b, per_piece) for a, b in bounds]
-        out = np.empty_like(x)
+        out = result_empty(x)
         ufunc = reduce_op(op)
         final_chunk = right_rank  # the chunk whose fold completes here
         right = await self._link(right_rank)

@@ -1,0 +1,136 @@
+"""The ring's threaded data plane (psring.dataplane): large all_reduces leave the event loop.
+
+These are the cases where a byte stream shared by collectives could go wrong: a rank
+that abandons a collective half-way (mismatch, timeout) leaves frames behind that the
+next collective must skip; concurrent calls must reach the plane in one order; ranks
+that cannot run the plane must make everyone fall back together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+import psring
+from psring.arrays import result_empty
+from psring.group import canonical_fold
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+
+BIG = 300_001  # float32 elements: 1.2 MB, above the one-hop size and not divisible by world sizes
+
+
+def _plane_bytes(groups: list[psring.Group]) -> list[int]:
+    return [g.net.plane.bytes_sent if g.net.plane is not None else 0 for g in groups]  # type: ignore[attr-defined]
+
+
+async def test_large_all_reduce_runs_on_the_plane_in_canonical_order(make_groups) -> None:
+    for world in (2, 3, 5):
+        groups = await make_groups(world)
+        rng = np.random.default_rng(world)
+        xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(world)]
+        before = _plane_bytes(groups)
+        for op in ("sum", "avg", "max", "prod"):
+            ys = await asyncio.gather(*(g.all_reduce(x, op=op) for g, x in zip(groups, xs, strict=True)))
+            ref = canonical_fold(xs, op, np.empty(BIG, np.float32))
+            assert all(y.tobytes() == ref.tobytes() for y in ys), (world, op)
+        sent = [a - b for a, b in zip(_plane_bytes(groups), before, strict=True)]
+        assert all(s >= 4 * 2 * (world - 1) / world * xs[0].nbytes for s in sent), sent
+
+
+async def test_concurrent_large_all_reduces_stay_in_order(make_groups) -> None:
+    groups = await make_groups(3)
+    xs = {(r, k): np.full(BIG + k, r * 10.0 + k, np.float64) for r in range(3) for k in range(4)}
+
+    async def rank(g: psring.Group) -> list[np.ndarray]:
+        return list(await asyncio.gather(*(g.all_reduce(xs[g.rank, k]) for k in range(4))))
+
+    results = await asyncio.gather(*(rank(g) for g in groups))
+    for per_rank in results:
+        for k, y in enumerate(per_rank):
+            assert y.shape == (BIG + k,) and np.all(y == sum(r * 10.0 + k for r in range(3)))
+
+
+async def test_mismatch_on_the_plane_is_named_and_the_group_recovers(make_groups) -> None:
+    groups = await make_groups(3)
+    xs = [np.ones(BIG, np.float32), np.ones(BIG + 4, np.float32), np.ones(BIG, np.float32)]
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)), return_exceptions=True)
+    assert time.monotonic() - t0 < 10
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any("rank 1" in str(r) and f"[{BIG + 4}]" in str(r) for r in results), results
+    # the frames the mismatched collective left on the links are skipped by the next one
+    for k in range(3):
+        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
+        assert all(np.all(y == 3 + 3 * k) for y in ys)
+
+
+async def test_timeout_on_the_plane_then_the_group_recovers(make_groups) -> None:
+    groups = await make_groups(3, timeout=1.0)
+    x = np.ones(1 << 20, np.float32)
+    results = await asyncio.gather(groups[0].all_reduce(x), groups[1].all_reduce(x), return_exceptions=True)
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    assert any("rank(s) 2" in str(r) for r in results), results
+    with pytest.raises(psring.CollectiveTimeoutError):
+        await groups[2].all_reduce(x)
+    ys = await asyncio.gather(*(g.all_reduce(x * (g.rank + 1)) for g in groups))
+    assert all(np.all(y == 6.0) for y in ys)
+
+
+async def test_ranks_without_the_plane_make_everyone_fall_back(make_groups, monkeypatch) -> None:
+    import psring.ring as ring
+
+    real = ring.plane_possible
+    calls = iter(range(100))
+    # rank order of creation is not fixed: let exactly one rank decline
+    monkeypatch.setattr(ring, "plane_possible", lambda: next(calls) != 1 and real())
+    groups = await make_groups(3)
+    assert all(g.net.plane is None for g in groups)  # type: ignore[attr-defined]
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(3)]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in ys)
+
+
+async def test_plane_can_be_turned_off(make_groups, monkeypatch) -> None:
+    monkeypatch.setenv("PSRING_RING_THREADS", "0")
+    groups = await make_groups(2)
+    assert all(g.net.plane is None for g in groups)  # type: ignore[attr-defined]
+    ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, 2.0)) for g in groups))
+    assert all(np.all(y == 4.0) for y in ys)
+
+
+async def test_close_mid_collective_ends_the_threads(make_groups) -> None:
+    groups = await make_groups(2, timeout=30.0)
+    pending = asyncio.ensure_future(groups[0].all_reduce(np.ones(1 << 20, np.float32)))
+    await asyncio.sleep(0.2)
+    await groups[1].close()
+    with pytest.raises(psring.PeerLostError, match="rank 1"):
+        await asyncio.wait_for(pending, 10)
+    await groups[0].close()
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    for plane in planes:
+        assert plane is not None and plane.closed
+        assert all(not t.is_alive() for t in plane._threads)
+
+
+async def test_results_are_recycled_only_after_release() -> None:
+    x = np.ones(1 << 20, np.float32)
+    a = result_empty(x)
+    a[:] = 1.0
+    view = a[10:20]
+    del a
+    b = result_empty(x)  # the first is still referenced through view: not handed out again
+    b[:] = 2.0
+    assert np.all(view == 1.0)
+    address = b.__array_interface__["data"][0]
+    del b
+    c = result_empty(x)
+    assert c.__array_interface__["data"][0] == address  # released: recycled
+    assert c.shape == x.shape and c.dtype == x.dtype and c.flags.writeable
+    small = result_empty(np.ones(4))
+    assert small.base is None  # small results are plain arrays
