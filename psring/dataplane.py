@@ -124,12 +124,18 @@ class Job:
             self._pending -= 1
             last = self._pending == 0
         if last:
-            self.loop.call_soon_threadsafe(_resolve, self.done)
+            self._tell(_resolve, self.done)
 
     def fail(self, exc: BaseException) -> None:
         self.cancelled.set()
         self.fwd.put(None)  # wake the send thread
-        self.loop.call_soon_threadsafe(self.on_error, exc)
+        self._tell(self.on_error, exc)
+
+    def _tell(self, fn: Callable[..., None], arg: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed: nobody waits for this job any more
+            pass
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

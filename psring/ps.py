@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .arrays import byte_view
+from .arrays import byte_view, result_empty
 from .compress import check_codec, dequantize, quantize, scale_exponent
 from .config import GroupSettings
 from .connection import Connection, Mailbox, open_connection
@@ -434,7 +434,7 @@ class PsGroup(Group):
 
     # -------------------------------------------------------------- collectives
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        out = np.empty_like(x)
+        out = result_empty(x)
         expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)]
         await self._exchange(coll, x, expects, True, x.size, x.itemsize)
         return out
