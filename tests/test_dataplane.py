@@ -20,6 +20,15 @@ from psring.group import canonical_fold
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
+
+@pytest.fixture(autouse=True)
+def _plane_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything above 64 KiB takes the plane here (8 MiB by default), so tests stay quick."""
+    import psring.ring as ring
+
+    monkeypatch.setattr(ring, "PLANE_MIN_BYTES", 64 << 10)
+
+
 BIG = 300_001  # float32 elements: 1.2 MB, above the one-hop size and not divisible by world sizes
 
 
@@ -134,3 +143,26 @@ async def test_results_are_recycled_only_after_release() -> None:
     assert c.shape == x.shape and c.dtype == x.dtype and c.flags.writeable
     small = result_empty(np.ones(4))
     assert small.base is None  # small results are plain arrays
+
+
+async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> None:
+    import psring.ring as ring
+
+    sizes = iter([64 << 10, 1 << 20, 64 << 10])
+    real_init = ring.PeerNet.__init__
+
+    def init(self: ring.PeerNet, *args: object, **kwargs: object) -> None:  # each rank its own threshold
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        self.plane_offer = next(sizes)
+
+    monkeypatch.setattr(ring.PeerNet, "__init__", init)
+    groups = await make_groups(3)
+    assert [g.net.plane_min for g in groups] == [1 << 20] * 3  # type: ignore[attr-defined]
+    before = _plane_bytes(groups)
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(BIG, np.float32)) for g in groups))  # 1.2 MB: plane
+    assert all(np.all(y == 3.0) for y in ys)
+    assert all(a > b for a, b in zip(_plane_bytes(groups), before, strict=True))
+    before = _plane_bytes(groups)
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(100_000, np.float32)) for g in groups))  # 400 KB: loop
+    assert all(np.all(y == 3.0) for y in ys)
+    assert _plane_bytes(groups) == before
