@@ -2,14 +2,15 @@
 
 ``all_reduce`` is a pipelined ring reduce-scatter then all-gather: the tensor is
 split into N ring chunks, each chunk into pieces of ``PSRING_RING_PIECE`` bytes
-(1 MiB), and each piece is reduced and forwarded the moment it arrives (a callback
-in the connection's receive path, straight into the output array: no scratch
-buffers, no per-piece tasks). Each rank sends 2(N-1)/N of the tensor. Small
-tensors take a one-hop path (every rank sends its tensor to every other and folds
-locally) in the same canonical order, so the bits do not depend on the path.
+(1 MiB), and each piece is reduced and forwarded the moment it arrives. Each rank
+sends 2(N-1)/N of the tensor. From ``PLANE_MIN_BYTES`` (8 MiB) up this runs on the
+threaded data plane (:mod:`psring.dataplane`); below it, in a callback in the
+connection's receive path, straight into the output array (no scratch buffers, no
+per-piece tasks). Small tensors take a one-hop path (every rank sends its tensor
+to every other and folds locally) in the same canonical order, so the bits do not
+depend on the path.
 
-Each process listens on exactly one port; peers dial it (no back-connections).
-"""
+Each process listens on exactly one port; peers dial it (no back-connections)."""
 
 from __future__ import annotations
 
