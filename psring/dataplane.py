@@ -285,76 +285,87 @@ class DataPlane:
         return job
 
     # -------------------------------------------------------------- threads
+    # Each job is handled in a method of its own, so that no local keeps its arrays (the
+    # caller's input, the result) alive once it is done: a result the caller drops goes
+    # back to the pool at once.
     def _send_loop(self) -> None:
-        sock = self.send_sock
-        assert sock is not None
         while True:
             job = self._send_q.get()
-            if job is None:
+            if job is None or not self._send_job(job):
                 return
-            try:
-                sent = 0
-                while sent < job.n_send:
-                    try:
-                        item = job.fwd.get(timeout=POLL)
-                    except queue.Empty:
-                        if job.gone():
-                            raise _Abandoned from None
-                        continue
-                    if item is None:
-                        raise _Abandoned
-                    header, payload = item
-                    if payload is None:
-                        sock.sendall(header)
-                        self.bytes_sent += len(header)
-                    elif payload.nbytes <= SMALL_SEND:
-                        sock.sendall(header + payload)
-                        self.bytes_sent += len(header) + payload.nbytes
-                    else:
-                        sock.sendall(header)
-                        sock.sendall(payload)
-                        self.bytes_sent += len(header) + payload.nbytes
-                    sent += 1
-            except _Abandoned:
-                continue
-            except OSError as exc:
-                if self.closed:
-                    return
-                job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
-                continue
-            job.part_done()
+            del job
+
+    def _send_job(self, job: Job) -> bool:
+        """Send one job's frames; False when the plane is closing."""
+        sock = self.send_sock
+        assert sock is not None
+        try:
+            sent = 0
+            while sent < job.n_send:
+                try:
+                    item = job.fwd.get(timeout=POLL)
+                except queue.Empty:
+                    if job.gone():
+                        return True
+                    continue
+                if item is None:
+                    return True  # the receive side gave up on it
+                header, payload = item
+                if payload is None:
+                    sock.sendall(header)
+                    self.bytes_sent += len(header)
+                elif payload.nbytes <= SMALL_SEND:
+                    sock.sendall(header + payload)
+                    self.bytes_sent += len(header) + payload.nbytes
+                else:
+                    sock.sendall(header)
+                    sock.sendall(payload)
+                    self.bytes_sent += len(header) + payload.nbytes
+                sent += 1
+        except OSError as exc:
+            if self.closed:
+                return False
+            job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
+            return True
+        job.part_done()
+        return True
 
     def _recv_loop(self) -> None:
         reader = self._reader
         assert reader is not None
         while True:
             job = self._recv_q.get()
-            if job is None:
+            if job is None or not self._recv_job(job, reader):
                 return
-            if job.gone():
-                continue
-            try:
-                self._receive(job, reader)
-            except _Abandoned:
-                continue
-            except PlaneMismatch as exc:
-                job.fail(exc)
-                continue
-            except PlaneLinkError as exc:
-                if self.closed:
-                    return
-                job.fail(exc)
-                continue
-            except OSError as exc:
-                if self.closed:
-                    return
-                job.fail(PlaneLinkError(f"receiving from the left neighbour failed: {exc}", "recv"))
-                continue
-            except Exception as exc:  # pragma: no cover - a bug: surface it on the collective
-                logger.exception("data plane receive failed")
-                job.fail(exc)
-                continue
-            job.part_done()
+            del job
+
+    def _recv_job(self, job: Job, reader: _Reader) -> bool:
+        """Receive (and reduce, and hand on) one job's frames; False when the plane is closing."""
+        if job.gone():
+            return True
+        try:
+            self._receive(job, reader)
+        except _Abandoned:
+            return True
+        except PlaneMismatch as exc:
+            job.fail(exc)
+            return True
+        except PlaneLinkError as exc:
+            if self.closed:
+                return False
+            job.fail(exc)
+            return True
+        except OSError as exc:
+            if self.closed:
+                return False
+            job.fail(PlaneLinkError(f"receiving from the left neighbour failed: {exc}", "recv"))
+            return True
+        except Exception as exc:  # pragma: no cover - a bug: surface it on the collective
+            logger.exception("data plane receive failed")
+            job.fail(exc)
+            return True
+        job.part_done()
+        return True
 
     def _receive(self, job: Job, reader: _Reader) -> None:
         seq = job.seq
