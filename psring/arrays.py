@@ -6,6 +6,8 @@ which array module an array belongs to.
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -128,6 +130,20 @@ def prod(shape: tuple[int, ...]) -> int:
 
 
 # ------------------------------------------------------------------ result buffers
+def env_bytes(name: str, default: int) -> int:
+    """A byte count from the environment, or a ValueError naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number of bytes") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
 class _BufferPool:
     """Recycles the memory of large results once the caller lets go of them.
 
@@ -141,10 +157,7 @@ class _BufferPool:
     MIN_BYTES = 1 << 20
 
     def __init__(self) -> None:
-        import os
-        import threading
-
-        self.cap = int(os.environ.get("PSRING_BUFFER_POOL", 512 << 20))
+        self.cap = env_bytes("PSRING_BUFFER_POOL", 512 << 20)
         self.free: dict[int, list[np.ndarray]] = {}
         self.held = 0
         self.lock = threading.Lock()
@@ -160,7 +173,7 @@ class _BufferPool:
     def give(self, mem: np.ndarray) -> None:
         with self.lock:
             if self.held + mem.nbytes > self.cap:
-                # make room: drop other sizes first (the oldest kept)
+                # make room: drop the oldest buffers kept
                 for size in list(self.free):
                     while self.free[size] and self.held + mem.nbytes > self.cap:
                         self.free[size].pop(0)

@@ -258,7 +258,16 @@ class DataPlane:
             self._threads.append(t)
 
     # ----------------------------------------------------------------- jobs
-    def all_reduce(self, seq: int, call: bytes, x: np.ndarray, op_ufunc: np.ufunc, avg: bool, piece: int) -> Job:
+    def all_reduce(
+        self,
+        seq: int,
+        call: bytes,
+        x: np.ndarray,
+        op_ufunc: np.ufunc,
+        avg: bool,
+        piece: int,
+        on_error: Callable[[BaseException], None],
+    ) -> Job:
         """Queue a pipelined ring reduce-scatter + all-gather of flat x in pieces of ``piece``
         elements; the job's ``out`` holds the result once ``done`` (canonical order)."""
         n, me = self.world_size, self.rank
@@ -275,6 +284,7 @@ class DataPlane:
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
         job = Job(asyncio.get_running_loop(), seq, call, steps, 1 + n_own + n_fwd, 1 + n_own, self.stop)
         job.x, job.out, job.ufunc, job.avg = x, result_empty(x), op_ufunc, n if avg else 0
+        job.on_error = on_error  # set before the threads can see the job
         job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None))
         for j, (a, b) in enumerate(parts[me]):
             data = _bytes(x[a:b])

@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 
 from . import wire
-from .arrays import byte_view, result_empty
+from .arrays import byte_view, env_bytes, result_empty
 from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
 from .connection import Connection, Listener, Mailbox, checksum_from_env, open_connection
@@ -56,7 +56,7 @@ _RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER = range(7)
 
 #: all_reduces of at least this many bytes take the threaded data plane: measured here, below
 #: ~8 MiB the event loop is as fast or faster (fewer thread wake-ups per byte), above it slower
-PLANE_MIN_BYTES = int(os.environ.get("PSRING_RING_PLANE_MIN", 8 << 20))
+PLANE_MIN_BYTES = env_bytes("PSRING_RING_PLANE_MIN", 8 << 20)
 
 #: seconds a broken data link waits for the control plane to report the same loss (with its reason)
 PLANE_GRACE = 1.0
@@ -548,10 +548,9 @@ class RingGroup(Group):
         await, so concurrent calls reach the plane in call order, the same on every rank."""
         n_ranks, me = self.world_size, self.rank
         piece = max(1, PIECE_BYTES // x.itemsize)
-        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, reduce_op(op), op == "avg", piece)
-        left = (me - 1) % n_ranks
-        coll.waiting_on = {left}
-        job.on_error = functools.partial(self._plane_failed, coll)  # no cycle: out is freed at once
+        on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
+        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, reduce_op(op), op == "avg", piece, on_error)
+        coll.waiting_on = {(me - 1) % n_ranks}
         finished = False
         try:
             await job.done

@@ -9,6 +9,7 @@ that cannot run the plane must make everyone fall back together.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import numpy as np
@@ -166,3 +167,17 @@ async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> N
     ys = await asyncio.gather(*(g.all_reduce(np.ones(100_000, np.float32)) for g in groups))  # 400 KB: loop
     assert all(np.all(y == 3.0) for y in ys)
     assert _plane_bytes(groups) == before
+
+
+@pytest.mark.timeout(60)
+async def test_bad_sizes_in_the_environment_are_named() -> None:
+    import subprocess
+    import sys
+
+    for name in ("PSRING_BUFFER_POOL", "PSRING_RING_PLANE_MIN"):
+        env = {**os.environ, name: "lots"}
+        proc = subprocess.run(
+            [sys.executable, "-c", "import psring.ring"], env=env, capture_output=True, text=True, timeout=50
+        )
+        assert proc.returncode != 0
+        assert f"{name}='lots' is not a whole number of bytes" in proc.stderr
