@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .arrays import result_empty
+from .arrays import byte_view, result_empty
 
 logger = logging.getLogger(__name__)
 
@@ -71,41 +71,39 @@ class _Abandoned(Exception):
     pass
 
 
-def _bytes(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8))
-
-
 class Job:
     """One all_reduce on the data plane: what to send, what to receive, and where."""
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
         seq: int,
         call: bytes,
+        x: np.ndarray,
         steps: list[tuple[int, int, int]],
         n_send: int,
         first_index: int,
+        ufunc: np.ufunc,
+        avg: int,
+        on_error: Callable[[BaseException], None],
         stop: threading.Event,
     ) -> None:
-        self.loop = loop
-        self.stop = stop  # the plane is closing
+        self.loop = asyncio.get_running_loop()
         self.seq = seq
         self.call = call
+        self.x = x
+        self.out = result_empty(x)
         self.steps = steps
         self.n_send = n_send  # items the send thread sends, own ones included
         self.next_index = first_index  # stream index of the first forwarded frame
+        self.ufunc = ufunc
+        self.avg = avg  # divide the final chunks by this (op avg), 0: no
+        self.on_error = on_error
+        self.stop = stop  # the plane is closing
         self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | None] | None] = queue.SimpleQueue()
         self.cancelled = threading.Event()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.on_error: Callable[[BaseException], None] = lambda exc: None
-        self._pending = 2
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self._pending = 2  # the send and the receive thread
         self._lock = threading.Lock()
-        # filled by the caller
-        self.x: np.ndarray = np.empty(0)
-        self.out: np.ndarray = np.empty(0)
-        self.ufunc: np.ufunc = np.add
-        self.avg = 0  # divide the final chunks by this (op avg), 0: no
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -263,16 +261,15 @@ class DataPlane:
         seq: int,
         call: bytes,
         x: np.ndarray,
-        op_ufunc: np.ufunc,
+        parts: list[list[tuple[int, int]]],
+        ufunc: np.ufunc,
         avg: bool,
-        piece: int,
         on_error: Callable[[BaseException], None],
     ) -> Job:
-        """Queue a pipelined ring reduce-scatter + all-gather of flat x in pieces of ``piece``
-        elements; the job's ``out`` holds the result once ``done`` (canonical order)."""
+        """Queue a pipelined ring reduce-scatter + all-gather of flat x; ``parts[c]`` are the
+        pieces (element ranges) of ring chunk c. The job's ``out`` holds the result once
+        ``done``, folded in the canonical order."""
         n, me = self.world_size, self.rank
-        bounds = [(c * x.size // n, (c + 1) * x.size // n) for c in range(n)]
-        parts = [[(s, min(s + piece, b)) for s in range(a, b, piece)] for a, b in bounds]
         steps: list[tuple[int, int, int]] = []
         for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
             c = (me - k) % n
@@ -282,12 +279,11 @@ class DataPlane:
             steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
         n_own = len(parts[me])
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
-        job = Job(asyncio.get_running_loop(), seq, call, steps, 1 + n_own + n_fwd, 1 + n_own, self.stop)
-        job.x, job.out, job.ufunc, job.avg = x, result_empty(x), op_ufunc, n if avg else 0
-        job.on_error = on_error  # set before the threads can see the job
+        avg_n = n if avg else 0
+        job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop)
         job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None))
         for j, (a, b) in enumerate(parts[me]):
-            data = _bytes(x[a:b])
+            data = byte_view(x[a:b])
             job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data))
         # own frames are queued before the receive thread can forward anything: stream order
         self._send_q.put(job)
@@ -395,7 +391,7 @@ class DataPlane:
         for a, b, what in job.steps:
             index, _, nbytes = self._next(job, reader)
             dest = out[a:b]
-            view = _bytes(dest)
+            view = byte_view(dest)
             if index != expect or nbytes != view.nbytes:
                 raise PlaneLinkError(
                     f"collective #{seq}: frame #{index} of {nbytes} bytes from the left neighbour, "

@@ -48,7 +48,7 @@ from .store import StoreClient, StoreServer
 
 logger = logging.getLogger(__name__)
 
-PIECE_BYTES = int(os.environ.get("PSRING_RING_PIECE", 1 << 20))
+PIECE_BYTES = env_bytes("PSRING_RING_PIECE", 1 << 20)
 
 # phases in data tags: (gid, seq, phase, ...)
 _RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER = range(7)
@@ -547,9 +547,10 @@ class RingGroup(Group):
         """all_reduce on the threaded data plane (psring.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank."""
         n_ranks, me = self.world_size, self.rank
-        piece = max(1, PIECE_BYTES // x.itemsize)
+        per_piece = max(1, PIECE_BYTES // x.itemsize)
+        parts = [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, n_ranks)]
         on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
-        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, reduce_op(op), op == "avg", piece, on_error)
+        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error)
         coll.waiting_on = {(me - 1) % n_ranks}
         finished = False
         try:
