@@ -7,3 +7,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import cupy, numpy, msgpack, uvloop; print('cupy', cupy.__version__, 'devices', cupy.cuda.runtime.getDeviceCount())"
 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py "$@"
 python3 benchmarks/gpu_allreduce.py --workers "${PSRING_GPU_WORKERS:-4}" --sizes "${PSRING_GPU_SIZES:-1M,16M,64M}"
+# the main job on the GPU, both topologies, full length: the accuracy bar is the CPU run's (0.95)
+for topo in ring ps; do
+  python3 -m psring train --device cuda --topology "$topo" --workers 4 --json | tail -n 1 | python3 -c '
+import json, sys
+s = json.loads(sys.stdin.read())
+t, a, ok = s["topology"], s["test_accuracy"], s["ranks_agree"]
+print(f"train --device cuda --topology {t}: test accuracy {a:.4f}, ranks agree {ok}")'
+done

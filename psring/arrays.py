@@ -203,9 +203,33 @@ class _Owner:
 _POOL = _BufferPool()
 
 
+def pinned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A host array in page-locked memory from cupy's pinned pool (reused once freed)."""
+    cp = cupy_module()
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape)) if shape else 1
+    mem = cp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    """True for a host array (or a view of one) made by :func:`pinned_empty`."""
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer keeps a memoryview of the pinned block
+        base = base.obj
+    return base is not None and type(base).__name__ == "PinnedMemoryPointer"
+
+
 def result_empty(like: np.ndarray) -> np.ndarray:
-    """An uninitialized array shaped like ``like`` (flat, C order), recycled when large."""
+    """An uninitialized array shaped like ``like`` (flat, C order), recycled when large.
+
+    The result of a pinned (device-staged) input is pinned too, so it goes back to the
+    device in one DMA, without a copy into a staging buffer first."""
     nbytes = like.nbytes
+    if nbytes >= _BufferPool.MIN_BYTES and is_pinned(like):
+        return pinned_empty(like.shape, like.dtype)
     if nbytes < _BufferPool.MIN_BYTES or _POOL.cap <= 0:
         return np.empty_like(like)
     mem = _POOL.take(nbytes)

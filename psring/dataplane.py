@@ -86,6 +86,7 @@ class Job:
         avg: int,
         on_error: Callable[[BaseException], None],
         stop: threading.Event,
+        ready: Callable[[int, int], None] | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.seq = seq
@@ -99,7 +100,11 @@ class Job:
         self.avg = avg  # divide the final chunks by this (op avg), 0: no
         self.on_error = on_error
         self.stop = stop  # the plane is closing
-        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | None] | None] = queue.SimpleQueue()
+        self.ready = ready  # ready(a, b): block until x[a:b] holds the input (device staging)
+        # (header, payload, input range to wait for before sending it, if any)
+        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | None, tuple[int, int] | None] | None] = (
+            queue.SimpleQueue()
+        )
         self.cancelled = threading.Event()
         self.done: asyncio.Future[None] = self.loop.create_future()
         self._pending = 2  # the send and the receive thread
@@ -115,7 +120,7 @@ class Job:
         """Queue a frame for the right neighbour (receive thread)."""
         header = HEADER.pack(MAGIC, self.next_index, self.seq, payload.nbytes)
         self.next_index += 1
-        self.fwd.put((header, payload))
+        self.fwd.put((header, payload, None))
 
     def part_done(self) -> None:
         with self._lock:
@@ -265,10 +270,12 @@ class DataPlane:
         ufunc: np.ufunc,
         avg: bool,
         on_error: Callable[[BaseException], None],
+        ready: Callable[[int, int], None] | None = None,
     ) -> Job:
         """Queue a pipelined ring reduce-scatter + all-gather of flat x; ``parts[c]`` are the
         pieces (element ranges) of ring chunk c. The job's ``out`` holds the result once
-        ``done``, folded in the canonical order."""
+        ``done``, folded in the canonical order. ``ready(a, b)``, if given, is called (in the
+        plane's threads) before x[a:b] is read: x may still be arriving from a device."""
         n, me = self.world_size, self.rank
         steps: list[tuple[int, int, int]] = []
         for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
@@ -280,11 +287,11 @@ class DataPlane:
         n_own = len(parts[me])
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
         avg_n = n if avg else 0
-        job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop)
-        job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None))
+        job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop, ready)
+        job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None, None))
         for j, (a, b) in enumerate(parts[me]):
             data = byte_view(x[a:b])
-            job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data))
+            job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data, (a, b)))
         # own frames are queued before the receive thread can forward anything: stream order
         self._send_q.put(job)
         self._recv_q.put(job)
@@ -316,7 +323,9 @@ class DataPlane:
                     continue
                 if item is None:
                     return True  # the receive side gave up on it
-                header, payload = item
+                header, payload, needs = item
+                if needs is not None and job.ready is not None:
+                    job.ready(*needs)
                 if payload is None:
                     sock.sendall(header)
                     self.bytes_sent += len(header)
@@ -401,6 +410,8 @@ class DataPlane:
             expect += 1
             reader.payload(job, view)
             if what <= _FINAL:
+                if job.ready is not None:
+                    job.ready(a, b)
                 ufunc(dest, x[a:b], out=dest)  # canonical: (fold so far) op own
                 if what == _FINAL and job.avg:
                     np.divide(dest, dest.dtype.type(job.avg), out=dest)

@@ -7,11 +7,12 @@ cupy until a cupy array is handed in.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .arrays import cupy_module
+from .arrays import cupy_module, is_pinned, pinned_empty
 
 
 def available() -> bool:
@@ -28,15 +29,6 @@ def available() -> bool:
 PINNED_MIN = 1 << 20
 
 
-def pinned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """A host array in page-locked memory from cupy's pinned pool (reused once freed)."""
-    cp = cupy_module()
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape)) if shape else 1
-    mem = cp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
-    return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
-
-
 def to_host(x: Any) -> np.ndarray:
     """Copy a cupy array to host memory: pinned (pooled) staging for large arrays."""
     out = pinned_empty(x.shape, x.dtype) if x.nbytes >= PINNED_MIN else np.empty(x.shape, dtype=x.dtype)
@@ -46,6 +38,10 @@ def to_host(x: Any) -> np.ndarray:
 
 def to_device(y: np.ndarray, xp: Any) -> Any:
     """Copy a host array onto the current device (through pinned staging when large)."""
+    if is_pinned(y) and y.flags.c_contiguous:  # a result reduced into pinned memory: one DMA
+        out = xp.empty(y.shape, dtype=y.dtype)
+        out.set(y)
+        return out
     if y.nbytes >= PINNED_MIN and y.flags.c_contiguous:
         staged = pinned_empty(y.shape, y.dtype)
         np.copyto(staged, y)
@@ -53,3 +49,51 @@ def to_device(y: np.ndarray, xp: Any) -> Any:
         out.set(staged)
         return out
     return xp.asarray(y)
+
+
+class StagedInput:
+    """A cupy array's copy to pinned host memory, issued range by range in the order a
+    collective reads them, so the network can start on the first range while the
+    others are still crossing the bus (the ring's data plane waits per range).
+
+    The copies run on the caller's current stream, after whatever produced ``x``.
+    ``host`` is the flat pinned destination; ``wait(a, b)`` blocks (any thread) until
+    elements ``a:b`` are there; ``wait_all()`` before the buffer may be let go.
+    """
+
+    def __init__(self, x: Any, order: Sequence[tuple[int, int]]) -> None:
+        cp = cupy_module()
+        flat = x.reshape(-1)
+        self.host = pinned_empty((flat.size,), flat.dtype)
+        self.device = x.device
+        stream = cp.cuda.get_current_stream()
+        ranges = [(a, b) for a, b in order if b > a]
+        covered = sorted(ranges)
+        end = 0
+        for a, b in covered:  # anything the order leaves out goes last
+            if a > end:
+                ranges.append((end, a))
+            end = max(end, b)
+        if end < flat.size:
+            ranges.append((end, flat.size))
+        self.marks: list[tuple[int, int, Any]] = []
+        for a, b in ranges:
+            flat[a:b].get(stream=stream, out=self.host[a:b])
+            ev = cp.cuda.Event(block=True, disable_timing=True)
+            ev.record(stream)
+            self.marks.append((a, b, ev))
+
+    def wait(self, a: int, b: int) -> None:
+        """Block until host[a:b] holds the input (safe from any thread)."""
+        last = None
+        for lo, hi, ev in self.marks:
+            if lo < b and a < hi:
+                last = ev  # one stream: a later event completes after every earlier one
+        if last is not None:
+            with self.device:
+                last.synchronize()
+
+    def wait_all(self) -> None:
+        if self.marks:
+            with self.device:
+                self.marks[-1][2].synchronize()

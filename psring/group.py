@@ -21,7 +21,7 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -47,6 +47,9 @@ OBSERVERS: list[Any] = []
 
 #: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
 SMALL_BYTES = 64 << 10
+#: cupy all_reduces of at least this many bytes may copy their input off the device range by
+#: range while the network already moves the first ranges (when the implementation can)
+STREAM_MIN_BYTES = 1 << 20
 
 _UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
@@ -107,7 +110,19 @@ def check_op(op: str, dtype: np.dtype) -> None:
 class Collective:
     """One in-flight collective on one rank: its descriptor, deadline and outcome."""
 
-    __slots__ = ("deadline", "desc", "done", "group", "interrupted", "kind", "seq", "started", "task", "waiting_on")
+    __slots__ = (
+        "deadline",
+        "desc",
+        "done",
+        "group",
+        "input_wait",
+        "interrupted",
+        "kind",
+        "seq",
+        "started",
+        "task",
+        "waiting_on",
+    )
 
     def __init__(self, group: Group, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
         self.group = group
@@ -120,6 +135,9 @@ class Collective:
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
         self.task: asyncio.Task[Any] | None = None  # the task running the body
         self.interrupted = False
+        #: set when the input is still being copied off a device: wait(a, b) blocks until
+        #: elements a:b are in host memory (see Group._input_order)
+        self.input_wait: Callable[[int, int], None] | None = None
 
     @property
     def label(self) -> str:
@@ -448,6 +466,11 @@ class Group(abc.ABC):
         the ranks first agree on a power-of-two scale (a one-element max all_reduce),
         then fold in float32 in the canonical order; see :mod:`psring.compress`.
         """
+        if compression is None and is_cupy(x):
+            x = check_array(x)
+            order = self._input_order(x.size, x.nbytes) if x.nbytes >= STREAM_MIN_BYTES else None
+            if order is not None:
+                return await self._all_reduce_streamed(x, op, order)
         host, xp = self._host(x)
         check_op(op, host.dtype)
         if compression is not None:
@@ -469,6 +492,26 @@ class Group(abc.ABC):
         coll = self._begin("all_reduce", host, op)
         out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
         return self._back(out.reshape(host.shape), xp)
+
+    async def _all_reduce_streamed(self, x: Any, op: str, order: list[tuple[int, int]]) -> Any:
+        """all_reduce of a cupy array whose copy to the host overlaps the network: the
+        implementation reads the input range by range in ``order`` (see _input_order)."""
+        staged = stage_in_order(x, order)
+        try:
+            host = staged.host.reshape(x.shape)
+            check_op(op, host.dtype)
+            coll = self._begin("all_reduce", host, op)
+            coll.input_wait = staged.wait
+            out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
+        finally:
+            staged.wait_all()  # no copy may still be writing when the buffer goes back to the pool
+        return self._back(out.reshape(x.shape), array_module(x))
+
+    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """The element ranges, in the order this implementation's all_reduce of a tensor this
+        size reads its input, when it can start before all of it is in host memory (then it
+        calls ``coll.input_wait`` before reading each range); None: it needs it all at once."""
+        return None
 
     async def broadcast(self, x: Any, src: int = 0) -> Any:
         """Every rank gets src's x; other ranks pass an array of the same shape and dtype."""
@@ -737,6 +780,13 @@ def stage_to_host(x: Any) -> np.ndarray:
     from . import gpu
 
     return gpu.to_host(x)
+
+
+def stage_in_order(x: Any, order: list[tuple[int, int]]) -> Any:
+    """Start copying a cupy array to pinned host memory range by range (gpu.StagedInput)."""
+    from . import gpu
+
+    return gpu.StagedInput(x, order)
 
 
 def stage_to_device(y: np.ndarray, xp: Any) -> Any:

@@ -535,10 +535,27 @@ class RingGroup(Group):
             )
         return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
 
-    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+    def _plane_for(self, nbytes: int) -> DataPlane | None:
         plane = self.net.plane
-        if plane is not None and self.gid == "0" and plane.ready and x.nbytes >= self.net.plane_min:
+        if plane is not None and self.gid == "0" and plane.ready and nbytes >= self.net.plane_min:
+            return plane
+        return None
+
+    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """On the data plane this rank reads its input chunk by chunk: its own chunk first
+        (sent as is), then the chunks it folds, in ring order."""
+        if self.world_size == 1 or self._plane_for(nbytes) is None:
+            return None
+        n_ranks, me = self.world_size, self.rank
+        bounds = ring_chunk_bounds(count, n_ranks)
+        return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
+
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        plane = self._plane_for(x.nbytes)
+        if plane is not None:
             return await self._plane_all_reduce(coll, x, op, plane)
+        if coll.input_wait is not None:  # the input is still coming off the device: this path needs all of it
+            coll.input_wait(0, x.size)
         if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
             return await self._gather_and_fold(coll, x, op)  # type: ignore[no-any-return]
         return await self._ring_reduce(coll, x, op, mode="all")
@@ -550,7 +567,9 @@ class RingGroup(Group):
         per_piece = max(1, PIECE_BYTES // x.itemsize)
         parts = [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, n_ranks)]
         on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
-        job = plane.all_reduce(coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error)
+        job = plane.all_reduce(
+            coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait
+        )
         coll.waiting_on = {(me - 1) % n_ranks}
         finished = False
         try:

@@ -181,3 +181,70 @@ async def test_bad_sizes_in_the_environment_are_named() -> None:
         )
         assert proc.returncode != 0
         assert f"{name}='lots' is not a whole number of bytes" in proc.stderr
+
+
+async def test_input_still_arriving_is_read_only_after_ready_in_ring_order(make_groups) -> None:
+    """A cupy input is copied to the host range by range while the plane already sends
+    (psring.gpu.StagedInput). Stand-in without a GPU: each rank's host buffer starts as NaN
+    and a range is filled only when the plane asks for it through coll.input_wait; the
+    result must still be exact, and the ranges must be asked for in the order announced."""
+    from psring.ring import ring_chunk_bounds
+
+    world = 3
+    groups = await make_groups(world)
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(world)]
+    asked: dict[int, list[tuple[int, int]]] = {r: [] for r in range(world)}
+
+    async def rank(g: psring.Group) -> np.ndarray:
+        r = g.rank
+        order = g._input_order(BIG, xs[r].nbytes)  # type: ignore[attr-defined]
+        bounds = ring_chunk_bounds(BIG, world)
+        assert order == [bounds[(r - k) % world] for k in range(world)]
+        host = np.full(BIG, np.nan, np.float32)
+        filled = np.zeros(BIG, bool)
+
+        def wait(a: int, b: int) -> None:  # runs on the plane's threads
+            for lo, hi in order:
+                if lo < b and a < hi and not filled[lo:hi].all():
+                    asked[r].append((lo, hi))
+                    host[lo:hi] = xs[r][lo:hi]
+                    filled[lo:hi] = True
+
+        coll = g._begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
+        coll.input_wait = wait
+        return await g._run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
+
+    ys = await asyncio.gather(*(rank(g) for g in groups))
+    ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in ys)
+    for r in range(world):
+        bounds = ring_chunk_bounds(BIG, world)
+        assert asked[r] == [bounds[(r - k) % world] for k in range(world)], asked[r]
+
+
+async def test_input_wait_is_honoured_off_the_plane_too(make_groups) -> None:
+    """Below the plane threshold the ring needs the whole input at once: it waits for all of it."""
+    groups = await make_groups(2)
+    n = 40_000  # 160 KB: the loop path (plane threshold raised below)
+    for g in groups:
+        g.net.plane_min = 1 << 40  # type: ignore[attr-defined]
+    xs = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(2)]
+
+    async def rank(g: psring.Group) -> np.ndarray:
+        assert g._input_order(n, xs[g.rank].nbytes) is None  # type: ignore[attr-defined]
+        host = np.full(n, np.nan)
+        calls = []
+
+        def wait(a: int, b: int) -> None:
+            calls.append((a, b))
+            host[a:b] = xs[g.rank][a:b]
+
+        coll = g._begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
+        coll.input_wait = wait
+        y = await g._run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
+        assert calls == [(0, n)]
+        return y
+
+    ys = await asyncio.gather(*(rank(g) for g in groups))
+    assert all(np.array_equal(y, xs[0] + xs[1]) for y in ys)
