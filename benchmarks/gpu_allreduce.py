@@ -19,6 +19,7 @@ async def rank_main(spec: dict) -> None:
     import psring
     from psring.arrays import pinned_empty
 
+    overlap = os.environ.get("PSRING_GPU_OVERLAP", "0")
     group = await psring.init_group(timeout=300)
     rows = []
     for size in spec["sizes"]:
@@ -26,25 +27,31 @@ async def rank_main(spec: dict) -> None:
         host = np.random.default_rng(group.rank).standard_normal(count).astype(np.float32)
         pinned = pinned_empty(host.shape, host.dtype)
         pinned[:] = host
-        for kind in ("numpy", "pinned", "cupy"):
-            x = {"numpy": host, "pinned": pinned, "cupy": cp.asarray(host)}[kind]
+        inputs = {"numpy": host, "pinned": pinned, "cupy": cp.asarray(host)}
+        if spec["variants"]:  # the same cupy input with the opt-in overlap
+            inputs["cupy-overlap"] = inputs["cupy"]  # PSRING_GPU_OVERLAP=1
+        times: dict[str, list[float]] = {kind: [] for kind in inputs}
+        for x in inputs.values():
             for _ in range(2):
                 await group.all_reduce(x)
-            times = []
-            for _ in range(spec["iters"]):
-                await group.barrier()
-                if kind == "cupy":
-                    cp.cuda.Device().synchronize()
-                t0 = time.perf_counter()
-                y = await group.all_reduce(x)
-                if kind == "cupy":
-                    cp.cuda.Device().synchronize()
-                times.append(time.perf_counter() - t0)
-            slow = await group.all_reduce(np.array(times), op="max")
+        for _ in range(spec["rounds"]):  # kinds interleaved, so a slow spell hits all of them
+            for kind, x in inputs.items():
+                os.environ["PSRING_GPU_OVERLAP"] = "1" if kind == "cupy-overlap" else overlap
+                for _ in range(spec["iters"]):
+                    await group.barrier()
+                    if kind.startswith("cupy"):
+                        cp.cuda.Device().synchronize()
+                    t0 = time.perf_counter()
+                    y = await group.all_reduce(x)
+                    if kind.startswith("cupy"):
+                        cp.cuda.Device().synchronize()
+                    times[kind].append(time.perf_counter() - t0)
+                    assert type(y).__module__.split(".")[0] == ("cupy" if kind.startswith("cupy") else "numpy")
+        for kind, ts in times.items():
+            slow = await group.all_reduce(np.array(ts), op="max")  # each call's slowest rank
             t = float(np.median(slow))
             n = group.world_size
             rows.append({"size": size, "kind": kind, "time_s": t, "busbw": size / t / 1e9 * 2 * (n - 1) / n})
-            assert type(y).__module__.split(".")[0] == ("numpy" if kind == "pinned" else kind)
     if group.rank == 0:
         with open(spec["out"], "w") as fh:
             json.dump(rows, fh)
@@ -64,9 +71,17 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--sizes", default="1M,16M,64M")
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", action="store_true", help="also cupy with PSRING_GPU_OVERLAP=1")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {"sizes": [parse_size(s) for s in args.sizes.split(",")], "iters": args.iters, "out": f"{tmp}/r.json"}
+        spec = {
+            "sizes": [parse_size(s) for s in args.sizes.split(",")],
+            "iters": args.iters,
+            "rounds": args.rounds,
+            "variants": args.variants,
+            "out": f"{tmp}/r.json",
+        }
         code = asyncio.run(
             launch(args.workers, [sys.executable, __file__, "--rank", json.dumps(spec)], env=dict(os.environ))
         )
@@ -75,13 +90,11 @@ def main() -> int:
         rows = json.load(open(spec["out"]))
     print(f"# all_reduce float32, {args.workers} ranks sharing one GPU")
     print("# busbw in GB/s; 'pinned' is a numpy array in page-locked memory (what a cupy array is staged into)")
-    print(f"{'size':>8} {'numpy busbw':>12} {'pinned busbw':>13} {'cupy busbw':>12} {'cupy/numpy':>11}")
+    kinds = [r["kind"] for r in rows if r["size"] == spec["sizes"][0]]
+    print(f"{'size':>8} " + " ".join(f"{k:>15}" for k in kinds) + f" {'cupy/numpy':>11}")
     for size in spec["sizes"]:
         bw = {r["kind"]: r["busbw"] for r in rows if r["size"] == size}
-        print(
-            f"{size >> 20:>7}M {bw['numpy']:>12.3f} {bw['pinned']:>13.3f} {bw['cupy']:>12.3f}"
-            f" {bw['cupy'] / bw['numpy']:>11.2f}"
-        )
+        print(f"{size >> 20:>7}M " + " ".join(f"{bw[k]:>15.3f}" for k in kinds) + f" {bw['cupy'] / bw['numpy']:>11.2f}")
     return 0
 
 

@@ -47,9 +47,20 @@ OBSERVERS: list[Any] = []
 
 #: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
 SMALL_BYTES = 64 << 10
-#: cupy all_reduces of at least this many bytes may copy their input off the device range by
-#: range while the network already moves the first ranges (when the implementation can)
+#: with PSRING_GPU_OVERLAP=1, cupy all_reduces of at least this many bytes copy their input off
+#: the device range by range while the network already moves the first ranges (where the
+#: implementation can: the ring's data plane). Off by default: with 4 ranks sharing one GPU it
+#: measured slower (README, GPU).
 STREAM_MIN_BYTES = 1 << 20
+
+
+def gpu_overlap() -> bool:
+    """PSRING_GPU_OVERLAP=1: overlap a cupy all_reduce's device-to-host copy with the network."""
+    raw = os.environ.get("PSRING_GPU_OVERLAP", "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"PSRING_GPU_OVERLAP must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
 
 _UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 
@@ -466,7 +477,7 @@ class Group(abc.ABC):
         the ranks first agree on a power-of-two scale (a one-element max all_reduce),
         then fold in float32 in the canonical order; see :mod:`psring.compress`.
         """
-        if compression is None and is_cupy(x):
+        if compression is None and is_cupy(x) and gpu_overlap():
             x = check_array(x)
             order = self._input_order(x.size, x.nbytes) if x.nbytes >= STREAM_MIN_BYTES else None
             if order is not None:

@@ -65,10 +65,14 @@ async def test_cupy_every_collective(make_groups, topology: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_cupy_large_all_reduce_takes_the_threaded_plane(make_groups, topology: str) -> None:
+@pytest.mark.parametrize("overlap", ["0", "1"])
+async def test_cupy_large_all_reduce_takes_the_threaded_plane(make_groups, topology: str, overlap, monkeypatch) -> None:
     """16 MiB float32: above the ring's data-plane threshold (8 MiB), so the staged host copy
-    goes through the threaded plane on the ring; ps takes its shards. Exact against numpy."""
+    goes through the threaded plane on the ring; ps takes its shards. Exact against numpy,
+    with and without PSRING_GPU_OVERLAP (the copy off the device overlapping the network)."""
     import cupy as cp
+
+    monkeypatch.setenv("PSRING_GPU_OVERLAP", overlap)
 
     groups = await make_groups(3, topology)
     host, dev = _inputs(cp, 3, (1 << 22,), "float32")

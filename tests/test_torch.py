@@ -153,3 +153,49 @@ def test_ddp_benchmark_smoke() -> None:
     assert result["workers"] == 2 and result["params"] >= 100_000
     assert set(result["median_step_ms"]) == {"ddp", "ring", "ps"}
     assert all(ms > 0 for ms in result["median_step_ms"].values())
+
+
+CUDA_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, torch, psring, psring.torch as pt
+    g = psring.init()
+    r, n = g.rank, g.world_size
+    dev = torch.device("cuda")
+    t = torch.full((1 << 20,), float(r + 1), device=dev)  # 4 MiB
+    y = pt.all_reduce(g, t)
+    assert y.device.type == "cuda" and torch.equal(y, torch.full_like(t, float(n * (n + 1) // 2)))
+    b = pt.broadcast(g, torch.arange(5, device=dev) * (r + 1), src=1)
+    assert b.device.type == "cuda" and torch.equal(b, torch.arange(5, device=dev) * 2)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(dev)
+    pt.broadcast_parameters(model, g)
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), g, bucket_bytes=32 << 10)
+    for step in range(3):
+        opt.zero_grad()
+        torch.manual_seed(100 * step + r)
+        model(torch.randn(32, 64, device=dev)).pow(2).mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        for p, mine in zip(model.parameters(), grads):
+            assert p.grad.device.type == "cuda"
+            others = g.all_gather(mine.cpu().numpy())
+            assert torch.allclose(p.grad.cpu(), torch.from_numpy(sum(others) / n), atol=1e-6)
+    digest = sum(float(p.double().sum()) for p in model.parameters())
+    assert len({float(d[0]) for d in g.all_gather(np.array([digest]))}) == 1
+    print("CUDA OK rank", r, flush=True)
+    g.close()
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_cuda_tensors_and_distributed_optimizer_on_the_gpu(tmp_path, topology: str) -> None:
+    pytest.importorskip("cupy", reason="CUDA tensors travel through cupy")
+    script = tmp_path / "cuda_rank.py"
+    script.write_text(CUDA_SCRIPT)
+    proc = launch(2, topology, [sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sum("CUDA OK rank" in line for line in proc.stdout.splitlines()) == 2
