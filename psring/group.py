@@ -122,6 +122,7 @@ class Collective:
     """One in-flight collective on one rank: its descriptor, deadline and outcome."""
 
     __slots__ = (
+        "data_elsewhere",
         "deadline",
         "desc",
         "done",
@@ -144,6 +145,9 @@ class Collective:
         self.deadline = self.started + timeout
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
+        #: its data comes over links other than the control connections (the ring's data plane),
+        #: so a peer's goodbye does not prove that all of the peer's data has arrived
+        self.data_elsewhere = False
         self.task: asyncio.Task[Any] | None = None  # the task running the body
         self.interrupted = False
         #: set when the input is still being copied off a device: wait(a, b) blocks until
@@ -440,7 +444,10 @@ class Group(abc.ABC):
 
         Everything it sent has arrived by then, so only a collective still waiting for
         its frames fails (returns True: the caller then tells the other ranks); later
-        collectives (and send/recv with it) raise at once.
+        collectives (and send/recv with it) raise at once. A collective whose data comes
+        over another link (``data_elsewhere``) that the peer finished (before ``stopped_at``)
+        is left to that link: its data may still be on the way, and the link's end says
+        whether all of it came.
         """
         if self._closed:
             return False
@@ -449,6 +456,8 @@ class Group(abc.ABC):
         hurt = False
         for coll in list(self._active.values()):
             if local_rank in coll.waiting_on:
+                if coll.data_elsewhere and stopped_at is not None and coll.seq < stopped_at:
+                    continue
                 lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
                 coll.fail(lost)
                 hurt = True

@@ -211,7 +211,8 @@ class PeerNet:
             else:
                 self._peer_lost(peer_rank, err)
 
-        asyncio.get_running_loop().call_later(PLANE_GRACE, check)
+        # a peer that said goodbye has no more to say: fail now; else give the control plane time
+        asyncio.get_running_loop().call_later(0 if peer_rank in self.lost else PLANE_GRACE, check)
 
     def _register(self, conn: Connection, peer_rank: int) -> None:
         self.conns.add(conn)
@@ -571,6 +572,7 @@ class RingGroup(Group):
             coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait
         )
         coll.waiting_on = {(me - 1) % n_ranks}
+        coll.data_elsewhere = True
         finished = False
         try:
             await job.done

@@ -264,3 +264,30 @@ async def test_gpu_overlap_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PSRING_GPU_OVERLAP", "yes")
     with pytest.raises(ValueError, match="PSRING_GPU_OVERLAP must be 0 or 1, got 'yes'"):
         gpu_overlap()
+
+
+async def test_a_rank_that_finished_and_left_does_not_fail_a_slower_ranks_plane_collective(make_groups) -> None:
+    """The plane's data travels on its own links, so a goodbye on the control connection can
+    overtake the last pieces: a slower rank must still finish what the departed rank finished."""
+    groups = await make_groups(3)
+    reader = groups[2].net.plane._reader  # type: ignore[attr-defined]
+    real = reader.payload
+    calls: dict[int, int] = {}
+
+    def slow_last_frame(job, dest):  # runs on rank 2's receive thread
+        calls[job.seq] = calls.get(job.seq, 0) + 1
+        if calls[job.seq] == len(job.steps) + 1:  # its last frame: the others finish and leave meanwhile
+            time.sleep(0.5)
+        return real(job, dest)
+
+    reader.payload = slow_last_frame
+    rng = np.random.default_rng(11)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(3)]
+    slow = asyncio.ensure_future(groups[2].all_reduce(xs[2]))
+    fast = await asyncio.gather(groups[0].all_reduce(xs[0]), groups[1].all_reduce(xs[1]))
+    assert not slow.done()
+    await asyncio.gather(groups[0].close(), groups[1].close())
+    ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in [*fast, await slow])
+    with pytest.raises(psring.PeerLostError, match=r"rank [01]"):
+        await groups[2].barrier()
