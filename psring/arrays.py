@@ -130,15 +130,15 @@ def prod(shape: tuple[int, ...]) -> int:
 
 
 # ------------------------------------------------------------------ result buffers
-def env_bytes(name: str, default: int) -> int:
-    """A byte count from the environment, or a ValueError naming the variable."""
+def env_bytes(name: str, default: int, unit: str = "bytes") -> int:
+    """A byte count (or other count) from the environment, or a ValueError naming the variable."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number of bytes") from None
+        raise ValueError(f"{name}={raw!r} is not a whole number of {unit}") from None
     if value < 0:
         raise ValueError(f"{name}={raw!r} must not be negative")
     return value

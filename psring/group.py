@@ -130,6 +130,7 @@ class Collective:
         "input_wait",
         "interrupted",
         "kind",
+        "report_grace",
         "seq",
         "started",
         "task",
@@ -148,6 +149,8 @@ class Collective:
         #: its data comes over links other than the control connections (the ring's data plane),
         #: so a peer's goodbye does not prove that all of the peer's data has arrived
         self.data_elsewhere = False
+        #: seconds to wait after the deadline before reporting: another rank knows better who is silent
+        self.report_grace = 0.0
         self.task: asyncio.Task[Any] | None = None  # the task running the body
         self.interrupted = False
         #: set when the input is still being copied off a device: wait(a, b) blocks until
@@ -389,6 +392,10 @@ class Group(abc.ABC):
 
     def _deadline_passed(self, coll: Collective) -> None:
         if coll.done.done():
+            return
+        if coll.report_grace > 0:  # let the rank that knows who is silent say so first
+            grace, coll.report_grace = coll.report_grace, 0.0
+            asyncio.get_running_loop().call_later(grace, self._deadline_passed, coll)
             return
         missing = tuple(sorted(coll.waiting_on))
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"

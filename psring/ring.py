@@ -51,7 +51,15 @@ logger = logging.getLogger(__name__)
 PIECE_BYTES = env_bytes("PSRING_RING_PIECE", 1 << 20)
 
 # phases in data tags: (gid, seq, phase, ...)
-_RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER = range(7)
+_RS, _AG, _DIRECT, _BCAST, _GATHER_RING, _TO_ROOT, _SCATTER, _RESULT = range(8)
+
+#: from this world size on, a small all_reduce goes through one rank (rotating with the sequence
+#: number) that folds and sends the result back: 2(N-1) frames instead of N(N-1), which is what
+#: a small call costs when ranks share cores (PSRING_RING_ROOTED_MIN; 0: never, always all-to-all)
+ROOTED_SMALL_MIN = env_bytes("PSRING_RING_ROOTED_MIN", 3, "ranks") or 1 << 30
+#: seconds a rank that waits only on the root of a rooted call gives the root to name the silent
+#: rank before its own timeout names the root
+ROOT_REPORT_GRACE = 1.0
 
 
 #: all_reduces of at least this many bytes take the threaded data plane: measured here, below
@@ -489,12 +497,15 @@ class RingGroup(Group):
         coll: Collective,
         x: np.ndarray | None,
         phase: int,
-        out: np.ndarray | None,
+        out: Any,
         senders: list[int],
         receivers: list[int],
+        recv_phase: int | None = None,
     ) -> None:
-        """Send x to every rank in receivers; receive one frame from every rank in senders into out[src]."""
+        """Send x to every rank in receivers; receive one frame from every rank in senders into
+        out[src] (frames of ``recv_phase``, default ``phase``)."""
         me = self.rank
+        recv_phase = phase if recv_phase is None else recv_phase
         expect = [s for s in senders if s != me]
         done, one_done = self._wait_piece(coll, len(expect))
         coll.waiting_on = set(expect)
@@ -510,7 +521,7 @@ class RingGroup(Group):
 
         for src in expect:
             dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
-            self.mailbox.post((self.gid, coll.seq, phase, src), dest, self._guard(coll, make_cb(src)))
+            self.mailbox.post((self.gid, coll.seq, recv_phase, src), dest, self._guard(coll, make_cb(src)))
         targets = [d for d in receivers if d != me]
         conns = await self._links(targets)
         for conn in conns:
@@ -525,6 +536,8 @@ class RingGroup(Group):
     async def _gather_and_fold(self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None) -> Any:
         """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order."""
         n_ranks, me = self.world_size, self.rank
+        if dst is None and n_ranks >= ROOTED_SMALL_MIN:
+            return await self._rooted_fold(coll, x, op)
         ranks = list(range(n_ranks))
         receives = dst is None or me == dst
         bufs = np.empty((n_ranks, x.size), x.dtype) if receives else None
@@ -535,6 +548,24 @@ class RingGroup(Group):
                 coll, x, _DIRECT, bufs, ranks if receives else [], ranks if dst is None else [dst]
             )
         return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
+
+    async def _rooted_fold(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        """Small all_reduce through one root (``seq % N``): it folds every rank's x in the
+        canonical order and sends the result to all. The root sees every rank's call, so a
+        mismatch anywhere is caught there; the others check the root's."""
+        n_ranks, me = self.world_size, self.rank
+        root = coll.seq % n_ranks
+        if me == root:
+            bufs = np.empty((n_ranks, x.size), x.dtype)
+            bufs[me] = x
+            await self._direct_exchange(coll, None, _DIRECT, bufs, list(range(n_ranks)), [])
+            out = canonical_fold(bufs, op, np.empty_like(x))
+            await self._direct_exchange(coll, out, _RESULT, None, [], list(range(n_ranks)))
+            return out
+        out = np.empty_like(x)
+        coll.report_grace = ROOT_REPORT_GRACE  # a silent rank is the root's to name
+        await self._direct_exchange(coll, x, _DIRECT, {root: out}, [root], [root], recv_phase=_RESULT)
+        return out
 
     def _plane_for(self, nbytes: int) -> DataPlane | None:
         plane = self.net.plane

@@ -284,3 +284,52 @@ async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decode
     assert conn.peer_label == "server shards 0, 1"
     conn.peer = {"role": "server", "shards": [3]}
     assert conn.peer_label == "server shard 3"
+
+
+def _frames_sent(g: psring.Group) -> int:
+    return sum(c.frames_sent for c in g.net._all_conns())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("world", [3, 4, 5])
+async def test_small_ring_all_reduce_goes_through_a_rotating_root(make_groups, world: int) -> None:
+    """From 3 ranks a small all_reduce is folded by one root (seq % N) and sent back: 2(N-1)
+    frames instead of N(N-1), the same canonical bits, and the root names a mismatch anywhere."""
+    from psring.group import canonical_fold
+
+    os.environ["PSRING_HEARTBEAT_INTERVAL"] = "60"  # no heartbeat frames in the count
+    try:
+        groups = await make_groups(world)
+    finally:
+        del os.environ["PSRING_HEARTBEAT_INTERVAL"]
+    rng = np.random.default_rng(world)
+    for _ in range(world):  # every link is up (its handshake frames are not the collective's)
+        await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))
+    for seq in range(world, 2 * world):  # every rank is the root once
+        xs = [rng.standard_normal(7).astype(np.float32) for _ in range(world)]
+        before = [_frames_sent(g) for g in groups]
+        ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+        sent = [_frames_sent(g) - b for g, b in zip(groups, before, strict=True)]
+        root = seq % world
+        assert sent == [world - 1 if r == root else 1 for r in range(world)], (seq, sent)
+        ref = canonical_fold(xs, "sum", np.empty(7, np.float32))
+        assert all(y.tobytes() == ref.tobytes() for y in ys)
+    # two non-root ranks disagree with each other (the root is rank 0 again at seq == 2 * world)
+    xs = [np.zeros(3, np.float32)] * world
+    xs[1], xs[2] = np.zeros(3, np.float64), np.zeros(3, np.int32)
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(2)) for g in groups))
+    assert all(np.array_equal(y, np.full(2, float(world))) for y in ys)
+
+
+@pytest.mark.parametrize("silent", [0, 2])
+async def test_rooted_small_all_reduce_timeout_names_the_silent_rank_everywhere(make_groups, silent: int) -> None:
+    """Whether the silent rank is the root (0 for the first call) or not, every rank's error
+    names it: ranks that wait only on the root give the root time to name the silent rank."""
+    groups = await make_groups(4, timeout=1.0)
+    callers = [g for g in groups if g.rank != silent]
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(g.all_reduce(np.ones(3)) for g in callers), return_exceptions=True)
+    assert time.monotonic() - t0 < 5
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    assert all(f"rank(s) {silent}" in str(r) for r in results), results
