@@ -25,10 +25,12 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
 @pytest.fixture(autouse=True)
 def _plane_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Everything above 64 KiB takes the plane here (8 MiB by default), so tests stay quick."""
+    """Everything above 64 KiB takes the plane here (8 MiB by default), in 100 kB pieces (4 MiB by
+    default), so tests stay quick and still cut chunks into several pieces."""
     import psring.ring as ring
 
     monkeypatch.setattr(ring, "PLANE_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr(ring, "PLANE_PIECE_BYTES", 100_000)  # several uneven pieces per chunk
 
 
 BIG = 300_001  # float32 elements: 1.2 MB, above the one-hop size and not divisible by world sizes
