@@ -845,8 +845,17 @@ class RingGroup(Group):
         await done
 
     async def _barrier(self, coll: Collective) -> None:
-        ranks = list(range(self.world_size))
-        if self.world_size > 1:
+        n_ranks, me = self.world_size, self.rank
+        ranks = list(range(n_ranks))
+        if n_ranks >= ROOTED_SMALL_MIN:  # through a rotating root, as a small all_reduce: 2(N-1) frames
+            root = coll.seq % n_ranks
+            if me == root:
+                await self._direct_exchange(coll, None, _DIRECT, None, ranks, [])
+                await self._direct_exchange(coll, None, _RESULT, None, [], ranks)
+            else:
+                coll.report_grace = ROOT_REPORT_GRACE
+                await self._direct_exchange(coll, None, _DIRECT, None, [root], [root], recv_phase=_RESULT)
+        elif n_ranks > 1:
             await self._direct_exchange(coll, None, _DIRECT, None, ranks, ranks)
 
     async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:

@@ -322,14 +322,16 @@ async def test_small_ring_all_reduce_goes_through_a_rotating_root(make_groups, w
     assert all(np.array_equal(y, np.full(2, float(world))) for y in ys)
 
 
+@pytest.mark.parametrize("call", ["all_reduce", "barrier"])
 @pytest.mark.parametrize("silent", [0, 2])
-async def test_rooted_small_all_reduce_timeout_names_the_silent_rank_everywhere(make_groups, silent: int) -> None:
+async def test_rooted_small_call_timeout_names_the_silent_rank_everywhere(make_groups, silent: int, call: str) -> None:
     """Whether the silent rank is the root (0 for the first call) or not, every rank's error
     names it: ranks that wait only on the root give the root time to name the silent rank."""
     groups = await make_groups(4, timeout=1.0)
     callers = [g for g in groups if g.rank != silent]
     t0 = time.monotonic()
-    results = await asyncio.gather(*(g.all_reduce(np.ones(3)) for g in callers), return_exceptions=True)
+    calls = [g.all_reduce(np.ones(3)) if call == "all_reduce" else g.barrier() for g in callers]
+    results = await asyncio.gather(*calls, return_exceptions=True)
     assert time.monotonic() - t0 < 5
     assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
     assert all(f"rank(s) {silent}" in str(r) for r in results), results
