@@ -96,3 +96,29 @@ def end(proc: subprocess.Popen[str]) -> str:
         os.kill(proc.pid, signal.SIGKILL)
     out, _ = proc.communicate(timeout=30)
     return out or ""
+
+
+async def spawn_server(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``psring server ARGS`` as a process and wait for its first line (it is registered
+    then); returns the process (the test ends it, by PID) and that line."""
+    proc = spawn(["-m", "psring", "server", *args], env)
+    assert proc.stdout is not None
+    line = await asyncio.to_thread(proc.stdout.readline)
+    assert "psring server" in line, line
+    return proc, line
+
+
+async def ps_workers(store_port: int, job: str, n: int, timeout: float = 30) -> list[psring.Group]:
+    """n ps workers of ``job`` in this event loop, against servers already registered in the store."""
+    os.environ["PSRING_JOB"] = job
+    try:
+        return list(
+            await asyncio.gather(
+                *(
+                    psring.init_group("ps", rank=r, world_size=n, store=f"127.0.0.1:{store_port}", timeout=timeout)
+                    for r in range(n)
+                )
+            )
+        )
+    finally:
+        del os.environ["PSRING_JOB"]

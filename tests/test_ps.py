@@ -127,42 +127,14 @@ __all__ = ["connect_store", "parse_store_address", "start_servers"]
 async def test_workers_and_servers_with_different_piece_sizes_get_a_named_error(store) -> None:
     """PSRING_PS_PIECE is read by every process: a server set up with another piece size is a
     clear ProtocolError on the workers that says which setting to check, not a hang."""
-    import os
-
-    from .conftest import end, spawn
+    from .conftest import end, ps_workers, spawn_server
 
     job = "pieces"
-    server = spawn(
-        [
-            "-m",
-            "psring",
-            "server",
-            "--shards",
-            "2",
-            "--host",
-            "127.0.0.1",
-            "--store",
-            f"127.0.0.1:{store.port}",
-            "--job",
-            job,
-        ],
-        env={"PSRING_PS_PIECE": str(1 << 20)},  # the workers here take the default, 4 MiB
-    )
+    args = ["--shards", "2", "--host", "127.0.0.1", "--store", f"127.0.0.1:{store.port}", "--job", job]
+    server, _ = await spawn_server(args, env={"PSRING_PS_PIECE": str(1 << 20)})  # workers: the default 4 MiB
     groups = []
     try:
-        assert server.stdout is not None
-        line = await asyncio.to_thread(server.stdout.readline)
-        assert "psring server" in line, line
-        os.environ["PSRING_JOB"] = job
-        try:
-            groups = await asyncio.gather(
-                *(
-                    psring.init_group("ps", rank=r, world_size=2, store=f"127.0.0.1:{store.port}", timeout=20)
-                    for r in range(2)
-                )
-            )
-        finally:
-            del os.environ["PSRING_JOB"]
+        groups = await ps_workers(store.port, job, 2, timeout=20)
         x = np.ones(4 << 20, np.float32)  # 16 MiB: 8 MiB per shard, two pieces on the workers' side
         results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
         assert all(isinstance(r, psring.ProtocolError) for r in results), results

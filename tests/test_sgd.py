@@ -16,7 +16,7 @@ import psring
 from psring.optim import SGD, Adam, AdamW, Optimizer
 from psring.sgd import make_buckets
 
-from .conftest import end, spawn
+from .conftest import end, ps_workers, spawn_server
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -252,7 +252,7 @@ def _servers_of(group):
         return [o for o in gc.get_objects() if isinstance(o, Shard) and o.job == group.links.settings.job]
 
 
-SERVER_ARGS = ["-m", "psring", "server", "--shards", "2", "--host", "127.0.0.1", "--checkpoint-every", "1"]
+SERVER_ARGS = ["--shards", "2", "--host", "127.0.0.1", "--checkpoint-every", "1"]
 
 
 @pytest.mark.asyncio
@@ -260,30 +260,17 @@ SERVER_ARGS = ["-m", "psring", "server", "--shards", "2", "--host", "127.0.0.1",
 async def test_server_sigkilled_and_restored_ends_with_uninterrupted_parameters(store, tmp_path) -> None:
     job = "ckpt"
     args = [*SERVER_ARGS, "--store", f"127.0.0.1:{store.port}", "--job", job, "--checkpoint-dir", str(tmp_path)]
-    server = spawn(args)
+    server, _ = await spawn_server(args)
     groups = []
     try:
-        assert server.stdout is not None
-        line = await asyncio.to_thread(server.stdout.readline)
-        assert "psring server" in line, line
-        os.environ["PSRING_JOB"] = job
-        try:
-            groups = await asyncio.gather(
-                *(
-                    psring.init_group("ps", rank=r, world_size=2, store=f"127.0.0.1:{store.port}", timeout=30)
-                    for r in range(2)
-                )
-            )
-        finally:
-            del os.environ["PSRING_JOB"]
+        groups = await ps_workers(store.port, job, 2)
         opts = [psring.SyncSGD(g, _model(g.rank), Adam(lr=0.01)) for g in groups]
         for t in range(20):
             if t == 10:  # SIGKILL the server between steps, restart it from its checkpoints
                 os.kill(server.pid, signal.SIGKILL)
                 end(server)
-                server = spawn([*args, "--restore"])
-                line = await asyncio.to_thread(server.stdout.readline)
-                assert "psring server" in line and "restored 2 bucket(s)" in line, line
+                server, line = await spawn_server([*args, "--restore"])
+                assert "restored 2 bucket(s)" in line, line
             outs = await asyncio.gather(*(o.step(_grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
         assert any(f.name.endswith(".npz") for f in tmp_path.iterdir())
         ref = _reference(Adam(lr=0.01), 2, 20)
