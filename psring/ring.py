@@ -540,7 +540,7 @@ class RingGroup(Group):
         """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order."""
         n_ranks, me = self.world_size, self.rank
         if dst is None and n_ranks >= ROOTED_SMALL_MIN:
-            return await self._rooted_fold(coll, x, op)
+            return await self._rooted(coll, x, lambda bufs: canonical_fold(bufs, op, np.empty_like(x)))
         ranks = list(range(n_ranks))
         receives = dst is None or me == dst
         bufs = np.empty((n_ranks, x.size), x.dtype) if receives else None
@@ -552,17 +552,18 @@ class RingGroup(Group):
             )
         return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
 
-    async def _rooted_fold(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        """Small all_reduce through one root (``seq % N``): it folds every rank's x in the
-        canonical order and sends the result to all. The root sees every rank's call, so a
-        mismatch anywhere is caught there; the others check the root's."""
+    async def _rooted(self, coll: Collective, x: np.ndarray, fold: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """Small all_reduce through one root (``seq % N``): it gathers every rank's x (rows in
+        rank order), applies ``fold`` (the canonical order) and sends the result to all. The
+        root sees every rank's call, so a mismatch anywhere is caught there; the others check
+        the root's."""
         n_ranks, me = self.world_size, self.rank
         root = coll.seq % n_ranks
         if me == root:
             bufs = np.empty((n_ranks, x.size), x.dtype)
             bufs[me] = x
             await self._direct_exchange(coll, None, _DIRECT, bufs, list(range(n_ranks)), [])
-            out = canonical_fold(bufs, op, np.empty_like(x))
+            out = fold(bufs)
             await self._direct_exchange(coll, out, _RESULT, None, [], list(range(n_ranks)))
             return out
         out = np.empty_like(x)
@@ -716,6 +717,8 @@ class RingGroup(Group):
     async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
         n_ranks = self.world_size
         q = quantize(x, e)
+        if x.nbytes <= SMALL_BYTES and n_ranks >= ROOTED_SMALL_MIN:  # the result travels as float16 too
+            return dequantize(await self._rooted(coll, q, lambda b: fold_fp16(b, op, e, np.empty_like(q))), e)
         if n_ranks == 1 or x.nbytes <= SMALL_BYTES:
             bufs = np.empty((n_ranks, x.size), np.float16)
             bufs[self.rank] = q

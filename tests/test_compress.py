@@ -86,6 +86,22 @@ async def test_fp16_halves_the_bytes(make_groups, topology: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_fp16_halves_the_bytes_of_small_ring_calls_through_the_root(make_groups) -> None:
+    """A small fp16 all_reduce from 3 ranks goes through the rotating root like a plain one, and
+    the root's result travels as float16 too: all ranks together send about half the bytes."""
+    groups = await make_groups(4)
+    x = np.ones(16_000, np.float32)  # 64 kB: the small path
+    totals = {}
+    for compression in (None, "fp16"):
+        for _ in range(4):  # every rank is the root once
+            before = sum(g.stats()["bytes_sent"] for g in groups)
+            await asyncio.gather(*(g.all_reduce(x, op="avg", compression=compression) for g in groups))
+            totals[compression] = totals.get(compression, 0) + sum(g.stats()["bytes_sent"] for g in groups) - before
+    assert totals[None] >= 4 * 2 * 3 * x.nbytes  # 2(N-1) tensors a call
+    assert totals["fp16"] <= 0.55 * totals[None], totals
+
+
+@pytest.mark.asyncio
 async def test_fp16_ring_and_ps_give_the_same_bits(make_groups) -> None:
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal((3, 70_001)).astype(np.float32) * (r + 1) for r in range(3)]
