@@ -519,6 +519,10 @@ class Shard:
         if key in self.finished and self.finished[key] != "done":
             return
         pending = self.pending.get(key)
+        if reason == "timeout" and pending is None:
+            # not one of this collective's shards (a small tensor lives on one): it cannot say who
+            # is missing, and an answer from it could reach the workers before the shard that can
+            return
         message = str(header.get("message", ""))[:2000]
         missing: list[int] = []
         if reason == "timeout" and pending is not None:
