@@ -157,16 +157,15 @@ class HeaderDecoder:
     payload) are left for the caller.
     """
 
-    __slots__ = ("_fed", "_limits", "_unpacker")
+    __slots__ = ("_fed", "_limits", "_origin", "_unpacker")
 
     def __init__(self, limits: Limits | None = None) -> None:
         self._limits = limits or Limits()
-        self._reset()
-
-    def _reset(self) -> None:
-        # made when bytes come (an Unpacker weighs ~44 KiB: idle and flooding connections hold none)
+        # made when bytes come (an Unpacker weighs ~44 KiB: idle connections hold none), then
+        # kept: making one per frame cost more than decoding a small message's header
         self._unpacker: msgpack.Unpacker | None = None
-        self._fed = 0
+        self._fed = 0  # bytes of the current header fed so far
+        self._origin = 0  # the unpacker's position where the current header starts
 
     def _new_unpacker(self) -> msgpack.Unpacker:
         cap = self._limits.max_header
@@ -196,13 +195,15 @@ class HeaderDecoder:
         unpacker = self._unpacker
         if unpacker is None:
             unpacker = self._unpacker = self._new_unpacker()
+            self._origin = 0
+        fed_before = self._fed
         while True:
             room = self._limits.max_header - self._fed
             take = min(step, room, total - used)
-            base = self._fed
             if take > 0:
                 unpacker.feed(data[used : used + take])
                 self._fed += take
+                used += take
             try:
                 obj = unpacker.unpack()
             except msgpack.OutOfData:
@@ -210,16 +211,20 @@ class HeaderDecoder:
                     raise ProtocolError(
                         f"frame header is longer than the {self._limits.max_header}-byte limit"
                     ) from None
-                used += take
                 if used >= total:
                     return None, used
                 step *= 4
                 continue
             except Exception as exc:  # FormatError, StackError, ValueError on a limit, ...
+                self._unpacker = None  # its state is unknown now
                 raise ProtocolError(f"frame header is not valid msgpack: {exc}") from exc
-            used += unpacker.tell() - base
-            self._reset()
-            return validate_header(obj, self._limits), used
+            header_len = unpacker.tell() - self._origin
+            extra = self._fed - header_len  # payload bytes fed along: hand them back
+            if extra:
+                unpacker.read_bytes(extra)
+            self._fed = 0
+            self._origin = unpacker.tell()
+            return validate_header(obj, self._limits), header_len - fed_before
 
 
 def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, Any], bytes]:

@@ -90,6 +90,44 @@ def test_decoder_waits_then_yields_at_every_split(data: st.DataObject) -> None:
     assert header is not None and header["shape"] == (5,)
 
 
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_one_decoder_reads_a_stream_of_frames_at_any_split(data: st.DataObject) -> None:
+    """A connection keeps one decoder (and its unpacker) for every frame: the payload bytes
+    fed along with a header must never leak into the next header."""
+    frames = []
+    for i in range(data.draw(st.integers(2, 6))):
+        n = data.draw(st.integers(0, 600))
+        frames.append(({"kind": "data", "tag": ("g", i, 0), "pad": "x" * (i * 97 % 300)}, np.full(n, i, np.uint8)))
+    raw = b"".join(frame_bytes(h, x) for h, x in frames)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(raw) - 1), max_size=12))))
+    decoder = wire.HeaderDecoder()
+    got: list[tuple[dict, bytes]] = []
+    buf = b""
+    need = None  # payload bytes still owed by the last header
+    for chunk in (raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)):
+        buf += chunk
+        while buf:
+            if need is None:
+                header, used = decoder.feed(buf)
+                buf = buf[used:]
+                if header is None:
+                    assert not buf
+                    break
+                need = header
+                continue
+            if len(buf) < need["nbytes"]:
+                break
+            got.append((need, buf[: need["nbytes"]]))
+            buf, need = buf[need["nbytes"] :], None
+        if need is not None and need["nbytes"] == 0:
+            got.append((need, b""))
+            need = None
+    if need is not None and need["nbytes"] == 0:
+        got.append((need, b""))
+    assert [(h["tag"], p) for h, p in got] == [(h["tag"], x.tobytes()) for h, x in frames]
+
+
 def test_one_byte_at_a_time() -> None:
     raw = frame_bytes({"kind": "data"}, np.arange(3, dtype=np.int8))
     decoder = wire.HeaderDecoder()
