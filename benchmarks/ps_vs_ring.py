@@ -1,7 +1,9 @@
 """Parameter server against ring, side by side in one run.
 
-For each worker count N: the ring, ps with S=N shards and ps with S=1 (the
-single-server bottleneck), all_reduce of --size float32, median of --iters.
+For each worker count N: the ring, ps with S=N shards (server processes of their
+own), ps with S=N shards colocated with the workers (each worker process hosts one
+shard, reached in-process by its own worker) and ps with S=1 (the single-server
+bottleneck); all_reduce of --size float32, median of --iters.
 
     python benchmarks/ps_vs_ring.py --workers 2,3,4 --size 64M --iters 3
 """
@@ -13,6 +15,14 @@ import json
 import sys
 
 from psring.bench import human, parse_size, run_allreduce
+
+#: (label, topology, shards, colocated): "N" shards means one per worker
+RUNS = (
+    ("ring", "ring", None, False),
+    ("ps S=N", "ps", "N", False),
+    ("ps S=N colo", "ps", "N", True),
+    ("ps S=1", "ps", 1, False),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,19 +36,25 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in (int(w) for w in args.workers.split(",")):
         row = {"workers": n}
-        for label, topology, servers in (("ring", "ring", None), ("ps S=N", "ps", n), ("ps S=1", "ps", 1)):
-            r = run_allreduce(topology=topology, workers=n, sizes=[size], iters=args.iters, servers=servers)[0]
+        for label, topology, servers, colocate in RUNS:
+            r = run_allreduce(
+                topology=topology,
+                workers=n,
+                sizes=[size],
+                iters=args.iters,
+                servers=n if servers == "N" else servers,
+                colocate=colocate,
+            )[0]
             row[label] = {"time_s": r["time_s"], "busbw_GBps": r["busbw_GBps"]}
         rows.append(row)
         if not args.json:
             if len(rows) == 1:
                 print(f"# all_reduce {human(size)} float32, median of {args.iters}; time in ms (busbw GB/s)")
-                print(f"{'N':>3} {'ring':>16} {'ps S=N':>16} {'ps S=1':>16} {'S=N/ring busbw':>15}")
-            cells = [
-                f"{row[k]['time_s'] * 1e3:8.0f} ({row[k]['busbw_GBps']:.2f})" for k in ("ring", "ps S=N", "ps S=1")
-            ]
-            ratio = row["ps S=N"]["busbw_GBps"] / row["ring"]["busbw_GBps"]
-            print(f"{n:>3} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} {ratio:>15.2f}", flush=True)
+                print(f"{'N':>3} " + " ".join(f"{label:>16}" for label, *_ in RUNS) + "  busbw vs ring: S=N  colocated")
+            cells = [f"{row[k]['time_s'] * 1e3:8.0f} ({row[k]['busbw_GBps']:.2f})" for k, *_ in RUNS]
+            ring = row["ring"]["busbw_GBps"]
+            ratios = f"{row['ps S=N']['busbw_GBps'] / ring:19.2f} {row['ps S=N colo']['busbw_GBps'] / ring:10.2f}"
+            print(f"{n:>3} " + " ".join(f"{c:>16}" for c in cells) + ratios, flush=True)
     if args.json:
         print(json.dumps(rows))
     return 0

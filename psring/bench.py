@@ -243,6 +243,7 @@ def run_allreduce(
     backend: str = "psring",
     servers: int | None = None,
     quiet: bool = True,
+    colocate: bool = False,
 ) -> list[dict[str, Any]]:
     """Spawn the ranks, time every size, return one row per size."""
     from .facade import new_event_loop
@@ -263,6 +264,8 @@ def run_allreduce(
         env = dict(os.environ)
         if servers is not None:
             env["PSRING_SERVERS"] = str(servers)
+        if colocate:
+            env["PSRING_PS_COLOCATE"] = "1"
         cmd = [sys.executable, "-m", "psring.bench", json.dumps(spec)]
         loop = new_event_loop()
         try:
@@ -392,6 +395,8 @@ def cli(args: argparse.Namespace) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     if args.workers < 1:
         raise SystemExit(f"psring bench: --workers must be at least 1, got {args.workers}")
+    if args.topology == "ring" and getattr(args, "colocate", False):
+        raise SystemExit("psring bench: --colocate applies to --topology ps only")
     rows = run_allreduce(
         topology=args.topology,
         workers=args.workers,
@@ -400,8 +405,11 @@ def cli(args: argparse.Namespace) -> int:
         iters=args.iters,
         warmup=args.warmup,
         servers=getattr(args, "servers", None),
+        colocate=getattr(args, "colocate", False),
     )
     title = f"psring all_reduce, topology={args.topology}, workers={args.workers}"
+    if getattr(args, "colocate", False):
+        title += " (shards colocated with the workers)"
     if args.json:
         print(json.dumps({"title": title, "rows": rows}))
     else:

@@ -111,6 +111,8 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     if args.servers is not None:
         env["PSRING_SERVERS"] = str(args.servers)
+    if args.colocate:
+        env["PSRING_PS_COLOCATE"] = "1"
     try:
         return _run(launch(args.n, cmd, topology=args.topology, env=env))
     except KeyboardInterrupt:
@@ -178,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="PSRING_TOPOLOGY for the ranks",
     )
     p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="ps: the ranks host the shards in their own processes, no server processes (PSRING_PS_COLOCATE=1)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     p.set_defaults(func=_cmd_launch)
 
@@ -191,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--topology", choices=("ring", "ps"), default="ring")
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument(
+        "--colocate", action="store_true", help="ps: each worker process hosts its shards (PSRING_PS_COLOCATE=1)"
+    )
     b.add_argument("--sizes", default="4,1M,16M,64M", help="comma-separated byte sizes (K, M, G suffixes)")
     b.add_argument("--dtype", default="float32")
     b.add_argument("--iters", type=int, default=10)

@@ -111,8 +111,11 @@ def canonical_fold(
         if a >= b:
             continue
         acc = out[a:b]
-        acc[...] = parts[c][a:b]
-        for k in range(1, n_ranks):
+        if n_ranks == 1:
+            acc[...] = parts[c][a:b]
+            continue
+        ufunc(parts[c][a:b], parts[(c + 1) % n_ranks][a:b], out=acc)  # no copy of the first operand first
+        for k in range(2, n_ranks):
             ufunc(acc, parts[(c + k) % n_ranks][a:b], out=acc)
     if op == "avg":
         finish_avg(out, n_ranks)

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from .ps import colocate_from_env
 from .store import StoreServer, start_store
 
 
@@ -78,7 +79,7 @@ async def launch(
     pumps: list[asyncio.Task[None]] = []
     servers: list[asyncio.subprocess.Process] = []
     try:
-        if topology == "ps":
+        if topology == "ps" and not colocate_from_env(base):  # colocated: the ranks host the shards
             servers = await _start_local_servers(server, base, n)
             for i, proc in enumerate(servers):
                 assert proc.stdout is not None

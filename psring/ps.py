@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,16 @@ logger = logging.getLogger(__name__)
 
 #: seconds a worker waits for the shards to name the missing ranks after its deadline
 TIMEOUT_REPORT_GRACE = 1.0
+
+
+def colocate_from_env(env: Mapping[str, str] | None = None) -> bool:
+    """PSRING_PS_COLOCATE=1: each worker process hosts server shards (see README, ps topology)."""
+    raw = (os.environ if env is None else env).get("PSRING_PS_COLOCATE", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"PSRING_PS_COLOCATE must be 0 or 1, got {raw!r}")
 
 
 class ServerLinks:
@@ -134,6 +145,12 @@ class ServerLinks:
 
     async def connect(self, timeout: float) -> None:
         async def dial(i: int) -> Connection:
+            own = self.own_servers
+            if own is not None and i in own.shards:  # a shard this process hosts: no socket
+                conn: Connection = own.attach_local(self._hello(i), name=f"rank {self.rank}")
+                conn.router = self.mailbox
+                conn.peer["shard"] = i
+                return conn
             host, _, port = self.addresses[i].rpartition(":")
             try:
                 conn = await open_connection(
@@ -253,6 +270,9 @@ class PsGroup(Group):
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
         servers = options.pop("servers", None)
+        colocate = options.pop("colocate", None)
+        if colocate is None:
+            colocate = colocate_from_env()
         if options:
             raise TypeError(f"init_group(topology='ps') got unexpected options {sorted(options)}")
         if servers is not None and (type(servers) is not int or servers < 1):
@@ -266,7 +286,21 @@ class PsGroup(Group):
             rank = await assign_rank(store, prefix, settings.rank, world)
             links = ServerLinks(rank, world, settings, store, prefix)
             links.embedded_store = embedded
-            if rank == 0 and (servers is not None or embedded is not None):
+            if colocate:
+                # every rank hosts its share of the shards (i % world == rank) in its own process
+                count = servers or settings.servers or world
+                mine = [i for i in range(count) if i % world == rank]
+                if mine:
+                    links.own_servers = await start_servers(
+                        store,
+                        count,
+                        job=settings.job,
+                        secret=settings.secret,
+                        host=settings.bind_host,
+                        advertise=settings.advertise_host,
+                        shard_ids=mine,
+                    )
+            elif rank == 0 and (servers is not None or embedded is not None):
                 # asked to, or the local default (this process serves the store): start the shards here
                 count = servers or settings.servers or 1
                 links.own_servers = await start_servers(

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from . import wire
-from .arrays import DTYPES, byte_view, dtype_name, env_bytes, prod
+from .arrays import DTYPES, byte_view, dtype_name, env_bytes, pooled_bytes, prod
 from .compress import fold_fp16, parse_codec_op
-from .connection import Connection, Listener
+from .connection import Connection, Listener, local_pair
 from .errors import PeerLostError, ProtocolError, PsringError
 from .group import SMALL_BYTES, canonical_fold, mismatch_message, ring_chunk_bounds
 
@@ -265,7 +265,10 @@ class Shard:
 
     # ------------------------------------------------------------- frames in
     def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None:
-        return None  # each payload is read straight into a fresh buffer of its own
+        # each piece is read straight into a buffer of its own, recycled once folded and sent
+        if header["kind"] == "ps_data" and header["nbytes"] >= POOLED_MIN:
+            return memoryview(pooled_bytes(header["nbytes"]))
+        return None
 
     def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         self.frames_in += 1
@@ -409,7 +412,7 @@ class Shard:
         if pending.codec:
             out = fold_fp16(parts, pending.op, pending.codec[1], np.empty(pb - pa, np.float16), pa, pending.n)
         else:
-            out = canonical_fold(parts, pending.op, np.empty(pb - pa, dtype=pending.dtype), pa, pending.n)
+            out = canonical_fold(parts, pending.op, _piece_empty(pb - pa, pending.dtype), pa, pending.n)
         del pending.inbox[j]
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
@@ -556,6 +559,14 @@ class Shard:
         self._send(target, fwd, data)
 
 
+#: pieces from this size are received into (and folded into) pooled buffers
+POOLED_MIN = 1 << 20
+
+
+def _piece_empty(count: int, dtype: np.dtype) -> np.ndarray:
+    return pooled_bytes(count * dtype.itemsize).view(dtype)
+
+
 def _check_desc(desc: Any) -> None:
     if not (isinstance(desc, tuple) and len(desc) == 5 and desc[0] in KINDS):
         raise ProtocolError(f"join frame with a malformed call descriptor {desc!r}")
@@ -597,6 +608,7 @@ class ShardServer:
         self.store: Any = None
         self.address = ""
         self.on_stop: Any = None  # parameter mode: the final checkpoint
+        self.local: set[Connection] = set()  # shard ends of in-process workers (colocated shards)
 
     @property
     def port(self) -> int:
@@ -615,6 +627,20 @@ class ShardServer:
 
     def _accepted(self, conn: Connection) -> None:
         self._route(conn).attach(conn)
+
+    def attach_local(self, hello: dict[str, Any], name: str) -> Connection:
+        """Connect a worker of this very process to shard ``hello["shard"]`` without a socket.
+
+        Returns the worker's end. The frames are the same as over TCP, so the shard cannot tell.
+        """
+        worker_end, shard_end = local_pair(name, f"server shard {hello.get('shard')}")
+        shard_end.peer = dict(hello)
+        shard_end.router = self._router_for(shard_end)  # checks job and shard, as for a dial
+        self._accepted(shard_end)
+        self.local.add(shard_end)
+        shard_end._closed.add_done_callback(lambda _f: self.local.discard(shard_end))
+        worker_end.peer = {"role": "server", "shards": [hello.get("shard")], "job": self.job}
+        return worker_end
 
     async def start(self, host: str, port: int, advertise: str) -> ShardServer:
         self.listener = Listener(
@@ -648,6 +674,8 @@ class ShardServer:
                     await conn.close()
             await self.listener.close()
             self.listener = None
+        for conn in list(self.local):
+            conn.abort(PeerLostError("server shut down"))
         if self.store is not None:
             with contextlib.suppress(Exception):
                 await self.store.close()

@@ -227,6 +227,15 @@ class HeaderDecoder:
             return validate_header(obj, self._limits), header_len - fed_before
 
 
+def decode_header(head: bytes, limits: Limits | None = None) -> dict[str, Any]:
+    """Decode and validate exactly one header held whole in memory."""
+    try:
+        obj = msgpack.unpackb(head, raw=False, use_list=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"frame header is not valid msgpack: {exc}") from exc
+    return validate_header(obj, limits or Limits())
+
+
 def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, Any], bytes]:
     """Decode one whole frame held in memory (tests and tools; not the data path)."""
     decoder = HeaderDecoder(limits)

@@ -51,7 +51,7 @@ async def make_groups(store: StoreServer) -> AsyncIterator[MakeGroups]:
         job = f"t{next(jobs)}"
         os.environ["PSRING_JOB"] = job
         try:
-            if topology == "ps":
+            if topology == "ps" and not kw.get("colocate"):  # colocated: the ranks host the shards
                 client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=10)
                 servers.append(await start_servers(client, servers_n, job=job))
             groups = await asyncio.gather(

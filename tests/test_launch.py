@@ -94,3 +94,23 @@ def test_tutorial_example_runs_and_its_ring_equals_all_reduce(topology: str, ext
         float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "epoch" in line and "rank 0:" in line
     ]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+def test_launch_ps_colocated_starts_no_server_processes(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, numpy as np, psring\n"
+        "from psring.connection import LocalConnection\n"
+        "g = psring.init()\n"
+        "y = g.all_reduce(np.full(300_000, float(g.rank)))\n"
+        "own = [type(c).__name__ for c in g._group.links.shards]\n"
+        "print('shards', len(own), 'own', own.index('LocalConnection'), 'sum', y[0], flush=True)\n"
+        "g.close()\n"
+    )
+    proc = run(["launch", "-n", "3", "--topology", "ps", "--colocate", "--", sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[server" not in proc.stdout  # no `psring server` process was started
+    for r in range(3):
+        assert f"[rank {r}] shards 3 own {r} sum 3.0" in proc.stdout, proc.stdout
+    proc = run(["bench", "allreduce", "--workers", "2", "--colocate", "--sizes", "4"])
+    assert proc.returncode != 0 and "--colocate applies to --topology ps only" in proc.stderr
