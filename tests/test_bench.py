@@ -76,3 +76,17 @@ def test_bench_sgd_splits_step_time(topology: str) -> None:
     assert r["tensors"] == 40 and r["buckets"] >= 1
     assert r["step_ms"] > 0 and r["exchange_ms"] > 0
     assert (r["update_ms"] > 0) == (topology == "ring")
+
+
+def test_ps_vs_ring_runs_every_setup_in_rounds() -> None:
+    rows = _json(
+        ["benchmarks/ps_vs_ring.py", "--workers", "2", "--size", "2M", "--iters", "1", "--rounds", "2", "--json"]
+    )
+    assert len(rows) == 1 and rows[0]["workers"] == 2
+    row = rows[0]
+    for label in ("ring", "ps S=N", "ps S=N colo", "ps S=1"):
+        assert len(row[label]["times_s"]) == 2 and all(t > 0 for t in row[label]["times_s"])
+        assert row[label]["busbw_GBps"] == pytest.approx((2 << 20) / 1e9 / row[label]["time_s"])
+    for label in ("ps S=N", "ps S=N colo"):
+        v = row[label]["vs_ring"]
+        assert 0 < v["min"] <= v["median"] <= v["max"]
