@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 
 from . import wire
-from .arrays import byte_view, env_bytes, result_empty
+from .arrays import byte_view, dtype_name, env_bytes, result_empty
 from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
 from .connection import Connection, Listener, Mailbox, checksum_from_env, open_connection
@@ -506,34 +506,53 @@ class RingGroup(Group):
         recv_phase: int | None = None,
     ) -> None:
         """Send x to every rank in receivers; receive one frame from every rank in senders into
-        out[src] (frames of ``recv_phase``, default ``phase``)."""
-        me = self.rank
+        out[src] (frames of ``recv_phase``, default ``phase``).
+
+        The small-message path: one callback for every sender, the header built once, and no
+        flush round when the kernel took every byte at once (the usual case for small frames).
+        """
+        me, gid, seq = self.rank, self.gid, coll.seq
         recv_phase = phase if recv_phase is None else recv_phase
         expect = [s for s in senders if s != me]
-        done, one_done = self._wait_piece(coll, len(expect))
-        coll.waiting_on = set(expect)
+        left = len(expect)
+        done: asyncio.Future[None] | None = None
+        if left:
+            done = asyncio.get_running_loop().create_future()
+            coll.waiting_on = set(expect)
 
-        def make_cb(src: int) -> Callable[..., None]:
-            def cb(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            def arrived(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+                nonlocal left
+                src = header["tag"][3]
                 if out is not None and header["nbytes"] != out[src].nbytes:
-                    raise ProtocolError(f"rank {src} sent {header['nbytes']} bytes, expected {out[src].nbytes}")
+                    coll.fail(ProtocolError(f"rank {src} sent {header['nbytes']} bytes, expected {out[src].nbytes}"))
+                    return
                 coll.waiting_on.discard(src)
-                one_done()
+                left -= 1
+                if left == 0 and not done.done():
+                    coll.waiting_on.clear()  # every frame is in: a peer leaving now costs nothing
+                    done.set_result(None)
 
-            return cb
-
-        for src in expect:
-            dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
-            self.mailbox.post((self.gid, coll.seq, recv_phase, src), dest, self._guard(coll, make_cb(src)))
+            post = self.mailbox.post
+            for src in expect:
+                dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
+                post((gid, seq, recv_phase, src), dest, arrived)
         targets = [d for d in receivers if d != me]
-        conns = await self._links(targets)
+        conns = await self._links(targets) if targets else []
+        if conns:
+            header: dict[str, Any] = {"kind": "data", "tag": (gid, seq, phase, me), "call": coll.desc, "src": me}
+            payload = None
+            if x is not None:
+                header["dtype"], header["shape"] = dtype_name(x.dtype), list(x.shape)
+                payload = byte_view(x) if x.nbytes else None
+            last = len(conns) - 1
+            for i, conn in enumerate(conns):
+                conn.send_frame(header if i == last else dict(header), payload)
+        if done is not None:
+            await done
         for conn in conns:
-            if x is None:
-                conn.send_frame(self._header(coll, phase, me))
-            else:
-                conn.send_tensor(self._header(coll, phase, me), x)
-        await done
-        await self._flush_all(list(conns))
+            transport = conn.transport
+            if transport is None or transport.get_write_buffer_size():
+                await conn.flush()
 
     # -------------------------------------------------------------- collectives
     async def _gather_and_fold(self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None) -> Any:
