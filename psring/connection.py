@@ -615,9 +615,8 @@ class Connection(asyncio.BufferedProtocol):
 class _LocalTransport(asyncio.Transport):
     """What a LocalConnection's users may ask of a transport: nothing is ever buffered."""
 
-    def __init__(self, conn: LocalConnection) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._conn = conn
         self._closing = False
 
     def get_write_buffer_size(self) -> int:
@@ -657,7 +656,7 @@ class LocalConnection(Connection):
         self._handshake_frames = None
         self._partner: LocalConnection | None = None
         self._in_flight = 0
-        self.transport = _LocalTransport(self)
+        self.transport = _LocalTransport()
         self.peername = peername
 
     def send_frame(self, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
@@ -674,15 +673,14 @@ class LocalConnection(Connection):
         asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload)
 
     def _hand_over(self, partner: LocalConnection, head: bytes, payload: Any) -> None:
+        if not partner._transport_gone():
+            try:
+                partner._take(head, payload)  # the payload is copied out here, so flush may return after
+            except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
+                partner.abort(exc)
         self._in_flight -= 1
         if self._in_flight == 0:
             self._wake_flushers(None)
-        if partner._transport_gone():
-            return
-        try:
-            partner._take(head, payload)
-        except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
-            partner.abort(exc)
 
     def _take(self, head: bytes, payload: Any) -> None:
         header = wire.decode_header(head, self._limits)
