@@ -286,23 +286,15 @@ class PsGroup(Group):
             rank = await assign_rank(store, prefix, settings.rank, world)
             links = ServerLinks(rank, world, settings, store, prefix)
             links.embedded_store = embedded
-            if colocate:
-                # every rank hosts its share of the shards (i % world == rank) in its own process
+            hosted: list[int] | None = None  # the shards this process starts (None: none)
+            if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
                 count = servers or settings.servers or world
-                mine = [i for i in range(count) if i % world == rank]
-                if mine:
-                    links.own_servers = await start_servers(
-                        store,
-                        count,
-                        job=settings.job,
-                        secret=settings.secret,
-                        host=settings.bind_host,
-                        advertise=settings.advertise_host,
-                        shard_ids=mine,
-                    )
+                hosted = [i for i in range(count) if i % world == rank] or None
             elif rank == 0 and (servers is not None or embedded is not None):
-                # asked to, or the local default (this process serves the store): start the shards here
+                # asked to, or the local default (this process serves the store): every shard here
                 count = servers or settings.servers or 1
+                hosted = list(range(count))
+            if hosted is not None:
                 links.own_servers = await start_servers(
                     store,
                     count,
@@ -310,6 +302,7 @@ class PsGroup(Group):
                     secret=settings.secret,
                     host=settings.bind_host,
                     advertise=settings.advertise_host,
+                    shard_ids=hosted,
                 )
             await links.resolve(settings.timeout)
             await links.connect(settings.timeout)
