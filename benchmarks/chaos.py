@@ -6,6 +6,8 @@
 Each trial starts a store, (for ps) a `psring server` process with 2 shards writing
 checkpoints, and 3 worker processes running STEPS SyncSGD steps; after a random number of
 steps it SIGKILLs a random worker (or, for ps, sometimes the server) at whatever moment that is.
+Topology "ps-colo" is ps with the shards colocated in the workers (PSRING_PS_COLOCATE=1, one
+shard each, no server process): a killed worker takes its shard with it.
 
 - A killed worker: every survivor must exit with a psring error naming the loss.
 - A killed server: it is restarted at once with --restore (unless --no-restart); the workers
@@ -80,6 +82,8 @@ def start_cluster(topology: str, tmp: str, job: str, ckpt: str | None) -> tuple[
     port = re.search(r":(\d+)", read_until(store, "listening on", 30)).group(1)  # type: ignore[union-attr]
     env = {"PSRING_STORE": f"127.0.0.1:{port}", "PSRING_JOB": job, "WORLD_SIZE": "3",
            "PSRING_TOPOLOGY": topology, "CHAOS_STEPS": str(STEPS)}  # fmt: skip
+    if topology == "ps-colo":
+        env.update(PSRING_TOPOLOGY="ps", PSRING_PS_COLOCATE="1")
     server_args: list[str] = []
     server = None
     if topology == "ps":

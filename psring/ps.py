@@ -70,6 +70,7 @@ class ServerLinks:
         self.embedded_store: Any = None
         self.own_servers: ShardServer | None = None
         self.reconnect_servers = True  # parameter mode re-sends to a restarted shard
+        self.colocated = False  # the shards live in the ranks' processes (shard i in rank i % N)
         self._loss_waiters: set[asyncio.Future[None]] = set()
         self._closing = False
 
@@ -176,8 +177,9 @@ class ServerLinks:
         i = conn.peer.get("shard")
         ago = time.monotonic() - conn.last_heard
         how = "closed its connection" if error is None else f"was lost: {error}"
+        host = f", hosted by rank {i % self.world_size}," if self.colocated and isinstance(i, int) else ""
         err = PeerLostError(
-            f"server shard {i} at {self.addresses[i] if isinstance(i, int) else conn.peername} {how} "
+            f"server shard {i} at {self.addresses[i] if isinstance(i, int) else conn.peername}{host} {how} "
             f"(last heard {ago:.1f}s ago)"
         )
         err.__cause__ = error
@@ -286,6 +288,9 @@ class PsGroup(Group):
             rank = await assign_rank(store, prefix, settings.rank, world)
             links = ServerLinks(rank, world, settings, store, prefix)
             links.embedded_store = embedded
+            # a colocated shard dies with its rank and never comes back: no waiting to re-send to it
+            links.colocated = colocate
+            links.reconnect_servers = not colocate
             hosted: list[int] | None = None  # the shards this process starts (None: none)
             if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
                 count = servers or settings.servers or world

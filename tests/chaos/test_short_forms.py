@@ -42,6 +42,16 @@ def test_chaos_short_form_no_hangs_every_survivor_raises_or_recovers() -> None:
     assert any(r["killed"].startswith("server") for r in rows)
 
 
+def test_chaos_colocated_shards_die_with_their_worker_and_every_survivor_says_so() -> None:
+    rows = run("chaos.py", "--trials", "2", "--topologies", "ps-colo", "--victims", "worker", "--seed", "3")
+    assert len(rows) == 2
+    for r in rows:
+        assert r["topology"] == "ps-colo" and r["killed"].startswith("worker"), r
+        assert r["hung"] == 0 and r["ok"], r
+        assert r["raised"] == r["survivors"] == r["named_the_loss"] == 2, r
+        assert r["detect_s"] < 10, r  # a colocated shard never comes back: nobody waits for it
+
+
 def test_chaos_server_that_stays_dead_makes_every_worker_raise() -> None:
     rows = run("chaos.py", "--trials", "1", "--topologies", "ps", "--victims", "server", "--no-restart")
     (r,) = rows
