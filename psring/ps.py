@@ -275,6 +275,8 @@ class PsGroup(Group):
         colocate = options.pop("colocate", None)
         if colocate is None:
             colocate = colocate_from_env()
+        elif not isinstance(colocate, bool):
+            raise TypeError(f"colocate={colocate!r} must be True or False")
         if options:
             raise TypeError(f"init_group(topology='ps') got unexpected options {sorted(options)}")
         if servers is not None and (type(servers) is not int or servers < 1):

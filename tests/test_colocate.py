@@ -165,6 +165,8 @@ async def test_colocate_setting_is_checked(store) -> None:
             await psring.init_group("ps", rank=0, world_size=1, store=f"127.0.0.1:{store.port}", timeout=5)
     finally:
         del os.environ["PSRING_PS_COLOCATE"]
+    with pytest.raises(TypeError, match="colocate='yes' must be True or False"):
+        await psring.init_group("ps", rank=0, world_size=1, store=f"127.0.0.1:{store.port}", timeout=5, colocate="yes")
 
 
 async def test_mailbox_is_what_workers_use_on_local_links() -> None:
