@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 
 from . import wire
-from .arrays import byte_view, dtype_name, env_bytes, result_empty
+from .arrays import DTYPES, byte_view, dtype_name, env_bytes, prod, result_empty
 from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
 from .connection import Connection, Listener, Mailbox, checksum_from_env, open_connection
@@ -45,6 +45,7 @@ from .group import (
 )
 from .rendezvous import assign_rank, open_store_for
 from .store import StoreClient, StoreServer
+from .unixnet import UnixMesh, host_key, same_host_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ PLANE_MIN_BYTES = env_bytes("PSRING_RING_PLANE_MIN", 8 << 20)
 #: 4 MiB beat 1 MiB by ~12% at N=4 (fewer thread hand-offs) and matched it at N=2; 8 MiB was worse
 PLANE_PIECE_BYTES = env_bytes("PSRING_RING_PLANE_PIECE", 4 << 20)
 
+#: the largest payload that takes the same-host links (the rest of a message is its header)
+MESH_MAX_BYTES = 64 << 10
+#: messages that may wait for a collective (or subgroup) this rank has not reached yet
+MESH_EARLY_MAX = 100_000
+
 #: seconds a broken data link waits for the control plane to report the same loss (with its reason)
 PLANE_GRACE = 1.0
 
@@ -80,6 +86,12 @@ def plane_possible() -> bool:
     if os.environ.get("PSRING_TLS_CERT") or os.environ.get("PSRING_TLS_CA"):
         return False  # a TLS stream cannot leave its transport
     return checksum_from_env() is None
+
+
+def mesh_possible() -> bool:
+    """Whether this process offers same-host Unix links (PSRING_SAME_HOST, no per-frame checksums:
+    a user who asked for them gets them on every byte)."""
+    return same_host_from_env() and checksum_from_env() is None and host_key() is not None
 
 
 def pieces(a: int, b: int, per_piece: int) -> list[tuple[int, int]]:
@@ -116,6 +128,12 @@ class PeerNet:
         if world_size > 1 and plane_possible():
             self.plane = DataPlane(rank, world_size)
             self.plane.recv_ready = asyncio.Event()
+        #: same-host Unix links for small messages (psring.unixnet), when every rank can use them
+        self.mesh: UnixMesh | None = None
+        self.mesh_peers: dict[int, dict[str, Any]] = {}
+        self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
+        if world_size > 1 and mesh_possible():
+            self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
 
     def hello(self) -> dict[str, Any]:
         return {"role": "rank", "rank": self.rank, "job": self.settings.job}
@@ -131,6 +149,14 @@ class PeerNet:
         await self.listener.start(self.settings.bind_host, self.settings.port)
         offer = self.plane_offer if self.plane is not None else -1
         await self.store.set(f"{self.prefix}/plane/{self.rank}", str(offer).encode())
+        unix = b"-"
+        if self.mesh is not None:
+            try:
+                unix = msgpack.packb(self.mesh.bind())
+            except OSError as exc:
+                logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
+                self.mesh = None
+        await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
 
@@ -165,6 +191,59 @@ class PeerNet:
                 self.plane = None
             else:  # the same threshold on every rank, or they would take different paths
                 self.plane_min = max(offers)
+        if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
+            peers: dict[int, dict[str, Any]] = {}
+            for r in range(self.world_size):
+                raw = await self.store.get(f"{self.prefix}/unix/{r}")
+                try:
+                    info = msgpack.unpackb(raw) if raw and raw != b"-" else None
+                except Exception:
+                    info = None
+                if isinstance(info, dict) and info.get("key") == host_key():
+                    peers[r] = info
+            if len(peers) == self.world_size:
+                self.mesh_peers = {r: info for r, info in peers.items() if r != self.rank}
+            else:
+                others = sorted(set(range(self.world_size)) - set(peers))
+                logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
+                self.mesh.close()
+                self.mesh = None
+
+    async def open_mesh(self, timeout: float) -> None:
+        """Open the same-host links to every other rank (each checked by its pid)."""
+        assert self.mesh is not None
+        await self.mesh.connect(self.mesh_peers, timeout)
+
+    def _on_mesh_message(self, peer: int, head: tuple[Any, ...], payload: memoryview) -> None:
+        gid = head[0]
+        group = self.groups.get(gid)
+        if group is not None:
+            group.on_mesh(peer, head[1], head[2], head[3], payload)
+            return
+        orphans = self._mesh_orphans.setdefault(gid, [])  # its subgroup is not made here yet
+        if len(orphans) >= MESH_EARLY_MAX:
+            raise ProtocolError(f"over {MESH_EARLY_MAX} messages for subgroup {gid!r}, which this rank never made")
+        orphans.append((peer, head, bytes(payload)))
+
+    def _on_mesh_closed(self, peer: int, error: BaseException | None) -> None:
+        """A same-host link ended. Everything the peer sent before it has been read, so a
+        collective still waiting on the peer will not get its data. The control link usually
+        says why (a goodbye, a crash) at once; if it has not after PLANE_GRACE, report this."""
+
+        def check() -> None:
+            if self._closing:
+                return
+            gone = self.lost.get(peer)
+            if gone is None:
+                how = f"broke: {error}" if error is not None else "closed"
+                self._peer_lost(peer, PeerLostError(f"the same-host link from rank {peer} {how}", rank=peer))
+                return
+            for group in list(self.groups.values()):
+                if peer in group.members:
+                    group.on_mesh_closed(group.members.index(peer), gone)
+
+        if not self._closing:
+            asyncio.get_running_loop().call_later(0 if peer in self.lost else PLANE_GRACE, check)
 
     async def open_plane(self, timeout: float) -> None:
         """Dial the data link to the right neighbour, wait for the left's, start the threads."""
@@ -360,6 +439,8 @@ class PeerNet:
         await asyncio.gather(*(c.close(farewell=goodbye) for c in conns), return_exceptions=True)
         if self.plane is not None:
             self.plane.close()
+        if self.mesh is not None:
+            self.mesh.close()
         if self.listener is not None:
             await self.listener.close()
         with contextlib.suppress(Exception):
@@ -369,9 +450,12 @@ class PeerNet:
 
     def stats(self) -> dict[str, int]:
         plane = self.plane
+        mesh_sent, mesh_received = self.mesh.stats() if self.mesh is not None else (0, 0)
         return {
-            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()) + (plane.bytes_sent if plane else 0),
-            "bytes_received": sum(c.bytes_received for c in self._all_conns()) + (plane.bytes_received if plane else 0),
+            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()) + (plane.bytes_sent if plane else 0) + mesh_sent,
+            "bytes_received": sum(c.bytes_received for c in self._all_conns())
+            + (plane.bytes_received if plane else 0)
+            + mesh_received,
         }
 
     def _all_conns(self) -> list[Connection]:
@@ -391,7 +475,14 @@ class RingGroup(Group):
         self.net = net
         self.members = members
         self._owns_resources = gid == "0"
+        self._local = {g: r for r, g in enumerate(members)}
+        self._everyone = list(range(world_size))
+        #: receives posted on the same-host links, by (seq, phase); and messages that came first
+        self._mesh_slots: dict[tuple[int, int], _MeshSlot] = {}
+        self._mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
         net.groups[gid] = self
+        for peer, head, payload in net._mesh_orphans.pop(gid, ()):
+            self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
 
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> RingGroup:
@@ -413,6 +504,8 @@ class RingGroup(Group):
                 await net.link((rank + 1) % world, settings.timeout)
             if net.plane is not None:
                 await net.open_plane(settings.timeout)
+            if net.mesh is not None:
+                await net.open_mesh(settings.timeout)
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group
@@ -495,6 +588,180 @@ class RingGroup(Group):
 
         return callback
 
+    # ---------------------------------------------------------- same-host links
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        # The latency path: a small, contiguous numpy array between ranks of one host goes
+        # straight to the same-host exchange, past the generic staging and dispatch. The same
+        # checks hold (the pair (op, dtype) was validated once); the same bits come out.
+        if (
+            compression is None
+            and self.net.mesh is not None
+            and type(x) is np.ndarray
+            and x.nbytes <= SMALL_BYTES
+            and x.flags.c_contiguous
+            and (op, x.dtype) in _VALID_OPS
+        ):
+            coll = self._begin("all_reduce", x, op)
+            out = await self._run(coll, self._mesh_all_reduce(coll, x.reshape(-1), op))
+            return out.reshape(x.shape)
+        out = await super().all_reduce(x, op, compression)
+        if type(x) is np.ndarray:
+            _VALID_OPS.add((op, x.dtype))  # it passed the checks: next time take the short way
+        return out
+
+    async def _mesh_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        if n_ranks >= ROOTED_SMALL_MIN:
+            root = coll.seq % n_ranks
+            if me == root:
+                bufs = np.empty((n_ranks, x.size), x.dtype)
+                bufs[me] = x
+                await self._mesh_exchange(coll, None, _DIRECT, bufs, self._everyone, [], _DIRECT)
+                out = canonical_fold(bufs, op, np.empty_like(x))
+                await self._mesh_exchange(coll, out, _RESULT, None, [], self._everyone, _RESULT)
+                return out
+            out = np.empty_like(x)
+            coll.report_grace = ROOT_REPORT_GRACE  # a silent rank is the root's to name
+            await self._mesh_exchange(coll, x, _DIRECT, {root: out}, [root], [root], _RESULT)
+            return out
+        bufs = np.empty((n_ranks, x.size), x.dtype)
+        bufs[me] = x
+        await self._mesh_exchange(coll, x, _DIRECT, bufs, self._everyone, self._everyone, _DIRECT)
+        return canonical_fold(bufs, op, np.empty_like(x))
+
+    def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
+        """A message from a same-host link (psring.unixnet): into its posted receive, or kept."""
+        src = self._local.get(peer)
+        if src is None:
+            return  # not a member of this group: nothing of ours
+        slot = self._mesh_slots.get((seq, phase))
+        if slot is not None:
+            self._mesh_deliver(slot, src, call, payload)
+            return
+        coll = self._active.get(seq)
+        if coll is None:
+            if seq < self._seq:
+                return  # a collective this rank finished or gave up on: a leftover
+        elif call != coll.desc:  # a different call (whose messages this one will never ask for)
+            if not coll.done.done():
+                self._abort_everywhere(coll, self._mismatch_error(coll, src, call), "mismatch")
+            return
+        early = self._mesh_early
+        if len(early) >= MESH_EARLY_MAX:
+            early.pop(next(iter(early)))
+            logger.warning(
+                "%r: over %d same-host messages ahead of this rank; dropped the oldest", self, MESH_EARLY_MAX
+            )
+        early[(seq, phase, src)] = (call, bytes(payload))
+
+    def _mesh_deliver(self, slot: _MeshSlot, src: int, call: tuple[Any, ...], payload: Any) -> None:
+        coll = slot.coll
+        if coll.done.done():
+            return
+        if call != coll.desc:
+            self._abort_everywhere(coll, self._mismatch_error(coll, src, call), "mismatch")
+            return
+        expect = slot.expect
+        if src not in expect:
+            coll.fail(ProtocolError(f"rank {src} sent {coll.label} twice, or was not asked to"))
+            return
+        row = slot.row
+        if len(payload) != row:
+            coll.fail(ProtocolError(f"rank {src} sent {len(payload)} bytes for {coll.label}, expected {row}"))
+            return
+        if row:
+            at = slot.at if slot.at >= 0 else src * row
+            slot.dest[at : at + row] = payload
+        expect.discard(src)
+        if expect:
+            coll.waiting_on.discard(src)
+        else:
+            coll.waiting_on.clear()  # every message is in: a peer leaving now costs nothing
+            if not slot.done.done():
+                slot.done.set_result(None)
+
+    def on_mesh_closed(self, local_rank: int, gone: PeerLostError) -> None:
+        """A departed peer's same-host link ended: a receive still waiting on it will not get it."""
+        for slot in list(self._mesh_slots.values()):
+            if local_rank in slot.expect:
+                coll = slot.coll
+                coll.fail(PeerLostError(f"{gone} (while {coll.label} was pending on rank {self.rank})", rank=gone.rank))
+
+    def _end(self, coll: Collective) -> None:
+        super()._end(coll)
+        if self._mesh_early:
+            self._forget_early(coll.seq)
+
+    def on_abort(self, seq: int, reason: str, message: str, missing: Any = ()) -> None:
+        super().on_abort(seq, reason, message, missing)
+        if self._mesh_early:
+            self._forget_early(seq)
+
+    def _check_early(self, coll: Collective) -> None:
+        """Messages that came before this rank began ``coll``, for a phase it will not ask
+        for, are another call's: a mismatch to name now, not a receive to wait on forever."""
+        for (seq, _phase, src), (call, _payload) in list(self._mesh_early.items()):
+            if seq == coll.seq and call != coll.desc and not coll.done.done():
+                self._abort_everywhere(coll, self._mismatch_error(coll, src, call), "mismatch")
+                return
+
+    def _forget_early(self, seq: int) -> None:
+        for key in [k for k in self._mesh_early if k[0] == seq]:
+            del self._mesh_early[key]
+
+    async def _mesh_exchange(
+        self,
+        coll: Collective,
+        x: np.ndarray | None,
+        phase: int,
+        out: Any,
+        senders: list[int],
+        receivers: list[int],
+        recv_phase: int,
+    ) -> None:
+        """_direct_exchange over the same-host links: one message per receiver, one per sender.
+
+        ``out`` is None (no payloads), an array with one row per rank, or {src: array}."""
+        me, seq, mesh = self.rank, coll.seq, self.net.mesh
+        assert mesh is not None
+        slot: _MeshSlot | None = None
+        if len(senders) > (me in senders):
+            expect = set(senders)
+            expect.discard(me)
+            if out is None:
+                dest, row, at = None, 0, 0
+            elif isinstance(out, dict):
+                (target,) = out.values()
+                dest, row, at = byte_view(target), target.nbytes, 0
+            else:
+                dest, row, at = byte_view(out), out.nbytes // len(out), -1
+            slot = _MeshSlot(coll, dest, row, at, expect, coll.done.get_loop().create_future())
+            self._mesh_slots[(seq, recv_phase)] = slot
+            coll.waiting_on = set(expect)
+            coll.data_elsewhere = True  # a goodbye on the control link may overtake our messages
+            if self._mesh_early:
+                for src in list(expect):
+                    item = self._mesh_early.pop((seq, recv_phase, src), None)
+                    if item is not None:
+                        self._mesh_deliver(slot, src, *item)
+        if self._mesh_early:
+            self._check_early(coll)
+        try:
+            if len(receivers) > (me in receivers):
+                payload = byte_view(x) if x is not None and x.nbytes else None
+                msg = wire.encode_message((self.gid, seq, phase, coll.desc), payload)
+                members, send = self.members, mesh.send
+                for d in receivers:
+                    if d != me:
+                        send(members[d], msg)
+            if slot is not None:
+                await slot.done
+        finally:
+            if slot is not None:
+                del self._mesh_slots[(seq, recv_phase)]
+        if mesh.backlog:
+            await mesh.drain()
+
     async def _direct_exchange(
         self,
         coll: Collective,
@@ -513,6 +780,8 @@ class RingGroup(Group):
         """
         me, gid, seq = self.rank, self.gid, coll.seq
         recv_phase = phase if recv_phase is None else recv_phase
+        if self.net.mesh is not None and _call_bytes(coll.desc) <= MESH_MAX_BYTES:  # alike on every rank
+            return await self._mesh_exchange(coll, x, phase, out, senders, receivers, recv_phase)
         expect = [s for s in senders if s != me]
         left = len(expect)
         done: asyncio.Future[None] | None = None
@@ -818,7 +1087,7 @@ class RingGroup(Group):
             if me == src:
                 await self._direct_exchange(coll, x, _BCAST, None, [], list(range(n_ranks)))
             else:
-                await self._recv_into(coll, (self.gid, coll.seq, _BCAST, src), out, src)
+                await self._direct_exchange(coll, None, _BCAST, {src: out}, [src], [])
             return out
         # pipelined chain src -> src+1 -> ... -> src-1
         right_rank = (me + 1) % n_ranks
@@ -960,6 +1229,35 @@ class RingGroup(Group):
         conn = await self._link(dst)
         conn.send_tensor({"kind": "data", "tag": (self.gid, "p2p", self.rank, n), "dev": device}, x)
         await conn.flush()
+
+
+def _call_bytes(desc: tuple[Any, ...]) -> int:
+    """The size of a collective's input, from its descriptor (the same on every rank)."""
+    dtype, shape = desc[1], desc[2]
+    if dtype is None:
+        return 0
+    return prod(shape) * DTYPES[dtype].itemsize
+
+
+#: (op, dtype) pairs that passed Group.all_reduce's checks (a valid op for a supported dtype)
+_VALID_OPS: set[tuple[str, np.dtype]] = set()
+
+
+class _MeshSlot:
+    """A receive posted on the same-host links: the ranks still to hear from, and where their
+    payloads go (``row`` bytes each, at ``at`` in ``dest``, or at src * row when ``at`` is -1)."""
+
+    __slots__ = ("at", "coll", "dest", "done", "expect", "row")
+
+    def __init__(
+        self, coll: Collective, dest: Any, row: int, at: int, expect: set[int], done: asyncio.Future[None]
+    ) -> None:
+        self.coll = coll
+        self.dest = dest
+        self.row = row
+        self.at = at
+        self.expect = expect
+        self.done = done
 
 
 def _same_memory(payload: Any, out: np.ndarray) -> bool:

@@ -246,3 +246,47 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
     if len(payload) != header["nbytes"]:
         raise ProtocolError(f"truncated frame: header says nbytes={header['nbytes']}, {len(payload)} bytes follow")
     return header, payload
+
+
+# ----------------------------------------------------------------- messages
+#: a message is one frame held whole in one datagram-like unit (psring.unixnet): a 2-byte
+#: header length, a msgpack array header (gid, seq, phase, call), then the payload bytes.
+#: The payload's size is the message's rest; the receiver checks it against the call
+#: descriptor (kind, dtype, shape, op, root) it expects, which names dtype and shape.
+MESSAGE_MAX_HEADER = 4096
+
+
+def encode_message(head: tuple[Any, ...], payload: Any = None) -> bytes:
+    """One message: header length, msgpack header, payload (one copy of the payload)."""
+    packed = msgpack.packb(head, use_bin_type=True)
+    if len(packed) > MESSAGE_MAX_HEADER:
+        raise ProtocolError(f"message header of {len(packed)} bytes is over the {MESSAGE_MAX_HEADER}-byte limit")
+    prefix = len(packed).to_bytes(2, "little")
+    if payload is None:
+        return prefix + packed
+    return b"".join((prefix, packed, payload))
+
+
+def decode_message(msg: memoryview) -> tuple[tuple[str, int, int, tuple[Any, ...]], memoryview]:
+    """Split and validate a message: ((gid, seq, phase, call), payload view into msg)."""
+    if len(msg) < 2:
+        raise ProtocolError(f"message of {len(msg)} bytes is shorter than its 2-byte header length")
+    hlen = msg[0] | (msg[1] << 8)
+    if hlen > MESSAGE_MAX_HEADER or 2 + hlen > len(msg):
+        raise ProtocolError(f"message header length {hlen} does not fit a {len(msg)}-byte message")
+    try:
+        head = msgpack.unpackb(msg[2 : 2 + hlen], raw=False, use_list=False, strict_map_key=True)
+    except Exception as exc:
+        raise ProtocolError(f"message header is not valid msgpack: {exc}") from exc
+    if not (
+        type(head) is tuple
+        and len(head) == 4
+        and type(head[0]) is str
+        and type(head[1]) is int
+        and head[1] >= 0
+        and type(head[2]) is int
+        and type(head[3]) is tuple
+        and len(head[3]) == 5
+    ):
+        raise ProtocolError(f"message header {str(head)[:80]} is not (gid, seq, phase, call descriptor)")
+    return head, msg[2 + hlen :]

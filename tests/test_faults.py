@@ -287,20 +287,26 @@ async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decode
 
 
 def _frames_sent(g: psring.Group) -> int:
-    return sum(c.frames_sent for c in g.net._all_conns())  # type: ignore[attr-defined]
+    """Frames on TCP links plus messages on same-host Unix links."""
+    net = g.net  # type: ignore[attr-defined]
+    unix = sum(link.frames_sent for link in net.mesh.links.values()) if net.mesh is not None else 0
+    return sum(c.frames_sent for c in net._all_conns()) + unix
 
 
+@pytest.mark.parametrize("same_host", ["auto", "off"])
 @pytest.mark.parametrize("world", [3, 4, 5])
-async def test_small_ring_all_reduce_goes_through_a_rotating_root(make_groups, world: int) -> None:
+async def test_small_ring_all_reduce_goes_through_a_rotating_root(
+    make_groups, monkeypatch, world: int, same_host: str
+) -> None:
     """From 3 ranks a small all_reduce is folded by one root (seq % N) and sent back: 2(N-1)
-    frames instead of N(N-1), the same canonical bits, and the root names a mismatch anywhere."""
+    frames instead of N(N-1), the same canonical bits, and the root names a mismatch anywhere;
+    over same-host Unix links (auto) and over TCP (off) alike."""
     from psring.group import canonical_fold
 
-    os.environ["PSRING_HEARTBEAT_INTERVAL"] = "60"  # no heartbeat frames in the count
-    try:
-        groups = await make_groups(world)
-    finally:
-        del os.environ["PSRING_HEARTBEAT_INTERVAL"]
+    monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat frames in the count
+    monkeypatch.setenv("PSRING_SAME_HOST", same_host)
+    groups = await make_groups(world)
+    assert all((g.net.mesh is not None) == (same_host == "auto") for g in groups)  # type: ignore[attr-defined]
     rng = np.random.default_rng(world)
     for _ in range(world):  # every link is up (its handshake frames are not the collective's)
         await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))

@@ -196,3 +196,15 @@ def test_frame_limit_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSRING_MAX_FRAME", "lots")
     with pytest.raises(ValueError, match="PSRING_MAX_FRAME='lots' is not an integer"):
         wire.Limits.from_env()
+
+
+def test_message_header_is_validated() -> None:
+    msg = wire.encode_message(("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None)), b"12345678")
+    head, payload = wire.decode_message(memoryview(msg))
+    assert head == ("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None)) and bytes(payload) == b"12345678"
+    for bad in (b"", b"\x01", b"\xff\x0fxx", b"\x03\x00\xc1\xc1\xc1", b"\x02\x00\x92\x01"):
+        with pytest.raises(ProtocolError):
+            wire.decode_message(memoryview(bad))
+    packed = msgpack.packb(("0", -1, 0, ("barrier", None, None, None, None)))
+    with pytest.raises(ProtocolError, match="gid, seq, phase"):
+        wire.decode_message(memoryview(len(packed).to_bytes(2, "little") + packed))
