@@ -269,6 +269,7 @@ class Group(abc.ABC):
         self._p2p_sent: dict[int, int] = {}
         self._p2p_recv: dict[int, int] = {}
         self._active: dict[int, Collective] = {}
+        self._reserved: set[int] = set()  # numbers taken for collectives not begun yet
         self._aborted: dict[int, PsringError] = {}
         self._broken: PsringError | None = None
         self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
@@ -326,7 +327,8 @@ class Group(abc.ABC):
 
     def stopped_at(self) -> int:
         """The first collective seq this rank has not finished (told to peers when it leaves)."""
-        return min(self._active, default=self._seq)
+        first = min(self._active, default=self._seq)
+        return min(first, min(self._reserved)) if self._reserved else first
 
     def _begin(
         self,
@@ -343,6 +345,7 @@ class Group(abc.ABC):
             seq = self._seq
             self._seq += 1
         else:
+            self._reserved.discard(seq)
             self._check_usable(seq=seq)
         dtype = dtype_name(x.dtype) if x is not None else None
         shape = tuple(x.shape) if x is not None else None
@@ -547,9 +550,11 @@ class Group(abc.ABC):
             agree = self._begin("all_reduce", amax, "max")
             seq = self._seq  # reserved now, so concurrent calls take the same numbers on every rank
             self._seq += 1
+            self._reserved.add(seq)
             try:
                 amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
             except BaseException:
+                self._reserved.discard(seq)
                 if self._seq == seq + 1:  # give the number back: ranks that made a plain call never took it
                     self._seq = seq
                 raise

@@ -290,19 +290,19 @@ class UnixMesh:
             self._drained.set_result(None)
 
     # -------------------------------------------------------------- receiving
-    def _readable(self, link: UnixLink) -> None:
+    def _readable(self, link: UnixLink) -> bool:
         # One message per call: the loop calls again while more are queued (level-triggered),
         # which costs less than the failing recv that ends a drain-everything loop.
         try:
             n = link.sock.recv_into(self._buf)
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         except OSError as exc:
             self._ended(link, exc)
-            return
+            return False
         if n == 0:  # messages are never empty: this is the end
             self._ended(link, None)
-            return
+            return False
         link.bytes_received += n
         try:
             if n > MAX_MESSAGE:
@@ -311,6 +311,18 @@ class UnixMesh:
             self.on_message(link.peer, head, payload)
         except ProtocolError as exc:
             self._ended(link, ProtocolError(f"rank {link.peer} sent a bad same-host message: {exc}"))
+        return True
+
+    def poll(self, peers: list[int]) -> bool:
+        """Take at most one waiting message from each of these peers' links, without blocking;
+        True if any came."""
+        got = False
+        links = self.links
+        for peer in peers:
+            link = links[peer]
+            if not link.closed and self._readable(link):
+                got = True
+        return got
 
     # ---------------------------------------------------------------- endings
     def _ended(self, link: UnixLink, error: BaseException | None) -> None:

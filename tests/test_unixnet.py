@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -214,3 +215,45 @@ async def test_a_stranger_cannot_pose_as_a_rank(caplog) -> None:
             stranger.stdout.close()
         m0.close()
         m1.close()
+
+
+SPIN_JOB = """
+import numpy as np, psring
+from psring.group import canonical_fold
+from psring.ring import PeerNet
+g = psring.init()
+n, net = g.world_size, g._group.net
+assert PeerNet.live == 1 and net.mesh is not None, (PeerNet.live, net.mesh)
+for i in range(300):
+    xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 50).astype(np.float32) for r in range(n)]
+    if i % 4 == 3:  # two collectives, the second's number taken before the first runs
+        y = g.all_reduce(xs[g.rank], compression="fp16")
+        assert np.allclose(y, sum(xs), rtol=1e-2, atol=1e-2), i
+        continue
+    y = g.all_reduce(xs[g.rank], "max" if i % 3 == 0 else "sum")
+    ref = canonical_fold(xs, "max" if i % 3 == 0 else "sum", np.empty_like(xs[0]))
+    assert y.tobytes() == ref.tobytes(), i
+g.barrier()
+print("ok", net.mesh.stats()[0] > 0, flush=True)
+g.close()
+"""
+
+
+@pytest.mark.parametrize("spin_us", ["0", "2000"])
+async def test_one_rank_per_process_polls_before_it_sleeps(tmp_path, spin_us: str) -> None:
+    """With one rank per process a rank polls its links (PSRING_SPIN_US) before sleeping: the
+    same bits either way, a long spin included. fp16 calls are in the mix: their messages come
+    early for a number already reserved, and must be kept (a spin once made that a hang)."""
+    script = tmp_path / "job.py"
+    script.write_text(SPIN_JOB)
+    env = {**os.environ, "PSRING_SPIN_US": spin_us, "PSRING_TIMEOUT": "20"}  # a hang fails, not waits
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "psring", "launch", "-n", "3", "--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert all(f"[rank {r}] ok True" in proc.stdout for r in range(3)), proc.stdout
