@@ -204,13 +204,14 @@ class PeerNet:
                 self.plane_min = max(offers)
         if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
             peers: dict[int, dict[str, Any]] = {}
+            mine = host_key()
             for r in range(self.world_size):
                 raw = await self.store.get(f"{self.prefix}/unix/{r}")
                 try:
                     info = msgpack.unpackb(raw) if raw and raw != b"-" else None
                 except Exception:
                     info = None
-                if isinstance(info, dict) and info.get("key") == host_key():
+                if isinstance(info, dict) and info.get("key") == mine:
                     peers[r] = info
             if len(peers) == self.world_size:
                 self.mesh_peers = {r: info for r, info in peers.items() if r != self.rank}
@@ -490,7 +491,6 @@ class RingGroup(Group):
         self.members = members
         self._owns_resources = gid == "0"
         self._local = {g: r for r, g in enumerate(members)}
-        self._everyone = list(range(world_size))
         #: receives posted on the same-host links, by (seq, phase); and messages that came first
         self._mesh_slots: dict[tuple[int, int], _MeshSlot] = {}
         self._mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
@@ -605,7 +605,7 @@ class RingGroup(Group):
     # ---------------------------------------------------------- same-host links
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
         # The latency path: a small, contiguous numpy array between ranks of one host goes
-        # straight to the same-host exchange, past the generic staging and dispatch. The same
+        # straight to the one-hop exchange, past the generic staging and dispatch. The same
         # checks hold (the pair (op, dtype) was validated once); the same bits come out.
         if (
             compression is None
@@ -616,32 +616,12 @@ class RingGroup(Group):
             and (op, x.dtype) in _VALID_OPS
         ):
             coll = self._begin("all_reduce", x, op)
-            out = await self._run(coll, self._mesh_all_reduce(coll, x.reshape(-1), op))
+            out = await self._run(coll, self._gather_and_fold(coll, x.reshape(-1), op))
             return out.reshape(x.shape)
         out = await super().all_reduce(x, op, compression)
         if type(x) is np.ndarray:
             _VALID_OPS.add((op, x.dtype))  # it passed the checks: next time take the short way
         return out
-
-    async def _mesh_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        n_ranks, me = self.world_size, self.rank
-        if n_ranks >= ROOTED_SMALL_MIN:
-            root = coll.seq % n_ranks
-            if me == root:
-                bufs = np.empty((n_ranks, x.size), x.dtype)
-                bufs[me] = x
-                await self._mesh_exchange(coll, None, _DIRECT, bufs, self._everyone, [], _DIRECT)
-                out = canonical_fold(bufs, op, np.empty_like(x))
-                await self._mesh_exchange(coll, out, _RESULT, None, [], self._everyone, _RESULT)
-                return out
-            out = np.empty_like(x)
-            coll.report_grace = ROOT_REPORT_GRACE  # a silent rank is the root's to name
-            await self._mesh_exchange(coll, x, _DIRECT, {root: out}, [root], [root], _RESULT)
-            return out
-        bufs = np.empty((n_ranks, x.size), x.dtype)
-        bufs[me] = x
-        await self._mesh_exchange(coll, x, _DIRECT, bufs, self._everyone, self._everyone, _DIRECT)
-        return canonical_fold(bufs, op, np.empty_like(x))
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
         """A message from a same-host link (psring.unixnet): into its posted receive, or kept."""
