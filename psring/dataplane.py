@@ -19,6 +19,15 @@ payload. Index 0 of every job is the call descriptor (msgpack), compared with th
 receiver's own: ranks that called different things get a ``MismatchError``, not
 misread bytes. The order of the other frames follows from the ring algorithm, so
 a frame out of place is a protocol error.
+
+When both neighbours are on one host (the ring agreed on same-host links), a link's
+payloads go through a shared-memory segment instead (:class:`ShmSegment`): ``slots``
+buffers of a piece each, written by the left rank, read in place by the right one.
+Only the header crosses the socket (with magic ``SHM_MAGIC``: the payload is in the
+next slot, slots being used in turn), and the receiver hands a slot back by writing one
+byte the other way on the same socket. The right rank folds straight out of the slot
+into its result, so a piece costs one copy into the slot and one pass of the fold,
+instead of the kernel copying it twice through loopback.
 """
 
 from __future__ import annotations
@@ -26,7 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
+import os
 import queue
+import secrets
+import select
 import socket
 import struct
 import threading
@@ -41,6 +54,9 @@ from .arrays import byte_view, result_empty
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x31445350  # b"PSD1"
+SHM_MAGIC = 0x31485350  # b"PSH1": the payload is in the link's next shared-memory slot
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "psring-plane-"
 HEADER = struct.Struct("<IIQQ")  # magic, index, seq, nbytes
 POLL = 0.1  # how often a blocked thread looks whether its job was abandoned
 SMALL_SEND = 64 << 10  # header and payload up to this size leave in one syscall
@@ -69,6 +85,69 @@ class PlaneMismatch(Exception):
 
 class _Abandoned(Exception):
     pass
+
+
+class ShmSegment:
+    """A link's shared memory: ``slots`` buffers of ``slot_bytes``, in a file under /dev/shm that
+    lives only until the receiver has mapped it (the sender then unlinks it)."""
+
+    def __init__(self, path: str, fd: int, slots: int, slot_bytes: int, writable: bool) -> None:
+        self.path: str | None = path
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        try:
+            self.mm = mmap.mmap(fd, slots * slot_bytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, np.uint8)
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> ShmSegment:
+        """A new segment for the sender (OSError where /dev/shm cannot hold it)."""
+        slot_bytes = -(-slot_bytes // 4096) * 4096  # page-aligned slots: any dtype view is aligned
+        path = os.path.join(SHM_DIR, SHM_PREFIX + secrets.token_hex(8))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # reserve the pages now: a full tmpfs fails here, not with SIGBUS at the first write
+            os.posix_fallocate(fd, 0, slots * slot_bytes)
+            return cls(path, fd, slots, slot_bytes, writable=True)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, path: str, slots: int, slot_bytes: int) -> ShmSegment:
+        """The receiver's read-only view of its left neighbour's segment (OSError, ValueError)."""
+        name = os.path.basename(path)
+        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or slots < 1 or slot_bytes < 1:
+            raise ValueError(f"not a data plane segment: {path!r} ({slots} x {slot_bytes} bytes)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != slots * slot_bytes:
+                raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, not {slots} x {slot_bytes}")
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = cls(path, fd, slots, slot_bytes, writable=False)
+        segment.path = None  # the sender unlinks it
+        return segment
+
+    def slot(self, k: int, nbytes: int) -> np.ndarray:
+        start = (k % self.slots) * self.slot_bytes
+        return self.array[start : start + nbytes]
+
+    def unlink(self) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        self.unlink()
+        self.array = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):  # a view still held somewhere: the mapping goes with it
+            self.mm.close()
 
 
 class Job:
@@ -149,13 +228,17 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 class _Reader:
     """Buffered frame reader on the receiving socket; survives abandoned jobs mid-frame."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, shm: ShmSegment | None = None) -> None:
         self.sock = sock
         self.buf = bytearray(1 << 16)
         self.view = memoryview(self.buf)
         self.start = self.end = 0
         self.skip = 0  # payload bytes of an abandoned frame still to drop
         self.bytes_received = 0
+        self.credits_sent = 0  # bytes written back: one per slot handed back
+        self.shm = shm
+        self.in_slot = False  # the current frame's payload is in the next shared-memory slot
+        self.slots_read = 0  # slots taken so far (slots are used in turn)
 
     def _recv(self, dest: memoryview, job: Job) -> int:
         while True:
@@ -194,12 +277,36 @@ class _Reader:
             while self.end - self.start < HEADER.size:
                 self._fill(job)
             magic, index, seq, nbytes = HEADER.unpack_from(self.buf, self.start)
-            if magic != MAGIC:
+            if magic == SHM_MAGIC and self.shm is not None and nbytes <= self.shm.slot_bytes:
+                self.in_slot = True
+            elif magic == MAGIC:
+                self.in_slot = False
+            else:
                 raise PlaneLinkError(f"the data link from the left sent a bad frame (magic {magic:#x})", "recv")
             if seq >= job.seq:
                 return index, seq, nbytes
             self.start += HEADER.size  # a frame of a collective this rank abandoned
-            self.skip = nbytes
+            if self.in_slot:
+                self.release(nbytes)
+            else:
+                self.skip = nbytes
+
+    def take_slot(self, nbytes: int) -> np.ndarray:
+        """Consume the current header; its payload, in place in the shared segment (read-only).
+        Hand it back with ``release`` once read."""
+        assert self.shm is not None and self.in_slot
+        self.start += HEADER.size
+        return self.shm.slot(self.slots_read, nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """The current slot is read: the left neighbour may write it again."""
+        self.slots_read += 1
+        self.bytes_received += nbytes
+        try:
+            self.sock.sendall(b"\x01")
+            self.credits_sent += 1
+        except OSError:
+            pass  # the left neighbour sent all it had and left: it needs no slot back
 
     def payload(self, job: Job, dest: memoryview) -> None:
         """Consume the current header and read its payload into dest."""
@@ -230,13 +337,27 @@ class DataPlane:
         self._recv_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._reader: _Reader | None = None
-        self.bytes_sent = 0
+        self._bytes_sent = 0
         self.closed = False
         self.stop = threading.Event()
+        #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
+        self.shm_out: ShmSegment | None = None
+        self.shm_in: ShmSegment | None = None
+        self._slots_sent = 0  # slots written to the right
+        self._slots_back = 0  # slots the right neighbour has handed back
+        self.shm_bytes_sent = 0
 
     @property
     def bytes_received(self) -> int:
-        return self._reader.bytes_received if self._reader is not None else 0
+        """Bytes from the left (frames on the socket, payloads in its shared slots), and the
+        slot hand-backs from the right (one byte each)."""
+        return (self._reader.bytes_received if self._reader is not None else 0) + self._slots_back
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes to the right (frames on the socket, payloads in its shared slots), and the
+        slot hand-backs to the left."""
+        return self._bytes_sent + (self._reader.credits_sent if self._reader is not None else 0)
 
     @property
     def ready(self) -> bool:
@@ -252,9 +373,14 @@ class DataPlane:
         self.send_sock = sock
         sock.settimeout(None)
 
+    def use_shm(self, out: ShmSegment | None, into: ShmSegment | None) -> None:
+        """Payloads to the right go through ``out``, those from the left come in ``into``
+        (either may be None: that link carries its payloads on the socket). Before ``start``."""
+        self.shm_out, self.shm_in = out, into
+
     def start(self) -> None:
         assert self.send_sock is not None and self.recv_sock is not None
-        self._reader = _Reader(self.recv_sock)
+        self._reader = _Reader(self.recv_sock, self.shm_in)
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(target=target, name=f"psring-rank{self.rank}-{name}", daemon=True)
             t.start()
@@ -328,14 +454,17 @@ class DataPlane:
                     job.ready(*needs)
                 if payload is None:
                     sock.sendall(header)
-                    self.bytes_sent += len(header)
+                    self._bytes_sent += len(header)
+                elif self.shm_out is not None and payload.nbytes <= self.shm_out.slot_bytes:
+                    if not self._send_slot(job, header, payload):
+                        return True
                 elif payload.nbytes <= SMALL_SEND:
                     sock.sendall(header + payload)
-                    self.bytes_sent += len(header) + payload.nbytes
+                    self._bytes_sent += len(header) + payload.nbytes
                 else:
                     sock.sendall(header)
                     sock.sendall(payload)
-                    self.bytes_sent += len(header) + payload.nbytes
+                    self._bytes_sent += len(header) + payload.nbytes
                 sent += 1
         except OSError as exc:
             if self.closed:
@@ -343,6 +472,28 @@ class DataPlane:
             job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
             return True
         job.part_done()
+        return True
+
+    def _send_slot(self, job: Job, header: bytes, payload: memoryview) -> bool:
+        """Write a payload into the next free slot and send its header; False if the job was
+        abandoned while every slot was taken."""
+        shm, sock = self.shm_out, self.send_sock
+        assert shm is not None and sock is not None
+        while self._slots_sent - self._slots_back >= shm.slots:
+            ready, _, _ = select.select([sock], [], [], POLL)
+            if not ready:
+                if job.gone():
+                    return False
+                continue
+            back = sock.recv(4096)
+            if not back:
+                raise ConnectionResetError("the right neighbour closed its data link")
+            self._slots_back += len(back)
+        np.copyto(shm.slot(self._slots_sent, payload.nbytes), np.frombuffer(payload, np.uint8))
+        self._slots_sent += 1
+        sock.sendall(HEADER.pack(SHM_MAGIC, *HEADER.unpack(header)[1:]))
+        self._bytes_sent += len(header) + payload.nbytes
+        self.shm_bytes_sent += payload.nbytes
         return True
 
     def _recv_loop(self) -> None:
@@ -408,6 +559,21 @@ class DataPlane:
                     "recv",
                 )
             expect += 1
+            if reader.in_slot:  # fold (or copy) straight out of the shared slot
+                src = reader.take_slot(nbytes).view(dest.dtype)
+                if what <= _FINAL:
+                    if job.ready is not None:
+                        job.ready(a, b)
+                    ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
+                    if what == _FINAL and job.avg:
+                        np.divide(dest, dest.dtype.type(job.avg), out=dest)
+                else:
+                    np.copyto(dest, src)
+                del src
+                reader.release(nbytes)
+                if what != _STORE:
+                    job.forward(view)
+                continue
             reader.payload(job, view)
             if what <= _FINAL:
                 if job.ready is not None:
@@ -448,3 +614,8 @@ class DataPlane:
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
+        for segment in (self.shm_out, self.shm_in):
+            if segment is not None and not any(t.is_alive() for t in self._threads):
+                segment.close()
+            elif segment is not None:
+                segment.unlink()

@@ -31,7 +31,7 @@ from .arrays import DTYPES, byte_view, dtype_name, env_bytes, prod, result_empty
 from .compress import dequantize, fold_fp16, quantize
 from .config import GroupSettings
 from .connection import Connection, Listener, Mailbox, checksum_from_env, open_connection
-from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
+from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch, ShmSegment
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
 from .group import (
     SMALL_BYTES,
@@ -79,6 +79,9 @@ MESH_MAX_BYTES = 64 << 10
 MESH_SPIN_S = env_bytes("PSRING_SPIN_US", 100, "microseconds") / 1e6
 #: messages that may wait for a collective (or subgroup) this rank has not reached yet
 MESH_EARLY_MAX = 100_000
+
+#: shared-memory slots per data link between same-host neighbours (each a plane piece)
+PLANE_SHM_SLOTS = env_bytes("PSRING_RING_SHM_SLOTS", 4, "slots") or 1
 
 #: seconds a broken data link waits for the control plane to report the same loss (with its reason)
 PLANE_GRACE = 1.0
@@ -258,10 +261,20 @@ class PeerNet:
             asyncio.get_running_loop().call_later(0 if peer in self.lost else PLANE_GRACE, check)
 
     async def open_plane(self, timeout: float) -> None:
-        """Dial the data link to the right neighbour, wait for the left's, start the threads."""
+        """Dial the data link to the right neighbour, wait for the left's, start the threads.
+        Between same-host ranks (the mesh was agreed) each link also gets a shared segment."""
         plane = self.plane
         assert plane is not None and plane.recv_ready is not None
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        shm_out: ShmSegment | None = None
+        if self.mesh is not None:
+            try:
+                shm_out = ShmSegment.create(PLANE_SHM_SLOTS, PLANE_PIECE_BYTES)
+            except OSError as exc:
+                logger.info("rank %d: no shared memory for the data link to rank %d (%s)", self.rank, right, exc)
+            plane.shm_out = shm_out  # closed (and unlinked) with the plane, whatever happens next
+            offer = [shm_out.path, shm_out.slots, shm_out.slot_bytes] if shm_out is not None else None
+            await self.store.set(f"{self.prefix}/shm/{self.rank}", msgpack.packb(offer))
         host, port = self.addresses[right]
         conn = await open_connection(
             host,
@@ -282,7 +295,46 @@ class PeerNet:
             raise CollectiveTimeoutError(
                 f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
             ) from None
+        if self.mesh is not None:
+            shm_in = await self._map_left_segment(left, timeout)
+            mapped = shm_out is not None and await self._right_mapped(right, shm_out, timeout)
+            plane.use_shm(shm_out if mapped else None, shm_in)
+            if shm_out is not None:
+                shm_out.unlink()  # both ends have it mapped (or never will): the name is not needed
+                if plane.shm_out is None:
+                    shm_out.close()
         plane.start()
+
+    async def _map_left_segment(self, left: int, timeout: float) -> ShmSegment | None:
+        """Map the segment the left neighbour offered for its link to this rank, and say whether."""
+        key = f"{self.prefix}/shm/{left}"
+        await self._wait_key(key, left, timeout)
+        segment = offer = None
+        try:
+            offer = msgpack.unpackb(await self.store.get(key) or b"\xc0")
+            if offer is not None:
+                path, slots, slot_bytes = offer
+                segment = ShmSegment.open(path, slots, slot_bytes)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.info("rank %d: cannot map rank %d's shared memory (%s): its link stays on TCP", self.rank, left, exc)
+        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(segment and offer[0]))
+        return segment
+
+    async def _right_mapped(self, right: int, segment: ShmSegment, timeout: float) -> bool:
+        """Whether the right neighbour mapped this very segment (its answer names the file)."""
+        key = f"{self.prefix}/shm-ok/{right}"
+        await self._wait_key(key, right, timeout)
+        with contextlib.suppress(Exception):
+            return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == segment.path)
+        return False
+
+    async def _wait_key(self, key: str, rank: int, timeout: float) -> None:
+        try:
+            await self.store.wait([key], timeout)
+        except StoreError:
+            raise CollectiveTimeoutError(
+                f"rank {rank} did not set up its data link within {timeout:g}s", missing=(rank,)
+            ) from None
 
     def _accept_data_link(self, conn: Connection, peer_rank: int) -> None:
         left = (self.rank - 1) % self.world_size

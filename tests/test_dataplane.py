@@ -272,17 +272,17 @@ async def test_a_rank_that_finished_and_left_does_not_fail_a_slower_ranks_plane_
     """The plane's data travels on its own links, so a goodbye on the control connection can
     overtake the last pieces: a slower rank must still finish what the departed rank finished."""
     groups = await make_groups(3)
-    reader = groups[2].net.plane._reader  # type: ignore[attr-defined]
-    real = reader.payload
+    plane = groups[2].net.plane  # type: ignore[attr-defined]
+    real = plane._next
     calls: dict[int, int] = {}
 
-    def slow_last_frame(job, dest):  # runs on rank 2's receive thread
+    def slow_last_frame(job, reader):  # runs on rank 2's receive thread, once per frame
         calls[job.seq] = calls.get(job.seq, 0) + 1
         if calls[job.seq] == len(job.steps) + 1:  # its last frame: the others finish and leave meanwhile
             time.sleep(0.5)
-        return real(job, dest)
+        return real(job, reader)
 
-    reader.payload = slow_last_frame
+    plane._next = slow_last_frame
     rng = np.random.default_rng(11)
     xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(3)]
     slow = asyncio.ensure_future(groups[2].all_reduce(xs[2]))
@@ -293,3 +293,122 @@ async def test_a_rank_that_finished_and_left_does_not_fail_a_slower_ranks_plane_
     assert all(y.tobytes() == ref.tobytes() for y in [*fast, await slow])
     with pytest.raises(psring.PeerLostError, match=r"rank [01]"):
         await groups[2].barrier()
+
+
+def _shm_files() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("psring-plane-"))
+
+
+async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monkeypatch) -> None:
+    """Between same-host ranks the payloads go through shared slots and the sockets carry only
+    headers and slot hand-backs; the bits are those of the TCP links; no segment keeps a name."""
+    bits: dict[str, list[bytes]] = {}
+    world = 3
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(world)]
+    payload = 4 * 2 * (world - 1) / world * xs[0].nbytes - 64  # four ops (chunks differ by an element)
+    for mode in ("auto", "off"):
+        monkeypatch.setenv("PSRING_SAME_HOST", mode)
+        groups = await make_groups(world)
+        planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+        assert all((p.shm_out is not None and p.shm_in is not None) == (mode == "auto") for p in planes), mode
+        assert not _shm_files()  # unlinked once mapped at both ends
+        before = [(p.bytes_sent, p.shm_bytes_sent) for p in planes]
+        bits[mode] = []
+        for op in ("sum", "avg", "max", "prod"):
+            ys = await asyncio.gather(*(g.all_reduce(x, op=op) for g, x in zip(groups, xs, strict=True)))
+            ref = canonical_fold(xs, op, np.empty(BIG, np.float32))
+            assert all(y.tobytes() == ref.tobytes() for y in ys), (mode, op)
+            bits[mode].append(ys[0].tobytes())
+        for p, (sent0, shm0) in zip(planes, before, strict=True):
+            sent, shm = p.bytes_sent - sent0, p.shm_bytes_sent - shm0
+            if mode == "auto":
+                assert shm >= payload and sent - shm < 4096, (sent, shm)  # headers: 24 bytes a piece
+            else:
+                assert shm == 0 and sent >= payload, (sent, shm)
+        for g in groups:
+            await g.close()
+    assert bits["auto"] == bits["off"]
+
+
+async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
+    import psring.dataplane as dataplane
+
+    real = dataplane.ShmSegment.open
+    calls = iter(range(100))
+
+    def flaky(path: str, slots: int, slot_bytes: int) -> dataplane.ShmSegment:
+        if next(calls) == 0:
+            raise OSError("no mapping here (test)")
+        return real(path, slots, slot_bytes)
+
+    monkeypatch.setattr(dataplane.ShmSegment, "open", staticmethod(flaky))
+    groups = await make_groups(3)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    without = [g.rank for g, p in zip(groups, planes, strict=True) if p.shm_in is None]
+    assert len(without) == 1, without
+    left = (without[0] - 1) % 3
+    assert [g.rank for g, p in zip(groups, planes, strict=True) if p.shm_out is None] == [left]
+    assert not _shm_files()
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(3)]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in ys)
+    assert planes[left].shm_bytes_sent == 0 and all(
+        p.shm_bytes_sent > 0 for r, p in enumerate(planes) if groups[r].rank != left
+    )
+
+
+async def test_one_slot_abandoned_frames_and_concurrent_calls(make_groups, monkeypatch) -> None:
+    """With a single slot per link every piece waits for the previous one to be handed back; a
+    mismatched call leaves pieces in slots that the next call hands back unread."""
+    import psring.ring as ring
+
+    monkeypatch.setattr(ring, "PLANE_SHM_SLOTS", 1)
+    groups = await make_groups(3)
+    assert all(g.net.plane.shm_out.slots == 1 for g in groups)  # type: ignore[attr-defined]
+    xs = [np.ones(BIG, np.float32), np.ones(BIG, np.float64), np.ones(BIG, np.float32)]
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
+
+    async def rank(g: psring.Group) -> list[np.ndarray]:
+        return list(await asyncio.gather(*(g.all_reduce(inputs[g.rank, k]) for k in range(4))))
+
+    for per_rank in await asyncio.gather(*(rank(g) for g in groups)):
+        for k, y in enumerate(per_rank):
+            assert y.shape == (BIG + k,) and np.all(y == sum(r * 10.0 + k for r in range(3)))
+
+
+async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypatch) -> None:
+    import psring.ring as ring
+
+    groups = await make_groups(2)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    monkeypatch.setattr(ring, "PLANE_PIECE_BYTES", 400_000)  # the slots were made for 100 kB pieces
+    before = [p.shm_bytes_sent for p in planes]
+    ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + 1.0, np.float32)) for g in groups))
+    assert all(np.all(y == 3.0) for y in ys)
+    assert [p.shm_bytes_sent for p in planes] == before
+
+
+async def test_segment_open_checks_what_it_maps(tmp_path) -> None:
+    from psring.dataplane import ShmSegment
+
+    with pytest.raises(ValueError, match="not a data plane segment"):
+        ShmSegment.open(str(tmp_path / "x"), 2, 4096)
+    with pytest.raises(ValueError, match="not a data plane segment"):
+        ShmSegment.open("/dev/shm/other-name", 2, 4096)
+    seg = ShmSegment.create(2, 5000)
+    try:
+        assert seg.slot_bytes == 8192 and seg.path is not None and os.path.getsize(seg.path) == 2 * 8192
+        with pytest.raises(ValueError, match=r"has 16384 bytes, not 4 x 8192"):
+            ShmSegment.open(seg.path, 4, 8192)
+        peer = ShmSegment.open(seg.path, 2, 8192)
+        seg.slot(1, 3)[:] = [1, 2, 3]
+        assert peer.slot(3, 3).tolist() == [1, 2, 3] and not peer.slot(0, 3).flags.writeable
+        peer.close()
+    finally:
+        seg.close()
+    assert not _shm_files()
