@@ -66,6 +66,10 @@ ROOT_REPORT_GRACE = 1.0
 #: all_reduces of at least this many bytes take the threaded data plane: measured here, below
 #: ~8 MiB the event loop is as fast or faster (fewer thread wake-ups per byte), above it slower
 PLANE_MIN_BYTES = env_bytes("PSRING_RING_PLANE_MIN", 8 << 20)
+#: ... and from this many when the ranks share a host and there are 3 or more: with shared-memory
+#: links the plane beat the event loop from ~512 KiB at 4 ranks here (2 MiB: 5.7-6.7 against
+#: 8.6-9.1 ms), but not at 2 ranks (PSRING_RING_SHM_MIN; defaults to PSRING_RING_PLANE_MIN if set)
+PLANE_SHM_MIN_BYTES = env_bytes("PSRING_RING_SHM_MIN", env_bytes("PSRING_RING_PLANE_MIN", 1 << 20))
 #: the plane's piece: the unit sent, received and folded at a time. Measured here side by side,
 #: 4 MiB beat 1 MiB by ~12% at N=4 (fewer thread hand-offs) and matched it at N=2; 8 MiB was worse
 PLANE_PIECE_BYTES = env_bytes("PSRING_RING_PLANE_PIECE", 4 << 20)
@@ -137,6 +141,7 @@ class PeerNet:
         self.plane: DataPlane | None = None
         self.plane_min = 1 << 62  # all_reduces of this many bytes or more take the plane (agreed in resolve)
         self.plane_offer = max(PLANE_MIN_BYTES, 1)  # this rank's own threshold, published for that
+        self.plane_shm_offer = max(min(PLANE_SHM_MIN_BYTES, self.plane_offer), 1)  # the same, on one host
         if world_size > 1 and plane_possible():
             self.plane = DataPlane(rank, world_size)
             self.plane.recv_ready = asyncio.Event()
@@ -161,8 +166,8 @@ class PeerNet:
             name=f"rank {self.rank}",
         )
         await self.listener.start(self.settings.bind_host, self.settings.port)
-        offer = self.plane_offer if self.plane is not None else -1
-        await self.store.set(f"{self.prefix}/plane/{self.rank}", str(offer).encode())
+        offer = f"{self.plane_offer}/{self.plane_shm_offer}" if self.plane is not None else "-1"
+        await self.store.set(f"{self.prefix}/plane/{self.rank}", offer.encode())
         unix = b"-"
         if self.mesh is not None:
             try:
@@ -191,20 +196,23 @@ class PeerNet:
             assert raw is not None
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
+        shm_min = 1 << 62
         if self.plane is not None:  # every rank must take the same path: the plane only if all can
-            offers = []
+            offers: list[tuple[int, int]] = []
             for r in range(self.world_size):
-                raw = await self.store.get(f"{self.prefix}/plane/{r}")
+                text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
                 try:
-                    offers.append(int(raw or b"-1"))
+                    tcp, _, shm = text.partition("/")
+                    offers.append((int(tcp), int(shm or tcp)))
                 except ValueError:
-                    offers.append(-1)
-            if any(o < 1 for o in offers):
-                without = [r for r, o in enumerate(offers) if o < 1]
+                    offers.append((-1, -1))
+            if any(min(o) < 1 for o in offers):
+                without = [r for r, o in enumerate(offers) if min(o) < 1]
                 logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
                 self.plane = None
             else:  # the same threshold on every rank, or they would take different paths
-                self.plane_min = max(offers)
+                self.plane_min = max(o[0] for o in offers)
+                shm_min = max(o[1] for o in offers)
         if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
             peers: dict[int, dict[str, Any]] = {}
             mine = host_key()
@@ -218,6 +226,8 @@ class PeerNet:
                     peers[r] = info
             if len(peers) == self.world_size:
                 self.mesh_peers = {r: info for r, info in peers.items() if r != self.rank}
+                if self.world_size >= 3:  # the plane's links will be shared memory (see PLANE_SHM_MIN_BYTES)
+                    self.plane_min = min(self.plane_min, shm_min)
             else:
                 others = sorted(set(range(self.world_size)) - set(peers))
                 logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)

@@ -157,11 +157,12 @@ async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> N
 
     def init(self: ring.PeerNet, *args: object, **kwargs: object) -> None:  # each rank its own threshold
         real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-        self.plane_offer = next(sizes)
+        self.plane_offer = self.plane_shm_offer = next(sizes)
 
     monkeypatch.setattr(ring.PeerNet, "__init__", init)
     groups = await make_groups(3)
     assert [g.net.plane_min for g in groups] == [1 << 20] * 3  # type: ignore[attr-defined]
+    assert all(g.net.plane.shm_out is not None for g in groups)  # type: ignore[attr-defined]
     before = _plane_bytes(groups)
     ys = await asyncio.gather(*(g.all_reduce(np.ones(BIG, np.float32)) for g in groups))  # 1.2 MB: plane
     assert all(np.all(y == 3.0) for y in ys)
@@ -412,3 +413,24 @@ async def test_segment_open_checks_what_it_maps(tmp_path) -> None:
     finally:
         seg.close()
     assert not _shm_files()
+
+
+async def test_same_host_threshold_applies_from_three_ranks(make_groups, monkeypatch) -> None:
+    """On one host the plane starts at PSRING_RING_SHM_MIN from 3 ranks on; at 2 ranks, and across
+    hosts (here: PSRING_SAME_HOST=off), at PSRING_RING_PLANE_MIN."""
+    import psring.ring as ring
+
+    monkeypatch.setattr(ring, "PLANE_MIN_BYTES", 8 << 20)
+    monkeypatch.setattr(ring, "PLANE_SHM_MIN_BYTES", 1 << 20)
+    for world, mode, expect in ((3, "auto", 1 << 20), (2, "auto", 8 << 20), (3, "off", 8 << 20)):
+        monkeypatch.setenv("PSRING_SAME_HOST", mode)
+        groups = await make_groups(world)
+        assert [g.net.plane_min for g in groups] == [expect] * world, (world, mode)  # type: ignore[attr-defined]
+        before = _plane_bytes(groups)
+        x = np.arange(2 << 18, dtype=np.float32)  # 2 MiB
+        ys = await asyncio.gather(*(g.all_reduce(x) for g in groups))
+        assert all(np.array_equal(y, x * world) for y in ys)
+        on_plane = [a > b for a, b in zip(_plane_bytes(groups), before, strict=True)]
+        assert on_plane == [expect == 1 << 20] * world, (world, mode)
+        for g in groups:
+            await g.close()
