@@ -361,6 +361,28 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
     )
 
 
+async def test_a_rank_that_cannot_make_a_segment_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
+    """/dev/shm full (a container's 64 MB default) or missing: that link carries its payloads on TCP."""
+    import psring.dataplane as dataplane
+
+    real = dataplane.ShmSegment.create
+    calls = iter(range(100))
+
+    def full(slots: int, slot_bytes: int) -> dataplane.ShmSegment:
+        if next(calls) == 1:
+            raise OSError(28, "No space left on device (test)")
+        return real(slots, slot_bytes)
+
+    monkeypatch.setattr(dataplane.ShmSegment, "create", staticmethod(full))
+    groups = await make_groups(3)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    assert sum(p.shm_out is None for p in planes) == 1 and sum(p.shm_in is None for p in planes) == 1
+    assert not _shm_files()
+    xs = [np.full(BIG, g.rank + 0.5, np.float32) for g in groups]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    assert all(np.all(y == 4.5) for y in ys)
+
+
 async def test_one_slot_abandoned_frames_and_concurrent_calls(make_groups, monkeypatch) -> None:
     """With a single slot per link every piece waits for the previous one to be handed back; a
     mismatched call leaves pieces in slots that the next call hands back unread."""
