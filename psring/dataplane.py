@@ -23,16 +23,18 @@ a frame out of place is a protocol error.
 When both neighbours are on one host (the ring agreed on same-host links), a link's
 payloads go through a shared-memory segment instead (:class:`ShmSegment`): ``slots``
 buffers of a piece each, written by the left rank, read in place by the right one.
-Only the header crosses the socket (with magic ``SHM_MAGIC``: the payload is in the
-next slot, slots being used in turn), and the receiver hands a slot back by writing one
-byte the other way on the same socket. The right rank folds straight out of the slot
-into its result, so a piece costs one copy into the slot and one pass of the fold,
+Only the header crosses the socket (its magic is ``SHM_MAGIC`` with the slot's number
+in the low byte), and the receiver hands a slot back by writing its number, one byte,
+the other way on the same socket. The right rank folds straight out of the slot into
+its result or, for a partial sum it only hands on, into a free slot of its own link to
+the right, so a piece costs one copy into a slot, or none, and one pass of the fold,
 instead of the kernel copying it twice through loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import mmap
@@ -54,7 +56,8 @@ from .arrays import byte_view, result_empty
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x31445350  # b"PSD1"
-SHM_MAGIC = 0x31485350  # b"PSH1": the payload is in the link's next shared-memory slot
+SHM_MAGIC = 0x31485300  # b"\0SH1" + slot number in the low byte: the payload is in that slot
+SHM_MAX_SLOTS = 256
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "psring-plane-"
 HEADER = struct.Struct("<IIQQ")  # magic, index, seq, nbytes
@@ -96,7 +99,13 @@ class ShmSegment:
         self.slots = slots
         self.slot_bytes = slot_bytes
         try:
-            self.mm = mmap.mmap(fd, slots * slot_bytes, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+            # mapped in at once (MAP_POPULATE): no page faults in the first collective
+            self.mm = mmap.mmap(
+                fd,
+                slots * slot_bytes,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+            )
         finally:
             os.close(fd)
         self.array = np.frombuffer(self.mm, np.uint8)
@@ -104,6 +113,8 @@ class ShmSegment:
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> ShmSegment:
         """A new segment for the sender (OSError where /dev/shm cannot hold it)."""
+        if not 1 <= slots <= SHM_MAX_SLOTS:
+            raise ValueError(f"a data link has 1 to {SHM_MAX_SLOTS} shared-memory slots, not {slots}")
         slot_bytes = -(-slot_bytes // 4096) * 4096  # page-aligned slots: any dtype view is aligned
         path = os.path.join(SHM_DIR, SHM_PREFIX + secrets.token_hex(8))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -120,7 +131,12 @@ class ShmSegment:
     def open(cls, path: str, slots: int, slot_bytes: int) -> ShmSegment:
         """The receiver's read-only view of its left neighbour's segment (OSError, ValueError)."""
         name = os.path.basename(path)
-        if os.path.dirname(path) != SHM_DIR or not name.startswith(SHM_PREFIX) or slots < 1 or slot_bytes < 1:
+        if (
+            os.path.dirname(path) != SHM_DIR
+            or not name.startswith(SHM_PREFIX)
+            or not 1 <= slots <= SHM_MAX_SLOTS
+            or slot_bytes < 1
+        ):
             raise ValueError(f"not a data plane segment: {path!r} ({slots} x {slot_bytes} bytes)")
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
@@ -134,7 +150,7 @@ class ShmSegment:
         return segment
 
     def slot(self, k: int, nbytes: int) -> np.ndarray:
-        start = (k % self.slots) * self.slot_bytes
+        start = k * self.slot_bytes
         return self.array[start : start + nbytes]
 
     def unlink(self) -> None:
@@ -180,10 +196,12 @@ class Job:
         self.on_error = on_error
         self.stop = stop  # the plane is closing
         self.ready = ready  # ready(a, b): block until x[a:b] holds the input (device staging)
-        # (header, payload, input range to wait for before sending it, if any)
-        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | None, tuple[int, int] | None] | None] = (
+        # (header, payload, input range to wait for before sending it, if any); a payload that
+        # is an int: that many bytes are in the slot the header names already
+        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | int | None, tuple[int, int] | None] | None] = (
             queue.SimpleQueue()
         )
+        self.send_closed = False  # the send thread is done with it (under the plane's slot lock)
         self.cancelled = threading.Event()
         self.done: asyncio.Future[None] = self.loop.create_future()
         self._pending = 2  # the send and the receive thread
@@ -194,12 +212,6 @@ class Job:
 
     def gone(self) -> bool:
         return self.cancelled.is_set() or self.stop.is_set()
-
-    def forward(self, payload: memoryview) -> None:
-        """Queue a frame for the right neighbour (receive thread)."""
-        header = HEADER.pack(MAGIC, self.next_index, self.seq, payload.nbytes)
-        self.next_index += 1
-        self.fwd.put((header, payload, None))
 
     def part_done(self) -> None:
         with self._lock:
@@ -237,8 +249,8 @@ class _Reader:
         self.bytes_received = 0
         self.credits_sent = 0  # bytes written back: one per slot handed back
         self.shm = shm
-        self.in_slot = False  # the current frame's payload is in the next shared-memory slot
-        self.slots_read = 0  # slots taken so far (slots are used in turn)
+        self.in_slot = False  # the current frame's payload is in a shared-memory slot: this one
+        self.slot = 0
 
     def _recv(self, dest: memoryview, job: Job) -> int:
         while True:
@@ -277,8 +289,10 @@ class _Reader:
             while self.end - self.start < HEADER.size:
                 self._fill(job)
             magic, index, seq, nbytes = HEADER.unpack_from(self.buf, self.start)
-            if magic == SHM_MAGIC and self.shm is not None and nbytes <= self.shm.slot_bytes:
-                self.in_slot = True
+            if magic & ~0xFF == SHM_MAGIC and self.shm is not None:
+                self.in_slot, self.slot = True, magic & 0xFF
+                if self.slot >= self.shm.slots or nbytes > self.shm.slot_bytes:
+                    raise PlaneLinkError(f"the data link from the left named slot {self.slot} ({nbytes} bytes)", "recv")
             elif magic == MAGIC:
                 self.in_slot = False
             else:
@@ -296,14 +310,13 @@ class _Reader:
         Hand it back with ``release`` once read."""
         assert self.shm is not None and self.in_slot
         self.start += HEADER.size
-        return self.shm.slot(self.slots_read, nbytes)
+        return self.shm.slot(self.slot, nbytes)
 
     def release(self, nbytes: int) -> None:
         """The current slot is read: the left neighbour may write it again."""
-        self.slots_read += 1
         self.bytes_received += nbytes
         try:
-            self.sock.sendall(b"\x01")
+            self.sock.sendall(bytes((self.slot,)))
             self.credits_sent += 1
         except OSError:
             pass  # the left neighbour sent all it had and left: it needs no slot back
@@ -343,9 +356,14 @@ class DataPlane:
         #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
         self.shm_out: ShmSegment | None = None
         self.shm_in: ShmSegment | None = None
-        self._slots_sent = 0  # slots written to the right
+        # the link to the right's free slots; items queued for the send thread that will need
+        # one (the receive thread fills a slot itself only when there are none: see _take_slot)
+        self._free: collections.deque[int] = collections.deque()
+        self._unslotted = 0
+        self._slot_lock = threading.Lock()
         self._slots_back = 0  # slots the right neighbour has handed back
         self.shm_bytes_sent = 0
+        self.slots_filled_here = 0  # pieces the receive thread folded straight into a slot to the right
 
     @property
     def bytes_received(self) -> int:
@@ -377,6 +395,7 @@ class DataPlane:
         """Payloads to the right go through ``out``, those from the left come in ``into``
         (either may be None: that link carries its payloads on the socket). Before ``start``."""
         self.shm_out, self.shm_in = out, into
+        self._free = collections.deque(range(out.slots) if out is not None else ())
 
     def start(self) -> None:
         assert self.send_sock is not None and self.recv_sock is not None
@@ -417,6 +436,9 @@ class DataPlane:
         job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None, None))
         for j, (a, b) in enumerate(parts[me]):
             data = byte_view(x[a:b])
+            if self._needs_slot(data.nbytes):
+                with self._slot_lock:
+                    self._unslotted += 1
             job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data, (a, b)))
         # own frames are queued before the receive thread can forward anything: stream order
         self._send_q.put(job)
@@ -436,6 +458,12 @@ class DataPlane:
 
     def _send_job(self, job: Job) -> bool:
         """Send one job's frames; False when the plane is closing."""
+        try:
+            return self._send_frames(job)
+        finally:
+            self._close_send(job)
+
+    def _send_frames(self, job: Job) -> bool:
         sock = self.send_sock
         assert sock is not None
         try:
@@ -455,7 +483,11 @@ class DataPlane:
                 if payload is None:
                     sock.sendall(header)
                     self._bytes_sent += len(header)
-                elif self.shm_out is not None and payload.nbytes <= self.shm_out.slot_bytes:
+                elif isinstance(payload, int):  # the receive thread filled the slot
+                    sock.sendall(header)
+                    self._bytes_sent += len(header) + payload
+                    self.shm_bytes_sent += payload
+                elif self._needs_slot(payload.nbytes):
                     if not self._send_slot(job, header, payload):
                         return True
                 elif payload.nbytes <= SMALL_SEND:
@@ -474,27 +506,96 @@ class DataPlane:
         job.part_done()
         return True
 
+    def _needs_slot(self, nbytes: int) -> bool:
+        return self.shm_out is not None and nbytes <= self.shm_out.slot_bytes
+
+    def _harvest(self) -> None:
+        """Take the slots the right neighbour handed back (under the slot lock; never blocks)."""
+        sock = self.send_sock
+        assert sock is not None
+        try:
+            back = sock.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        if not back:
+            raise ConnectionResetError("the right neighbour closed its data link")
+        self._slots_back += len(back)
+        self._free.extend(back)
+
     def _send_slot(self, job: Job, header: bytes, payload: memoryview) -> bool:
-        """Write a payload into the next free slot and send its header; False if the job was
-        abandoned while every slot was taken."""
+        """Copy a payload into a free slot and send its header; False if the job was abandoned
+        while every slot was taken."""
         shm, sock = self.shm_out, self.send_sock
         assert shm is not None and sock is not None
-        while self._slots_sent - self._slots_back >= shm.slots:
+        while True:
+            with self._slot_lock:
+                if not self._free:
+                    self._harvest()
+                if self._free:
+                    k = self._free.popleft()
+                    self._unslotted -= 1
+                    break
             ready, _, _ = select.select([sock], [], [], POLL)
-            if not ready:
-                if job.gone():
-                    return False
-                continue
-            back = sock.recv(4096)
-            if not back:
-                raise ConnectionResetError("the right neighbour closed its data link")
-            self._slots_back += len(back)
-        np.copyto(shm.slot(self._slots_sent, payload.nbytes), np.frombuffer(payload, np.uint8))
-        self._slots_sent += 1
-        sock.sendall(HEADER.pack(SHM_MAGIC, *HEADER.unpack(header)[1:]))
+            if not ready and job.gone():
+                return False
+        np.copyto(shm.slot(k, payload.nbytes), np.frombuffer(payload, np.uint8))
+        sock.sendall(HEADER.pack(SHM_MAGIC | k, *HEADER.unpack(header)[1:]))
         self._bytes_sent += len(header) + payload.nbytes
         self.shm_bytes_sent += payload.nbytes
         return True
+
+    def _close_send(self, job: Job) -> None:
+        """The send thread is done with job: slots filled for frames it will not send are free
+        again, and frames that would have needed one are no longer counted."""
+        with self._slot_lock:
+            job.send_closed = True
+            while True:
+                try:
+                    item = job.fwd.get_nowait()
+                except queue.Empty:
+                    return
+                if item is None or item[1] is None:
+                    continue
+                if isinstance(item[1], int):
+                    self._free.append(item[0][0])  # the slot number: the header's first (low) byte
+                elif self._needs_slot(item[1].nbytes):
+                    self._unslotted -= 1
+
+    def _forward(self, job: Job, view: memoryview) -> None:
+        """Queue a frame for the right neighbour; the send thread copies it into a slot (receive thread)."""
+        header = HEADER.pack(MAGIC, job.next_index, job.seq, view.nbytes)
+        job.next_index += 1
+        with self._slot_lock:
+            if job.send_closed:
+                return
+            if self._needs_slot(view.nbytes):
+                self._unslotted += 1
+            job.fwd.put((header, view, None))
+
+    def _take_slot(self, nbytes: int) -> int | None:
+        """A free slot of the link to the right for the receive thread to fill, if one is left
+        over once every frame queued for the send thread that needs one has one. (Else such a
+        frame could wait forever for a slot held by a frame queued behind it. Those frames get
+        their slots in queue order and slots only come back, so the margin holds.)"""
+        if not self._needs_slot(nbytes):
+            return None
+        with self._slot_lock:
+            if len(self._free) <= self._unslotted:
+                try:
+                    self._harvest()
+                except OSError:
+                    return None  # the send thread will find the link broken and say so
+            return self._free.popleft() if len(self._free) > self._unslotted else None
+
+    def _forward_slot(self, job: Job, k: int, nbytes: int) -> None:
+        """Queue the header of slot k, which the receive thread filled."""
+        header = HEADER.pack(SHM_MAGIC | k, job.next_index, job.seq, nbytes)
+        job.next_index += 1
+        with self._slot_lock:
+            if job.send_closed:
+                self._free.append(k)
+                return
+            job.fwd.put((header, nbytes, None))
 
     def _recv_loop(self) -> None:
         reader = self._reader
@@ -561,18 +662,26 @@ class DataPlane:
             expect += 1
             if reader.in_slot:  # fold (or copy) straight out of the shared slot
                 src = reader.take_slot(nbytes).view(dest.dtype)
+                k = self._take_slot(nbytes) if what == _REDUCE else None
                 if what <= _FINAL:
                     if job.ready is not None:
                         job.ready(a, b)
-                    ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
+                    if k is not None:  # a partial sum only handed on: straight into the next slot
+                        assert self.shm_out is not None
+                        ufunc(src, x[a:b], out=self.shm_out.slot(k, nbytes).view(dest.dtype))
+                    else:
+                        ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
                     if what == _FINAL and job.avg:
                         np.divide(dest, dest.dtype.type(job.avg), out=dest)
                 else:
                     np.copyto(dest, src)
                 del src
                 reader.release(nbytes)
-                if what != _STORE:
-                    job.forward(view)
+                if k is not None:
+                    self.slots_filled_here += 1
+                    self._forward_slot(job, k, nbytes)
+                elif what != _STORE:
+                    self._forward(job, view)
                 continue
             reader.payload(job, view)
             if what <= _FINAL:
@@ -582,7 +691,7 @@ class DataPlane:
                 if what == _FINAL and job.avg:
                     np.divide(dest, dest.dtype.type(job.avg), out=dest)
             if what != _STORE:
-                job.forward(view)
+                self._forward(job, view)
 
     @staticmethod
     def _next(job: Job, reader: _Reader) -> tuple[int, int, int]:
