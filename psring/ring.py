@@ -79,8 +79,9 @@ MESH_MAX_BYTES = 64 << 10
 #: microseconds a rank alone in its process polls its same-host links for a small call's
 #: messages (yielding the core between polls) before it sleeps in the event loop. Waking a
 #: sleeping process costs more than the wait on a VM; measured here at 4 ranks, 100 us cut the
-#: back-to-back 4-byte time by 10-20% (PSRING_SPIN_US; 0: never)
-MESH_SPIN_S = env_bytes("PSRING_SPIN_US", 100, "microseconds") / 1e6
+#: back-to-back 4-byte time by 10-20%, and 500 us another 10-15% (medians of 5 alternating runs
+#: after a barrier: 100 us 636, 300 us 566, 500 us 544, 1000 us 628) (PSRING_SPIN_US; 0: never)
+MESH_SPIN_S = env_bytes("PSRING_SPIN_US", 500, "microseconds") / 1e6
 #: messages that may wait for a collective (or subgroup) this rank has not reached yet
 MESH_EARLY_MAX = 100_000
 
