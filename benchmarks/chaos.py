@@ -38,13 +38,14 @@ import numpy as np
 WORKER = """
 import os, sys, numpy as np, psring
 g = psring.init(timeout=15)  # a killed ps server is waited for (to resume) this long
-opt = psring.SyncSGD(g, {"w": np.zeros(200_000, np.float32)}, psring.optim.SGD(lr=0.01, momentum=0.9))
+n = int(os.environ.get("CHAOS_ELEMENTS", "200000"))
+opt = psring.SyncSGD(g, {"w": np.zeros(n, np.float32)}, psring.optim.SGD(lr=0.01, momentum=0.9))
 opt.start()
 try:
     for step in range(1, int(os.environ["CHAOS_STEPS"]) + 1):
         # gradients that change every step and differ per rank, so a step lost or applied
         # twice shows in the final parameters
-        params = opt.step({"w": np.full(200_000, (g.rank + 1.0) * (1 + step % 7), np.float32)})
+        params = opt.step({"w": np.full(n, (g.rank + 1.0) * (1 + step % 7), np.float32)})
         print("STEP", step, flush=True)
     import hashlib
     print("DONE", hashlib.sha256(params["w"].tobytes()).hexdigest(), flush=True)
@@ -205,7 +206,12 @@ def main() -> int:
     p.add_argument("--victims", default="worker,server", help="what may be killed")
     p.add_argument("--no-restart", action="store_true", help="a killed server stays dead")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--elements", type=int, default=200_000,
+        help="float32 parameters (2000000 = 8 MB: the ring's threaded, shared-memory data plane)",
+    )  # fmt: skip
     args = p.parse_args()
+    os.environ["CHAOS_ELEMENTS"] = str(args.elements)  # the workers inherit it
     rng = random.Random(args.seed)
     kinds = tuple(args.victims.split(","))
     topologies = args.topologies.split(",")
