@@ -356,8 +356,9 @@ class DataPlane:
         #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
         self.shm_out: ShmSegment | None = None
         self.shm_in: ShmSegment | None = None
-        # the link to the right's free slots; items queued for the send thread that will need
-        # one (the receive thread fills a slot itself only when there are none: see _take_slot)
+        # the link to the right's free slots, and how many frames queued for the send thread
+        # still need one (the receive thread fills a slot itself only if one is left over for
+        # each of those: see _take_slot)
         self._free: collections.deque[int] = collections.deque()
         self._unslotted = 0
         self._slot_lock = threading.Lock()
