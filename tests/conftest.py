@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -88,6 +90,32 @@ def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
     return subprocess.Popen(
         [sys.executable, *args], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+
+
+def run_tree(
+    args: list[str], *, timeout: float = 120, capture_output: bool = True, text: bool = True, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run`` for a command that starts processes of its own (``psring launch``,
+    ``bench``, ``train``): it runs in a session of its own, and when it is done, timed out or
+    not, whatever is left of its process group is killed by the group's id (the command's PID).
+    A plain ``subprocess.run`` timeout kills only the command and leaves its ranks running."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    proc = subprocess.Popen(args, text=text, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _kill_group(proc.pid)
+        proc.communicate(timeout=30)
+        raise
+    finally:
+        _kill_group(proc.pid)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def end(proc: subprocess.Popen[str]) -> str:

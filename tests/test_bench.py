@@ -5,18 +5,19 @@ Speed is not asserted here; the figures come from the long runs (see README)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import run_tree
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _json(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=170, cwd=ROOT)
+    proc = run_tree([sys.executable, *args], capture_output=True, text=True, timeout=170, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -17,7 +17,7 @@ import psring
 from psring.cluster import Client, JobError, key
 from psring.config import resolve_settings
 
-from .conftest import end, spawn
+from .conftest import end, run_tree, spawn
 
 pytestmark = [pytest.mark.timeout(170)]
 
@@ -98,7 +98,7 @@ def test_submit_command_prints_the_train_summary(cluster) -> None:
     c = cluster()
     c.worker("a")
     c.worker("b")
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "psring", "submit", "--store", c.address, "--workers", "2", "--epochs", "2"],
         capture_output=True,
         text=True,
@@ -238,7 +238,7 @@ def test_metrics_and_trace_from_a_real_job(cluster, tmp_path) -> None:
     assert re.search(r'psring_jobs_total\{outcome="ok",role="worker"\} 1\.0', text)
     assert re.search(r'psring_steps_total\{role="worker"\} (\d+)', text)
     out = tmp_path / "trace.json"
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "psring", "trace", str(trace_dir), "-o", str(out)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -255,7 +255,7 @@ def test_doctor_finds_planted_problems(cluster) -> None:
 
     def doctor(secret: str, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         env = dict(os.environ, PSRING_SECRET=secret)
-        return subprocess.run(
+        return run_tree(
             [sys.executable, "-m", "psring", "doctor", "--store", c.address, "--timeout", "3"],
             capture_output=True,
             text=True,

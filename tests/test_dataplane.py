@@ -20,6 +20,8 @@ import psring
 from psring.arrays import result_empty
 from psring.group import canonical_fold
 
+from .conftest import run_tree
+
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 
 
@@ -175,12 +177,11 @@ async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> N
 
 @pytest.mark.timeout(60)
 async def test_bad_sizes_in_the_environment_are_named() -> None:
-    import subprocess
     import sys
 
     for name in ("PSRING_BUFFER_POOL", "PSRING_RING_PLANE_MIN"):
         env = {**os.environ, name: "lots"}
-        proc = subprocess.run(
+        proc = run_tree(
             [sys.executable, "-c", "import psring.ring"], env=env, capture_output=True, text=True, timeout=50
         )
         assert proc.returncode != 0

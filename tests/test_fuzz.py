@@ -8,7 +8,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import sys
 import time
 
@@ -21,6 +20,8 @@ from psring.connection import Mailbox, open_connection
 from psring.errors import ProtocolError, StoreError
 from psring.server import start_servers
 from psring.store import connect_store, parse_store_address
+
+from .conftest import run_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = [pytest.mark.timeout(60)]
@@ -43,7 +44,7 @@ async def closed_by_peer(reader: asyncio.StreamReader, within: float = 5.0) -> b
 @pytest.mark.timeout(300)
 def test_fuzz_short_form_no_crash_no_hang_bounded_memory() -> None:
     args = ["--inputs", "60", "--slowloris", "10", "--flood", "150", "--json"]
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, os.path.join(ROOT, "benchmarks", "fuzz.py"), *args],
         capture_output=True,
         text=True,

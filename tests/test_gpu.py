@@ -10,6 +10,8 @@ import pytest
 from psring import gpu
 from psring.group import canonical_fold
 
+from .conftest import run_tree
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(300),
@@ -167,10 +169,9 @@ async def test_syncsgd_cupy_run_agrees_with_numpy_run(make_groups, topology: str
 @pytest.mark.timeout(400)
 def test_train_device_cuda_learns_on_both_topologies(topology: str) -> None:
     import json
-    import subprocess
     import sys
 
-    proc = subprocess.run(
+    proc = run_tree(
         [
             sys.executable,
             "-m",

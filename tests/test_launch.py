@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+
+from .conftest import run_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -14,7 +17,7 @@ PSRING = [sys.executable, "-m", "psring"]
 
 
 def run(args: list[str], timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PSRING, *args], capture_output=True, text=True, timeout=timeout)
+    return run_tree([*PSRING, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_launch_good_run(tmp_path) -> None:
@@ -66,7 +69,7 @@ def test_tutorial_example_runs_and_its_ring_equals_all_reduce(topology: str, ext
     import pathlib
 
     script = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tutorial_sync_sgd.py"
-    proc = subprocess.run(
+    proc = run_tree(
         [
             sys.executable,
             "-m",
@@ -114,3 +117,31 @@ def test_launch_ps_colocated_starts_no_server_processes(tmp_path) -> None:
         assert f"[rank {r}] shards 3 own {r} sum 3.0" in proc.stdout, proc.stdout
     proc = run(["bench", "allreduce", "--workers", "2", "--colocate", "--sizes", "4"])
     assert proc.returncode != 0 and "--colocate applies to --topology ps only" in proc.stderr
+
+
+@pytest.mark.timeout(30)
+def test_the_suites_runner_ends_what_a_timed_out_command_started(tmp_path) -> None:
+    """run_tree (every launch/bench/train test runs through it): on a timeout the command's
+    children die with it, where subprocess.run would leave them running."""
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_tree([sys.executable, "-c", script], timeout=3)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child):
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False

@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed (CI installs
 
 import psring.torch as pt  # noqa: E402
 
+from .conftest import run_tree  # noqa: E402
+
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(170)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch(n: int, topology: str, args: list[str], timeout: float = 150) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "psring", "launch", "-n", str(n), "--topology", topology, "--", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return run_tree(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def test_tensors_cross_without_copies() -> None:
@@ -125,7 +127,7 @@ def test_example_equals_a_single_process_full_batch_run(tmp_path, topology: str)
     proc = launch(4, topology, [sys.executable, example, "--epochs", "2", "--out", str(dist_out)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "epoch 1 loss" in proc.stdout
-    single = subprocess.run(
+    single = run_tree(
         [sys.executable, example, "--single", "--world", "4", "--epochs", "2", "--out", str(single_out)],
         capture_output=True,
         text=True,
@@ -142,7 +144,7 @@ def test_example_equals_a_single_process_full_batch_run(tmp_path, topology: str)
 
 def test_ddp_benchmark_smoke() -> None:
     args = "--params 100K --steps 2 --warmup 1 --rounds 1 --json".split()
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, os.path.join(ROOT, "benchmarks", "torch_ddp.py"), *args],
         capture_output=True,
         text=True,

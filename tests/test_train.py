@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from psring import gpu
 
+from .conftest import run_tree
+
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_train_learns_and_ranks_agree(topology: str) -> None:
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "2", "--epochs", "4", "--json"],
         capture_output=True,
         text=True,
@@ -46,13 +47,13 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
     ],
 )
 def test_train_bad_arguments_exit_nonzero_with_a_reason(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "psring", "train", *args], capture_output=True, text=True, timeout=60)
+    proc = run_tree([sys.executable, "-m", "psring", "train", *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr
 
 
 def test_train_compare_gives_bit_identical_topologies_with_adam() -> None:
-    proc = subprocess.run(
+    proc = run_tree(
         [
             sys.executable,
             "-m",
@@ -86,7 +87,7 @@ def test_train_fp16_compression_halves_ring_bytes_and_keeps_topologies_identical
     base = [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", "2", "--json"]
     runs = {}
     for extra in (["--topology", "ring"], ["--compare", "--compression", "fp16"]):
-        proc = subprocess.run([*base, *extra], capture_output=True, text=True, timeout=170)
+        proc = run_tree([*base, *extra], capture_output=True, text=True, timeout=170)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[extra[-1]] = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, fp16 = runs["ring"], runs["fp16"]

@@ -20,6 +20,8 @@ from psring.errors import ProtocolError
 from psring.group import canonical_fold
 from psring.unixnet import UnixMesh, same_host_from_env
 
+from .conftest import run_tree
+
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
 
@@ -248,7 +250,7 @@ async def test_one_rank_per_process_polls_before_it_sleeps(tmp_path, spin_us: st
     script.write_text(SPIN_JOB)
     env = {**os.environ, "PSRING_SPIN_US": spin_us, "PSRING_TIMEOUT": "20"}  # a hang fails, not waits
     proc = await asyncio.to_thread(
-        subprocess.run,
+        run_tree,
         [sys.executable, "-m", "psring", "launch", "-n", "3", "--", sys.executable, str(script)],
         capture_output=True,
         text=True,

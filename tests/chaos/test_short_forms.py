@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
+
+from ..conftest import run_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = [pytest.mark.timeout(280)]
 
 
 def run(script: str, *args: str, timeout: float = 260) -> list[dict]:  # (or one dict)
-    proc = subprocess.run(
+    proc = run_tree(
         [sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--json"],
         capture_output=True,
         text=True,
