@@ -724,8 +724,11 @@ class DataPlane:
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.close()
+        stuck = any(t.is_alive() for t in self._threads)
         for segment in (self.shm_out, self.shm_in):
-            if segment is not None and not any(t.is_alive() for t in self._threads):
-                segment.close()
-            elif segment is not None:
+            if segment is None:
+                continue
+            if stuck:  # a thread may still touch the mapping: only drop the name
                 segment.unlink()
+            else:
+                segment.close()
