@@ -36,7 +36,8 @@ import numpy as np
 
 from . import wire
 from .arrays import pooled_bytes
-from .errors import AuthError, PeerLostError, ProtocolError
+from .errors import AuthError, PeerLostError, ProtocolError, PsringError
+from .shmpool import PeerPool, ShmPool, host_key, pools_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,20 @@ class Connection(asyncio.BufferedProtocol):
         self._hb_timeout = heartbeat_timeout or _env_float("PSRING_HEARTBEAT_TIMEOUT", 10.0)
         self._hb_handle: asyncio.TimerHandle | None = None
         self._hb_last_tick = 0.0
+        # shared-memory payloads with a peer on this host (psring.shmpool; see offer_pool)
+        self.pool: ShmPool | None = None  # this side's pool, lent to the peer once it mapped it
+        #: makes (or returns) the pool this side offers back when a peer offers its own
+        self.pool_factory: Callable[[], ShmPool | None] | None = None
+        self.peer_pool: PeerPool | None = None  # the peer's pool, mapped read-only
+        self.peer_maps_pool = False  # the peer mapped this side's pool: slots may be lent to it
+        self.pool_offered = False
+        self._pool_answer: asyncio.Future[None] | None = None
+        self._lent: collections.Counter[int] = collections.Counter()  # own slots the peer has yet to hand back
+        self._to_free: list[int] = []  # the peer's slots this side is done with, to hand back
+        self._free_scheduled = False
+        self._slot_in: int | None = None  # the peer's slot holding the payload being delivered
+        self.pool_bytes_sent = 0
+        self.pool_bytes_received = 0
 
     def __repr__(self) -> str:
         return f"Connection({self.name} <-> {self.peername})"
@@ -258,6 +273,9 @@ class Connection(asyncio.BufferedProtocol):
             kind = header["kind"]
             raise ProtocolError(f"a {kind!r} frame with a {nbytes}-byte payload before the handshake completed")
         self._header = header
+        if "pool" in header:  # the payload is in a slot of the peer's pool, not on the socket
+            self._pooled_payload(header, nbytes)
+            return
         dest: memoryview | None = None
         if (
             nbytes
@@ -279,13 +297,32 @@ class Connection(asyncio.BufferedProtocol):
         if nbytes == 0:
             self._finish_frame()
 
+    def _pooled_payload(self, header: dict[str, Any], nbytes: int) -> None:
+        slot, peer = header["pool"], self.peer_pool
+        if peer is None or type(slot) is not int or not 0 <= slot < peer.slots or nbytes > peer.slot_bytes:
+            where = "a pool this side never mapped" if peer is None else f"a pool of {peer.slots} x {peer.slot_bytes}"
+            raise ProtocolError(
+                f"{self.peer_label} at {self.peername} sent a {nbytes}-byte payload in shared-memory slot "
+                f"{slot!r} of {where}"
+            )
+        self._dest_obj = peer.view(slot, nbytes)
+        self._slot_in = slot
+        self.pool_bytes_received += nbytes
+        self._finish_frame()
+
     def _finish_frame(self) -> None:
         header, payload = self._header, self._dest_obj
         self._header = self._dest = self._dest_obj = None
         self._dest_off = 0
+        slot, self._slot_in = self._slot_in, None
         self.frames_received += 1
         assert header is not None
         kind = header["kind"]
+        if "free" in header:
+            self._taken_back(header.pop("free"))
+        if kind in ("ping", "bye", "pool", "free") or self._handshake_frames is not None or self.router is None:
+            if slot is not None:
+                self.release_slot(slot)
         if kind == "ping":
             return
         if kind == "bye":
@@ -297,11 +334,132 @@ class Connection(asyncio.BufferedProtocol):
                 raise ProtocolError(f"{self.peername} sent a stream of frames before the handshake completed")
             self._handshake_frames.put_nowait(header)
             return
+        if kind == "pool":
+            self._on_pool(header)
+            return
+        if kind == "free":
+            return
         if self.router is None:
             raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
         if "sum" in header:
             self._verify(header, payload)
-        self.router.deliver(self, header, payload)
+        if slot is None:
+            self.router.deliver(self, header, payload)
+            return
+        self._slot_in = slot
+        try:
+            self.router.deliver(self, header, payload)
+        finally:
+            if self._slot_in is not None:  # the router is done with it (it did not hold it)
+                self._slot_in = None
+                self.release_slot(slot)
+
+    # ------------------------------------------------------------ shared memory
+    async def offer_pool(self, pool: ShmPool, timeout: float) -> bool:
+        """Offer the peer this process's pool (and map the one it offers back).
+
+        Returns whether the peer mapped it: from then on :meth:`send_tensor` with
+        ``shared=True`` may put payloads in its slots. False where the peer is on another
+        host (its handshake said where it runs), either side turned shared memory off, a
+        checksum is asked for, or the peer did not answer within timeout.
+        """
+        if self.pool_offered:
+            return self.peer_maps_pool
+        if not self.can_share_memory():
+            return False
+        self.pool, self.pool_offered = pool, True
+        fut = self._pool_answer = asyncio.get_running_loop().create_future()
+        self.send_frame({"kind": "pool", "offer": pool.describe(), "mapped": self.peer_pool is not None})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(fut), timeout)
+        return self.peer_maps_pool
+
+    def can_share_memory(self) -> bool:
+        """Whether a pool offer to this peer could work: a socket to a peer whose handshake
+        says it runs on this host, no payload checksum, and PSRING_SAME_HOST not off."""
+        host = self.peer.get("host")
+        return (
+            not self.is_local
+            and self.is_open
+            and self._checksum is None
+            and host is not None
+            and pools_enabled()
+            and host == host_key()
+        )
+
+    def _on_pool(self, header: dict[str, Any]) -> None:
+        if header.get("mapped") is True and self.pool_offered:
+            self.peer_maps_pool = True
+        desc = header.get("offer")
+        if desc is not None:
+            if self.peer_pool is None and self._checksum is None and pools_enabled():
+                try:
+                    self.peer_pool = PeerPool.open(desc)
+                except (OSError, ValueError) as exc:
+                    logger.info(
+                        "%r: not mapping the peer's shared memory (%s): its payloads come on the socket", self, exc
+                    )
+            reply: dict[str, Any] = {"kind": "pool", "mapped": self.peer_pool is not None}
+            if not self.pool_offered and self.peer_pool is not None:
+                if self.pool is None and self.pool_factory is not None:
+                    self.pool = self.pool_factory()
+                if self.pool is not None:
+                    reply["offer"] = self.pool.describe()
+                    self.pool_offered = True
+            self.send_frame(reply)
+        if self._pool_answer is not None and not self._pool_answer.done():
+            self._pool_answer.set_result(None)
+
+    def hold_slot(self) -> int:
+        """Called by a router while a frame is delivered whose payload is in the peer's pool:
+        keep the slot (the payload stays valid) until :meth:`release_slot`."""
+        slot, self._slot_in = self._slot_in, None
+        if slot is None:
+            raise RuntimeError("no shared-memory payload is being delivered")
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        """Hand a slot of the peer's pool back (with the next frame, or on its own soon)."""
+        self._to_free.append(slot)
+        if not self._free_scheduled:
+            self._free_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_free)
+
+    def _send_free(self) -> None:
+        self._free_scheduled = False
+        if self._to_free and not self._transport_gone():
+            with contextlib.suppress(PsringError):
+                self.send_frame({"kind": "free"})
+
+    def _taken_back(self, slots: Any) -> None:
+        pool = self.pool
+        if not isinstance(slots, tuple) or pool is None:
+            raise ProtocolError(f"{self.peer_label} at {self.peername} handed back slots {slots!r:.80} it was not lent")
+        for k in slots:
+            if type(k) is not int or self._lent[k] <= 0:
+                raise ProtocolError(
+                    f"{self.peer_label} at {self.peername} handed back slot {k!r}, which it was not lent"
+                )
+            self._lent[k] -= 1
+            if not self._lent[k]:
+                del self._lent[k]
+            pool.give_back(k)
+
+    def _write_pooled(self, header: dict[str, Any], pool: ShmPool, k: int, nbytes: int) -> None:
+        """Send a frame whose payload is already in slot k of this side's pool, lending it."""
+        header["pool"] = k
+        self.send_frame(header, None, nbytes=nbytes)
+        pool.lend(k)
+        self._lent[k] += 1
+        self.pool_bytes_sent += nbytes
+
+    def send_slot(self, header: dict[str, Any], pool: ShmPool, k: int, x: np.ndarray) -> None:
+        """Send x, which lives in slot k of this process's ``pool``: only the slot's number when
+        the peer maps that pool, else a copy on the socket (the slot may be reused at once)."""
+        if pool is self.pool and self.peer_maps_pool:
+            self._write_pooled({**header, **wire.tensor_fields(x)}, pool, k, x.nbytes)
+        else:
+            self.send_tensor(header, x.copy())
 
     def _verify(self, header: dict[str, Any], payload: Any) -> None:
         """The sender put a checksum of the payload in the header: check it before anyone uses the bytes."""
@@ -316,10 +474,13 @@ class Connection(asyncio.BufferedProtocol):
             )
 
     # ---------------------------------------------------------------- send path
-    def send_frame(self, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
+    def send_frame(
+        self, header: dict[str, Any], payload: memoryview | bytes | None = None, *, nbytes: int | None = None
+    ) -> None:
         """Queue one frame (header + payload) for sending; never blocks, never copies payload.
 
-        The payload's memory must stay unchanged until :meth:`flush` returns.
+        The payload's memory must stay unchanged until :meth:`flush` returns. (``nbytes``:
+        the size of a payload that is in a shared-memory slot rather than given here.)
         """
         transport = self.transport
         if transport is None or transport.is_closing():
@@ -327,7 +488,12 @@ class Connection(asyncio.BufferedProtocol):
         size = len(payload) if payload is not None else 0
         if isinstance(payload, memoryview):
             size = payload.nbytes
-        header["nbytes"] = size
+        if nbytes is None:
+            header.pop("pool", None)  # a relayed header says nothing of where its payload is
+            nbytes = size
+        header["nbytes"] = nbytes
+        if self._to_free and self._handshake_frames is None:
+            header["free"], self._to_free = self._to_free, []
         if self._checksum is not None and size and self._handshake_frames is None:
             header["sum"] = (self._checksum, CHECKSUMS[self._checksum](payload))
         head = wire.encode_header(header)
@@ -343,9 +509,24 @@ class Connection(asyncio.BufferedProtocol):
         self.frames_sent += 1
         self._last_sent = time.monotonic()
 
-    def send_tensor(self, header: dict[str, Any], x: np.ndarray) -> None:
-        """Send a C-contiguous host array as a frame; the header gains dtype/shape/nbytes."""
+    def send_tensor(self, header: dict[str, Any], x: np.ndarray, shared: bool = False) -> None:
+        """Send a C-contiguous host array as a frame; the header gains dtype/shape/nbytes.
+
+        ``shared=True``: when the peer maps this side's pool and a slot is free, the array is
+        copied into the slot and only its number crosses the socket. The receiving router
+        must be done with such a payload when its ``deliver`` returns, or hold the slot.
+        """
         header = {**header, **wire.tensor_fields(x)}
+        pool = self.pool
+        if shared and self.peer_maps_pool and pool is not None and 0 < x.nbytes <= pool.slot_bytes:
+            k = pool.take()
+            if k is not None:
+                try:
+                    np.copyto(pool.view(k, x.nbytes), wire.byte_view(x))
+                    self._write_pooled(header, pool, k, x.nbytes)
+                finally:
+                    pool.give_back(k)
+                return
         self.send_frame(header, wire.byte_view(x) if x.nbytes else None)
 
     async def flush(self) -> None:
@@ -538,6 +719,9 @@ class Connection(asyncio.BufferedProtocol):
     def is_open(self) -> bool:
         return not self._transport_gone() and self._lost is None
 
+    #: an in-process end (no socket, no shared memory)
+    is_local = False
+
     def abort(self, exc: BaseException) -> None:
         """Drop the connection because of an error (bad frame, silent peer)."""
         logger.debug("%r aborted: %s", self, exc)
@@ -599,6 +783,16 @@ class Connection(asyncio.BufferedProtocol):
         if self._hb_handle is not None:
             self._hb_handle.cancel()
             self._hb_handle = None
+        if self._lent and self.pool is not None:  # what the peer held comes back with its end
+            for k, count in self._lent.items():
+                for _ in range(count):
+                    self.pool.give_back(k)
+            self._lent.clear()
+        if self.peer_pool is not None:
+            self.peer_pool.close()  # views the router still holds keep the mapping until they go
+            self.peer_pool = None
+        if self._pool_answer is not None and not self._pool_answer.done():
+            self._pool_answer.set_result(None)
         err = self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} closed")
         self._wake_flushers(err)
         if not self._closed.done():
@@ -654,30 +848,50 @@ class LocalConnection(Connection):
     def __init__(self, name: str, peername: str) -> None:
         super().__init__(secret=None, name=name)
         self._handshake_frames = None
+        self.is_local = True
         self._partner: LocalConnection | None = None
         self._in_flight = 0
         self.transport = _LocalTransport()
         self.peername = peername
 
-    def send_frame(self, header: dict[str, Any], payload: memoryview | bytes | None = None) -> None:
+    def send_frame(
+        self, header: dict[str, Any], payload: memoryview | bytes | None = None, *, nbytes: int | None = None
+    ) -> None:
+        self._queue(header, payload, None)
+
+    def _queue(self, header: dict[str, Any], payload: Any, taken: Callable[[], None] | None) -> None:
         partner = self._partner
         if self._transport_gone() or partner is None:
             raise self._lost or self._lost_error(f"connection to {self.peer_label} ({self.peername}) is closed")
         size = 0 if payload is None else (payload.nbytes if isinstance(payload, memoryview) else len(payload))
+        header.pop("pool", None)
         header["nbytes"] = size
         head = wire.encode_header(header)
         self.bytes_sent += len(head) + size
         self.frames_sent += 1
         self._last_sent = time.monotonic()
         self._in_flight += 1
-        asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload)
+        asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload, taken)
 
-    def _hand_over(self, partner: LocalConnection, head: bytes, payload: Any) -> None:
-        if not partner._transport_gone():
-            try:
-                partner._take(head, payload)  # the payload is copied out here, so flush may return after
-            except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
-                partner.abort(exc)
+    def send_slot(self, header: dict[str, Any], pool: ShmPool, k: int, x: np.ndarray) -> None:
+        """In process: the slot stays lent until the partner has copied the payload out."""
+        pool.lend(k)
+        try:
+            self._queue({**header, **wire.tensor_fields(x)}, wire.byte_view(x), lambda: pool.give_back(k))
+        except BaseException:
+            pool.give_back(k)
+            raise
+
+    def _hand_over(self, partner: LocalConnection, head: bytes, payload: Any, taken: Callable[[], None] | None) -> None:
+        try:
+            if not partner._transport_gone():
+                try:
+                    partner._take(head, payload)  # the payload is copied out here, so flush may return after
+                except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
+                    partner.abort(exc)
+        finally:
+            if taken is not None:
+                taken()
         self._in_flight -= 1
         if self._in_flight == 0:
             self._wake_flushers(None)
@@ -995,6 +1209,8 @@ class Mailbox:
             return
         posted = self._posted.pop(tag, None)
         if posted is None:
+            if "pool" in header:  # the slot goes back when deliver returns: keep a copy
+                payload = np.array(payload)
             self._unexpected.setdefault(tag, collections.deque()).append((conn, header, payload))
             self.unexpected_bytes += header["nbytes"]
             return
@@ -1008,8 +1224,10 @@ class Mailbox:
     @staticmethod
     def _complete(posted: _Posted, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         if posted.dest is not None and payload is not posted.dest and len(posted.dest) == header["nbytes"]:
-            posted.dest[:] = payload  # arrived before it was posted: one copy into place
+            posted.dest[:] = payload  # arrived before it was posted, or in shared memory: one copy into place
             payload = posted.dest
+        elif "pool" in header:  # the slot goes back when deliver returns: keep a copy
+            payload = np.array(payload)
         if posted.callback is not None:
             posted.callback(conn, header, payload)
         if posted.future is not None and not posted.future.done():

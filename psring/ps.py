@@ -32,7 +32,8 @@ from .connection import Connection, Mailbox, open_connection
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from .group import Collective, Group, farewell, ring_chunk_bounds
 from .rendezvous import assign_rank, open_store_for
-from .server import ShardServer, per_piece, pieces, plan, start_servers
+from .server import FOLD_KINDS, PIECE_BYTES, SHM_MIN, SHM_SLOTS, ShardServer, per_piece, pieces, plan, start_servers
+from .shmpool import ShmPool, host_key
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class ServerLinks:
         self.colocated = False  # the shards live in the ranks' processes (shard i in rank i % N)
         self._loss_waiters: set[asyncio.Future[None]] = set()
         self._closing = False
+        self.pool: ShmPool | None = None  # pushes to shards on this host (psring.shmpool)
+        self._pool_failed = False
+        self._pool_checked: set[int] = set()  # ids of the shard connections offered it (or not able to)
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -142,7 +146,32 @@ class ServerLinks:
         return count
 
     def _hello(self, i: int) -> dict[str, Any]:
-        return {"role": "rank", "rank": self.rank, "world_size": self.world_size, "job": self.settings.job, "shard": i}
+        return {
+            "role": "rank",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "job": self.settings.job,
+            "shard": i,
+            "host": host_key(),
+        }
+
+    def share_memory_pending(self) -> bool:
+        """Whether a shard connection has not been considered for this worker's pool yet."""
+        return any(id(c) not in self._pool_checked for c in self.shards)
+
+    async def share_memory(self) -> None:
+        """Offer every shard on this host not offered yet this worker's shared-memory pool (made
+        now, at the first large collective); such a shard maps it and offers its own back."""
+        todo = [c for c in self.shards if id(c) not in self._pool_checked and c.can_share_memory()]
+        self._pool_checked = {id(c) for c in self.shards}
+        if self.pool is None and todo and not self._pool_failed and SHM_SLOTS > 0:
+            try:
+                self.pool = ShmPool(SHM_SLOTS, PIECE_BYTES)
+            except (OSError, ValueError) as exc:
+                self._pool_failed = True
+                logger.warning("rank %d: no shared memory for pushes to the servers (%s)", self.rank, exc)
+        if self.pool is not None and todo:
+            await asyncio.gather(*(c.offer_pool(self.pool, min(self.settings.timeout, 10.0)) for c in todo))
 
     async def connect(self, timeout: float) -> None:
         async def dial(i: int) -> Connection:
@@ -230,14 +259,17 @@ class ServerLinks:
         return True
 
     def stats(self) -> dict[str, int]:
+        """Bytes to and from the shards, payloads in shared memory included (and counted apart)."""
         return {
-            "bytes_sent": sum(c.bytes_sent for c in self.shards),
-            "bytes_received": sum(c.bytes_received for c in self.shards),
+            "bytes_sent": sum(c.bytes_sent + c.pool_bytes_sent for c in self.shards),
+            "bytes_received": sum(c.bytes_received + c.pool_bytes_received for c in self.shards),
+            "shm_bytes_sent": sum(c.pool_bytes_sent for c in self.shards),
+            "shm_bytes_received": sum(c.pool_bytes_received for c in self.shards),
         }
 
     def per_shard(self) -> list[tuple[int, int]]:
         """(bytes this worker sent to, received from) each shard."""
-        return [(c.bytes_sent, c.bytes_received) for c in self.shards]
+        return [(c.bytes_sent + c.pool_bytes_sent, c.bytes_received + c.pool_bytes_received) for c in self.shards]
 
     async def close(self) -> None:
         self._closing = True
@@ -250,6 +282,8 @@ class ServerLinks:
             await self.store.close()
         if self.embedded_store is not None:
             await self.embedded_store.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 class PsGroup(Group):
@@ -435,13 +469,17 @@ class PsGroup(Group):
             self.mailbox.post(tag, view, self._guard(coll, make_cb(dest)))
         if not expects:
             done.set_result(None)
+        # pieces to be folded may go through shared memory (the shard holds them there until folded)
+        shared = push and coll.kind in FOLD_KINDS and min(step, n) * itemsize >= SHM_MIN
+        if shared and self.links.share_memory_pending():
+            await self.links.share_memory()
         used = []
         for shard, a, b in layout:
             conn = self.links.shards[shard]
             conn.send_frame(self._join(coll))
             if push and x is not None:
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
-                    conn.send_tensor(self._push(coll, j), x[pa:pb])
+                    conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared)
             used.append(conn)
         await done
         for conn in used:

@@ -40,6 +40,7 @@ from .compress import fold_fp16, parse_codec_op
 from .connection import Connection, Listener, local_pair
 from .errors import PeerLostError, ProtocolError, PsringError
 from .group import SMALL_BYTES, canonical_fold, mismatch_message, ring_chunk_bounds
+from .shmpool import ShmPool, host_key
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ PIECE_BYTES = env_bytes("PSRING_PS_PIECE", 4 << 20) or 1
 MAX_BACKLOG = env_bytes("PSRING_SERVER_BACKLOG", 1 << 30)
 #: reading from a worker pauses while this many of its pushed bytes wait for the others
 MAX_BUFFERED = env_bytes("PSRING_SERVER_BUFFER", 512 << 20)
+
+#: slots (of one piece each) in the shared-memory pool of a worker, and of a server process, for
+#: peers on the same host (0: none); pieces of folding collectives from PSRING_PS_SHM_MIN bytes
+#: travel in them (see psring.shmpool)
+SHM_SLOTS = env_bytes("PSRING_PS_SHM_SLOTS", 16, "slots")
+SHM_MIN = env_bytes("PSRING_PS_SHM_MIN", 256 << 10)
 
 #: the largest tensor a collective may carry (bounds the per-collective bookkeeping)
 MAX_TENSOR = int(os.environ.get("PSRING_MAX_TENSOR", 64 << 30))
@@ -100,6 +107,7 @@ class _Pending:
         "dtype",
         "first",
         "gid",
+        "held",
         "inbox",
         "kind",
         "n",
@@ -126,6 +134,7 @@ class _Pending:
         self.pieces = pieces(*self.slice, per_piece(itemsize))
         self.conns: dict[int, Connection] = {}
         self.inbox: dict[int, dict[int, np.ndarray]] = {}  # piece -> src -> data (folds), or queued relays
+        self.held: dict[int, list[tuple[Connection, int]]] = {}  # piece -> workers' shared-memory slots it is in
         self.done_pieces = 0
         self.created = time.monotonic()
         self.waiting: list[tuple[int, int, np.ndarray, dict[str, Any]]] = []  # relays held until all joined
@@ -393,6 +402,8 @@ class Shard:
             if src in box:
                 raise ProtocolError(f"rank {src} pushed piece {j} of {pending.label} twice")
             box[src] = data
+            if "pool" in header:  # it stays in the worker's shared memory until folded
+                pending.held.setdefault(j, []).append((conn, conn.hold_slot()))
             self._account(conn, data.nbytes)
             if len(box) == pending.size:
                 self._fold(pending, j, box)
@@ -409,19 +420,49 @@ class Shard:
     def _fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
         pa, pb = pending.pieces[j]
         parts = [box[r] for r in range(pending.size)]
-        if pending.codec:
-            out = fold_fp16(parts, pending.op, pending.codec[1], np.empty(pb - pa, np.float16), pa, pending.n)
+        dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        assert dtype is not None
+        targets = [pending.conns[r] for r in _result_ranks(pending, pa, pb)]
+        # the result goes into a slot of this process's pool when the workers map it: written once, read by all
+        pool = (
+            next((c.pool for c in targets if c.peer_maps_pool), None) if (pb - pa) * dtype.itemsize >= SHM_MIN else None
+        )
+        slot = pool.take() if pool is not None else None
+        if slot is not None:
+            assert pool is not None
+            out = pool.view(slot, (pb - pa) * dtype.itemsize).view(dtype)
         else:
-            out = canonical_fold(parts, pending.op, _piece_empty(pb - pa, pending.dtype), pa, pending.n)
+            out = np.empty(pb - pa, dtype) if pending.codec else _piece_empty(pb - pa, dtype)
+        if pending.codec:
+            fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
+        else:
+            canonical_fold(parts, pending.op, out, pa, pending.n)
         del pending.inbox[j]
+        self._release(pending.held.pop(j, ()))  # handed back with the result frames below
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
         self.bytes_folded += out.nbytes * pending.size
         header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
-        for r in _result_ranks(pending, pa, pb):
-            self._send(pending.conns[r], header, out)
+        try:
+            for conn in targets:
+                if slot is not None:
+                    assert pool is not None
+                    with contextlib.suppress(PsringError):  # its loss is reported through detach
+                        conn.send_slot(header, pool, slot, out)
+                else:
+                    self._send(conn, header, out)
+        finally:
+            if slot is not None:
+                assert pool is not None
+                pool.give_back(slot)
         pending.done_pieces += 1
         self._maybe_finish(pending)
+
+    @staticmethod
+    def _release(held: Any) -> None:
+        for conn, slot in held:
+            if conn.is_open:
+                conn.release_slot(slot)
 
     def _forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
         out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}
@@ -494,6 +535,9 @@ class Shard:
     def _finish(self, key: tuple[str, int], outcome: str) -> None:
         pending = self.pending.pop(key, None)
         if pending is not None:
+            for held in pending.held.values():
+                self._release(held)
+            pending.held.clear()
             for conn in pending.conns.values():
                 held = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
                 if held:
@@ -609,6 +653,8 @@ class ShardServer:
         self.address = ""
         self.on_stop: Any = None  # parameter mode: the final checkpoint
         self.local: set[Connection] = set()  # shard ends of in-process workers (colocated shards)
+        self.pool: ShmPool | None = None  # results for workers on this host (made at the first offer)
+        self._pool_failed = False
 
     @property
     def port(self) -> int:
@@ -627,6 +673,17 @@ class ShardServer:
 
     def _accepted(self, conn: Connection) -> None:
         self._route(conn).attach(conn)
+        conn.pool_factory = self._pool_for_peers
+
+    def _pool_for_peers(self) -> ShmPool | None:
+        """This process's shared-memory pool for results, made when a worker first offers its own."""
+        if self.pool is None and not self._pool_failed and SHM_SLOTS > 0:
+            try:
+                self.pool = ShmPool(SHM_SLOTS, PIECE_BYTES)
+            except (OSError, ValueError) as exc:
+                self._pool_failed = True
+                logger.warning("server shard(s) %s: no shared memory for results (%s)", sorted(self.shards), exc)
+        return self.pool
 
     def attach_local(self, hello: dict[str, Any], name: str) -> Connection:
         """Connect a worker of this very process to shard ``hello["shard"]`` without a socket.
@@ -638,7 +695,7 @@ class ShardServer:
         shard_end.router = self._router_for(shard_end)  # checks job and shard, as for a dial
         self._accepted(shard_end)
         self.local.add(shard_end)
-        shard_end._closed.add_done_callback(lambda _f: self.local.discard(shard_end))
+        shard_end._closed.add_done_callback(lambda _f: self.local.discard(shard_end))  # no pool: no socket either
         worker_end.peer = {"role": "server", "shards": [hello.get("shard")], "job": self.job}
         return worker_end
 
@@ -646,7 +703,7 @@ class ShardServer:
         self.listener = Listener(
             self._accepted,
             secret=self.secret,
-            info={"role": "server", "shards": sorted(self.shards), "job": self.job},
+            info={"role": "server", "shards": sorted(self.shards), "job": self.job, "host": host_key()},
             router_for=self._router_for,
             name=f"server shard(s) {sorted(self.shards)}",
         )
@@ -676,6 +733,8 @@ class ShardServer:
             self.listener = None
         for conn in list(self.local):
             conn.abort(PeerLostError("server shut down"))
+        if self.pool is not None:
+            self.pool.close()
         if self.store is not None:
             with contextlib.suppress(Exception):
                 await self.store.close()

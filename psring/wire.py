@@ -37,6 +37,8 @@ KINDS = frozenset(
         "reject",
         "ping",
         "bye",
+        "pool",
+        "free",
         # group layer
         "data",
         "abort",

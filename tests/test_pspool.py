@@ -1,0 +1,322 @@
+"""Parameter-server payloads in shared memory (psring.shmpool) between processes on one host.
+
+Workers copy pieces of folding collectives into slots of their pool; shards fold straight
+from those slots, write each result once into a slot of their own pool, and every worker
+copies it out. Only headers and slot numbers cross the sockets. These tests check that the
+bytes really go that way, that the bits are those of the TCP path, that every slot comes
+back (after success, mismatch, loss), that too few slots fall back to the socket, and that
+a client lying about slots or pools is dropped without hurting the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+import psring
+from psring import ps as ps_mod
+from psring import server as server_mod
+from psring.connection import Mailbox, open_connection
+from psring.server import ShardServer, start_servers
+from psring.shmpool import PAGE, PeerPool, ShmPool, host_key
+from psring.store import StoreServer, connect_store, parse_store_address
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
+
+MiB = 1 << 20
+
+
+class Job:
+    """n workers and S shards (in this event loop) of one job; closed by the fixture."""
+
+    def __init__(self, groups: list[Any], server: ShardServer | None) -> None:
+        self.groups = groups
+        self.server = server
+
+    async def settled(self) -> None:
+        """Wait until every slot lent is handed back (the hand-backs are small frames in flight)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if not self.in_use():
+                return
+            await asyncio.sleep(0.01)
+        assert not self.in_use(), self.in_use()
+
+    def in_use(self) -> dict[str, int]:
+        used = {f"rank {g.rank}": g.links.pool.in_use for g in self.groups if g.links.pool is not None}
+        servers = [self.server] if self.server is not None else [g.links.own_servers for g in self.groups]
+        for i, s in enumerate(servers):
+            if s is not None and s.pool is not None:
+                used[f"server {i}"] = s.pool.in_use
+        return {k: v for k, v in used.items() if v}
+
+
+@pytest_asyncio.fixture
+async def make_job(store: StoreServer) -> AsyncIterator[Any]:
+    jobs: list[Job] = []
+    names = iter(range(1000))
+
+    async def make(n: int, shards: int = 2, **kw: Any) -> Job:
+        job = f"pool{next(names)}"
+        os.environ["PSRING_JOB"] = job
+        server = None
+        try:
+            if not kw.get("colocate"):
+                client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=10)
+                server = await start_servers(client, shards, job=job)
+            groups = await asyncio.gather(
+                *(
+                    psring.init_group("ps", rank=r, world_size=n, store=f"127.0.0.1:{store.port}", timeout=20, **kw)
+                    for r in range(n)
+                )
+            )
+        finally:
+            del os.environ["PSRING_JOB"]
+        made = Job(list(groups), server)
+        jobs.append(made)
+        return made
+
+    yield make
+    for job in jobs:
+        await asyncio.gather(*(g.close() for g in job.groups), return_exceptions=True)
+        if job.server is not None:
+            await job.server.close()
+
+
+def _inputs(n: int, size: int, dtype: Any = np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(size + n)
+    return [rng.standard_normal(size).astype(dtype) for _ in range(n)]
+
+
+def _tcp(stats: dict[str, int], key: str) -> int:
+    return stats[f"bytes_{key}"] - stats[f"shm_bytes_{key}"]
+
+
+async def test_pushes_and_results_cross_in_shared_memory_with_the_bits_of_tcp(make_job, monkeypatch) -> None:
+    shm = await make_job(3, shards=2)
+    xs = _inputs(3, 3 * MiB)  # 12 MiB: 6 MiB per shard, two pieces each
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(shm.groups, xs, strict=True)))  # sets the pools up
+    before = [g.stats() for g in shm.groups]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(shm.groups, xs, strict=True)))
+    after = [g.stats() for g in shm.groups]
+    nbytes = xs[0].nbytes
+    for b, a in zip(before, after, strict=True):
+        assert a["shm_bytes_sent"] - b["shm_bytes_sent"] == nbytes  # every piece pushed through a slot
+        assert a["shm_bytes_received"] - b["shm_bytes_received"] == nbytes  # every result read from one
+        assert _tcp(a, "sent") - _tcp(b, "sent") < 8 << 10  # the sockets carried headers only
+        assert _tcp(a, "received") - _tcp(b, "received") < 8 << 10
+    await shm.settled()
+    assert shm.server is not None and shm.server.pool is not None  # the results' pool was made
+
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    tcp = await make_job(3, shards=2)
+    zs = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(tcp.groups, xs, strict=True)))
+    assert all(g.stats()["shm_bytes_sent"] == 0 for g in tcp.groups) and tcp.groups[0].links.pool is None
+    for y, z in zip(ys, zs, strict=True):
+        assert y.tobytes() == z.tobytes()  # the same bits as on the sockets (the ring's canonical fold)
+    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
+
+
+async def test_every_folding_collective_and_op_goes_through_slots(make_job, monkeypatch) -> None:
+    shm = await make_job(4, shards=3)
+    xs = _inputs(4, 2 * MiB + 12345)  # uneven slices and pieces
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(shm.groups, xs, strict=True)))  # sets the pools up
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")  # read when pools are offered: the shm job keeps its own
+    tcp = await make_job(4, shards=3)
+    calls = [
+        ("all_reduce", {"op": "sum"}),
+        ("all_reduce", {"op": "avg"}),
+        ("all_reduce", {"op": "max"}),
+        ("all_reduce", {"op": "avg", "compression": "fp16"}),
+        ("reduce", {"dst": 2, "op": "sum"}),
+        ("reduce_scatter", {"op": "sum"}),
+    ]
+    for name, kw in calls:
+        before = [g.stats()["shm_bytes_sent"] for g in shm.groups]
+        got = await asyncio.gather(*(getattr(g, name)(x, **kw) for g, x in zip(shm.groups, xs, strict=True)))
+        want = await asyncio.gather(*(getattr(g, name)(x, **kw) for g, x in zip(tcp.groups, xs, strict=True)))
+        sent = [g.stats()["shm_bytes_sent"] - b for g, b in zip(shm.groups, before, strict=True)]
+        assert all(s > 0 for s in sent), (name, sent)
+        for r, (y, z) in enumerate(zip(got, want, strict=True)):
+            if z is None:
+                assert y is None, (name, r)
+            else:
+                assert y.dtype == z.dtype and y.shape == z.shape and y.tobytes() == z.tobytes(), (name, kw, r)
+        await shm.settled()
+
+
+async def test_few_slots_fall_back_to_the_socket_under_concurrent_calls(make_job, monkeypatch) -> None:
+    """One slot per pool: most pieces cannot have one and go on the socket; nothing waits for a
+    slot (so nothing can deadlock), and concurrent collectives still get their own bits."""
+    monkeypatch.setattr(ps_mod, "SHM_SLOTS", 1)
+    monkeypatch.setattr(server_mod, "SHM_SLOTS", 1)
+    job = await make_job(3, shards=2)
+    sizes = [3 * MiB, 5 * MiB // 4, 2 * MiB]
+    inputs = [_inputs(3, s) for s in sizes]
+    want = [np.sum(np.stack(xs), axis=0) for xs in inputs]  # close to the fold; bits checked across ranks
+
+    async def rank(g: Any) -> list[np.ndarray]:
+        return list(await asyncio.gather(*(g.all_reduce(xs[g.rank]) for xs in inputs)))
+
+    for _ in range(3):
+        results = await asyncio.gather(*(rank(g) for g in job.groups))
+        for c, w in enumerate(want):
+            assert all(r[c].tobytes() == results[0][c].tobytes() for r in results)
+            np.testing.assert_allclose(results[0][c], w, rtol=1e-5, atol=1e-5)
+    stats = [g.stats() for g in job.groups]
+    assert all(0 < s["shm_bytes_sent"] < _tcp(s, "sent") for s in stats), stats  # both ways were used
+    assert job.groups[0].links.pool is not None and job.groups[0].links.pool.slots == 1
+    await job.settled()
+
+
+async def test_a_mismatch_and_a_lost_worker_hand_every_held_slot_back(make_job) -> None:
+    job = await make_job(3, shards=2)
+    xs = _inputs(3, 3 * MiB)
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    # rank 2 calls with another shape: the pieces ranks 0 and 1 pushed sit in slots, then are let go
+    bad = [xs[0], xs[1], xs[2][: MiB + 7]]
+    results = await asyncio.gather(
+        *(g.all_reduce(x) for g, x in zip(job.groups, bad, strict=True)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    await job.settled()
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    assert ys[0].tobytes() == ys[2].tobytes()
+    # rank 2 pushes nothing and dies while the shards hold ranks 0 and 1's pieces in their slots
+    pushed = [asyncio.ensure_future(g.all_reduce(x)) for g, x in zip(job.groups[:2], xs[:2], strict=True)]
+    server = job.server
+    assert server is not None
+    deadline = time.monotonic() + 5
+    while sum(len(p.held) for s in server.shards.values() for p in s.pending.values()) < 2:
+        assert time.monotonic() < deadline, "the shards never held the pushed pieces"
+        await asyncio.sleep(0.005)
+    for conn in job.groups[2].links.shards:
+        conn.abort(psring.PeerLostError("killed by the test"))
+    results = await asyncio.gather(*pushed, return_exceptions=True)
+    assert all(isinstance(r, psring.PeerLostError) and "rank 2" in str(r) for r in results), results
+    await job.settled()  # the shards let go of the held pieces, and rank 2's end gave back what it was lent
+
+
+async def test_colocated_shards_use_slots_to_the_other_processes_shards(make_job) -> None:
+    job = await make_job(3, colocate=True)
+    xs = _inputs(3, 3 * MiB)
+    for _ in range(2):
+        ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
+    # in one process (this test) every shard is "another process's" for the ranks not hosting it
+    assert all(g.stats()["shm_bytes_sent"] > 0 for g in job.groups)
+    await job.settled()
+
+
+async def test_a_client_lying_about_slots_or_pools_is_dropped_and_the_others_served(make_job) -> None:
+    job = await make_job(2, shards=1)
+    xs = _inputs(2, 3 * MiB)
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    host, _, port = job.groups[0].links.addresses[0].rpartition(":")
+    hello = {"role": "rank", "world_size": 2, "job": job.groups[0].links.settings.job, "shard": 0, "host": host_key()}
+
+    async def client(rank: int) -> tuple[Any, asyncio.Future[dict[str, Any]], asyncio.Future[dict[str, Any]]]:
+        box = Mailbox()
+        loop = asyncio.get_running_loop()
+        rejected: asyncio.Future[dict[str, Any]] = loop.create_future()
+        answer: asyncio.Future[dict[str, Any]] = loop.create_future()
+        box.on_control = lambda c, h, p: (rejected.set_result(h) if h["kind"] == "reject" else None) or True
+        conn = await open_connection(host, int(port), secret=None, hello={**hello, "rank": rank}, router=box)
+        return conn, rejected, answer
+
+    # 1) a pool whose token is not the one in its memory: refused (answered "not mapped"), and the
+    #    slot numbers it then sends are a protocol error that drops it
+    conn, rejected, _ = await client(5)
+    fake = ShmPool(2, MiB)
+    try:
+        desc = {**fake.describe(), "token": bytes(16)}
+        conn.send_frame({"kind": "pool", "offer": desc, "mapped": False})
+        conn.send_frame({"kind": "ps_data", "tag": ("0", 99, "p", 0), "pool": 0, "call": None, "src": 5}, nbytes=64)
+        await asyncio.wait_for(conn.wait_closed(), 5)
+        assert conn.peer_pool is None and not conn.peer_maps_pool
+    finally:
+        fake.close()
+    # 2) handing back a slot it was never lent: dropped, with the reason said
+    conn, _, _ = await client(6)
+    conn.send_frame({"kind": "free", "free": [3]})
+    await asyncio.wait_for(conn.wait_closed(), 5)
+    # 3) a slot number out of range of a pool that was mapped
+    conn, _, _ = await client(7)
+    pool = ShmPool(2, MiB)
+    try:
+        assert await conn.offer_pool(pool, 5)
+        conn.send_frame({"kind": "ps_data", "tag": ("0", 99, "p", 0), "pool": 9, "call": None, "src": 7}, nbytes=64)
+        await asyncio.wait_for(conn.wait_closed(), 5)
+    finally:
+        pool.close()
+    # the honest workers never noticed
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    assert ys[0].tobytes() == ys[1].tobytes()
+    np.testing.assert_allclose(ys[0], xs[0] + xs[1], rtol=1e-6)
+    await job.settled()
+
+
+async def test_pools_map_only_what_they_describe(tmp_path) -> None:
+    pool = ShmPool(3, 10_000)
+    try:
+        assert pool.slot_bytes % PAGE == 0 and pool.slot_bytes >= 10_000
+        desc = pool.describe()
+        peer = PeerPool.open(desc)
+        k = pool.take()
+        assert k is not None
+        pool.view(k, 5)[:] = np.arange(5, dtype=np.uint8)
+        assert peer.view(k, 5).tolist() == [0, 1, 2, 3, 4]
+        with pytest.raises(ValueError):
+            peer.view(k, 5)[0] = 1  # peers map it read-only
+        pool.lend(k)
+        pool.give_back(k)
+        assert pool.in_use == 1
+        pool.give_back(k)
+        assert pool.in_use == 0
+        peer.close()
+        for bad, match in [
+            ({**desc, "token": b"x" * 16}, "token differs"),
+            ({**desc, "host": "elsewhere"}, "another host"),
+            ({**desc, "slots": 4}, "not a pool of"),
+            ({**desc, "slot_bytes": 4097}, "malformed"),
+            ("nonsense", "is a map"),
+        ]:
+            with pytest.raises(ValueError, match=match):
+                PeerPool.open(bad)
+        with pytest.raises(FileNotFoundError):
+            PeerPool.open({**desc, "fd": 999_999})
+        with pytest.raises(ValueError, match="1 to"):
+            ShmPool(0, 4096)
+    finally:
+        pool.close()
+
+
+async def test_a_server_process_maps_the_workers_pools(store) -> None:
+    """Separate processes: the server maps each worker's pool through /proc/<pid>/fd."""
+    from .conftest import end, ps_workers, spawn_server
+
+    job = "pool-proc"
+    args = ["--shards", "2", "--host", "127.0.0.1", "--store", f"127.0.0.1:{store.port}", "--job", job]
+    server, _ = await spawn_server(args)
+    groups: list[Any] = []
+    try:
+        groups = await ps_workers(store.port, job, 2, timeout=20)
+        xs = _inputs(2, 3 * MiB)
+        for _ in range(2):
+            ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+        np.testing.assert_allclose(ys[0], xs[0] + xs[1], rtol=1e-6)
+        assert all(g.stats()["shm_bytes_sent"] >= xs[0].nbytes for g in groups)
+        assert all(g.stats()["shm_bytes_received"] >= xs[0].nbytes for g in groups)
+        assert all(c.peer_pool is not None and c.peer_maps_pool for g in groups for c in g.links.shards)
+    finally:
+        await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            end(server)
