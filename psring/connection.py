@@ -171,6 +171,7 @@ class Connection(asyncio.BufferedProtocol):
         self._slot_in: int | None = None  # the peer's slot holding the payload being delivered
         self.pool_bytes_sent = 0
         self.pool_bytes_received = 0
+        self.peer_pid: int | None = None  # the peer's process, as its pool frames say
 
     def __repr__(self) -> str:
         return f"Connection({self.name} <-> {self.peername})"
@@ -369,7 +370,9 @@ class Connection(asyncio.BufferedProtocol):
             return False
         self.pool, self.pool_offered = pool, True
         fut = self._pool_answer = asyncio.get_running_loop().create_future()
-        self.send_frame({"kind": "pool", "offer": pool.describe(), "mapped": self.peer_pool is not None})
+        self.send_frame(
+            {"kind": "pool", "offer": pool.describe(), "mapped": self.peer_pool is not None, "pid": os.getpid()}
+        )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(fut), timeout)
         return self.peer_maps_pool
@@ -388,6 +391,9 @@ class Connection(asyncio.BufferedProtocol):
         )
 
     def _on_pool(self, header: dict[str, Any]) -> None:
+        pid = header.get("pid")
+        if type(pid) is int and pid > 0:
+            self.peer_pid = pid
         if header.get("mapped") is True and self.pool_offered:
             self.peer_maps_pool = True
         desc = header.get("offer")
@@ -399,7 +405,7 @@ class Connection(asyncio.BufferedProtocol):
                     logger.info(
                         "%r: not mapping the peer's shared memory (%s): its payloads come on the socket", self, exc
                     )
-            reply: dict[str, Any] = {"kind": "pool", "mapped": self.peer_pool is not None}
+            reply: dict[str, Any] = {"kind": "pool", "mapped": self.peer_pool is not None, "pid": os.getpid()}
             if not self.pool_offered and self.peer_pool is not None:
                 if self.pool is None and self.pool_factory is not None:
                     self.pool = self.pool_factory()
@@ -783,10 +789,13 @@ class Connection(asyncio.BufferedProtocol):
         if self._hb_handle is not None:
             self._hb_handle.cancel()
             self._hb_handle = None
-        if self._lent and self.pool is not None:  # what the peer held comes back with its end
-            for k, count in self._lent.items():
-                for _ in range(count):
-                    self.pool.give_back(k)
+        if self._lent and self.pool is not None:
+            if self._closing and self._lost is None:  # a goodbye: the peer reads no more frames
+                for k, count in self._lent.items():
+                    for _ in range(count):
+                        self.pool.give_back(k)
+            else:  # lost: the peer may still be reading them, until its process ends
+                self.pool.quarantine(self._lent, self.peer_pid)
             self._lent.clear()
         if self.peer_pool is not None:
             self.peer_pool.close()  # views the router still holds keep the mapping until they go

@@ -40,7 +40,7 @@ from .connection import Connection
 from .errors import ProtocolError, PsringError
 from .group import canonical_fold
 from .optim import Optimizer
-from .server import Shard, ShardServer, per_piece, pieces, plan
+from .server import SHM_MIN, Shard, ShardServer, per_piece, pieces, plan
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Bucket:
         self.ready = False
         self.init_seen: set[int] = set()
         self.inbox: dict[int, dict[int, np.ndarray]] = {}
+        self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
         self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
         self.applied: set[int] = set()  # pieces of the current step already updated
         self.conns: dict[int, Connection] = {}
@@ -247,7 +248,7 @@ class ParamStore:
             raise ProtocolError(f"push to bucket {b} before its initial parameters arrived")
         if t < bucket.step or (t == bucket.step and j in bucket.applied):
             # already applied (a re-send after a reconnect): answer, never apply twice
-            self._send_piece(conn, bucket, t, j)
+            self._send_result(bucket, t, j, conn)
             return
         if t > bucket.step:
             raise ProtocolError(
@@ -278,6 +279,8 @@ class ParamStore:
                 "(None: uncompressed); every worker must use the same compression"
             )
         box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
+        if "pool" in header:  # it stays in the worker's shared memory until folded
+            bucket.slots.setdefault(j, []).append((conn, conn.hold_slot()))
         if len(box) < bucket.size:
             return
         grad = np.empty(pb - pa, bucket.dtype)
@@ -288,6 +291,9 @@ class ParamStore:
             canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n)
         del bucket.inbox[j]
         del bucket.inbox_scale[j]
+        for holder, slot in bucket.slots.pop(j, ()):
+            if holder.is_open:
+                holder.release_slot(slot)
         a = bucket.slice[0]
         state = {k: (v[pa - a : pb - a] if isinstance(v, np.ndarray) else v) for k, v in bucket.state.items()}
         state["step"] = bucket.step
@@ -297,9 +303,7 @@ class ParamStore:
         if self.checkpoint_dir is not None:
             bucket.held.append((j, view))
         else:
-            for r in range(bucket.size):
-                if r in bucket.conns:
-                    self._send_piece(bucket.conns[r], bucket, t, j)
+            self._send_result(bucket, t, j)
         if len(bucket.applied) == len(bucket.pieces):
             self._step_done(bucket, t)
 
@@ -314,11 +318,10 @@ class ParamStore:
                 logger.debug("%r checkpoint after step %d in %.1f ms", self.shard, t, (time.perf_counter() - t0) * 1e3)
             held, bucket.held = bucket.held, []
             for j, _view in held:
-                for r in range(bucket.size):
-                    if r in bucket.conns:
-                        self._send_piece(bucket.conns[r], bucket, t, j)
+                self._send_result(bucket, t, j)
 
-    def _send_piece(self, conn: Connection, bucket: Bucket, t: int, j: int) -> None:
+    def _send_result(self, bucket: Bucket, t: int, j: int, conn: Connection | None = None) -> None:
+        """Piece j's parameters after step t, to conn (a re-send) or to every worker."""
         _pa, _pb, view = bucket.piece_view(j)
         header = {
             "kind": "ps_param",
@@ -326,8 +329,8 @@ class ParamStore:
             "tag": ("param", bucket.b, t, "r", self.shard.index, j),
             "step": t + 1,
         }
-        with contextlib.suppress(PsringError):
-            conn.send_tensor(header, view.copy())
+        conns = [conn] if conn is not None else [bucket.conns[r] for r in range(bucket.size) if r in bucket.conns]
+        _send_copy(conns, header, view)
 
     def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:
         for j in range(len(bucket.pieces)):
@@ -338,8 +341,7 @@ class ParamStore:
                 "tag": ("param", bucket.b, "pull", self.shard.index, j),
                 "step": bucket.step,
             }
-            with contextlib.suppress(PsringError):
-                conn.send_tensor(header, view.copy())
+            _send_copy([conn], header, view)
         with contextlib.suppress(PsringError):
             conn.send_frame(
                 {
@@ -350,6 +352,29 @@ class ParamStore:
                     "pieces": len(bucket.pieces),
                 }
             )
+
+
+def _send_copy(conns: list[Connection], header: dict[str, Any], data: np.ndarray) -> None:
+    """Send what data holds now (it changes after) to every conn: copied once, into a slot of
+    this process's shared-memory pool for the workers that map it, else into one private copy."""
+    pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= SHM_MIN else None
+    slot = pool.take() if pool is not None else None
+    shared = private = None
+    if slot is not None:
+        assert pool is not None
+        shared = pool.view(slot, data.nbytes).view(data.dtype)
+        np.copyto(shared, data)
+    try:
+        for conn in conns:
+            with contextlib.suppress(PsringError):  # a lost worker re-sends its push after reconnecting
+                if shared is not None and pool is not None and conn.pool is pool and conn.peer_maps_pool:
+                    conn.send_slot(dict(header), pool, slot, shared)  # type: ignore[arg-type]
+                else:
+                    private = data.copy() if private is None else private
+                    conn.send_tensor(dict(header), private)
+    finally:
+        if slot is not None and pool is not None:
+            pool.give_back(slot)
 
 
 def param_store(shard: Shard) -> ParamStore:

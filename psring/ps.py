@@ -700,6 +700,8 @@ class PsGroup(Group):
         deadline: float,
     ) -> None:
         futs = []
+        if self.links.share_memory_pending() and any(g.nbytes >= SHM_MIN for g, _e in wire_grads):
+            await self.links.share_memory()
         for b, flat in enumerate(grads):
             sent, e = wire_grads[b]
             push = {"kind": "ps_param", "op": "push", "src": self.rank}
@@ -715,7 +717,8 @@ class PsGroup(Group):
                     fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
                     fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
                     futs.append(fut)
-                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, sent[pa:pb])
+                    piece = sent[pa:pb]
+                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=piece.nbytes >= SHM_MIN)
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
 
     def on_peer_lost(self, err: PeerLostError) -> None:

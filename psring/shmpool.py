@@ -12,6 +12,9 @@ from its mapping and hands the slot back (see :class:`psring.connection.Connecti
 A slot is reference counted: the owner holds it while writing, and every frame that
 lends it to a peer holds it until that peer hands it back. One slot may be lent to
 many peers at once (a result every worker reads), so the payload is written once.
+Slots lent to a peer whose connection was *lost* (not closed) are quarantined until
+that peer's process is gone: it may still be reading them, and reusing them early
+could hand it -- or, through it, others -- another payload's bytes.
 
 Only the pool's owner writes to it; peers map it read-only. Who may map it is the
 kernel's rule for ``/proc/<pid>/fd``: processes of the same user (as for ptrace).
@@ -74,6 +77,7 @@ class ShmPool:
         self.free: collections.deque[int] = collections.deque(range(slots))
         self.refs = [0] * slots
         self.closed = False
+        self.quarantined: list[tuple[int | None, dict[int, int]]] = []  # (peer pid, slot -> count)
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this pool (sent in a ``pool`` frame)."""
@@ -88,6 +92,8 @@ class ShmPool:
 
     def take(self) -> int | None:
         """A free slot, held once by the caller (give it back when done lending it), or None."""
+        if not self.free and self.quarantined:
+            self.sweep()
         if not self.free or self.closed:
             return None
         k = self.free.popleft()
@@ -101,6 +107,25 @@ class ShmPool:
         self.refs[k] -= 1
         if self.refs[k] == 0:
             self.free.append(k)
+
+    def quarantine(self, lent: dict[int, int], pid: int | None) -> None:
+        """Slots lent to a peer that was lost: back to the pool once process ``pid`` is gone
+        (never, if it is not known)."""
+        if lent:
+            self.quarantined.append((pid, dict(lent)))
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Give back the quarantined slots of peers whose processes have ended."""
+        kept = []
+        for pid, lent in self.quarantined:
+            if pid is not None and not _alive(pid):
+                for k, count in lent.items():
+                    for _ in range(count):
+                        self.give_back(k)
+            else:
+                kept.append((pid, lent))
+        self.quarantined = kept
 
     @property
     def in_use(self) -> int:
@@ -120,6 +145,16 @@ class ShmPool:
             self.mm.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process now has that number: ours is gone
+        return False
+    return True
 
 
 class PeerPool:

@@ -320,3 +320,109 @@ async def test_a_server_process_maps_the_workers_pools(store) -> None:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         with contextlib.suppress(Exception):
             end(server)
+
+
+async def test_slots_lent_to_a_lost_peer_wait_until_its_process_is_gone() -> None:
+    """A peer that was lost (not one that said goodbye) may still be reading what it was lent:
+    those slots are reused only once its process has ended (never, if nobody knows which)."""
+    import subprocess
+    import sys
+
+    from .conftest import end
+
+    pool = ShmPool(2, 4096)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        k = pool.take()
+        assert k is not None
+        pool.lend(k)  # lent to the peer...
+        pool.give_back(k)  # ...and the owner is done writing it
+        pool.quarantine({k: 1}, proc.pid)  # the peer's connection was lost
+        other = pool.take()
+        assert other is not None and other != k
+        assert pool.take() is None  # no free slot: the sweep finds the peer still alive
+        end(proc)  # killed by PID and reaped
+        assert pool.take() == k  # now the sweep gives it back
+        pool.quarantine({k: 1}, None)  # a peer nobody can name
+        pool.sweep()
+        assert pool.quarantined and pool.in_use == 2
+    finally:
+        end(proc)
+        pool.close()
+
+
+def _big_model(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((1000, 700)).astype(np.float32), "b": rng.standard_normal(700).astype(np.float32)}
+
+
+def _big_grads(step: int, rank: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 * step + rank)
+    return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in _big_model(0).items()}
+
+
+async def _sgd(groups: list[Any], steps: range, opts: list[Any] | None = None) -> tuple[list[Any], list[Any]]:
+    from psring.optim import Adam
+
+    opts = opts or [psring.SyncSGD(g, _big_model(g.rank), Adam(lr=0.01)) for g in groups]
+    outs: list[Any] = []
+    for t in steps:
+        outs = await asyncio.gather(*(o.step(_big_grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    return opts, outs
+
+
+async def test_parameter_mode_pushes_and_parameters_cross_in_shared_memory(make_job, monkeypatch) -> None:
+    shm = await make_job(3, shards=2)
+    _, got = await _sgd(shm.groups, range(6))
+    stats = [g.stats() for g in shm.groups]
+    params = sum(v.nbytes for v in _big_model(0).values())
+    assert all(s["shm_bytes_sent"] >= 5 * params for s in stats), stats  # the gradients went through slots
+    assert all(s["shm_bytes_received"] >= 5 * params for s in stats), stats  # and the new parameters
+    await shm.settled()
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    tcp = await make_job(3, shards=2)
+    _, want = await _sgd(tcp.groups, range(6))
+    assert all(g.stats()["shm_bytes_sent"] == 0 for g in tcp.groups)
+    for k in want[0]:
+        assert all(o[k].tobytes() == want[0][k].tobytes() for o in got + want), k
+
+
+@pytest.mark.timeout(120)
+async def test_a_server_sigkilled_while_holding_pushes_in_shared_memory_is_restored_exactly(
+    store, make_job, tmp_path
+) -> None:
+    """The server dies holding the workers' slots: they come back to the workers once its process
+    is gone, the restarted server maps the pools afresh, and training ends with the parameters of
+    an uninterrupted run."""
+    from .conftest import end, ps_workers, spawn_server
+
+    want = (await _sgd((await make_job(2, shards=2)).groups, range(8)))[1]
+    job = "pool-ckpt"
+    args = ["--shards", "2", "--host", "127.0.0.1", "--store", f"127.0.0.1:{store.port}", "--job", job]
+    args += ["--checkpoint-every", "1", "--checkpoint-dir", str(tmp_path)]
+    server, _ = await spawn_server(args)
+    groups: list[Any] = []
+    try:
+        groups = await ps_workers(store.port, job, 2, timeout=20)
+        opts, _ = await _sgd(groups, range(4))
+        assert all(g.stats()["shm_bytes_sent"] > 0 for g in groups)
+        # rank 0 pushes step 4 alone: the shards hold its pieces in its slots, waiting for rank 1
+        early = asyncio.ensure_future(opts[0].step(_big_grads(4, 0)))
+        pool = groups[0].links.pool
+        assert pool is not None
+        deadline = time.monotonic() + 10
+        while pool.in_use == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        end(server)  # SIGKILL by PID, reaped
+        server, line = await spawn_server([*args, "--restore"])
+        assert "restored" in line, line
+        late = asyncio.ensure_future(opts[1].step(_big_grads(4, 1)))
+        await asyncio.gather(early, late)
+        _, got = await _sgd(groups, range(5, 8), opts)
+        for k in want[0]:
+            assert got[0][k].tobytes() == got[1][k].tobytes() == want[0][k].tobytes(), k
+        assert pool.in_use == 0 and not pool.quarantined  # the dead server's slots came back
+    finally:
+        await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
+        end(server)
