@@ -515,17 +515,20 @@ class Connection(asyncio.BufferedProtocol):
         self.frames_sent += 1
         self._last_sent = time.monotonic()
 
-    def send_tensor(self, header: dict[str, Any], x: np.ndarray, shared: bool = False) -> None:
+    def send_tensor(
+        self, header: dict[str, Any], x: np.ndarray, shared: bool = False, owner: tuple[Any, int] | None = None
+    ) -> None:
         """Send a C-contiguous host array as a frame; the header gains dtype/shape/nbytes.
 
         ``shared=True``: when the peer maps this side's pool and a slot is free, the array is
-        copied into the slot and only its number crosses the socket. The receiving router
-        must be done with such a payload when its ``deliver`` returns, or hold the slot.
+        copied into the slot (taken for ``owner``, see ShmPool.may_wait) and only its number
+        crosses the socket. The receiving router must be done with such a payload when its
+        ``deliver`` returns, or hold the slot.
         """
         header = {**header, **wire.tensor_fields(x)}
         pool = self.pool
         if shared and self.peer_maps_pool and pool is not None and 0 < x.nbytes <= pool.slot_bytes:
-            k = pool.take()
+            k = pool.take(owner)
             if k is not None:
                 try:
                     np.copyto(pool.view(k, x.nbytes), wire.byte_view(x))

@@ -159,6 +159,13 @@ class ServerLinks:
         """Whether a shard connection has not been considered for this worker's pool yet."""
         return any(id(c) not in self._pool_checked for c in self.shards)
 
+    async def slot_for(self, owner: tuple[Any, int]) -> None:
+        """Wait until the pool has a free slot, where waiting cannot deadlock (else the piece
+        goes on the socket): pieces larger than the pool then stream through it."""
+        pool = self.pool
+        while pool is not None and not pool.free and pool.may_wait(*owner):
+            await pool.wait_free()
+
     async def share_memory(self) -> None:
         """Offer every shard on this host not offered yet this worker's shared-memory pool (made
         now, at the first large collective); such a shard maps it and offers its own back."""
@@ -474,12 +481,15 @@ class PsGroup(Group):
         if shared and self.links.share_memory_pending():
             await self.links.share_memory()
         used = []
+        owner = (gid, seq)
         for shard, a, b in layout:
             conn = self.links.shards[shard]
             conn.send_frame(self._join(coll))
             if push and x is not None:
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
-                    conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared)
+                    if shared and conn.peer_maps_pool:
+                        await self.links.slot_for(owner)
+                    conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared, owner=owner)
             used.append(conn)
         await done
         for conn in used:
@@ -718,7 +728,10 @@ class PsGroup(Group):
                     fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
                     futs.append(fut)
                     piece = sent[pa:pb]
-                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=piece.nbytes >= SHM_MIN)
+                    shared = piece.nbytes >= SHM_MIN and conn.peer_maps_pool
+                    if shared:
+                        await self.links.slot_for(("param", t))
+                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
 
     def on_peer_lost(self, err: PeerLostError) -> None:

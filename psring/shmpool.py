@@ -22,6 +22,7 @@ kernel's rule for ``/proc/<pid>/fd``: processes of the same user (as for ptrace)
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import mmap
@@ -78,6 +79,8 @@ class ShmPool:
         self.refs = [0] * slots
         self.closed = False
         self.quarantined: list[tuple[int | None, dict[int, int]]] = []  # (peer pid, slot -> count)
+        self.owners: list[tuple[Any, int] | None] = [None] * slots  # what each slot in use was taken for
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this pool (sent in a ``pool`` frame)."""
@@ -90,15 +93,42 @@ class ShmPool:
             "host": host_key(),
         }
 
-    def take(self) -> int | None:
-        """A free slot, held once by the caller (give it back when done lending it), or None."""
+    def take(self, owner: tuple[Any, int] | None = None) -> int | None:
+        """A free slot, held once by the caller (give it back when done lending it), or None.
+
+        ``owner`` -- (stream, order), e.g. (group id, collective number) -- says what the
+        slot holds, for :meth:`may_wait`."""
         if not self.free and self.quarantined:
             self.sweep()
         if not self.free or self.closed:
             return None
         k = self.free.popleft()
         self.refs[k] = 1
+        self.owners[k] = owner
         return k
+
+    def may_wait(self, stream: Any, order: int) -> bool:
+        """Whether waiting for a slot cannot deadlock: every slot in use holds a piece of the
+        same stream, at most this far along it. Such pieces are folded (and their slots handed
+        back) once every peer has pushed them, and each peer pushes a stream in order; a slot
+        held by anything else may wait on this very caller, which then sends on the socket."""
+        if self.closed or self.quarantined:  # quarantined slots may stay out for as long as a peer lives
+            return False
+        return all(
+            owner is not None and owner[0] == stream and owner[1] <= order
+            for k, owner in enumerate(self.owners)
+            if self.refs[k]
+        )
+
+    async def wait_free(self) -> None:
+        """Until a slot is given back (it may be taken by someone else before the caller runs)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(fut)
 
     def lend(self, k: int) -> None:
         self.refs[k] += 1
@@ -106,7 +136,13 @@ class ShmPool:
     def give_back(self, k: int) -> None:
         self.refs[k] -= 1
         if self.refs[k] == 0:
+            self.owners[k] = None
             self.free.append(k)
+            while self._waiters:
+                fut = self._waiters.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+                    break
 
     def quarantine(self, lent: dict[int, int], pid: int | None) -> None:
         """Slots lent to a peer that was lost: back to the pool once process ``pid`` is gone
@@ -140,6 +176,9 @@ class ShmPool:
         if self.closed:
             return
         self.closed = True
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
         self.array = np.empty(0, np.uint8)
         with contextlib.suppress(BufferError):  # a view still held somewhere: the mapping goes with it
             self.mm.close()

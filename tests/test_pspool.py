@@ -153,27 +153,55 @@ async def test_every_folding_collective_and_op_goes_through_slots(make_job, monk
         await shm.settled()
 
 
-async def test_few_slots_fall_back_to_the_socket_under_concurrent_calls(make_job, monkeypatch) -> None:
-    """One slot per pool: most pieces cannot have one and go on the socket; nothing waits for a
-    slot (so nothing can deadlock), and concurrent collectives still get their own bits."""
+async def test_pieces_of_a_tensor_larger_than_the_pool_stream_through_it(make_job, monkeypatch) -> None:
+    """One slot per pool: each piece waits for the slot the one before it is handed back from."""
     monkeypatch.setattr(ps_mod, "SHM_SLOTS", 1)
     monkeypatch.setattr(server_mod, "SHM_SLOTS", 1)
     job = await make_job(3, shards=2)
-    sizes = [3 * MiB, 5 * MiB // 4, 2 * MiB]
-    inputs = [_inputs(3, s) for s in sizes]
-    want = [np.sum(np.stack(xs), axis=0) for xs in inputs]  # close to the fold; bits checked across ranks
-
-    async def rank(g: Any) -> list[np.ndarray]:
-        return list(await asyncio.gather(*(g.all_reduce(xs[g.rank]) for xs in inputs)))
-
-    for _ in range(3):
-        results = await asyncio.gather(*(rank(g) for g in job.groups))
-        for c, w in enumerate(want):
-            assert all(r[c].tobytes() == results[0][c].tobytes() for r in results)
-            np.testing.assert_allclose(results[0][c], w, rtol=1e-5, atol=1e-5)
-    stats = [g.stats() for g in job.groups]
-    assert all(0 < s["shm_bytes_sent"] < _tcp(s, "sent") for s in stats), stats  # both ways were used
+    xs = _inputs(3, 5 * MiB)  # 20 MiB: 10 MiB per shard, three pieces each
+    for _ in range(2):
+        before = [g.stats() for g in job.groups]
+        ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+        for g, b in zip(job.groups, before, strict=True):
+            assert g.stats()["shm_bytes_sent"] - b["shm_bytes_sent"] == xs[0].nbytes  # all six pieces
+    assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
+    np.testing.assert_allclose(ys[0], xs[0] + xs[1] + xs[2], rtol=1e-5, atol=1e-5)
     assert job.groups[0].links.pool is not None and job.groups[0].links.pool.slots == 1
+    await job.settled()
+
+
+async def test_groups_called_in_different_orders_do_not_deadlock_on_slots(make_job, monkeypatch) -> None:
+    """Rank 0 starts subgroup A's all_reduce, then B's; rank 1 starts B's, then A's. With one slot
+    each, waiting for a slot whatever holds it would deadlock (each slot holds a piece the other
+    rank has yet to push); a piece whose wait could deadlock goes on the socket instead."""
+    monkeypatch.setattr(ps_mod, "SHM_SLOTS", 1)
+    monkeypatch.setattr(server_mod, "SHM_SLOTS", 1)
+    job = await make_job(2, shards=2)
+    subs = await asyncio.gather(*(g.new_group([0, 1]) for g in job.groups))
+    subs2 = await asyncio.gather(*(g.new_group([0, 1]) for g in job.groups))
+    xs, zs = _inputs(2, 3 * MiB), _inputs(2, 3 * MiB + 1)
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))  # pools set up
+
+    async def rank(r: int) -> tuple[np.ndarray, np.ndarray]:
+        a = subs[r].all_reduce(xs[r])
+        b = subs2[r].all_reduce(zs[r])
+        if r == 0:
+            ta = asyncio.ensure_future(a)
+            tb = asyncio.ensure_future(b)
+        else:
+            tb = asyncio.ensure_future(b)
+            ta = asyncio.ensure_future(a)
+        return await ta, await tb
+
+    before = [g.stats() for g in job.groups]
+    (a0, b0), (a1, b1) = await asyncio.wait_for(asyncio.gather(rank(0), rank(1)), 30)
+    assert a0.tobytes() == a1.tobytes() and b0.tobytes() == b1.tobytes()
+    np.testing.assert_allclose(a0, xs[0] + xs[1], rtol=1e-6)
+    np.testing.assert_allclose(b0, zs[0] + zs[1], rtol=1e-6)
+    for g, b in zip(job.groups, before, strict=True):
+        st = g.stats()
+        assert st["shm_bytes_sent"] > b["shm_bytes_sent"]  # the slot was used...
+        assert _tcp(st, "sent") - _tcp(b, "sent") > MiB  # ...and pieces that could not wait took the socket
     await job.settled()
 
 
