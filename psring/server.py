@@ -9,6 +9,11 @@ return the same bits -- and streams the result piece to the workers that want it
 the moment it is folded. Relay collectives (broadcast, all_gather, gather, scatter,
 send/recv) forward pieces instead of folding them.
 
+Workers on the shard's host push folding pieces through shared memory (psring.shmpool):
+the shard holds each worker's slot until the piece is folded, folds straight out of the
+slots into a slot of its process's own pool, and lends that one slot to every worker
+that wants the result (a worker that does not map the pool gets a copy on its socket).
+
 A shard never falls over because of one client: a malformed frame or a frame that
 contradicts the plan gets that worker an error frame and the connection dropped; a
 worker that stops reading is dropped when its unsent backlog passes a bound; a
