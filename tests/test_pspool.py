@@ -456,3 +456,29 @@ async def test_a_server_sigkilled_while_holding_pushes_in_shared_memory_is_resto
     finally:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         end(server)
+
+
+async def test_a_pool_that_cannot_be_made_leaves_that_side_on_the_socket(make_job, monkeypatch, caplog) -> None:
+    """No memory for a pool (ENOMEM/ENOSPC at fallocate): a server without one still maps the
+    workers' pools (pushes in shared memory, results on the socket); a worker without one
+    pushes on the socket. The bits are the same either way."""
+
+    def no_memory(*_a: Any, **_k: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    xs = _inputs(2, 3 * MiB)
+    monkeypatch.setattr(server_mod, "ShmPool", no_memory)
+    half = await make_job(2, shards=2)
+    ys = [await asyncio.gather(*(g.all_reduce(x) for g, x in zip(half.groups, xs, strict=True))) for _ in range(2)][-1]
+    assert half.server is not None and half.server.pool is None
+    assert "no shared memory for results" in caplog.text
+    stats = [g.stats() for g in half.groups]
+    assert all(s["shm_bytes_sent"] == 2 * xs[0].nbytes and s["shm_bytes_received"] == 0 for s in stats), stats
+    await half.settled()
+    monkeypatch.undo()
+    monkeypatch.setattr(ps_mod, "ShmPool", no_memory)
+    none = await make_job(2, shards=2)
+    zs = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(none.groups, xs, strict=True)))
+    assert all(g.links.pool is None and g.stats()["shm_bytes_sent"] == 0 for g in none.groups)
+    assert "no shared memory for pushes" in caplog.text
+    assert ys[0].tobytes() == ys[1].tobytes() == zs[0].tobytes() == zs[1].tobytes()
