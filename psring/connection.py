@@ -793,11 +793,11 @@ class Connection(asyncio.BufferedProtocol):
             self._hb_handle.cancel()
             self._hb_handle = None
         if self._lent and self.pool is not None:
-            if self._closing and self._lost is None:  # a goodbye: the peer reads no more frames
+            if self.farewell is not None and self._lost is None:  # it said goodbye and closed: it reads no more
                 for k, count in self._lent.items():
                     for _ in range(count):
                         self.pool.give_back(k)
-            else:  # lost: the peer may still be reading them, until its process ends
+            else:  # lost, or closed by this side: the peer may still be reading them, until its process ends
                 self.pool.quarantine(self._lent, self.peer_pid)
             self._lent.clear()
         if self.peer_pool is not None:

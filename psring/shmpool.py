@@ -39,6 +39,8 @@ PAGE = mmap.PAGESIZE
 TOKEN_BYTES = 16
 MAX_SLOTS = 4096
 MAX_SLOT_BYTES = 1 << 30
+#: the most a peer's pool may map here
+MAX_PEER_POOL = 1 << 36
 
 
 def pools_enabled() -> bool:
@@ -229,11 +231,15 @@ class PeerPool:
         if host is None or host != host_key():
             raise ValueError("the pool is on another host (or another network or pid namespace)")
         size = PAGE + slots * slot_bytes
+        if size > MAX_PEER_POOL:
+            raise ValueError(f"a pool of {slots} x {slot_bytes} bytes is larger than {MAX_PEER_POOL} bytes")
         handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(handle)
             if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 raise ValueError(f"/proc/{pid}/fd/{fd} is not a pool of {slots} x {slot_bytes} bytes")
+            if st.st_blocks * 512 < size:  # mapping holes would make this process pay for them
+                raise ValueError(f"/proc/{pid}/fd/{fd} has pages not reserved by its owner")
             mm = mmap.mmap(handle, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
         finally:
             os.close(handle)

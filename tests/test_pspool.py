@@ -323,6 +323,16 @@ async def test_pools_map_only_what_they_describe(tmp_path) -> None:
                 PeerPool.open(bad)
         with pytest.raises(FileNotFoundError):
             PeerPool.open({**desc, "fd": 999_999})
+        with pytest.raises(ValueError, match="larger than"):
+            PeerPool.open({**desc, "slots": 4096, "slot_bytes": 1 << 30})
+        sparse = os.memfd_create("sparse")  # the right size, but holes: mapping it would allocate here
+        try:
+            os.ftruncate(sparse, PAGE + pool.slots * pool.slot_bytes)
+            os.pwrite(sparse, pool.token, 0)
+            with pytest.raises(ValueError, match="not reserved"):
+                PeerPool.open({**desc, "fd": sparse})
+        finally:
+            os.close(sparse)
         with pytest.raises(ValueError, match="1 to"):
             ShmPool(0, 4096)
     finally:
