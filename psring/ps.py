@@ -35,7 +35,7 @@ from .connection import Connection, Mailbox, open_connection
 from .errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from .group import Collective, Group, farewell, ring_chunk_bounds
 from .rendezvous import assign_rank, open_store_for
-from .server import FOLD_KINDS, PIECE_BYTES, SHM_MIN, SHM_SLOTS, ShardServer, per_piece, pieces, plan, start_servers
+from .server import PIECE_BYTES, SHARED_KINDS, SHM_MIN, SHM_SLOTS, ShardServer, per_piece, pieces, plan, start_servers
 from .shmpool import ShmPool, host_key
 
 logger = logging.getLogger(__name__)
@@ -479,10 +479,12 @@ class PsGroup(Group):
             self.mailbox.post(tag, view, self._guard(coll, make_cb(dest)))
         if not expects:
             done.set_result(None)
-        # pieces to be folded may go through shared memory (the shard holds them there until folded)
-        shared = push and coll.kind in FOLD_KINDS and min(step, n) * itemsize >= SHM_MIN
-        if shared and self.links.share_memory_pending():
+        # pieces may go through shared memory (the shard holds them there until folded or forwarded),
+        # and results come back through the server's (a receiver that pushes nothing offers its pool too)
+        large = coll.kind in SHARED_KINDS and min(step, n) * itemsize >= SHM_MIN
+        if large and self.links.share_memory_pending():
             await self.links.share_memory()
+        shared = push and large
         used = []
         owner = (gid, seq)
         for shard, a, b in layout:

@@ -69,6 +69,8 @@ MAX_TENSOR = int(os.environ.get("PSRING_MAX_TENSOR", 64 << 30))
 FOLD_KINDS = ("all_reduce", "reduce", "reduce_scatter")
 RELAY_KINDS = ("broadcast", "all_gather", "gather")
 KINDS = (*FOLD_KINDS, *RELAY_KINDS, "barrier", "scatter")
+#: collectives whose pushes may travel in a worker's shared memory
+SHARED_KINDS = (*FOLD_KINDS, *RELAY_KINDS)
 
 
 # ------------------------------------------------------------------ the plan
@@ -139,7 +141,8 @@ class _Pending:
         self.pieces = pieces(*self.slice, per_piece(itemsize))
         self.conns: dict[int, Connection] = {}
         self.inbox: dict[int, dict[int, np.ndarray]] = {}  # piece -> src -> data (folds), or queued relays
-        self.held: dict[int, list[tuple[Connection, int]]] = {}  # piece -> workers' shared-memory slots it is in
+        # piece j (or a relayed piece ("w", src, j) not yet forwarded) -> the workers' shared-memory slots it is in
+        self.held: dict[Any, list[tuple[Connection, int]]] = {}
         self.done_pieces = 0
         self.created = time.monotonic()
         self.waiting: list[tuple[int, int, np.ndarray, dict[str, Any]]] = []  # relays held until all joined
@@ -361,6 +364,7 @@ class Shard:
                 else:
                     self._account(pending.conns[src_], -data.nbytes)
                     self._forward(pending, src_, j, data, hdr)
+                    self._release(pending.held.pop(("w", src_, j), ()))
             self._maybe_finish(pending)
 
     def _on_data(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
@@ -417,6 +421,8 @@ class Shard:
                 raise ProtocolError(f"rank {src} pushed data for a broadcast from rank {pending.root}")
             if len(pending.conns) < pending.size:
                 pending.waiting.append((src, j, data, header))
+                if "pool" in header:  # it stays in the worker's shared memory until forwarded
+                    pending.held.setdefault(("w", src, j), []).append((conn, conn.hold_slot()))
                 self._account(conn, data.nbytes)
                 return
             self._forward(pending, src, j, data, header)
@@ -475,10 +481,29 @@ class Shard:
             targets = [pending.root] if src != pending.root else []
         else:
             targets = [r for r in range(pending.size) if r != src]
-        for r in targets:
-            self._send(pending.conns[r], out, data)
+        self._send_all([pending.conns[r] for r in targets], out, data, borrowed="pool" in header)
         pending.done_pieces += 1
         self._maybe_finish(pending)
+
+    def _send_all(self, conns: list[Connection], header: dict[str, Any], data: np.ndarray, borrowed: bool) -> None:
+        """data to every conn: copied once into a slot of this process's pool that the workers
+        mapping it share, else on their sockets (copied first if it is ``borrowed`` from a
+        worker's shared memory, which is handed back before the socket is done with it)."""
+        pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= SHM_MIN else None
+        slot = pool.take() if pool is not None else None
+        if slot is None or pool is None:
+            data = data.copy() if borrowed and conns else data
+            for conn in conns:
+                self._send(conn, header, data)
+            return
+        shared = pool.view(slot, data.nbytes).view(data.dtype)
+        np.copyto(shared, data)
+        try:
+            for conn in conns:
+                with contextlib.suppress(PsringError):  # its loss is reported through detach
+                    conn.send_slot(header, pool, slot, shared)
+        finally:
+            pool.give_back(slot)
 
     def _scatter_row(self, pending: _Pending, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         row = header["tag"][3]

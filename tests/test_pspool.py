@@ -125,7 +125,7 @@ async def test_pushes_and_results_cross_in_shared_memory_with_the_bits_of_tcp(ma
     assert ys[0].tobytes() == ys[1].tobytes() == ys[2].tobytes()
 
 
-async def test_every_folding_collective_and_op_goes_through_slots(make_job, monkeypatch) -> None:
+async def test_every_folding_and_relaying_collective_goes_through_slots(make_job, monkeypatch) -> None:
     shm = await make_job(4, shards=3)
     xs = _inputs(4, 2 * MiB + 12345)  # uneven slices and pieces
     await asyncio.gather(*(g.all_reduce(x) for g, x in zip(shm.groups, xs, strict=True)))  # sets the pools up
@@ -138,18 +138,26 @@ async def test_every_folding_collective_and_op_goes_through_slots(make_job, monk
         ("all_reduce", {"op": "avg", "compression": "fp16"}),
         ("reduce", {"dst": 2, "op": "sum"}),
         ("reduce_scatter", {"op": "sum"}),
+        ("broadcast", {"src": 1}),  # relays: one copy into a slot of the server's pool, lent to all
+        ("all_gather", {}),
+        ("gather", {"dst": 3}),
     ]
     for name, kw in calls:
-        before = [g.stats()["shm_bytes_sent"] for g in shm.groups]
+
+        def moved() -> list[int]:
+            return [g.stats()["shm_bytes_sent"] + g.stats()["shm_bytes_received"] for g in shm.groups]
+
+        before = moved()
         got = await asyncio.gather(*(getattr(g, name)(x, **kw) for g, x in zip(shm.groups, xs, strict=True)))
         want = await asyncio.gather(*(getattr(g, name)(x, **kw) for g, x in zip(tcp.groups, xs, strict=True)))
-        sent = [g.stats()["shm_bytes_sent"] - b for g, b in zip(shm.groups, before, strict=True)]
-        assert all(s > 0 for s in sent), (name, sent)
+        delta = [m - b for m, b in zip(moved(), before, strict=True)]
+        assert all(d > 0 for d in delta), (name, delta)  # every rank sent or received through a slot
         for r, (y, z) in enumerate(zip(got, want, strict=True)):
             if z is None:
                 assert y is None, (name, r)
-            else:
-                assert y.dtype == z.dtype and y.shape == z.shape and y.tobytes() == z.tobytes(), (name, kw, r)
+                continue
+            for a, b in zip(y if isinstance(y, list) else [y], z if isinstance(z, list) else [z], strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (name, kw, r)
         await shm.settled()
 
 
@@ -492,3 +500,37 @@ async def test_a_pool_that_cannot_be_made_leaves_that_side_on_the_socket(make_jo
     assert all(g.links.pool is None and g.stats()["shm_bytes_sent"] == 0 for g in none.groups)
     assert "no shared memory for pushes" in caplog.text
     assert ys[0].tobytes() == ys[1].tobytes() == zs[0].tobytes() == zs[1].tobytes()
+
+
+async def test_relayed_pieces_wait_in_their_slots_for_late_joiners(make_job) -> None:
+    """Rank 0's all_gather pieces reach the shards before the others join: the shards keep them in
+    rank 0's slots until everyone has joined, then forward them and hand the slots back."""
+    job = await make_job(3, shards=2)
+    xs = _inputs(3, 3 * MiB)
+    await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
+    first = asyncio.ensure_future(job.groups[0].all_gather(xs[0]))
+    server = job.server
+    assert server is not None
+    deadline = time.monotonic() + 5
+    while sum(len(p.waiting) for s in server.shards.values() for p in s.pending.values()) < 2:
+        assert time.monotonic() < deadline, "rank 0's pieces never waited on the shards"
+        await asyncio.sleep(0.005)
+    held = [k for s in server.shards.values() for p in s.pending.values() for k in p.held]
+    assert held and all(k[0] == "w" and k[1] == 0 for k in held)  # in rank 0's slots
+    rest = await asyncio.gather(*(g.all_gather(x) for g, x in zip(job.groups[1:], xs[1:], strict=True)))
+    for out in [await first, *rest]:
+        assert all(a.tobytes() == x.tobytes() for a, x in zip(out, xs, strict=True))
+    await job.settled()
+
+
+async def test_a_broadcast_as_the_first_large_call_reaches_its_receivers_through_slots(make_job) -> None:
+    """Receivers push nothing, but offer their pools all the same: the result comes back in shared memory."""
+    job = await make_job(3, shards=2)
+    x = _inputs(1, 3 * MiB)[0]
+    for _ in range(2):
+        ys = await asyncio.gather(*(g.broadcast(x if g.rank == 2 else np.empty_like(x), src=2) for g in job.groups))
+    assert all(y.tobytes() == x.tobytes() for y in ys)
+    stats = [g.stats() for g in job.groups]
+    assert stats[2]["shm_bytes_sent"] == 2 * x.nbytes
+    assert stats[0]["shm_bytes_received"] == stats[1]["shm_bytes_received"] == 2 * x.nbytes
+    await job.settled()
