@@ -91,3 +91,15 @@ def test_ps_vs_ring_runs_every_setup_in_rounds() -> None:
     for label in ("ps S=N", "ps S=N colo"):
         v = row[label]["vs_ring"]
         assert 0 < v["min"] <= v["median"] <= v["max"]
+
+
+def test_collectives_benchmark_times_each_collective_on_both_topologies() -> None:
+    r = _json(
+        ["benchmarks/collectives.py", "--workers", "2", "--size", "4M", "--iters", "2", "--rounds", "1", "--json"]
+    )
+    assert r["workers"] == 2 and r["size"] == 4 << 20
+    for name in ("broadcast", "all_gather", "all_reduce"):
+        row = r["table"][name]
+        assert row["ring_ms"] > 0 and row["ps_ms"] > 0
+        assert row["ps_vs_ring"] == pytest.approx(row["ps_ms"] / row["ring_ms"])
+        assert [len(r["rounds"][t]) for t in ("ring", "ps")] == [1, 1]
