@@ -321,9 +321,10 @@ class Connection(asyncio.BufferedProtocol):
         kind = header["kind"]
         if "free" in header:
             self._taken_back(header.pop("free"))
-        if kind in ("ping", "bye", "pool", "free") or self._handshake_frames is not None or self.router is None:
-            if slot is not None:
-                self.release_slot(slot)
+        if slot is not None and (
+            kind in ("ping", "bye", "pool", "free") or self._handshake_frames is not None or self.router is None
+        ):
+            self.release_slot(slot)  # nobody will read it
         if kind == "ping":
             return
         if kind == "bye":
@@ -857,10 +858,11 @@ class LocalConnection(Connection):
     reuse its payload's memory, as with a socket.
     """
 
+    is_local = True
+
     def __init__(self, name: str, peername: str) -> None:
         super().__init__(secret=None, name=name)
         self._handshake_frames = None
-        self.is_local = True
         self._partner: LocalConnection | None = None
         self._in_flight = 0
         self.transport = _LocalTransport()

@@ -40,7 +40,7 @@ from .connection import Connection
 from .errors import ProtocolError, PsringError
 from .group import canonical_fold
 from .optim import Optimizer
-from .server import SHM_MIN, Shard, ShardServer, per_piece, pieces, plan
+from .server import Shard, ShardServer, per_piece, pieces, plan, send_once
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class ParamStore:
             "step": t + 1,
         }
         conns = [conn] if conn is not None else [bucket.conns[r] for r in range(bucket.size) if r in bucket.conns]
-        _send_copy(conns, header, view)
+        send_once(conns, header, view, stable=False)
 
     def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:
         for j in range(len(bucket.pieces)):
@@ -341,7 +341,7 @@ class ParamStore:
                 "tag": ("param", bucket.b, "pull", self.shard.index, j),
                 "step": bucket.step,
             }
-            _send_copy([conn], header, view)
+            send_once([conn], header, view, stable=False)
         with contextlib.suppress(PsringError):
             conn.send_frame(
                 {
@@ -352,29 +352,6 @@ class ParamStore:
                     "pieces": len(bucket.pieces),
                 }
             )
-
-
-def _send_copy(conns: list[Connection], header: dict[str, Any], data: np.ndarray) -> None:
-    """Send what data holds now (it changes after) to every conn: copied once, into a slot of
-    this process's shared-memory pool for the workers that map it, else into one private copy."""
-    pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= SHM_MIN else None
-    slot = pool.take() if pool is not None else None
-    shared = private = None
-    if slot is not None:
-        assert pool is not None
-        shared = pool.view(slot, data.nbytes).view(data.dtype)
-        np.copyto(shared, data)
-    try:
-        for conn in conns:
-            with contextlib.suppress(PsringError):  # a lost worker re-sends its push after reconnecting
-                if shared is not None and pool is not None and conn.pool is pool and conn.peer_maps_pool:
-                    conn.send_slot(dict(header), pool, slot, shared)  # type: ignore[arg-type]
-                else:
-                    private = data.copy() if private is None else private
-                    conn.send_tensor(dict(header), private)
-    finally:
-        if slot is not None and pool is not None:
-            pool.give_back(slot)
 
 
 def param_store(shard: Shard) -> ParamStore:

@@ -35,6 +35,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -481,29 +482,9 @@ class Shard:
             targets = [pending.root] if src != pending.root else []
         else:
             targets = [r for r in range(pending.size) if r != src]
-        self._send_all([pending.conns[r] for r in targets], out, data, borrowed="pool" in header)
+        send_once([pending.conns[r] for r in targets], out, data, stable="pool" not in header, send=self._send)
         pending.done_pieces += 1
         self._maybe_finish(pending)
-
-    def _send_all(self, conns: list[Connection], header: dict[str, Any], data: np.ndarray, borrowed: bool) -> None:
-        """data to every conn: copied once into a slot of this process's pool that the workers
-        mapping it share, else on their sockets (copied first if it is ``borrowed`` from a
-        worker's shared memory, which is handed back before the socket is done with it)."""
-        pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= SHM_MIN else None
-        slot = pool.take() if pool is not None else None
-        if slot is None or pool is None:
-            data = data.copy() if borrowed and conns else data
-            for conn in conns:
-                self._send(conn, header, data)
-            return
-        shared = pool.view(slot, data.nbytes).view(data.dtype)
-        np.copyto(shared, data)
-        try:
-            for conn in conns:
-                with contextlib.suppress(PsringError):  # its loss is reported through detach
-                    conn.send_slot(header, pool, slot, shared)
-        finally:
-            pool.give_back(slot)
 
     def _scatter_row(self, pending: _Pending, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         row = header["tag"][3]
@@ -635,6 +616,39 @@ class Shard:
 
 #: pieces from this size are received into (and folded into) pooled buffers
 POOLED_MIN = 1 << 20
+
+
+def send_once(
+    conns: list[Connection],
+    header: dict[str, Any],
+    data: np.ndarray,
+    *,
+    stable: bool,
+    send: Callable[[Connection, dict[str, Any], np.ndarray], None] | None = None,
+) -> None:
+    """data to every conn, copied at most once: into a slot of this process's pool that the
+    workers mapping it share; for the others, on their sockets -- data itself if it is
+    ``stable`` (unchanged until the sockets are done with it), else one private copy.
+    ``send`` sends on a socket (default: send_tensor, a lost worker ignored)."""
+    pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= SHM_MIN else None
+    slot = pool.take() if pool is not None else None
+    if slot is None or pool is None:
+        data = data if stable or not conns else data.copy()
+        for conn in conns:
+            if send is not None:
+                send(conn, header, data)
+            else:
+                with contextlib.suppress(PsringError):  # a lost worker re-sends after reconnecting
+                    conn.send_tensor(dict(header), data)
+        return
+    shared = pool.view(slot, data.nbytes).view(data.dtype)
+    np.copyto(shared, data)
+    try:
+        for conn in conns:
+            with contextlib.suppress(PsringError):  # its loss is reported through detach
+                conn.send_slot(header, pool, slot, shared)  # a copy for one that does not map the pool
+    finally:
+        pool.give_back(slot)
 
 
 def _piece_empty(count: int, dtype: np.dtype) -> np.ndarray:
@@ -830,4 +844,4 @@ async def serve_forever(server: ShardServer, on_stop: Any = None) -> None:
     await server.close()
 
 
-__all__ = ["Shard", "ShardServer", "byte_view", "plan", "start_servers"]
+__all__ = ["Shard", "ShardServer", "byte_view", "plan", "send_once", "start_servers"]
