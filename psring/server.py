@@ -9,10 +9,11 @@ return the same bits -- and streams the result piece to the workers that want it
 the moment it is folded. Relay collectives (broadcast, all_gather, gather, scatter,
 send/recv) forward pieces instead of folding them.
 
-Workers on the shard's host push folding pieces through shared memory (psring.shmpool):
-the shard holds each worker's slot until the piece is folded, folds straight out of the
-slots into a slot of its process's own pool, and lends that one slot to every worker
-that wants the result (a worker that does not map the pool gets a copy on its socket).
+Workers on the shard's host push pieces through shared memory (psring.shmpool): the
+shard holds each worker's slot until the piece is folded (or forwarded), folds straight
+out of the slots into a slot of its process's own pool, and lends that one slot to
+every worker that wants the result; a relayed piece is copied once into such a slot.
+A worker that does not map the pool gets a copy on its socket.
 
 A shard never falls over because of one client: a malformed frame or a frame that
 contradicts the plan gets that worker an error frame and the connection dropped; a
@@ -59,8 +60,8 @@ MAX_BACKLOG = env_bytes("PSRING_SERVER_BACKLOG", 1 << 30)
 MAX_BUFFERED = env_bytes("PSRING_SERVER_BUFFER", 512 << 20)
 
 #: slots (of one piece each) in the shared-memory pool of a worker, and of a server process, for
-#: peers on the same host (0: none); pieces of folding collectives from PSRING_PS_SHM_MIN bytes
-#: travel in them (see psring.shmpool)
+#: peers on the same host (0: none); pieces of SHARED_KINDS collectives and of parameter mode
+#: from PSRING_PS_SHM_MIN bytes travel in them (see psring.shmpool)
 SHM_SLOTS = env_bytes("PSRING_PS_SHM_SLOTS", 16, "slots")
 SHM_MIN = env_bytes("PSRING_PS_SHM_MIN", 256 << 10)
 
