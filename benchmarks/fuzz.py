@@ -172,6 +172,12 @@ FIELDS = [
     "amount",
     "expected",
     "prefix",
+    # shared memory (psring.shmpool): a slot number, hand-backs, a pool offer
+    "pool",
+    "free",
+    "offer",
+    "mapped",
+    "pid",
 ]
 
 
