@@ -34,6 +34,14 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 MiB = 1 << 20
 
 
+async def until(ready: Any, what: Any, timeout: float = 5) -> None:
+    """Poll ready() until it holds; fail naming what never happened (what: a text, or makes one)."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert time.monotonic() < deadline, what() if callable(what) else what
+        await asyncio.sleep(0.005)
+
+
 class Job:
     """n workers and S shards (in this event loop) of one job; closed by the fixture."""
 
@@ -43,12 +51,7 @@ class Job:
 
     async def settled(self) -> None:
         """Wait until every slot lent is handed back (the hand-backs are small frames in flight)."""
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            if not self.in_use():
-                return
-            await asyncio.sleep(0.01)
-        assert not self.in_use(), self.in_use()
+        await until(lambda: not self.in_use(), lambda: f"slots still lent: {self.in_use()}")
 
     def in_use(self) -> dict[str, int]:
         used = {f"rank {g.rank}": g.links.pool.in_use for g in self.groups if g.links.pool is not None}
@@ -230,10 +233,10 @@ async def test_a_mismatch_and_a_lost_worker_hand_every_held_slot_back(make_job) 
     pushed = [asyncio.ensure_future(g.all_reduce(x)) for g, x in zip(job.groups[:2], xs[:2], strict=True)]
     server = job.server
     assert server is not None
-    deadline = time.monotonic() + 5
-    while sum(len(p.held) for s in server.shards.values() for p in s.pending.values()) < 2:
-        assert time.monotonic() < deadline, "the shards never held the pushed pieces"
-        await asyncio.sleep(0.005)
+    await until(
+        lambda: sum(len(p.held) for s in server.shards.values() for p in s.pending.values()) >= 2,
+        "the shards never held the pushed pieces",
+    )
     for conn in job.groups[2].links.shards:
         conn.abort(psring.PeerLostError("killed by the test"))
     results = await asyncio.gather(*pushed, return_exceptions=True)
@@ -265,10 +268,10 @@ async def test_a_client_lying_about_slots_or_pools_is_dropped_and_the_others_ser
 
     async def dropped(conn: Any, reason: str) -> None:
         await asyncio.wait_for(conn.wait_closed(), 5)
-        deadline = time.monotonic() + 5
-        while not any(reason in r.getMessage() for r in caplog.records):  # the server says why
-            assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-            await asyncio.sleep(0.01)
+        await until(  # the server says why
+            lambda: any(reason in r.getMessage() for r in caplog.records),
+            lambda: f"no {reason!r} in {[r.getMessage() for r in caplog.records]}",
+        )
 
     # 1) a pool whose token is not the one in its memory: not mapped (it is told so), and the
     #    slot numbers it then sends are a protocol error that drops it
@@ -458,10 +461,7 @@ async def test_a_server_sigkilled_while_holding_pushes_in_shared_memory_is_resto
         early = asyncio.ensure_future(opts[0].step(_big_grads(4, 0)))
         pool = groups[0].links.pool
         assert pool is not None
-        deadline = time.monotonic() + 10
-        while pool.in_use == 0:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
+        await until(lambda: pool.in_use > 0, "rank 0's pushes never sat in its slots", timeout=10)
         end(server)  # SIGKILL by PID, reaped
         server, line = await spawn_server([*args, "--restore"])
         assert "restored" in line, line
@@ -511,10 +511,10 @@ async def test_relayed_pieces_wait_in_their_slots_for_late_joiners(make_job) -> 
     first = asyncio.ensure_future(job.groups[0].all_gather(xs[0]))
     server = job.server
     assert server is not None
-    deadline = time.monotonic() + 5
-    while sum(len(p.waiting) for s in server.shards.values() for p in s.pending.values()) < 2:
-        assert time.monotonic() < deadline, "rank 0's pieces never waited on the shards"
-        await asyncio.sleep(0.005)
+    await until(
+        lambda: sum(len(p.waiting) for s in server.shards.values() for p in s.pending.values()) >= 2,
+        "rank 0's pieces never waited on the shards",
+    )
     held = [k for s in server.shards.values() for p in s.pending.values() for k in p.held]
     assert held and all(k[0] == "w" and k[1] == 0 for k in held)  # in rank 0's slots
     rest = await asyncio.gather(*(g.all_gather(x) for g, x in zip(job.groups[1:], xs[1:], strict=True)))
