@@ -40,7 +40,7 @@ from .connection import Connection
 from .errors import ProtocolError, PsringError
 from .group import canonical_fold
 from .optim import Optimizer
-from .server import Shard, ShardServer, per_piece, pieces, plan, send_once
+from .server import Shard, ShardServer, per_piece, pieces, plan, release_held, send_once
 
 logger = logging.getLogger(__name__)
 
@@ -291,9 +291,7 @@ class ParamStore:
             canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n)
         del bucket.inbox[j]
         del bucket.inbox_scale[j]
-        for holder, slot in bucket.slots.pop(j, ()):
-            if holder.is_open:
-                holder.release_slot(slot)
+        release_held(bucket.slots.pop(j, ()))
         a = bucket.slice[0]
         state = {k: (v[pa - a : pb - a] if isinstance(v, np.ndarray) else v) for k, v in bucket.state.items()}
         state["step"] = bucket.step

@@ -366,7 +366,7 @@ class Shard:
                 else:
                     self._account(pending.conns[src_], -data.nbytes)
                     self._forward(pending, src_, j, data, hdr)
-                    self._release(pending.held.pop(("w", src_, j), ()))
+                    release_held(pending.held.pop(("w", src_, j), ()))
             self._maybe_finish(pending)
 
     def _on_data(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
@@ -451,7 +451,7 @@ class Shard:
         else:
             canonical_fold(parts, pending.op, out, pa, pending.n)
         del pending.inbox[j]
-        self._release(pending.held.pop(j, ()))  # handed back with the result frames below
+        release_held(pending.held.pop(j, ()))  # handed back with the result frames below
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
         self.bytes_folded += out.nbytes * pending.size
@@ -470,12 +470,6 @@ class Shard:
                 pool.give_back(slot)
         pending.done_pieces += 1
         self._maybe_finish(pending)
-
-    @staticmethod
-    def _release(held: Any) -> None:
-        for conn, slot in held:
-            if conn.is_open:
-                conn.release_slot(slot)
 
     def _forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
         out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}
@@ -548,7 +542,7 @@ class Shard:
         pending = self.pending.pop(key, None)
         if pending is not None:
             for held in pending.held.values():
-                self._release(held)
+                release_held(held)
             pending.held.clear()
             for conn in pending.conns.values():
                 held = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
@@ -617,6 +611,14 @@ class Shard:
 
 #: pieces from this size are received into (and folded into) pooled buffers
 POOLED_MIN = 1 << 20
+
+
+def release_held(held: Any) -> None:
+    """Hand back the workers' shared-memory slots a piece was held in, (connection, slot) pairs
+    (a connection that is gone needs nothing back)."""
+    for conn, slot in held:
+        if conn.is_open:
+            conn.release_slot(slot)
 
 
 def send_once(
@@ -845,4 +847,4 @@ async def serve_forever(server: ShardServer, on_stop: Any = None) -> None:
     await server.close()
 
 
-__all__ = ["Shard", "ShardServer", "byte_view", "plan", "send_once", "start_servers"]
+__all__ = ["Shard", "ShardServer", "byte_view", "plan", "release_held", "send_once", "start_servers"]
