@@ -19,7 +19,7 @@ import statistics
 import sys
 from typing import Any
 
-from psring.bench import format_table, human, parse_size, run_allreduce
+from psring.cli.bench import format_table, human, parse_size, run_allreduce
 
 
 def _median_rows(runs: list[list[dict[str, Any]]], workers: int) -> list[dict[str, Any]]:

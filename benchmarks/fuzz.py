@@ -46,7 +46,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
 
-from psring.wire import KINDS
+from psring.core.wire import KINDS
 
 SECRET = "fuzz-secret-0123456789"
 JOB = "fuzz"
@@ -172,7 +172,7 @@ FIELDS = [
     "amount",
     "expected",
     "prefix",
-    # shared memory (psring.shmpool): a slot number, hand-backs, a pool offer
+    # shared memory (psring.transport.shmpool): a slot number, hand-backs, a pool offer
     "pool",
     "free",
     "offer",
@@ -310,7 +310,7 @@ class StoreTarget(Target):
     authed_hello = {"role": "fuzz"}
 
     async def start(self) -> None:
-        from psring.store import connect_store, parse_store_address
+        from psring.rendezvous.client import connect_store, parse_store_address
 
         address = self.start_store()
         self.watched = list(self.procs)
@@ -444,7 +444,7 @@ class RingTarget(Target):
 # -------------------------------------------------------------------- attacks
 async def authed_connection(target: Target) -> Any:
     """A real handshake (with the target's secret), then the raw transport for the fuzz bytes."""
-    from psring.connection import open_connection
+    from psring.transport.listener import open_connection
 
     class Sink:
         def buffer_for(self, conn: Any, header: Any) -> None:
@@ -641,7 +641,7 @@ def atheris_child(runs: int) -> None:
     import atheris
 
     with atheris.instrument_imports():
-        from psring import wire
+        from psring.core import wire
     from psring.errors import ProtocolError
 
     def one(data: bytes) -> None:

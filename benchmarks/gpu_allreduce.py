@@ -17,7 +17,7 @@ async def rank_main(spec: dict) -> None:
     import cupy as cp
 
     import psring
-    from psring.arrays import pinned_empty
+    from psring.core.arrays import pinned_empty
 
     overlap = os.environ.get("PSRING_GPU_OVERLAP", "0")
     group = await psring.init_group(timeout=300)
@@ -64,8 +64,8 @@ def main() -> int:
 
         uvloop.run(rank_main(json.loads(sys.argv[2])))
         return 0
-    from psring.bench import parse_size
-    from psring.launch import launch
+    from psring.cli.bench import parse_size
+    from psring.rendezvous.launch import launch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=4)

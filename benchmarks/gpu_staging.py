@@ -31,9 +31,9 @@ def timed(fn: Callable[[], object], sync: Callable[[], None], iters: int) -> flo
 def main() -> int:
     import cupy as cp
 
-    from psring import gpu
-    from psring.arrays import pinned_empty
-    from psring.bench import parse_size
+    from psring.cli.bench import parse_size
+    from psring.core import gpu
+    from psring.core.arrays import pinned_empty
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="64M")

@@ -25,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from psring.bench import parse_size
-from psring.connection import Connection, Listener, open_connection
-from psring.facade import new_event_loop
+from psring.cli.bench import parse_size
+from psring.transport.connection import Connection
+from psring.transport.listener import Listener, open_connection
+from psring.transport.loop import new_event_loop
 
 SECRET = b"p2p-bench"
 

@@ -19,7 +19,7 @@ import json
 import statistics
 import sys
 
-from psring.bench import human, parse_size, run_allreduce
+from psring.cli.bench import human, parse_size, run_allreduce
 
 #: (label, topology, shards, colocated): "N" shards means one per worker
 RUNS = (

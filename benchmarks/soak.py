@@ -34,8 +34,8 @@ def open_fds() -> int:
 
 async def soak(topology: str, small: int, large: int, large_bytes: int) -> dict:  # type: ignore[type-arg]
     import psring
-    from psring.server import start_servers
-    from psring.store import connect_store, parse_store_address
+    from psring.rendezvous.client import connect_store, parse_store_address
+    from psring.topology.ps.server import start_servers
 
     fds_before = open_fds()
     store = await psring.start_store("127.0.0.1", 0)
@@ -98,7 +98,7 @@ def main() -> int:
     p.add_argument("--topologies", default="ring,ps")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    from psring.facade import new_event_loop
+    from psring.transport.loop import new_event_loop
 
     results = []
     warm = new_event_loop()  # the first event loop and thread pool open a few fds for good: not a leak

@@ -19,7 +19,8 @@ import argparse
 import numpy as np
 
 import psring
-from psring.train import accuracy, forward_backward, init_params, load_digits_split, shard_indices
+from psring.training.data import load_digits_split, shard_indices
+from psring.training.model import accuracy, forward_backward, init_params
 
 
 def ring_allreduce(group: psring.BlockingGroup, x: np.ndarray) -> np.ndarray:

@@ -1,14 +1,20 @@
 """psring: synchronous data-parallel SGD over a parameter server or a peer-to-peer ring.
 
-Public API (see DESIGN.md): ``init_group`` (async) and ``init`` (blocking) return a
+Public API (see docs/design.md): ``init_group`` (async) and ``init`` (blocking) return a
 Group with all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce,
 scatter, gather, send/recv, new_group and close. Errors derive from PsringError.
+
+Where things live, bottom to top (each layer imports only the ones below it):
+``core`` (frames, arrays, the canonical fold, optimizers) -> ``transport`` (connections,
+shared memory, the data plane) -> ``rendezvous`` (the store, ranks, launchers) ->
+``topology`` (Group, ring, ps) -> ``training`` (SyncSGD, the main job) -> ``cluster``
+(daemons, jobs) -> ``torch`` (PyTorch integration) -> ``cli``. ``settings`` reads every
+PSRING_* variable; ``errors`` is the error tree.
 """
 
-__version__ = "0.1.0"
-
 from . import optim
-from .cluster import Client, Job, JobError
+from .cluster.client import Client, Job
+from .cluster.daemons import JobError
 from .errors import (
     AuthError,
     CollectiveTimeoutError,
@@ -19,10 +25,13 @@ from .errors import (
     PsringError,
     StoreError,
 )
-from .facade import BlockingGroup, Handle, init
-from .group import Group, init_group
-from .sgd import SyncSGD
-from .store import FileStoreClient, StoreClient, StoreServer, start_store
+from .rendezvous.client import FileStoreClient, StoreClient
+from .rendezvous.store import StoreServer, start_store
+from .topology.api import init_group
+from .topology.blocking import BlockingGroup, Handle, init
+from .topology.group import Group
+from .training.sgd import SyncSGD
+from .version import __version__
 
 __all__ = [
     "AuthError",
@@ -43,6 +52,7 @@ __all__ = [
     "StoreError",
     "StoreServer",
     "SyncSGD",
+    "__version__",
     "init",
     "init_group",
     "optim",

@@ -16,8 +16,9 @@ import pytest_asyncio
 import uvloop
 
 import psring
-from psring.server import ShardServer, start_servers
-from psring.store import StoreServer, connect_store, parse_store_address, start_store
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.rendezvous.store import StoreServer, start_store
+from psring.topology.ps.server import ShardServer, start_servers
 
 TOPOLOGIES = ["ring", "ps"]
 

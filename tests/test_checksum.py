@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 import psring
-from psring import wire
-from psring.connection import CHECKSUMS, checksum_from_env
+from psring import settings
+from psring.core import wire
+from psring.transport.connection import CHECKSUMS
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -48,14 +49,14 @@ async def test_a_corrupted_payload_is_caught_and_named(make_groups, monkeypatch)
 def test_an_unknown_checksum_name_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("PSRING_CHECKSUM", "md5")
     with pytest.raises(ValueError, match=r"PSRING_CHECKSUM='md5': expected one of crc32, crc32c"):
-        checksum_from_env()
+        settings.current()
     monkeypatch.setenv("PSRING_CHECKSUM", "0")
-    assert checksum_from_env() is None
+    assert settings.current().checksum is None
 
 
 @pytest.mark.asyncio
 async def test_a_server_with_a_bad_checksum_setting_does_not_start(monkeypatch) -> None:
-    from psring.store import start_store
+    from psring.rendezvous.store import start_store
 
     monkeypatch.setenv("PSRING_CHECKSUM", "sha1")
     with pytest.raises(ValueError, match="PSRING_CHECKSUM='sha1'"):

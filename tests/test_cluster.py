@@ -14,8 +14,9 @@ import urllib.request
 import pytest
 
 import psring
-from psring.cluster import Client, JobError, key
-from psring.config import resolve_settings
+from psring.cluster.client import Client
+from psring.cluster.daemons import JobError, key
+from psring.rendezvous.scheduler import resolve_settings
 
 from .conftest import end, run_tree, spawn
 
@@ -272,7 +273,7 @@ def test_doctor_finds_planted_problems(cluster) -> None:
     with c.client() as client:
         import asyncio
 
-        from psring.facade import new_event_loop
+        from psring.transport.loop import new_event_loop
 
         async def plant() -> None:
             inner = client._inner
@@ -325,7 +326,7 @@ def test_rank_world_and_store_from_schedulers(env, rank, world, store) -> None:
 
 
 def test_statefulset_ordinal_needs_kubernetes() -> None:
-    from psring.config import statefulset_ordinal
+    from psring.rendezvous.scheduler import statefulset_ordinal
 
     assert statefulset_ordinal({"HOSTNAME": "web-3"}) is None  # not in Kubernetes: hostnames are not ranks
     assert statefulset_ordinal({"KUBERNETES_SERVICE_HOST": "x", "HOSTNAME": "web-3"}) == 3

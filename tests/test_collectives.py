@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import psring
-from psring.arrays import DTYPES
-from psring.group import canonical_fold, ring_chunk_bounds
+from psring.core.arrays import DTYPES
+from psring.core.fold import canonical_fold, ring_chunk_bounds
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 

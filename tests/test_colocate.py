@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import psring
-from psring.connection import LocalConnection, Mailbox, local_pair
 from psring.errors import PeerLostError
+from psring.transport.local import LocalConnection, local_pair
+from psring.transport.mailbox import Mailbox
 
 from .conftest import end, spawn
 from .test_faults import RANK_SCRIPT
@@ -161,7 +162,7 @@ async def test_colocated_rank_sigkilled_others_raise_peer_lost(store, tmp_path) 
 async def test_colocate_setting_is_checked(store) -> None:
     os.environ["PSRING_PS_COLOCATE"] = "maybe"
     try:
-        with pytest.raises(ValueError, match="PSRING_PS_COLOCATE must be 0 or 1, got 'maybe'"):
+        with pytest.raises(ValueError, match=r"PSRING_PS_COLOCATE='maybe': expected 1 or 0"):
             await psring.init_group("ps", rank=0, world_size=1, store=f"127.0.0.1:{store.port}", timeout=5)
     finally:
         del os.environ["PSRING_PS_COLOCATE"]

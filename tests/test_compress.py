@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import psring
-from psring.compress import dequantize, fold_fp16, parse_codec_op, quantize, scale_exponent
+from psring.core.compress import dequantize, fold_fp16, parse_codec_op, quantize, scale_exponent
 from psring.errors import ProtocolError
 
 pytestmark = [pytest.mark.timeout(120)]

@@ -1,4 +1,4 @@
-"""The ring's threaded data plane (psring.dataplane): large all_reduces leave the event loop.
+"""The ring's threaded data plane (psring.transport.dataplane): large all_reduces leave the event loop.
 
 These are the cases where a byte stream shared by collectives could go wrong: a rank
 that abandons a collective half-way (mismatch, timeout) leaves frames behind that the
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import psring
-from psring.arrays import result_empty
-from psring.group import canonical_fold
+from psring.core.arrays import result_empty
+from psring.core.fold import canonical_fold
 
 from .conftest import run_tree
 
@@ -29,10 +29,8 @@ pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 def _plane_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Everything above 64 KiB takes the plane here (8 MiB by default), in 100 kB pieces (4 MiB by
     default), so tests stay quick and still cut chunks into several pieces."""
-    import psring.ring as ring
-
-    monkeypatch.setattr(ring, "PLANE_MIN_BYTES", 64 << 10)
-    monkeypatch.setattr(ring, "PLANE_PIECE_BYTES", 100_000)  # several uneven pieces per chunk
+    monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(64 << 10))
+    monkeypatch.setenv("PSRING_RING_PLANE_PIECE", "100000")  # several uneven pieces per chunk
 
 
 BIG = 300_001  # float32 elements: 1.2 MB, above the one-hop size and not divisible by world sizes
@@ -96,12 +94,12 @@ async def test_timeout_on_the_plane_then_the_group_recovers(make_groups) -> None
 
 
 async def test_ranks_without_the_plane_make_everyone_fall_back(make_groups, monkeypatch) -> None:
-    import psring.ring as ring
+    import psring.topology.ring.net as net
 
-    real = ring.plane_possible
+    real = net.plane_possible
     calls = iter(range(100))
     # rank order of creation is not fixed: let exactly one rank decline
-    monkeypatch.setattr(ring, "plane_possible", lambda: next(calls) != 1 and real())
+    monkeypatch.setattr(net, "plane_possible", lambda settings: next(calls) != 1 and real(settings))
     groups = await make_groups(3)
     assert all(g.net.plane is None for g in groups)  # type: ignore[attr-defined]
     rng = np.random.default_rng(0)
@@ -152,16 +150,16 @@ async def test_results_are_recycled_only_after_release() -> None:
 
 
 async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> None:
-    import psring.ring as ring
+    from psring.topology.ring.net import PeerNet
 
     sizes = iter([64 << 10, 1 << 20, 64 << 10])
-    real_init = ring.PeerNet.__init__
+    real_init = PeerNet.__init__
 
-    def init(self: ring.PeerNet, *args: object, **kwargs: object) -> None:  # each rank its own threshold
+    def init(self: PeerNet, *args: object, **kwargs: object) -> None:  # each rank its own threshold
         real_init(self, *args, **kwargs)  # type: ignore[arg-type]
         self.plane_offer = self.plane_shm_offer = next(sizes)
 
-    monkeypatch.setattr(ring.PeerNet, "__init__", init)
+    monkeypatch.setattr(PeerNet, "__init__", init)
     groups = await make_groups(3)
     assert [g.net.plane_min for g in groups] == [1 << 20] * 3  # type: ignore[attr-defined]
     assert all(g.net.plane.shm_out is not None for g in groups)  # type: ignore[attr-defined]
@@ -182,18 +180,18 @@ async def test_bad_sizes_in_the_environment_are_named() -> None:
     for name in ("PSRING_BUFFER_POOL", "PSRING_RING_PLANE_MIN"):
         env = {**os.environ, name: "lots"}
         proc = run_tree(
-            [sys.executable, "-c", "import psring.ring"], env=env, capture_output=True, text=True, timeout=50
+            [sys.executable, "-c", "import psring"], env=env, capture_output=True, text=True, timeout=50
         )
         assert proc.returncode != 0
-        assert f"{name}='lots' is not a whole number of bytes" in proc.stderr
+        assert f"{name}='lots': expected a whole number of bytes" in proc.stderr
 
 
 async def test_input_still_arriving_is_read_only_after_ready_in_ring_order(make_groups) -> None:
     """A cupy input is copied to the host range by range while the plane already sends
-    (psring.gpu.StagedInput). Stand-in without a GPU: each rank's host buffer starts as NaN
+    (psring.core.gpu.StagedInput). Stand-in without a GPU: each rank's host buffer starts as NaN
     and a range is filled only when the plane asks for it through coll.input_wait; the
     result must still be exact, and the order announced must be the ring's."""
-    from psring.ring import ring_chunk_bounds
+    from psring.core.fold import ring_chunk_bounds
 
     world = 3
     groups = await make_groups(world)
@@ -259,15 +257,15 @@ async def test_input_wait_is_honoured_off_the_plane_too(make_groups) -> None:
 
 
 async def test_gpu_overlap_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from psring.group import gpu_overlap
+    from psring import settings
 
     monkeypatch.delenv("PSRING_GPU_OVERLAP", raising=False)
-    assert gpu_overlap() is False
+    assert settings.current().gpu_overlap is False
     monkeypatch.setenv("PSRING_GPU_OVERLAP", "1")
-    assert gpu_overlap() is True
-    monkeypatch.setenv("PSRING_GPU_OVERLAP", "yes")
-    with pytest.raises(ValueError, match="PSRING_GPU_OVERLAP must be 0 or 1, got 'yes'"):
-        gpu_overlap()
+    assert settings.current().gpu_overlap is True
+    monkeypatch.setenv("PSRING_GPU_OVERLAP", "maybe")
+    with pytest.raises(ValueError, match=r"PSRING_GPU_OVERLAP='maybe': expected 1 or 0"):
+        settings.current()
 
 
 async def test_a_rank_that_finished_and_left_does_not_fail_a_slower_ranks_plane_collective(make_groups) -> None:
@@ -335,7 +333,7 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
 
 
 async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
-    import psring.dataplane as dataplane
+    import psring.transport.dataplane as dataplane
 
     real = dataplane.ShmSegment.open
     calls = iter(range(100))
@@ -365,7 +363,7 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
 
 async def test_a_rank_that_cannot_make_a_segment_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
     """/dev/shm full (a container's 64 MB default) or missing: that link carries its payloads on TCP."""
-    import psring.dataplane as dataplane
+    import psring.transport.dataplane as dataplane
 
     real = dataplane.ShmSegment.create
     calls = iter(range(100))
@@ -390,9 +388,7 @@ async def test_few_slots_abandoned_frames_and_concurrent_calls(make_groups, monk
     """With one or two slots per link pieces wait for slots to be handed back, and the receive
     thread may fill one only if the frames queued before it still get theirs; a mismatched call
     leaves pieces in slots that the next call hands back unread."""
-    import psring.ring as ring
-
-    monkeypatch.setattr(ring, "PLANE_SHM_SLOTS", slots)
+    monkeypatch.setenv("PSRING_RING_SHM_SLOTS", str(slots))
     groups = await make_groups(3)
     assert all(g.net.plane.shm_out.slots == slots for g in groups)  # type: ignore[attr-defined]
     xs = [np.ones(BIG, np.float32), np.ones(BIG, np.float64), np.ones(BIG, np.float32)]
@@ -409,11 +405,10 @@ async def test_few_slots_abandoned_frames_and_concurrent_calls(make_groups, monk
 
 
 async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypatch) -> None:
-    import psring.ring as ring
-
     groups = await make_groups(2)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
-    monkeypatch.setattr(ring, "PLANE_PIECE_BYTES", 400_000)  # the slots were made for 100 kB pieces
+    for g in groups:  # the slots were made for 100 kB pieces
+        g.net.tuning = g.net.tuning.replace(ring_plane_piece=400_000)  # type: ignore[attr-defined]
     before = [p.shm_bytes_sent for p in planes]
     ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + 1.0, np.float32)) for g in groups))
     assert all(np.all(y == 3.0) for y in ys)
@@ -421,7 +416,7 @@ async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypat
 
 
 async def test_segment_open_checks_what_it_maps(tmp_path) -> None:
-    from psring.dataplane import ShmSegment
+    from psring.transport.dataplane import ShmSegment
 
     with pytest.raises(ValueError, match="not a data plane segment"):
         ShmSegment.open(str(tmp_path / "x"), 2, 4096)
@@ -444,10 +439,8 @@ async def test_segment_open_checks_what_it_maps(tmp_path) -> None:
 async def test_same_host_threshold_applies_from_three_ranks(make_groups, monkeypatch) -> None:
     """On one host the plane starts at PSRING_RING_SHM_MIN from 3 ranks on; at 2 ranks, and across
     hosts (here: PSRING_SAME_HOST=off), at PSRING_RING_PLANE_MIN."""
-    import psring.ring as ring
-
-    monkeypatch.setattr(ring, "PLANE_MIN_BYTES", 8 << 20)
-    monkeypatch.setattr(ring, "PLANE_SHM_MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(8 << 20))
+    monkeypatch.setenv("PSRING_RING_SHM_MIN", str(1 << 20))
     for world, mode, expect in ((3, "auto", 1 << 20), (2, "auto", 8 << 20), (3, "off", 8 << 20)):
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
         groups = await make_groups(world)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import psring
-from psring.connection import Listener, Mailbox, open_connection
-from psring.server import start_servers
-from psring.store import connect_store, parse_store_address
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.ps.server import start_servers
+from psring.transport.listener import Listener, open_connection
+from psring.transport.mailbox import Mailbox
 
 from .conftest import end, spawn
 
@@ -277,7 +278,7 @@ async def test_slower_ranks_finish_what_a_departed_rank_finished(make_groups, to
 
 
 async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decodes_them() -> None:
-    from psring.connection import Connection
+    from psring.transport.connection import Connection
 
     conn = Connection(secret=None)
     conn.peer = {"role": "server", "shards": (0, 1)}  # msgpack gives tuples (use_list=False)
@@ -301,7 +302,7 @@ async def test_small_ring_all_reduce_goes_through_a_rotating_root(
     """From 3 ranks a small all_reduce is folded by one root (seq % N) and sent back: 2(N-1)
     frames instead of N(N-1), the same canonical bits, and the root names a mismatch anywhere;
     over same-host Unix links (auto) and over TCP (off) alike."""
-    from psring.group import canonical_fold
+    from psring.core.fold import canonical_fold
 
     monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat frames in the count
     monkeypatch.setenv("PSRING_SAME_HOST", same_host)

@@ -15,11 +15,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from psring import store as store_mod
-from psring.connection import Mailbox, open_connection
 from psring.errors import ProtocolError, StoreError
-from psring.server import start_servers
-from psring.store import connect_store, parse_store_address
+from psring.rendezvous import store as store_mod
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.ps.server import start_servers
+from psring.transport.listener import open_connection
+from psring.transport.mailbox import Mailbox
 
 from .conftest import run_tree
 
@@ -170,7 +171,7 @@ async def test_shard_refuses_a_rank_of_another_world_and_ignores_a_strangers_los
 
 @pytest.mark.asyncio
 async def test_a_flood_of_bad_connections_does_not_flood_the_log(store, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="psring.connection")
+    caplog.set_level(logging.WARNING, logger="psring.transport.listener")
     t0 = time.monotonic()
     for _ in range(3):
         tasks = []

@@ -7,8 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from psring import gpu
-from psring.group import canonical_fold
+from psring.core import gpu
+from psring.core.fold import canonical_fold
 
 from .conftest import run_tree
 

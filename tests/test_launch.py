@@ -103,7 +103,7 @@ def test_launch_ps_colocated_starts_no_server_processes(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(
         "import os, numpy as np, psring\n"
-        "from psring.connection import LocalConnection\n"
+        "from psring.transport.local import LocalConnection\n"
         "g = psring.init()\n"
         "y = g.all_reduce(np.full(300_000, float(g.rank)))\n"
         "own = [type(c).__name__ for c in g._group.links.shards]\n"

@@ -10,10 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import psring
-from psring import wire
-from psring.connection import Mailbox, open_connection
-from psring.server import SMALL_BYTES, plan, start_servers
-from psring.store import connect_store, parse_store_address
+from psring.core import wire
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.group import SMALL_BYTES
+from psring.topology.ps.plan import plan
+from psring.topology.ps.server import start_servers
+from psring.transport.listener import open_connection
+from psring.transport.mailbox import Mailbox
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -103,9 +106,7 @@ async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> No
 
 @pytest.mark.asyncio
 async def test_worker_that_stops_reading_is_dropped_and_named(store, make_groups, monkeypatch) -> None:
-    from psring import server as server_mod
-
-    monkeypatch.setattr(server_mod, "MAX_BACKLOG", 8 << 20)
+    monkeypatch.setenv("PSRING_SERVER_BACKLOG", str(8 << 20))
     groups = await make_groups(2, "ps", servers_n=1)
     # rank 1 stops reading: the shard's unsent backlog to it grows past the bound
     groups[1].links.shards[0].transport.pause_reading()

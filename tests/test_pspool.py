@@ -1,4 +1,4 @@
-"""Parameter-server payloads in shared memory (psring.shmpool) between processes on one host.
+"""Parameter-server payloads in shared memory (psring.transport.shmpool) between processes on one host.
 
 Workers copy pieces of folding collectives into slots of their pool; shards fold straight
 from those slots, write each result once into a slot of their own pool, and every worker
@@ -22,12 +22,15 @@ import pytest
 import pytest_asyncio
 
 import psring
-from psring import ps as ps_mod
-from psring import server as server_mod
-from psring.connection import Mailbox, open_connection
-from psring.server import ShardServer, start_servers
-from psring.shmpool import PAGE, PeerPool, ShmPool, host_key
-from psring.store import StoreServer, connect_store, parse_store_address
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.rendezvous.store import StoreServer
+from psring.topology.ps import links as links_mod
+from psring.topology.ps import server as server_mod
+from psring.topology.ps.server import ShardServer, start_servers
+from psring.transport.listener import open_connection
+from psring.transport.mailbox import Mailbox
+from psring.transport.samehost import host_key
+from psring.transport.shmpool import PAGE, PeerPool, ShmPool
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
@@ -166,8 +169,7 @@ async def test_every_folding_and_relaying_collective_goes_through_slots(make_job
 
 async def test_pieces_of_a_tensor_larger_than_the_pool_stream_through_it(make_job, monkeypatch) -> None:
     """One slot per pool: each piece waits for the slot the one before it is handed back from."""
-    monkeypatch.setattr(ps_mod, "SHM_SLOTS", 1)
-    monkeypatch.setattr(server_mod, "SHM_SLOTS", 1)
+    monkeypatch.setenv("PSRING_PS_SHM_SLOTS", "1")
     job = await make_job(3, shards=2)
     xs = _inputs(3, 5 * MiB)  # 20 MiB: 10 MiB per shard, three pieces each
     for _ in range(2):
@@ -185,8 +187,7 @@ async def test_groups_called_in_different_orders_do_not_deadlock_on_slots(make_j
     """Rank 0 starts subgroup A's all_reduce, then B's; rank 1 starts B's, then A's. With one slot
     each, waiting for a slot whatever holds it would deadlock (each slot holds a piece the other
     rank has yet to push); a piece whose wait could deadlock goes on the socket instead."""
-    monkeypatch.setattr(ps_mod, "SHM_SLOTS", 1)
-    monkeypatch.setattr(server_mod, "SHM_SLOTS", 1)
+    monkeypatch.setenv("PSRING_PS_SHM_SLOTS", "1")
     job = await make_job(2, shards=2)
     subs = await asyncio.gather(*(g.new_group([0, 1]) for g in job.groups))
     subs2 = await asyncio.gather(*(g.new_group([0, 1]) for g in job.groups))
@@ -261,7 +262,7 @@ async def test_a_client_lying_about_slots_or_pools_is_dropped_and_the_others_ser
     await asyncio.gather(*(g.all_reduce(x) for g, x in zip(job.groups, xs, strict=True)))
     host, _, port = job.groups[0].links.addresses[0].rpartition(":")
     hello = {"role": "rank", "world_size": 2, "job": job.groups[0].links.settings.job, "shard": 0, "host": host_key()}
-    caplog.set_level("DEBUG", logger="psring.connection")
+    caplog.set_level("DEBUG", logger="psring.transport.connection")
 
     async def client(rank: int) -> Any:
         return await open_connection(host, int(port), secret=None, hello={**hello, "rank": rank}, router=Mailbox())
@@ -494,7 +495,7 @@ async def test_a_pool_that_cannot_be_made_leaves_that_side_on_the_socket(make_jo
     assert all(s["shm_bytes_sent"] == 2 * xs[0].nbytes and s["shm_bytes_received"] == 0 for s in stats), stats
     await half.settled()
     monkeypatch.undo()
-    monkeypatch.setattr(ps_mod, "ShmPool", no_memory)
+    monkeypatch.setattr(links_mod, "ShmPool", no_memory)
     none = await make_job(2, shards=2)
     zs = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(none.groups, xs, strict=True)))
     assert all(g.links.pool is None and g.stats()["shm_bytes_sent"] == 0 for g in none.groups)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import psring
-from psring.connection import open_connection
-from psring.server import start_servers
-from psring.store import connect_store, parse_store_address
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.ps.server import start_servers
+from psring.transport.listener import open_connection
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 

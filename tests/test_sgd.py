@@ -14,7 +14,7 @@ import pytest
 
 import psring
 from psring.optim import SGD, Adam, AdamW, Optimizer
-from psring.sgd import make_buckets
+from psring.training.sgd import make_buckets
 
 from .conftest import end, ps_workers, spawn_server
 
@@ -128,8 +128,8 @@ async def _train(groups, opt_factory, steps: int, **kw) -> list[dict[str, np.nda
 
 def _reference(opt: Optimizer, world: int, steps: int, compression: str | None = None) -> dict[str, np.ndarray]:
     """Single process: the same averaged gradients (canonical order), the same optimizer."""
-    from psring.compress import dequantize, fold_fp16, quantize, scale_exponent
-    from psring.group import canonical_fold
+    from psring.core.compress import dequantize, fold_fp16, quantize, scale_exponent
+    from psring.core.fold import canonical_fold
 
     params = {k: v.copy() for k, v in _model(0).items()}  # rank 0's parameters win
     flat = np.concatenate([v.reshape(-1) for v in params.values()])
@@ -226,7 +226,7 @@ async def test_resent_push_is_applied_exactly_once(make_groups) -> None:
     groups = await make_groups(2, "ps", servers_n=1)
     opts = [psring.SyncSGD(g, _model(0), SGD(lr=0.1, momentum=0.9)) for g in groups]
     await asyncio.gather(*(o.step(_grads(0, g.rank)) for o, g in zip(opts, groups, strict=True)))
-    from psring.paramserver import param_store
+    from psring.topology.ps.paramstore import param_store
 
     servers = [s for s in _servers_of(groups[0])]
     store = param_store(servers[0])
@@ -245,7 +245,7 @@ def _servers_of(group):
     import gc
     import warnings
 
-    from psring.server import Shard
+    from psring.topology.ps.shard import Shard
 
     with warnings.catch_warnings():  # isinstance() on some modules' lazy attributes warns (torch)
         warnings.simplefilter("ignore")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import psring
-from psring.store import StoreClient, parse_store_address
+from psring.rendezvous.client import StoreClient, parse_store_address
 
 from .conftest import end, spawn
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from psring import gpu
+from psring.core import gpu
 
 from .conftest import run_tree
 
@@ -105,7 +105,7 @@ def test_train_fp16_compression_halves_ring_bytes_and_keeps_topologies_identical
 def test_sampler_shards_are_disjoint_even_and_reshuffled(n: int, world: int) -> None:
     import numpy as np
 
-    from psring.train import shard_indices
+    from psring.training.data import shard_indices
 
     for epoch in (0, 1):
         shards = [shard_indices(n, epoch, seed=3, rank=r, world=world) for r in range(world)]

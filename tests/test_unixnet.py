@@ -1,4 +1,4 @@
-"""Same-host Unix links (psring.unixnet): small ring collectives between ranks of one host go
+"""Same-host Unix links (psring.transport.unixnet): small ring collectives between ranks of one host go
 over seqpacket sockets, with the same bits and the same errors as over TCP; peers are checked
 by pid; a full kernel buffer queues instead of failing; one rank without them keeps all on TCP."""
 
@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 import psring
-from psring import wire
+from psring import settings
+from psring.core import wire
+from psring.core.fold import canonical_fold
 from psring.errors import ProtocolError
-from psring.group import canonical_fold
-from psring.unixnet import UnixMesh, same_host_from_env
+from psring.transport.unixnet import UnixMesh
 
 from .conftest import run_tree
 
@@ -162,7 +163,7 @@ async def test_one_rank_without_unix_links_keeps_every_rank_on_tcp(make_groups, 
 async def test_bad_setting_is_named(store, monkeypatch) -> None:
     monkeypatch.setenv("PSRING_SAME_HOST", "maybe")
     with pytest.raises(ValueError, match="PSRING_SAME_HOST='maybe'"):
-        same_host_from_env()
+        settings.current()
     with pytest.raises(ValueError, match="PSRING_SAME_HOST"):
         await psring.init_group("ring", rank=0, world_size=2, store=f"127.0.0.1:{store.port}", timeout=5)
 
@@ -189,7 +190,7 @@ async def test_a_stranger_cannot_pose_as_a_rank(caplog) -> None:
     try:
         assert stranger.stdout is not None
         assert (await asyncio.to_thread(stranger.stdout.readline)).strip() == "sent"
-        with caplog.at_level(logging.WARNING, logger="psring.unixnet"):
+        with caplog.at_level(logging.WARNING, logger="psring.transport.unixnet"):
             await asyncio.sleep(0.2)
             assert not accepting.done()  # the stranger's claim to be rank 0 was not taken
             await m0.connect({1: info1}, timeout=20)
@@ -221,8 +222,8 @@ async def test_a_stranger_cannot_pose_as_a_rank(caplog) -> None:
 
 SPIN_JOB = """
 import numpy as np, psring
-from psring.group import canonical_fold
-from psring.ring import PeerNet
+from psring.core.fold import canonical_fold
+from psring.topology.ring.net import PeerNet
 g = psring.init()
 n, net = g.world_size, g._group.net
 assert PeerNet.live == 1 and net.mesh is not None, (PeerNet.live, net.mesh)

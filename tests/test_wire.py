@@ -8,8 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psring import ProtocolError, wire
-from psring.arrays import DTYPES
+from psring import ProtocolError
+from psring import settings as psring_settings
+from psring.core import wire
+from psring.core.arrays import DTYPES
 
 DTYPE_NAMES = sorted(DTYPES)
 
@@ -190,12 +192,15 @@ def test_truncated_frame() -> None:
 
 def test_frame_limit_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSRING_MAX_FRAME", "100")
-    limits = wire.Limits.from_env()
+    limits = wire.Limits.from_settings(psring_settings.current())
     with pytest.raises(ProtocolError, match="over the frame limit of 100 bytes"):
         wire.HeaderDecoder(limits).feed(msgpack.packb({"kind": "data", "nbytes": 101}))
     monkeypatch.setenv("PSRING_MAX_FRAME", "lots")
-    with pytest.raises(ValueError, match="PSRING_MAX_FRAME='lots' is not an integer"):
-        wire.Limits.from_env()
+    with pytest.raises(ValueError, match="PSRING_MAX_FRAME='lots': expected a whole number of bytes"):
+        psring_settings.current()
+    monkeypatch.setenv("PSRING_MAX_FRAME", "0")
+    with pytest.raises(ValueError, match="PSRING_MAX_FRAME=0 must be positive"):
+        wire.Limits.from_settings(psring_settings.current())
 
 
 def test_message_header_is_validated() -> None:

@@ -1,0 +1,60 @@
+"""The ``psring`` command line: each command's flags default to its PSRING_* variable.
+
+Commands: store, server, launch (``serve``); train (``train``); bench (``bench``);
+worker, submit, status, doctor, trace (``cluster``). ``psring --help-env`` lists every
+environment variable psring reads (psring.settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .. import settings as settings_mod
+from . import bench, cluster, serve, train
+
+
+class _HelpEnv(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="list the environment variables psring reads, and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(settings_mod.help_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = settings_mod.current()
+    parser = argparse.ArgumentParser(
+        prog="psring", description="Synchronous data-parallel SGD over a ring or a parameter server."
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    parser.add_argument("--help-env", action=_HelpEnv)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve.register(sub, env)
+    bench.register(sub, env)
+    train.register(sub, env)
+    cluster.register(sub, env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+    except ValueError as exc:  # a PSRING_* variable with a bad value
+        print(f"psring: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError) as exc:
+        print(f"psring {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""``psring bench allreduce``: nccl-tests-style timing of all_reduce over real processes.
+
+The parent starts a store and N ranks (``psring launch`` machinery); each rank times
+every size (warm-up, then ``iters`` timed calls, each after a barrier); the figure
+per size is the median over iterations of the slowest rank. busbw = algbw * 2(N-1)/N.
+The same rank worker can run torch.distributed's gloo backend (``--backend gloo``)
+so benchmarks/compare_gloo.py measures both side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from .. import settings as settings_mod
+from ..rendezvous.launch import launch
+from ..settings import Settings
+from ..transport.loop import new_event_loop
+
+_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB")
+    num = text.rstrip("KMGB")
+    unit = text[len(num) :]
+    if unit not in _SUFFIX or not num:
+        raise ValueError(f"size {text!r} is not a byte count like 4, 64K, 1M or 1G")
+    value = float(num) * _SUFFIX[unit]
+    if value < 0:
+        raise ValueError(f"size {text!r} is negative")
+    return int(value)
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+# ---------------------------------------------------------------- parent side
+def run_allreduce(
+    *,
+    topology: str,
+    workers: int,
+    sizes: list[int],
+    dtype: str = "float32",
+    iters: int = 10,
+    warmup: int = 2,
+    backend: str = "psring",
+    servers: int | None = None,
+    quiet: bool = True,
+    colocate: bool = False,
+) -> list[dict[str, Any]]:
+    """Spawn the ranks, time every size, return one row per size."""
+
+    with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {
+            "sizes": sizes,
+            "dtype": dtype,
+            "iters": iters,
+            "warmup": warmup,
+            "out": out,
+            "backend": backend,
+            "gloo_init": "file://" + os.path.join(tmp, "gloo-rendezvous"),
+            "small_iters": max(iters, 200),
+        }
+        env = settings_mod.process_env()
+        if servers is not None:
+            env["PSRING_SERVERS"] = str(servers)
+        if colocate:
+            env["PSRING_PS_COLOCATE"] = "1"
+        cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=not quiet))
+        finally:
+            loop.close()
+        if code != 0:
+            raise RuntimeError(f"benchmark ranks failed (exit code {code})")
+        with open(out) as fh:
+            rows = json.load(fh)["results"]
+    for row in rows:
+        t = row["time_s"]
+        row["algbw_GBps"] = row["size"] / t / 1e9 if t > 0 else 0.0
+        row["busbw_GBps"] = row["algbw_GBps"] * 2 * (workers - 1) / workers
+        row["dtype"] = dtype
+    return rows
+
+
+def run_sgd(
+    *,
+    topology: str,
+    workers: int,
+    params: int,
+    tensors: int,
+    steps: int,
+    warmup: int,
+    servers: int | None,
+    compression: str | None = None,
+) -> dict[str, Any]:
+
+    with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {
+            "mode": "sgd",
+            "params": params,
+            "tensors": tensors,
+            "steps": steps,
+            "warmup": warmup,
+            "out": out,
+            "compression": compression,
+        }
+        env = settings_mod.process_env()
+        if servers is not None:
+            env["PSRING_SERVERS"] = str(servers)
+        cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=False))
+        finally:
+            loop.close()
+        if code != 0:
+            raise RuntimeError(f"benchmark ranks failed (exit code {code})")
+        with open(out) as fh:
+            result: dict[str, Any] = json.load(fh)
+    steps_s = np.array(result["step_s"])
+    med = np.median(steps_s, axis=0)
+    result.update(step_ms=1e3 * med[0], exchange_ms=1e3 * med[1], update_ms=1e3 * med[2])
+    return result
+
+
+def cli_sgd(args: argparse.Namespace) -> int:
+    if args.workers < 1:
+        raise SystemExit(f"psring bench: --workers must be at least 1, got {args.workers}")
+    if args.topology == "ring" and args.servers is not None:
+        raise SystemExit("psring bench: --servers applies to --topology ps only")
+    n = parse_size(args.params.upper().replace("M", "000000").replace("K", "000")) if args.params else 0
+    r = run_sgd(
+        topology=args.topology,
+        workers=args.workers,
+        params=n,
+        tensors=args.tensors,
+        steps=args.steps,
+        warmup=args.warmup,
+        servers=args.servers,
+        compression=None if args.compression == "none" else args.compression,
+    )
+    title = (
+        f"psring SyncSGD step, topology={args.topology}, workers={args.workers}, {n / 1e6:g}M float32 params "
+        f"in {r['tensors']} tensors ({r['buckets']} buckets), compression={args.compression}"
+    )
+    if args.json:
+        print(json.dumps({"title": title, **r}))
+        return 0
+    print(f"# {title}")
+    print(f"{'step (ms)':>12} {'exchange (ms)':>14} {'update (ms)':>12}")
+    print(f"{r['step_ms']:>12.1f} {r['exchange_ms']:>14.1f} {r['update_ms']:>12.1f}")
+    if args.topology == "ps":
+        print("# over ps the optimizer runs on the servers: its time is inside the exchange")
+    return 0
+
+
+def format_table(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [
+        f"# {title}",
+        f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{human(r['size']):>10} {r['count']:>12} {r['dtype']:>8} {r['time_s'] * 1e6:>12.1f} "
+            f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["size"] for r in rows], [r["busbw_GBps"] for r in rows], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def cli(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    if args.workers < 1:
+        raise SystemExit(f"psring bench: --workers must be at least 1, got {args.workers}")
+    if args.topology == "ring" and getattr(args, "colocate", False):
+        raise SystemExit("psring bench: --colocate applies to --topology ps only")
+    rows = run_allreduce(
+        topology=args.topology,
+        workers=args.workers,
+        sizes=sizes,
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        servers=getattr(args, "servers", None),
+        colocate=getattr(args, "colocate", False),
+    )
+    title = f"psring all_reduce, topology={args.topology}, workers={args.workers}"
+    if getattr(args, "colocate", False):
+        title += " (shards colocated with the workers)"
+    if args.json:
+        print(json.dumps({"title": title, "rows": rows}))
+    else:
+        print(format_table(rows, title))
+    if args.plot:
+        plot(rows, args.plot, title)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("bench", help="benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser(
+        "allreduce",
+        help="time all_reduce over N local processes",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument(
+        "--colocate", action="store_true", help="ps: each worker process hosts its shards (PSRING_PS_COLOCATE=1)"
+    )
+    b.add_argument("--sizes", default="4,1M,16M,64M", help="comma-separated byte sizes (K, M, G suffixes)")
+    b.add_argument("--dtype", default="float32")
+    b.add_argument("--iters", type=int, default=10)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.add_argument("--plot", default=None, help="write a PNG of busbw against size")
+    b.set_defaults(func=cli)
+    b = bsub.add_parser(
+        "sgd",
+        help="time SyncSGD steps on synthetic gradients of a realistic model shape",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    b.add_argument("--params", default="25M", help="total float32 parameters (K, M suffixes: decimal)")
+    b.add_argument("--tensors", type=int, default=160, help="how many tensors they are split into")
+    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument("--steps", type=int, default=5)
+    b.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients as float16")
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cli_sgd)

@@ -1,0 +1,207 @@
+"""The rank side of ``psring bench``: each launched process runs this module, times its part and
+(rank 0) writes the result file the parent reads. Also the gloo stand-in for side-by-side runs.
+
+Run as ``python -m psring.cli.bench_ranks SPEC_JSON`` (the parent does this; the package's
+``__init__`` does not import this module, so running it with -m is clean).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import settings as settings_mod
+from ..core.optim import SGD
+from ..topology.api import init_group
+from ..training.sgd import SyncSGD
+from ..transport.loop import new_event_loop
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) so the next peak is this size's alone."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+# ------------------------------------------------------------------ rank side
+def _iters_for(spec: dict[str, Any], size: int) -> int:
+    """Latency-bound sizes are cheap and noisy: time them more often."""
+    return int(spec.get("small_iters", spec["iters"])) if size <= (64 << 10) else int(spec["iters"])
+
+
+def _warmup_for(spec: dict[str, Any], size: int) -> int:
+    return max(int(spec["warmup"]), 20) if size <= (64 << 10) else int(spec["warmup"])
+
+
+async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    group = await init_group(timeout=spec.get("timeout", 300.0))
+    try:
+        return await _time_sizes(group, spec)
+    finally:
+        await group.close()
+
+
+async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None:
+    dtype = np.dtype(spec["dtype"])
+    results = []
+    for size in spec["sizes"]:
+        count = max(1, size // dtype.itemsize)
+        rng = np.random.default_rng(group.rank)
+        x = (rng.standard_normal(count) * 10).astype(dtype)
+        await group.barrier()
+        idle = _rss_bytes()
+        _reset_peak_rss()
+        for _ in range(_warmup_for(spec, size)):
+            await group.all_reduce(x)
+        times = []
+        for _ in range(_iters_for(spec, size)):
+            await group.barrier()
+            t0 = time.perf_counter()
+            await group.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        peak = _peak_rss_bytes()
+        slowest = await group.all_reduce(np.array(times), op="max")
+        peaks = await group.all_gather(np.array([peak - idle], dtype=np.int64))
+        results.append(
+            {
+                "size": count * dtype.itemsize,
+                "count": count,
+                "time_s": float(np.median(slowest)),
+                "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
+            }
+        )
+    return {"results": results} if group.rank == 0 else None
+
+
+def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    import torch
+    import torch.distributed as dist
+
+    # psring's launcher owns MASTER_PORT (its store): gloo meets through a file instead
+    launcher = settings_mod.scheduler_env()
+    dist.init_process_group(
+        "gloo", init_method=spec["gloo_init"], rank=int(launcher["RANK"]), world_size=int(launcher["WORLD_SIZE"])
+    )
+    rank = dist.get_rank()
+    dtype = np.dtype(spec["dtype"])
+    results = []
+    try:
+        for size in spec["sizes"]:
+            count = max(1, size // dtype.itemsize)
+            rng = np.random.default_rng(rank)
+            x = torch.from_numpy((rng.standard_normal(count) * 10).astype(dtype))
+            dist.barrier()
+            for _ in range(_warmup_for(spec, size)):
+                y = x.clone()
+                dist.all_reduce(y)
+            times = []
+            for _ in range(_iters_for(spec, size)):
+                y = x.clone()  # psring returns a new array; give gloo the same allocation
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(y)
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            results.append({"size": count * dtype.itemsize, "count": count, "time_s": float(np.median(t.numpy()))})
+    finally:
+        dist.destroy_process_group()
+    return {"results": results} if rank == 0 else None
+
+
+def synthetic_model(total: int, tensors: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """``tensors`` float32 tensors of ``total`` elements in all, sized like a conv net's.
+
+    A few large weight matrices hold most elements; many small ones (biases, norms)
+    make up the count -- the shape of the problem bucketing is for.
+    """
+    rng = np.random.default_rng(seed)
+    small = max(tensors // 2, 1)
+    big = max(tensors - small, 1)
+    small_sizes = rng.integers(64, 2048, small)
+    rest = max(total - int(small_sizes.sum()), big)
+    weights = rng.uniform(0.2, 1.0, big)
+    big_sizes = np.maximum((weights / weights.sum() * rest).astype(np.int64), 1)
+    big_sizes[0] += rest - int(big_sizes.sum())
+    sizes = [int(s) for s in np.concatenate([big_sizes, small_sizes])]
+    return {f"t{i:04d}": np.full(n, 0.01, np.float32) for i, n in enumerate(sizes)}
+
+
+async def _sgd_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    group = await init_group(timeout=spec.get("timeout", 300.0))
+    try:
+        params = synthetic_model(spec["params"], spec["tensors"])
+        opt = SyncSGD(group, params, SGD(lr=0.01, momentum=0.9), compression=spec.get("compression"))
+        await opt.start()
+        rng = np.random.default_rng(group.rank)
+        grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()}
+        rows = []
+        for i in range(spec["warmup"] + spec["steps"]):
+            await group.barrier()
+            t0 = time.perf_counter()
+            await opt.step(grads)
+            total = time.perf_counter() - t0
+            if i >= spec["warmup"]:
+                rows.append([total, opt.last_timing["exchange_s"], opt.last_timing["update_s"]])
+        worst = await group.all_reduce(np.array(rows), op="max")
+        return (
+            {"step_s": worst.tolist(), "buckets": len(opt.buckets), "tensors": len(params)} if group.rank == 0 else None
+        )
+    finally:
+        await group.close()
+
+
+def rank_main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    if spec.get("mode") == "sgd":
+        loop = new_event_loop()
+        try:
+            out = loop.run_until_complete(_sgd_rank(spec))
+        finally:
+            loop.close()
+        if out is not None:
+            with open(spec["out"], "w") as fh:
+                json.dump(out, fh)
+        return 0
+    if spec.get("backend", "psring") == "gloo":
+        out = _gloo_rank(spec)
+    else:
+        loop = new_event_loop()
+        try:
+            out = loop.run_until_complete(_psring_rank(spec))
+        finally:
+            loop.close()
+    if out is not None:
+        with open(spec["out"], "w") as fh:
+            json.dump(out, fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1:]))

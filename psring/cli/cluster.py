@@ -1,0 +1,206 @@
+"""The cluster commands: ``psring worker``, ``submit``, ``status``, ``doctor``, ``trace`` (and ``server --cluster``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..cluster.client import Client
+from ..cluster.daemons import ServerDaemon, WorkerDaemon, _Daemon
+from ..cluster.doctor import doctor
+from ..cluster.trace import read_events, to_chrome_trace
+from ..errors import PsringError
+from ..settings import Settings
+from ..transport.loop import new_event_loop
+from .train import print_summary
+
+
+# ------------------------------------------------------------------------ CLI
+def _run(coro: Any) -> Any:
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def _serve(daemon: _Daemon, label: str) -> int:
+    try:
+        _run(daemon.serve())  # type: ignore[attr-defined]
+    except (PsringError, OSError) as exc:
+        print(f"psring {label}: {exc}", flush=True)
+        return 1
+    return 0
+
+
+def _daemon_args(args: Any) -> dict[str, Any]:
+    return {
+        "secret": args.secret,
+        "host": args.host,
+        "port": args.port,
+        "advertise": args.advertise,
+        "name": args.name,
+        "metrics_port": args.metrics_port,
+    }
+
+
+def cli_worker(args: Any) -> int:
+    return _serve(WorkerDaemon(args.store, trace_dir=args.trace_dir, **_daemon_args(args)), "worker")
+
+
+def cli_server_daemon(args: Any) -> int:
+    return _serve(ServerDaemon(args.store, checkpoint_dir=args.checkpoint_dir, **_daemon_args(args)), "server")
+
+
+def cli_submit(args: Any) -> int:
+    train = {
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "optimizer": args.optimizer,
+        "compression": None if args.compression == "none" else args.compression,
+        "seed": args.seed,
+    }
+    try:
+        extra = json.loads(args.args) if args.args else {}
+    except ValueError as exc:
+        print(f"psring submit: --args is not JSON: {exc}", flush=True)
+        return 2
+    try:
+        client = Client(args.store, secret=args.secret)
+    except (PsringError, OSError) as exc:
+        print(f"psring submit: {exc}", flush=True)
+        return 1
+    try:
+        job = client.submit(
+            args.topology,
+            args.workers,
+            servers=args.servers,
+            entrypoint=args.entrypoint,
+            args=extra,
+            train=train,
+            wait_for_workers=not args.no_wait,
+            timeout=args.timeout,
+        )
+        print(f"psring submit: job {job.id} placed ({args.topology}, {args.workers} workers)", flush=True)
+        for rec in job.stream():
+            text = f"epoch {rec.get('epoch')} step {rec.get('step')}/{rec.get('total')} loss {rec.get('loss', 0):.4f}"
+            if "acc" in rec:
+                text += f" acc {rec['acc']:.4f}"
+            print(f"[job {job.id}] {text}", flush=True)
+        result = job.wait()
+    except (PsringError, ValueError) as exc:
+        print(f"psring submit: {exc}", flush=True)
+        return 1
+    finally:
+        client.close()
+    if args.entrypoint is None and isinstance(result, dict) and "test_accuracy" in result:
+        print_summary(result)
+    else:
+        print(json.dumps(result))
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def cli_status(args: Any) -> int:
+    try:
+        client = Client(args.store, secret=args.secret)
+    except (PsringError, OSError) as exc:
+        print(f"psring status: {exc}", flush=True)
+        return 1
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(status))
+        return 0
+    print(f"{'role':8} {'id':40} {'address':24} {'state':6} job")
+    for role in ("workers", "servers"):
+        for r in status[role]:
+            print(
+                f"{role[:-1]:8} {r['id']:40} {str(r['host']) + ':' + str(r['port']):24} {r['state']:6} {r.get('job')}"
+            )
+    for j in status["jobs"]:
+        print(f"job {j['id']}: {j['state']} {j['topology']} {len(j.get('workers', []))} workers {j.get('kind')}")
+    return 0
+
+
+def cli_doctor(args: Any) -> int:
+    problems = _run(doctor(args.store, args.secret, timeout=args.timeout))
+    for p in problems:
+        print(f"problem: {p}", flush=True)
+    if not problems:
+        print("psring doctor: no problems found", flush=True)
+    return 1 if problems else 0
+
+
+def cli_trace(args: Any) -> int:
+
+    events = read_events(args.dir)
+    if not events:
+        print(f"psring trace: no event logs (*.jsonl) in {args.dir}", flush=True)
+        return 1
+    with open(args.output, "w") as fh:
+        json.dump(to_chrome_trace(events), fh)
+    ranks = {(e.get("job"), e["rank"]) for e in events}
+    print(f"psring trace: {len(events)} collectives of {len(ranks)} rank(s) -> {args.output}", flush=True)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    def common(p: Any) -> None:
+        p.add_argument("--store", default=env.store, required=env.store is None, help="the store (PSRING_STORE)")
+        p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
+
+    p = sub.add_parser("worker", help="worker daemon: registers, waits for jobs, runs them", formatter_class=fmt)
+    common(p)
+    p.add_argument("--host", default=env.bind_host or "0.0.0.0", help="bind address (PSRING_BIND_HOST)")
+    p.add_argument("--port", type=int, default=env.port, help="declared port (PSRING_PORT)")
+    p.add_argument("--advertise", default=env.advertise_host, help="address others use (PSRING_ADVERTISE_HOST)")
+    p.add_argument("--name", default=env.name, help="daemon id (default host-pid-random; PSRING_NAME)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--trace-dir", default=env.trace_dir, help="write per-collective event logs (PSRING_TRACE_DIR)")
+    p.set_defaults(func=cli_worker)
+
+    p = sub.add_parser("submit", help="run a training job on a running cluster", formatter_class=fmt)
+    common(p)
+    p.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    p.add_argument("--model", choices=("mlp",), default="mlp")
+    p.add_argument("--dataset", choices=("digits",), default="digits")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--entrypoint", default=None, help="package.module:function run on every worker with a Group")
+    p.add_argument("--args", default=None, help="JSON keyword arguments for the entrypoint")
+    p.add_argument("--no-wait", action="store_true", help="fail at once if not enough idle daemons")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds for any one collective")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cli_submit)
+
+    p = sub.add_parser("status", help="daemons and jobs of a cluster", formatter_class=fmt)
+    common(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cli_status)
+
+    p = sub.add_parser("doctor", help="pre-flight checks of a cluster", formatter_class=fmt)
+    common(p)
+    p.add_argument("--timeout", type=float, default=5.0)
+    p.set_defaults(func=cli_doctor)
+
+    p = sub.add_parser("trace", help="turn event logs into a Chrome trace", formatter_class=fmt)
+    p.add_argument("dir", help="directory of *.jsonl event logs (PSRING_TRACE_DIR, --trace-dir)")
+    p.add_argument("-o", "--output", default="psring-trace.json")
+    p.set_defaults(func=cli_trace)

@@ -1,0 +1,147 @@
+"""``psring store``, ``psring server`` and ``psring launch``: the processes a job is made of."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from .. import settings as settings_mod
+from ..rendezvous.client import connect_store, parse_store_address
+from ..rendezvous.launch import launch
+from ..rendezvous.scheduler import routable_host_towards
+from ..rendezvous.store import start_store
+from ..settings import Settings
+from ..topology.ps.server import serve_forever, start_servers
+from ..transport.loop import new_event_loop
+from .cluster import cli_server_daemon
+
+
+def _run(coro: object) -> int:
+    loop = new_event_loop()
+    try:
+        return int(loop.run_until_complete(coro) or 0)  # type: ignore[arg-type]
+    finally:
+        loop.close()
+
+
+async def _serve_store(host: str, port: int, secret: str | None) -> int:
+    server = await start_store(host, port, secret=secret.encode() if secret else None)
+    print(f"psring store listening on {host}:{server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+    return 0
+
+
+def _cmd_store(args: argparse.Namespace) -> int:
+    return _run(_serve_store(args.host, args.port, args.secret))
+
+
+async def _serve_shards(args: argparse.Namespace) -> int:
+    secret = args.secret.encode() if args.secret else None
+    address = parse_store_address(args.store)
+    if args.shard is not None:
+        num = args.num_shards or args.shards
+        ids = [args.shard]
+    else:
+        num, ids = args.shards, None
+    if num is None or num < 1:
+        raise ValueError(f"--shards must be at least 1, got {num}")
+    store = await connect_store(address, secret=secret, timeout=args.timeout, role="server")
+    advertise = args.advertise or (routable_host_towards(address.host) if address.scheme == "tcp" else "127.0.0.1")
+    server = await start_servers(
+        store,
+        num,
+        job=args.job,
+        secret=secret,
+        host=args.host,
+        port=args.port,
+        advertise=advertise,
+        shard_ids=ids,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        restore=args.restore,
+    )
+    restored = sum(len(s.params.buckets) for s in server.shards.values() if s.params is not None) if args.restore else 0
+    print(
+        f"psring server: shard(s) {sorted(server.shards)} of {num} for job {args.job!r} on {server.address}"
+        + (f", restored {restored} bucket(s) from {args.checkpoint_dir}" if args.restore else ""),
+        flush=True,
+    )
+    await serve_forever(server)
+    return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    if args.cluster:
+        return cli_server_daemon(args)
+    return _run(_serve_shards(args))
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print(
+            "psring launch: give the command to run after --, as in: psring launch -n 2 -- python train.py",
+            file=sys.stderr,
+        )
+        return 2
+    if args.n < 1:
+        print(f"psring launch: -n must be at least 1, got {args.n}", file=sys.stderr)
+        return 2
+    env = settings_mod.process_env()
+    if args.servers is not None:
+        env["PSRING_SERVERS"] = str(args.servers)
+    if args.colocate:
+        env["PSRING_PS_COLOCATE"] = "1"
+    try:
+        return _run(launch(args.n, cmd, topology=args.topology, env=env))
+    except KeyboardInterrupt:
+        return 130
+
+
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = sub.add_parser("store", help="run a rendezvous store", formatter_class=fmt)
+    p.add_argument("--host", default=env.host or "0.0.0.0", help="address to bind (PSRING_HOST)")
+    p.add_argument("--port", type=int, default=env.port or 29500, help="port (PSRING_PORT)")
+    p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
+    p.set_defaults(func=_cmd_store)
+
+    p = sub.add_parser("server", help="run parameter-server shard(s) for the ps topology", formatter_class=fmt)
+    p.add_argument("--store", required=True, help="the store, HOST:PORT (or tcp://, file://)")
+    p.add_argument("--shards", type=int, default=1, help="shards this process hosts (all of them)")
+    p.add_argument("--shard", type=int, default=None, help="host only shard i (with --num-shards)")
+    p.add_argument("--num-shards", type=int, default=None, help="total shards when --shard is given")
+    p.add_argument("--host", default=env.bind_host or "0.0.0.0", help="bind (PSRING_BIND_HOST)")
+    p.add_argument("--port", type=int, default=env.port, help="port (PSRING_PORT)")
+    p.add_argument("--job", default=env.job, help="job name (PSRING_JOB)")
+    p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to reach the store")
+    p.add_argument("--checkpoint-dir", default=None, help="write parameter-mode checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps (and on SIGTERM)")
+    p.add_argument("--restore", action="store_true", help="resume from the checkpoints in --checkpoint-dir")
+    p.add_argument("--cluster", action="store_true", help="a server daemon: host the shards of submitted ps jobs")
+    p.add_argument("--advertise", default=env.advertise_host, help="address others use (PSRING_ADVERTISE_HOST)")
+    p.add_argument("--name", default=env.name, help="daemon id (--cluster; PSRING_NAME)")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.set_defaults(func=_cmd_server)
+
+    p = sub.add_parser("launch", help="run a command as N local ranks (torchrun-like)", formatter_class=fmt)
+    p.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
+    p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY for the ranks")
+    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
+    p.add_argument(
+        "--colocate",
+        action="store_true",
+        help="ps: the ranks host the shards in their own processes, no server processes (PSRING_PS_COLOCATE=1)",
+    )
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
+    p.set_defaults(func=_cmd_launch)

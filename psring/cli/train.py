@@ -1,0 +1,229 @@
+"""``psring train``: the main job from the command line, with its progress display and summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from .. import settings as settings_mod
+from ..core import gpu
+from ..rendezvous.launch import launch
+from ..settings import Settings
+from ..training.job import PROGRESS
+from ..transport.loop import new_event_loop
+
+
+class _Progress:
+    """A live bar in the parent, fed by rank 0's progress lines (tqdm if installed, else plain lines)."""
+
+    def __init__(self, label: str, quiet: bool) -> None:
+        self.label = label
+        self.quiet = quiet
+        self.bar: Any = None
+        self.last_epoch = 0
+
+    def __call__(self, line: str) -> bool:
+        if not line.startswith(PROGRESS):
+            return False
+        if self.quiet:
+            return True
+        info = json.loads(line[len(PROGRESS) :])
+        rate = info["step"] / max(info["elapsed"], 1e-9)
+        text = f"epoch {info['epoch']} loss {info['loss']:.4f}" + (f" acc {info['acc']:.4f}" if "acc" in info else "")
+        text += f" {rate:.0f} steps/s {info['mb']:.1f} MB"
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            if "acc" in info:
+                print(f"[{self.label}] {text}", flush=True)
+            return True
+        if self.bar is None:
+            self.bar = tqdm(total=info["total"], desc=self.label, unit="step", dynamic_ncols=True)
+        self.bar.n = info["step"]
+        self.bar.set_postfix_str(text, refresh=True)
+        if "acc" in info:
+            self.bar.write(f"[{self.label}] {text}")
+        return True
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> dict[str, Any] | None:
+
+    with tempfile.TemporaryDirectory(prefix="psring-train-") as tmp:
+        spec = {
+            "epochs": args.epochs,
+            "batch_size": args.batch_size,
+            "lr": args.lr,
+            "momentum": args.momentum,
+            "optimizer": args.optimizer,
+            "compression": None if args.compression == "none" else args.compression,
+            "accumulate": args.accumulate,
+            "device": args.device,
+            "seed": args.seed,
+            "timeout": args.timeout,
+            "out": os.path.join(tmp, "summary.json"),
+        }
+        env = settings_mod.process_env()
+        if topology == "ps":
+            env["PSRING_SERVERS"] = str(args.servers or args.workers)
+        cmd = [sys.executable, "-m", "psring.training.job", json.dumps(spec)]
+        progress = _Progress(topology, quiet)
+        loop = new_event_loop()
+        try:
+            code = loop.run_until_complete(
+                launch(args.workers, cmd, topology=topology, env=env, prefix_output=False, on_line=progress)
+            )
+        finally:
+            loop.close()
+            progress.close()
+        if code != 0:
+            print(f"psring train: a worker failed (exit code {code})", file=sys.stderr)
+            return None
+        with open(spec["out"]) as fh:
+            return json.load(fh)  # type: ignore[no-any-return]
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(
+        f"\nsummary ({summary['topology']}, {summary['workers']} workers"
+        + (f", {summary['servers']} server shards" if summary["topology"] == "ps" else "")
+        + ")"
+    )
+    print(f"  test accuracy      {summary['test_accuracy']:.4f}")
+    print(f"  final loss         {summary['final_loss']:.4f}")
+    print(f"  wall time          {summary['wall_s']:.2f} s ({summary['steps']} steps)")
+    print(
+        f"  time per step      {summary['ms_per_step_compute']:.2f} ms compute + "
+        f"{summary['ms_per_step_comm']:.2f} ms communication (incl. the update)"
+    )
+    for r, (sent, received) in enumerate(summary["bytes_per_worker"]):
+        print(f"  worker {r}           sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
+    for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
+        print(f"  server shard {i}     sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
+    print(f"  ranks bit-identical {summary['ranks_agree']}")
+
+
+def print_compare(results: dict[str, dict[str, Any]]) -> None:
+    ring, ps = results["ring"], results["ps"]
+    rows = [
+        ("test accuracy", f"{ring['test_accuracy']:.4f}", f"{ps['test_accuracy']:.4f}"),
+        ("final loss", f"{ring['final_loss']:.6f}", f"{ps['final_loss']:.6f}"),
+        ("wall time (s)", f"{ring['wall_s']:.2f}", f"{ps['wall_s']:.2f}"),
+        ("compute ms/step", f"{ring['ms_per_step_compute']:.2f}", f"{ps['ms_per_step_compute']:.2f}"),
+        ("comm ms/step", f"{ring['ms_per_step_comm']:.2f}", f"{ps['ms_per_step_comm']:.2f}"),
+        (
+            "MB sent / worker",
+            f"{ring['bytes_per_worker'][0][0] / 1e6:.2f}",
+            f"{ps['bytes_per_worker'][0][0] / 1e6:.2f}",
+        ),
+        ("ranks bit-identical", str(ring["ranks_agree"]), str(ps["ranks_agree"])),
+    ]
+    same = ring["param_digest"] == ps["param_digest"]
+    print("\ncomparison (same seed)")
+    print(f"  {'':22}{'ring':>12}{'ps':>12}")
+    for name, a, b in rows:
+        print(f"  {name:22}{a:>12}{b:>12}")
+    print(f"  ring and ps final parameters bit-identical: {same}")
+
+
+def plot(results: dict[str, dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for topo, summary in results.items():
+        steps = [h["step"] for h in summary["history"]]
+        ax1.plot(steps, [h["loss"] for h in summary["history"]], marker="o", label=topo)
+        ax2.plot(steps, [h["test_accuracy"] for h in summary["history"]], marker="o", label=topo)
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("test accuracy")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    def bad(reason: str) -> int:
+        print(f"psring train: {reason}", file=sys.stderr)
+        return 2
+
+    if args.topology not in ("ring", "ps"):
+        return bad(f"unknown topology {args.topology!r} (ring or ps)")
+    if args.workers < 1:
+        return bad(f"--workers must be at least 1, got {args.workers}")
+    if args.topology == "ring" and args.servers is not None and not args.compare:
+        return bad("--servers applies to --topology ps only")
+    if args.servers is not None and args.servers < 1:
+        return bad(f"--servers must be at least 1, got {args.servers}")
+    if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
+        return bad("--epochs, --batch-size and --lr must be positive")
+    if args.accumulate < 1:
+        return bad(f"--accumulate must be at least 1, got {args.accumulate}")
+    if args.device == "cuda":
+        if not gpu.available():
+            return bad("--device cuda needs cupy and a CUDA GPU, and none was found")
+    topologies = ["ring", "ps"] if args.compare else [args.topology]
+    results: dict[str, dict[str, Any]] = {}
+    for topology in topologies:
+        print(
+            f"psring train: topology={topology} workers={args.workers}"
+            + (f" servers={args.servers or args.workers}" if topology == "ps" else "")
+            + f" epochs={args.epochs} batch={args.batch_size}/worker optimizer={args.optimizer} lr={args.lr}"
+            + f" device={args.device}"
+            + (f" compression={args.compression}" if args.compression != "none" else "")
+            + (f" accumulate={args.accumulate}" if args.accumulate > 1 else ""),
+            flush=True,
+        )
+        summary = train_once(args, topology)
+        if summary is None:
+            return 1
+        print_summary(summary)
+        results[topology] = summary
+    if args.compare:
+        print_compare(results)
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps(results if args.compare else results[topologies[0]]))
+    return 0 if all(r["ranks_agree"] for r in results.values()) else 1
+
+
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "train",
+        help="the main job: synchronous SGD on the digits data set",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--topology", default=env.topology, help="ring or ps (PSRING_TOPOLOGY)")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps only)")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (with --momentum) or adam")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--compare", action="store_true", help="train over ring and ps with the same seed, side by side")
+    p.add_argument("--plot", default=None, help="write a PNG of loss and accuracy against step")
+    p.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    p.set_defaults(func=run)

@@ -1,0 +1,6 @@
+"""Layer 6: long-running daemons and the jobs placed on them through the store.
+
+- ``daemons``: ``psring worker`` and ``psring server --cluster``.
+- ``client``: submitting jobs and following them; ``doctor``: pre-flight checks.
+- ``metrics``: Prometheus counters; ``trace``: Chrome traces from flight-recorder logs.
+"""

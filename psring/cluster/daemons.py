@@ -1,0 +1,448 @@
+"""The cluster: long-running worker daemons and server daemons, jobs placed through the store.
+
+Everything meets in the rendezvous store, under ``psring-cluster/``:
+
+- ``workers/<id>``: a worker daemon's record (address, state idle|busy, job, version, a
+  heartbeat counter and its clock), rewritten every heartbeat; ``servers/<id>`` likewise.
+- ``claim/<id>``: who has a daemon (compare-and-set, so two submitters never share one).
+- ``assign/<id>``: the job and rank a daemon should run next.
+- ``jobs/<n>/spec``, ``state``, ``ack/<rank>``, ``rank/<rank>`` (each rank's outcome),
+  ``progress`` (rank 0's latest progress record).
+
+A job is a ``psring train`` run (the main job) or an ``--entrypoint module:function``
+importable on the workers, called with a Group (an async Group for ``async def``, a
+blocking one otherwise) and returning a dict of metrics. A job's ranks run inside the
+daemons (one job at a time each) and form a group of their own (``PSRING_JOB=job<n>``) over
+the daemons' declared ports; a ps job's shards run on server daemons when there are any,
+else inside rank 0's daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from typing import Any
+
+from .. import settings as settings_mod
+from ..core import wire
+from ..errors import PeerLostError, PsringError
+from ..rendezvous.client import connect_store, parse_store_address
+from ..rendezvous.scheduler import routable_host_towards
+from ..topology.api import init_group
+from ..topology.blocking import init
+from ..topology.ps.server import start_servers
+from ..topology.recorder import FlightRecorder
+from ..training.job import worker
+from ..transport.listener import Listener
+from ..transport.loop import new_event_loop
+from ..transport.mailbox import Mailbox
+from ..version import __version__
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+ROOT = "psring-cluster/"
+HEARTBEAT_S = 1.0
+
+
+def key(*parts: Any) -> str:
+    return ROOT + "/".join(str(p) for p in parts)
+
+
+class JobError(PsringError):
+    """A cluster job could not be placed, or failed (the message names the daemon and rank)."""
+
+
+def _secret_bytes(secret: str | bytes | None) -> bytes | None:
+    if secret is None:
+        secret = settings_mod.current().secret
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return secret
+
+
+# ------------------------------------------------------------------- daemons
+class _Daemon:
+    """What worker and server daemons share: the store, a record, a heartbeat, SIGTERM."""
+
+    kind = "workers"
+
+    def __init__(
+        self,
+        store: str,
+        *,
+        secret: str | bytes | None = None,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        advertise: str | None = None,
+        name: str | None = None,
+        metrics_port: int | None = None,
+        trace_dir: str | None = None,
+    ) -> None:
+        self.store_spec = store
+        self.secret = _secret_bytes(secret)
+        self.bind_host = host
+        self.port = port
+        self.advertise = advertise
+        self.id = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.metrics_port = metrics_port
+        self.trace_dir = trace_dir
+        self.state = "idle"
+        self.job: int | None = None
+        self.beat = 0
+        self.jobs_run = 0
+        self.stopping = asyncio.Event()
+        self.store: Any = None
+        self.listener: Listener | None = None
+        self.metrics: Any = None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "host": self.advertise,
+            "port": self.port,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "state": self.state,
+            "job": self.job,
+            "beat": self.beat,
+            "time": time.time(),
+            "version": __version__,
+            "wire": wire.WIRE_VERSION,
+            "jobs_run": self.jobs_run,
+            "metrics_port": self.metrics.port if self.metrics is not None else None,
+        }
+
+    async def _publish(self) -> None:
+        await self.store.set(key(self.kind, self.id), json.dumps(self.record()))
+
+    def _heartbeat_thread(self) -> None:
+        """Beat from a thread of its own (own loop, own store connection): a job that holds the
+        daemon's event loop for a while (imports, a long computation) is not mistaken for a dead daemon."""
+
+        async def beat() -> None:
+            store = await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+            try:
+                while not self._beat_stop.is_set():
+                    self.beat += 1
+                    with contextlib.suppress(PsringError, OSError):
+                        await store.set(key(self.kind, self.id), json.dumps(self.record()))
+                    await asyncio.get_running_loop().run_in_executor(None, self._beat_stop.wait, HEARTBEAT_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await store.close()
+
+        loop = new_event_loop()
+        try:
+            loop.run_until_complete(beat())
+        except (PsringError, OSError) as exc:
+            logger.warning("%s %s: heartbeat stopped: %s", self.kind[:-1], self.id, exc)
+        finally:
+            loop.close()
+
+    def _start_heartbeat(self) -> threading.Thread:
+        self._beat_stop = threading.Event()
+        thread = threading.Thread(target=self._heartbeat_thread, name=f"psring-heartbeat-{self.id}", daemon=True)
+        thread.start()
+        return thread
+
+    def _stop_heartbeat(self, thread: threading.Thread) -> None:
+        self._beat_stop.set()
+        thread.join(timeout=5)
+
+    async def _open_port(self) -> None:
+        """Listen on the declared port while idle: doctor's reachability and secret checks land here."""
+        mailbox = Mailbox()
+        self.listener = Listener(
+            lambda conn: None,
+            secret=self.secret,
+            info={"role": self.kind[:-1], "id": self.id},
+            router_for=lambda conn: mailbox,
+            name=f"psring {self.kind[:-1]} {self.id}",
+        )
+        await self.listener.start(self.bind_host, self.port)
+        self.port = self.listener.port
+
+    async def _close_port(self) -> None:
+        if self.listener is not None:
+            await self.listener.close()
+            self.listener = None
+
+    async def start(self) -> None:
+
+        address = parse_store_address(self.store_spec)
+        self.store = await connect_store(address, secret=self.secret, timeout=60.0, role=self.kind[:-1])
+        if self.advertise is None:
+            self.advertise = settings_mod.current().advertise_host or routable_host_towards(address.host or "")
+        if self.metrics_port is not None:
+            self.metrics = Metrics(self.metrics_port, role=self.kind[:-1])
+        await self._open_port()
+        await self._publish()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.stopping.set)
+
+    async def _new_store(self) -> Any:
+        """A store connection of its own (shard servers close theirs when they stop)."""
+        return await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+
+    async def stop(self) -> None:
+        await self._close_port()
+        with contextlib.suppress(PsringError, OSError):
+            await self.store.delete(key(self.kind, self.id))
+            await self.store.delete(key("claim", self.id))
+        with contextlib.suppress(PsringError, OSError):
+            await self.store.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+class WorkerDaemon(_Daemon):
+    """``psring worker``: waits for jobs, runs its rank of each, reports, waits again."""
+
+    kind = "workers"
+
+    async def serve(self) -> None:
+        await self.start()
+        print(f"psring worker {self.id}: ready on {self.advertise}:{self.port}, store {self.store_spec}", flush=True)
+        beat = self._start_heartbeat()
+        try:
+            while not self.stopping.is_set():
+                get = asyncio.create_task(self.store.get(key("assign", self.id), timeout=1.0))
+                stop = asyncio.create_task(self.stopping.wait())
+                done, _ = await asyncio.wait({get, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if get not in done:
+                    get.cancel()
+                    with contextlib.suppress(BaseException):
+                        await get
+                    break
+                raw = get.result()
+                if raw is None:
+                    continue
+                await self.store.delete(key("assign", self.id))
+                await self._run_job(json.loads(raw))
+        finally:
+            self.stopping.set()
+            self._stop_heartbeat(beat)
+            await self.stop()
+            print(f"psring worker {self.id}: stopped after {self.jobs_run} job(s)", flush=True)
+
+    async def _run_job(self, assignment: dict[str, Any]) -> None:
+        jid, rank = int(assignment["job"]), int(assignment["rank"])
+        raw = await self.store.get(key("jobs", jid, "spec"))
+        if raw is None:
+            logger.warning("worker %s: job %s has no spec; ignored", self.id, jid)
+            return
+        spec = json.loads(raw)
+        self.state, self.job = "busy", jid
+        await self._publish()
+        await self.store.set(key("jobs", jid, "ack", rank), self.id)
+        outcome: dict[str, Any] = {"ok": False, "worker": self.id}
+        body = asyncio.create_task(self._job_body(spec, rank))
+        watch = asyncio.create_task(self._watch(jid))
+        stop = asyncio.create_task(self.stopping.wait())
+        t0 = time.monotonic()
+        try:
+            done, _ = await asyncio.wait({body, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if body in done:
+                exc = body.exception()
+                if exc is not None:
+                    outcome["error"] = f"{type(exc).__name__}: {exc}"
+                    if isinstance(exc, PeerLostError) and exc.rank is not None:
+                        outcome["lost_rank"] = exc.rank
+                else:
+                    outcome.update(ok=True, result=body.result())
+            else:
+                why = (
+                    f"worker {self.id} was stopped (SIGTERM) and abandoned the job"
+                    if stop in done
+                    else f"job {jid} was {watch.result()} elsewhere"
+                )
+                body.cancel()
+                with contextlib.suppress(BaseException):
+                    await body
+                outcome["error"] = why
+        except Exception as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            for t in (watch, stop):
+                t.cancel()
+            outcome["seconds"] = time.monotonic() - t0
+            with contextlib.suppress(PsringError, OSError):
+                await self.store.set(key("jobs", jid, "rank", rank), json.dumps(outcome, default=str))
+            if self.metrics is not None:
+                self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
+            self.jobs_run += 1
+            self.state, self.job = "idle", None
+            if not self.stopping.is_set():
+                await self._open_port()
+            with contextlib.suppress(PsringError, OSError):
+                await self.store.delete(key("claim", self.id))
+                await self._publish()
+
+    async def _watch(self, jid: int) -> str:
+        """Returns when the job is failed or cancelled elsewhere (so this rank stops at once)."""
+        while True:
+            state = await self.store.get(key("jobs", jid, "state"))
+            if state in (b"failed", b"cancelled"):
+                return state.decode()
+            await asyncio.sleep(0.5)
+
+    async def _job_body(self, spec: dict[str, Any], rank: int) -> Any:
+        jid = spec["id"]
+        job = f"job{jid}"
+        world = len(spec["workers"])
+        await self._close_port()  # the job's group listens on this daemon's declared port now
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": "0",
+            "PSRING_JOB": job,
+            "PSRING_TOPOLOGY": spec["topology"],
+            "PSRING_PORT": str(self.port),
+            "PSRING_ADVERTISE_HOST": str(self.advertise),
+            "PSRING_STORE": self.store_spec,
+            "MASTER_ADDR": "",
+            "MASTER_PORT": "",
+        }
+        servers = None
+        recorder = None
+        try:
+            if spec["topology"] == "ps" and rank == 0 and not spec.get("shard_hosts"):
+                servers = await start_servers(
+                    await self._new_store(),
+                    spec["servers"],
+                    job=job,
+                    secret=self.secret,
+                    host=self.bind_host,
+                    advertise=self.advertise,
+                )
+            if self.trace_dir:
+                recorder = FlightRecorder(self.trace_dir, job)
+            with settings_mod.job_environment(env):  # what init_group reads: this job's rank, port, store
+                if spec["kind"] == "train":
+                    return await self._train(spec, rank)
+                return await self._entrypoint(spec)
+        finally:
+            if recorder is not None:
+                recorder.close()
+            if servers is not None:
+                await servers.drain(timeout=10.0)
+                await servers.close()
+
+    async def _train(self, spec: dict[str, Any], rank: int) -> Any:
+
+        jid = spec["id"]
+        last = [0.0]
+
+        def progress(record: dict[str, Any]) -> None:
+            now = time.monotonic()
+            if now - last[0] > 0.2 or "acc" in record:
+                last[0] = now
+                asyncio.get_running_loop().create_task(self.store.set(key("jobs", jid, "progress"), json.dumps(record)))
+
+        train_spec = {**spec["train"], "timeout": spec.get("timeout", 300.0)}
+        summary = await worker(train_spec, progress=progress)
+        if self.metrics is not None and summary is not None:
+            self.metrics.steps.labels("worker").inc(summary["steps"])
+        return summary
+
+    async def _entrypoint(self, spec: dict[str, Any]) -> Any:
+        module_name, _, attr = spec["entrypoint"].partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr or "main")
+        except (ImportError, AttributeError) as exc:
+            raise JobError(f"entrypoint {spec['entrypoint']!r} cannot be loaded on worker {self.id}: {exc}") from exc
+        kwargs = spec.get("args") or {}
+        timeout = spec.get("timeout", 300.0)
+        if inspect.iscoroutinefunction(fn):
+            group = await init_group(timeout=timeout)
+            try:
+                result = await fn(group, **kwargs)
+            finally:
+                stats = group.stats()
+                await group.close()
+        else:
+
+            def run_sync() -> Any:
+                g = init(timeout=timeout)
+                try:
+                    return fn(g, **kwargs), g.stats()
+                finally:
+                    g.close()
+
+            result, stats = await asyncio.to_thread(run_sync)
+        if self.metrics is not None:
+            self.metrics.add_traffic(stats.get("bytes_sent", 0), stats.get("bytes_received", 0))
+        return json.loads(json.dumps(result, default=str))
+
+
+class ServerDaemon(_Daemon):
+    """``psring server --cluster``: hosts the shards of ps jobs the submitters give it."""
+
+    kind = "servers"
+
+    def __init__(self, store: str, *, checkpoint_dir: str | None = None, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.checkpoint_dir = checkpoint_dir
+
+    async def serve(self) -> None:
+
+        await self.start()
+        print(f"psring server {self.id}: ready for ps jobs, store {self.store_spec}", flush=True)
+        beat = self._start_heartbeat()
+        running: dict[int, Any] = {}
+        try:
+            while not self.stopping.is_set():
+                raw = await self.store.get(key("serve", self.id), timeout=1.0)
+                if raw is not None:
+                    await self.store.delete(key("serve", self.id))
+                    order = json.loads(raw)
+                    jid = int(order["job"])
+                    port = 0
+                    if not running:  # the declared port serves the shards (one job's at a time)
+                        await self._close_port()
+                        port = self.port
+                    running[jid] = await start_servers(
+                        await self._new_store(),
+                        order["num_shards"],
+                        job=f"job{jid}",
+                        secret=self.secret,
+                        host=self.bind_host,
+                        port=port,
+                        advertise=self.advertise,
+                        shard_ids=order["shards"],
+                        checkpoint_dir=os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None,
+                    )
+                    self.state, self.job = "busy", jid
+                for jid in list(running):
+                    state = await self.store.get(key("jobs", jid, "state"))
+                    if state in (b"done", b"failed", b"cancelled"):
+                        srv = running.pop(jid)
+                        await srv.close()
+                        self.jobs_run += 1
+                if not running and self.state == "busy":
+                    self.state, self.job = "idle", None
+                    await self._open_port()
+        finally:
+            self.stopping.set()
+            self._stop_heartbeat(beat)
+            for srv in running.values():
+                with contextlib.suppress(Exception):
+                    await srv.close()
+            await self.stop()
+
+
+__all__ = ["JobError", "ServerDaemon", "WorkerDaemon"]

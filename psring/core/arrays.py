@@ -1,0 +1,233 @@
+"""Array helpers: the allowed dtypes, numpy/cupy dispatch, and flat byte views.
+
+This is the only module that imports cupy (lazily); everything above asks it
+which array module an array belongs to.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import settings
+
+try:  # bfloat16 is optional: present only where ml_dtypes is installed
+    import ml_dtypes  # type: ignore[import-not-found]
+
+    _BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    _BFLOAT16 = None
+
+_DTYPE_NAMES = (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+)
+
+#: wire name -> numpy dtype, for every dtype a frame may carry
+DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in _DTYPE_NAMES}
+if _BFLOAT16 is not None:
+    DTYPES["bfloat16"] = _BFLOAT16
+
+REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
+
+_cupy: Any = None
+_cupy_checked = False
+
+
+def cupy_module() -> Any | None:
+    """Return the cupy module if it imports, else None (never raises)."""
+    global _cupy, _cupy_checked
+    if not _cupy_checked:
+        _cupy_checked = True
+        try:
+            import cupy  # type: ignore[import-not-found]
+
+            _cupy = cupy
+        except Exception:  # ImportError, or a CUDA library that fails to load
+            _cupy = None
+    return _cupy
+
+
+def is_cupy(x: Any) -> bool:
+    """True for a cupy ndarray (without importing cupy when x is numpy)."""
+    return type(x).__module__.startswith("cupy")
+
+
+def array_module(x: Any) -> Any:
+    """numpy or cupy, whichever x belongs to."""
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return np
+    if is_cupy(x):
+        return cupy_module()
+    raise TypeError(f"expected a numpy or cupy array, got {type(x).__name__}")
+
+
+_NAME_CACHE: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The wire name of a dtype; TypeError naming it if it is not allowed."""
+    try:
+        return _NAME_CACHE[dtype]
+    except (KeyError, TypeError):
+        pass
+    name = _dtype_name(dtype)
+    if isinstance(dtype, np.dtype):
+        _NAME_CACHE[dtype] = name
+    return name
+
+
+def _dtype_name(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    if _BFLOAT16 is not None and dt == _BFLOAT16:
+        return "bfloat16"
+    name = dt.name
+    if name not in DTYPES or dt.byteorder == ">":
+        allowed = ", ".join(DTYPES)
+        raise TypeError(f"dtype {dt} is not supported by psring (allowed: {allowed})")
+    return name
+
+
+def check_array(x: Any, what: str = "x") -> Any:
+    """Validate a user array and return it C-contiguous (copying only if it was not)."""
+    if isinstance(x, np.ndarray):
+        dtype_name(x.dtype)
+        return np.ascontiguousarray(x) if not x.flags.c_contiguous else x
+    if is_cupy(x):
+        dtype_name(x.dtype)
+        cp = cupy_module()
+        return cp.ascontiguousarray(x) if not x.flags.c_contiguous else x
+    raise TypeError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
+
+
+def byte_view(x: np.ndarray) -> memoryview:
+    """A flat, writable-if-possible byte memoryview of a C-contiguous host array (no copy)."""
+    flat = x.reshape(-1)
+    return memoryview(flat.view(np.uint8))
+
+
+def empty_host(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """Allocate an uninitialised host array (the receive destination)."""
+    return np.empty(shape, dtype=dtype)
+
+
+def prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ------------------------------------------------------------------ result buffers
+class _BufferPool:
+    """Recycles the memory of large results once the caller lets go of them.
+
+    A result is a new array, but a fresh 64 MiB array costs ~16 ms of page faults on
+    first write here (as much as a third of an all_reduce); training loops reduce
+    same-sized tensors over and over. An array from :func:`result_empty` is backed by
+    an owner object whose ``__del__`` hands the memory back; a result the caller keeps
+    is never reused. Bounded by ``PSRING_BUFFER_POOL`` bytes (default 512 MiB, 0: off).
+    """
+
+    MIN_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self.cap = settings.current().buffer_pool
+        self.free: dict[int, list[np.ndarray]] = {}
+        self.held = 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self.lock:
+            stack = self.free.get(nbytes)
+            if stack:
+                self.held -= nbytes
+                return stack.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, mem: np.ndarray) -> None:
+        with self.lock:
+            if self.held + mem.nbytes > self.cap:
+                # make room: drop the oldest buffers kept
+                for size in list(self.free):
+                    while self.free[size] and self.held + mem.nbytes > self.cap:
+                        self.free[size].pop(0)
+                        self.held -= size
+                if self.held + mem.nbytes > self.cap:
+                    return
+            self.free.setdefault(mem.nbytes, []).append(mem)
+            self.held += mem.nbytes
+
+
+class _Owner:
+    """The base of a pooled result: when the last view of it goes, its memory goes back."""
+
+    __slots__ = ("__array_interface__", "mem")
+
+    def __init__(self, mem: np.ndarray) -> None:
+        self.mem = mem
+        self.__array_interface__ = mem.__array_interface__
+
+    def __del__(self) -> None:
+        try:
+            _POOL.give(self.mem)
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+
+_POOL = _BufferPool()
+
+
+def pinned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A host array in page-locked memory from cupy's pinned pool (reused once freed)."""
+    cp = cupy_module()
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape)) if shape else 1
+    mem = cp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype=dtype, count=count).reshape(shape)
+
+
+def is_pinned(a: np.ndarray) -> bool:
+    """True for a host array (or a view of one) made by :func:`pinned_empty`."""
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer keeps a memoryview of the pinned block
+        base = base.obj
+    return base is not None and type(base).__name__ == "PinnedMemoryPointer"
+
+
+def pooled_bytes(nbytes: int) -> np.ndarray:
+    """An uninitialized uint8 buffer, from the pool (and back to it once unused) when large.
+
+    For receive buffers and per-piece outputs that live only as long as one collective: a
+    fresh megabyte-sized buffer costs its page faults on every use (~3 ms per 4 MiB here)."""
+    if nbytes < _BufferPool.MIN_BYTES or _POOL.cap <= 0:
+        return np.empty(nbytes, np.uint8)
+    return np.asarray(_Owner(_POOL.take(nbytes)))
+
+
+def result_empty(like: np.ndarray) -> np.ndarray:
+    """An uninitialized array shaped like ``like`` (flat, C order), recycled when large.
+
+    The result of a pinned (device-staged) input is pinned too, so it goes back to the
+    device in one DMA, without a copy into a staging buffer first."""
+    nbytes = like.nbytes
+    if nbytes >= _BufferPool.MIN_BYTES and is_pinned(like):
+        return pinned_empty(like.shape, like.dtype)
+    if nbytes < _BufferPool.MIN_BYTES or _POOL.cap <= 0:
+        return np.empty_like(like)
+    mem = _POOL.take(nbytes)
+    return np.asarray(_Owner(mem)).view(like.dtype).reshape(like.shape)

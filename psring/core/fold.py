@@ -1,0 +1,110 @@
+"""The canonical reduction order every topology reproduces, bit for bit.
+
+Split the flattened tensor into N ring chunks; element i of a sum or product is the
+left fold over ranks starting at the rank c whose chunk holds i:
+((x_c op x_c+1) op ...) op x_c-1, ranks mod N (avg: that sum divided by N). The ring
+computes this naturally; parameter-server shards and the one-hop small-message paths
+fold in the same order, so every path and topology returns the same bits.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from .arrays import REDUCE_OPS, dtype_name
+
+_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+
+
+def ring_chunk_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
+    """Split n elements into world_size contiguous ring chunks (the canonical split)."""
+    return [(c * n // world_size, (c + 1) * n // world_size) for c in range(world_size)]
+
+
+def reduce_op(op: str) -> np.ufunc:
+    return _UFUNCS[op]
+
+
+def canonical_fold(
+    parts: Sequence[np.ndarray], op: str, out: np.ndarray, offset: int = 0, total: int | None = None
+) -> np.ndarray:
+    """Reduce flat arrays parts[0..N-1] into out in the canonical order.
+
+    Element i in ring chunk c is ((x_c op x_c+1) op ...) op x_c-1 (ranks mod N); for
+    avg the sum is then divided by N. Every topology reproduces exactly this. The
+    arrays may hold a window [offset, offset + out.size) of a flat tensor of ``total``
+    elements (a parameter-server slice): the ring chunks are those of the whole tensor.
+    """
+    n_ranks = len(parts)
+    ufunc = reduce_op(op)
+    if (
+        total is None
+        and isinstance(parts, np.ndarray)
+        and parts.ndim == 2
+        and 0 < out.size <= _SMALL_FOLD
+        and parts.flags.c_contiguous
+    ):
+        # the small-message path: a few whole-row numpy calls instead of N per ring chunk
+        flat, index = parts.reshape(-1), _fold_index(out.size, n_ranks)
+        if n_ranks == 1:
+            out[...] = flat
+        else:
+            ufunc(flat[index[0]], flat[index[1]], out=out)
+            for k in range(2, n_ranks):
+                ufunc(out, flat[index[k]], out=out)
+        if op == "avg":
+            finish_avg(out, n_ranks)
+        return out
+    lo, hi = offset, offset + out.size
+    for c, (a, b) in enumerate(ring_chunk_bounds(out.size if total is None else total, n_ranks)):
+        a, b = max(a, lo) - lo, min(b, hi) - lo
+        if a >= b:
+            continue
+        acc = out[a:b]
+        if n_ranks == 1:
+            acc[...] = parts[c][a:b]
+            continue
+        ufunc(parts[c][a:b], parts[(c + 1) % n_ranks][a:b], out=acc)  # no copy of the first operand first
+        for k in range(2, n_ranks):
+            ufunc(acc, parts[(c + k) % n_ranks][a:b], out=acc)
+    if op == "avg":
+        finish_avg(out, n_ranks)
+    return out
+
+
+#: canonical folds of up to this many elements per rank take the gather-index path
+_SMALL_FOLD = 1 << 14
+
+
+@functools.lru_cache(maxsize=64)
+def _fold_index(n: int, n_ranks: int) -> np.ndarray:
+    """index[k, i]: where, in the flattened (n_ranks, n) rows, the k-th operand of element i lies.
+
+    Element i of ring chunk c folds the ranks c, c+1, ..., c-1 (mod N) in that order.
+    """
+    chunk = np.empty(n, np.intp)
+    for c, (a, b) in enumerate(ring_chunk_bounds(n, n_ranks)):
+        chunk[a:b] = c
+    rows = (chunk[None, :] + np.arange(n_ranks, dtype=np.intp)[:, None]) % n_ranks
+    index = rows * n + np.arange(n, dtype=np.intp)[None, :]
+    index.flags.writeable = False
+    return index
+
+
+def finish_avg(acc: np.ndarray, n_ranks: int) -> None:
+    np.divide(acc, acc.dtype.type(n_ranks), out=acc)
+
+
+def check_op(op: str, dtype: np.dtype) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"op={op!r} is not one of {', '.join(REDUCE_OPS)}")
+    if op == "avg" and dtype.kind not in "fV" and dtype_name(dtype) != "bfloat16":
+        raise TypeError(f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide")
+
+
+def pieces(a: int, b: int, per_piece: int) -> list[tuple[int, int]]:
+    """Split [a, b) into pieces of at most per_piece elements."""
+    return [(s, min(s + per_piece, b)) for s in range(a, b, per_piece)]

@@ -1,0 +1,288 @@
+"""Store clients: the TCP client of a ``psring store``, a file-system store, and store addresses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+import urllib.parse
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .. import settings as settings_mod
+from ..errors import PeerLostError, StoreError
+from ..transport.connection import Connection
+from ..transport.listener import open_connection
+from ..transport.mailbox import Mailbox
+
+logger = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------- clients
+class StoreClient:
+    """Async client of a :class:`StoreServer`."""
+
+    def __init__(self, conn: Connection, mailbox: Mailbox, address: str) -> None:
+        self._conn = conn
+        self._mailbox = mailbox
+        self._ids = itertools.count()
+        self.address = address
+
+    @classmethod
+    async def connect(
+        cls, host: str, port: int, *, secret: bytes | None = None, timeout: float = 30.0, role: str = "client"
+    ) -> StoreClient:
+        mailbox = Mailbox()
+        try:
+            conn = await open_connection(
+                host, port, secret=secret, hello={"role": role}, router=mailbox, timeout=timeout, name="store-client"
+            )
+        except PeerLostError as exc:
+            raise PeerLostError(
+                f"cannot reach the rendezvous store at {host}:{port} within {timeout:g}s ({exc}); "
+                "start one with 'psring store --port PORT' or check MASTER_ADDR/MASTER_PORT"
+            ) from exc
+        return cls(conn, mailbox, f"{host}:{port}")
+
+    async def _call(self, op: str, value: bytes = b"", **fields: Any) -> tuple[dict[str, Any], Any]:
+        rid = next(self._ids)
+        fut = self._mailbox.expect(("store", rid))
+        lost = asyncio.ensure_future(self._conn.wait_closed())
+        try:
+            self._conn.send_frame({"kind": "store_req", "id": rid, "op": op, **fields}, value)
+            done, _ = await asyncio.wait({fut, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except (Exception, asyncio.CancelledError):
+            self._mailbox.unpost(("store", rid))
+            raise
+        finally:
+            lost.cancel()
+        if fut not in done:
+            self._mailbox.unpost(("store", rid))
+            raise self._conn.lost or PeerLostError(f"rendezvous store at {self.address} closed the connection")
+        _conn, header, payload = fut.result()
+        if "error" in header:
+            raise StoreError(f"store at {self.address} refused {op}: {header['error']}")
+        return header, payload
+
+    async def set(self, key: str, value: bytes | str) -> None:
+        if isinstance(value, str):
+            value = value.encode()
+        await self._call("set", value, key=key)
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes | None:
+        """The value, waiting up to ``timeout`` seconds for the key to appear (None: don't wait)."""
+        wait = timeout or 0
+        header, payload = await self._call("get", key=key, timeout=wait)
+        return bytes(payload) if header.get("found") else None
+
+    async def add(self, key: str, amount: int = 1) -> int:
+        header, _ = await self._call("add", key=key, amount=amount)
+        return int(header["value"])
+
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        header, payload = await self._call("cas", desired, key=key, expected=expected)
+        if header.get("ok"):
+            return True, desired
+        return False, bytes(payload) if header.get("found") else None
+
+    async def delete(self, key: str) -> bool:
+        header, _ = await self._call("delete", key=key)
+        return bool(header.get("deleted"))
+
+    async def list(self, prefix: str = "") -> list[str]:
+        import msgpack
+
+        _header, payload = await self._call("list", prefix=prefix)
+        return list(msgpack.unpackb(bytes(payload), raw=False))
+
+    async def wait(self, keys: list[str], timeout: float) -> None:
+        header, _ = await self._call("wait", keys=list(keys), timeout=timeout)
+        if not header.get("ok"):
+            missing = [k for k in keys if await self.get(k) is None]
+            raise StoreError(f"timed out after {timeout:g}s waiting for store keys {missing}")
+
+    async def barrier(self, name: str, world_size: int, timeout: float) -> None:
+        """Block until ``world_size`` callers reached the barrier ``name``."""
+        arrived = await self.add(f"{name}/arrived", 1)
+        if arrived == world_size:
+            await self.set(f"{name}/done", b"1")
+        if arrived > world_size:
+            raise StoreError(f"barrier {name!r}: {arrived} arrivals for a world of {world_size}")
+        try:
+            await self.wait([f"{name}/done"], timeout)
+        except StoreError:
+            raise StoreError(
+                f"barrier {name!r}: only {arrived if arrived < world_size else '?'} of {world_size} "
+                f"arrived within {timeout:g}s"
+            ) from None
+
+    async def close(self) -> None:
+        await self._conn.close()
+
+
+class FileStoreClient:
+    """The store API over a shared directory (``file:///dir``): atomic create and rename only.
+
+    Every key is one file; writes go to a unique temporary name then ``os.replace``,
+    counters use compare-and-set through exclusive creation of a lock file per key.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.address = f"file://{directory}"
+        os.makedirs(directory, exist_ok=True)
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, urllib.parse.quote(key, safe=""))
+
+    async def set(self, key: str, value: bytes | str) -> None:
+        if isinstance(value, str):
+            value = value.encode()
+        path = self._path(key)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "wb") as fh:
+            fh.write(value)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+    async def get(self, key: str, timeout: float | None = None) -> bytes | None:
+        deadline = time.monotonic() + (timeout or 0)
+        delay = 0.005
+        while True:
+            value = self._read(key)
+            if value is not None or time.monotonic() >= deadline:
+                return value
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, key: str, timeout: float = 30.0) -> Any:
+        lock = self._path(key) + ".lock"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.close(fd)
+                break
+            except FileExistsError:
+                if time.monotonic() > deadline:
+                    raise StoreError(f"file store: lock {lock} held for over {timeout:g}s (stale? remove it)") from None
+                await asyncio.sleep(0.002)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)
+
+    async def add(self, key: str, amount: int = 1) -> int:
+        async with self._locked(key):
+            current = self._read(key) or b"0"
+            value = int(current.decode()) + amount
+            await self.set(key, str(value).encode())
+            return value
+
+    async def compare_set(self, key: str, expected: bytes | None, desired: bytes) -> tuple[bool, bytes | None]:
+        async with self._locked(key):
+            current = self._read(key)
+            if current == expected:
+                await self.set(key, desired)
+                return True, desired
+            return False, current
+
+    async def delete(self, key: str) -> bool:
+        try:
+            os.unlink(self._path(key))
+            return True
+        except FileNotFoundError:
+            return False
+
+    async def list(self, prefix: str = "") -> list[str]:
+        keys = []
+        for name in os.listdir(self.directory):
+            if name.endswith((".tmp", ".lock")):
+                continue
+            key = urllib.parse.unquote(name)
+            if key.startswith(prefix):
+                keys.append(key)
+        return sorted(keys)
+
+    async def wait(self, keys: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for key in keys:
+            if await self.get(key, max(deadline - time.monotonic(), 0)) is None:
+                raise StoreError(f"timed out after {timeout:g}s waiting for store keys {[key]} in {self.directory}")
+
+    barrier = StoreClient.barrier
+
+    async def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------- addressing
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the store is: ``scheme`` is 'tcp' (host, port) or 'file' (path)."""
+
+    scheme: str
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    def __str__(self) -> str:
+        return f"file://{self.path}" if self.scheme == "file" else f"{self.host}:{self.port}"
+
+
+def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) -> StoreAddress:
+    """Parse 'host:port', 'tcp://host:port', 'env://' or 'file:///dir' (None means env://,
+    MASTER_ADDR and MASTER_PORT from ``env``, default this process's environment)."""
+    env = settings_mod.scheduler_env() if env is None else env
+    if spec is None or spec == "" or spec == "env://":
+        addr = env.get("MASTER_ADDR")
+        port = env.get("MASTER_PORT")
+        missing = [name for name, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not v]
+        if missing:
+            raise ValueError(
+                f"store='env://' needs the environment variable(s) {', '.join(missing)}; "
+                "set them, or pass store='host:port' (or use 'psring launch', which sets them)"
+            )
+        return parse_store_address(f"{addr}:{port}", env)
+    if spec.startswith("file://"):
+        path = urllib.parse.urlparse(spec).path
+        if not path:
+            raise ValueError(f"store={spec!r}: a file store needs a directory, as in file:///shared/dir")
+        return StoreAddress("file", path=path)
+    if spec.startswith("tcp://"):
+        spec = spec[len("tcp://") :]
+    if "://" in spec:
+        raise ValueError(f"store={spec!r}: unknown scheme (use host:port, tcp://, env:// or file://)")
+    host, sep, port_s = spec.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"store={spec!r} is not host:port")
+    try:
+        port = int(port_s)
+    except ValueError:
+        raise ValueError(f"store={spec!r}: port {port_s!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"store={spec!r}: port {port} is out of range")
+    return StoreAddress("tcp", host=host.strip("[]"), port=port)
+
+
+async def connect_store(
+    address: StoreAddress, *, secret: bytes | None, timeout: float, role: str = "client"
+) -> StoreClient | FileStoreClient:
+    if address.scheme == "file":
+        return FileStoreClient(address.path)
+    return await StoreClient.connect(address.host, address.port, secret=secret, timeout=timeout, role=role)

@@ -1,0 +1,256 @@
+"""Rendezvous store: a small key-value server, its async client and a file-system variant.
+
+Operations: set, get (optionally waiting for the key), add (atomic counter),
+compare-and-set, delete, list by prefix, wait for keys, and a counting barrier.
+Values are bytes and travel as frame payloads, never inside the msgpack header.
+
+The server never trusts a client: frames are bounded (``STORE_MAX_VALUE``), so is
+what it holds (``STORE_MAX_KEYS`` keys, ``STORE_MAX_BYTES`` of values) and what one
+client may have in flight (``STORE_MAX_INFLIGHT`` requests); a bad request gets an
+error response, a bad frame drops that client only, and a client that disconnects
+mid-wait is forgotten (its waiting requests are cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ..core import wire
+from ..errors import PeerLostError, ProtocolError, StoreError
+from ..transport.connection import Connection
+from ..transport.listener import Listener
+
+logger = logging.getLogger(__name__)
+
+STORE_MAX_VALUE = 64 << 20
+STORE_MAX_KEYS = 1_000_000
+STORE_MAX_BYTES = 1 << 30
+STORE_MAX_INFLIGHT = 1024
+_OPS = ("set", "get", "add", "cas", "delete", "list", "wait", "ping")
+
+
+def _key(req: dict[str, Any], field: str = "key") -> str:
+    key = req.get(field)
+    if not isinstance(key, str) or not key or len(key) > 1024:
+        raise StoreError(f"store request field {field!r} must be a non-empty string of at most 1024 characters")
+    return key
+
+
+class StoreServer:
+    """The store's state and request handling; one per ``psring store`` or embedded in rank 0."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret
+        self._data: dict[str, bytes] = {}
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self._listener: Listener | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._by_conn: dict[Connection, set[asyncio.Task[None]]] = {}
+        self._bytes = 0
+        self.requests = 0
+        self.bad_requests = 0
+
+    @property
+    def port(self) -> int:
+        return self._listener.port if self._listener else 0
+
+    @property
+    def host(self) -> str:
+        return self._listener.host if self._listener else ""
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> StoreServer:
+        router = _StoreRouter(self)
+        self._listener = Listener(
+            lambda conn: None,
+            secret=self._secret,
+            info={"role": "store"},
+            router_for=lambda conn: router,
+            name="store",
+            limits=wire.Limits(max_frame=STORE_MAX_VALUE),
+        )
+        await self._listener.start(host, port)
+        logger.info("store listening on %s:%d", host, self.port)
+        return self
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._listener is not None:
+            await self._listener.close()
+            self._listener = None
+        for waiters in self._waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.cancel()
+        self._waiters.clear()
+
+    async def __aenter__(self) -> StoreServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ state
+    def _set(self, key: str, value: bytes) -> None:
+        if key not in self._data and len(self._data) >= STORE_MAX_KEYS:
+            raise StoreError(f"store is full ({STORE_MAX_KEYS} keys)")
+        grown = self._bytes + len(value) - len(self._data.get(key, b""))
+        if grown > STORE_MAX_BYTES:
+            raise StoreError(f"store is full ({STORE_MAX_BYTES} bytes of values); {key!r} not set")
+        self._bytes = grown
+        self._data[key] = value
+        for fut in self._waiters.pop(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+
+    async def _wait_keys(self, keys: list[str], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
+        for key in keys:
+            while key not in self._data:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                fut = loop.create_future()
+                self._waiters.setdefault(key, set()).add(fut)
+                try:
+                    await asyncio.wait_for(fut, remaining)
+                except TimeoutError:
+                    return False
+                finally:
+                    waiters = self._waiters.get(key)
+                    if waiters is not None:
+                        waiters.discard(fut)
+                        if not waiters:
+                            del self._waiters[key]
+        return True
+
+    async def handle(self, req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
+        """Apply one request; return the response fields and payload."""
+        op = req.get("op")
+        if op not in _OPS:
+            raise StoreError(f"unknown store op {op!r} (expected one of {', '.join(_OPS)})")
+        if op == "ping":
+            return {}, b""
+        if op == "set":
+            self._set(_key(req), bytes(payload))
+            return {}, b""
+        if op == "get":
+            key = _key(req)
+            timeout = req.get("timeout")
+            if key not in self._data and isinstance(timeout, (int, float)) and timeout > 0:
+                await self._wait_keys([key], min(float(timeout), 86400.0))
+            value = self._data.get(key)
+            if value is None:
+                return {"found": False}, b""
+            return {"found": True}, value
+        if op == "add":
+            key = _key(req)
+            amount = req.get("amount", 1)
+            if type(amount) is not int:
+                raise StoreError(f"store add: amount must be an integer, got {amount!r}")
+            current = self._data.get(key, b"0")
+            try:
+                value = int(current.decode()) + amount
+            except ValueError:
+                raise StoreError(f"store add: key {key!r} does not hold an integer") from None
+            self._set(key, str(value).encode())
+            return {"value": value}, b""
+        if op == "cas":
+            key = _key(req)
+            expected = req.get("expected")
+            current = self._data.get(key)
+            if (expected is None and current is None) or (expected is not None and current == expected):
+                self._set(key, bytes(payload))
+                return {"ok": True}, b""
+            return {"ok": False, "found": current is not None}, current or b""
+        if op == "delete":
+            key = _key(req)
+            old = self._data.pop(key, None)
+            self._bytes -= len(old or b"")
+            existed = old is not None
+            return {"deleted": existed}, b""
+        if op == "list":
+            prefix = req.get("prefix", "")
+            if not isinstance(prefix, str):
+                raise StoreError("store list: prefix must be a string")
+            keys = sorted(k for k in self._data if k.startswith(prefix))
+            import msgpack
+
+            return {}, msgpack.packb(keys)
+        # wait
+        keys = req.get("keys")
+        timeout = req.get("timeout", 0)
+        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys) or len(keys) > 100_000:
+            raise StoreError("store wait: keys must be a list of strings")
+        if not isinstance(timeout, (int, float)) or timeout < 0:
+            raise StoreError("store wait: timeout must be a non-negative number")
+        ok = await self._wait_keys(list(keys), min(float(timeout), 86400.0))
+        return {"ok": ok}, b""
+
+    def serve(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        self.requests += 1
+        mine = self._by_conn.setdefault(conn, set())
+        if len(mine) >= STORE_MAX_INFLIGHT:
+            self.bad_requests += 1
+            rid = header.get("id")
+            error = f"too many requests in flight from this client ({STORE_MAX_INFLIGHT})"
+            with contextlib.suppress(PeerLostError):
+                tag = ("store", rid if type(rid) is int else -1)
+                conn.send_frame({"kind": "store_resp", "tag": tag, "error": error})
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(conn, header, payload))
+        self._tasks.add(task)
+        mine.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(mine.discard)
+
+    def forget(self, conn: Connection) -> None:
+        """A client went away: cancel whatever it is still waiting for."""
+        for task in self._by_conn.pop(conn, ()):
+            task.cancel()
+
+    async def _serve(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        rid = header.get("id")
+        try:
+            if header["kind"] != "store_req" or type(rid) is not int:
+                raise ProtocolError(f"store expects 'store_req' frames with an integer id, got {header['kind']!r}")
+            fields, value = await self.handle(header, payload)
+            resp = {"kind": "store_resp", "tag": ("store", rid), **fields}
+        except StoreError as exc:
+            self.bad_requests += 1
+            resp = {"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": str(exc)}
+            value = b""
+        except ProtocolError as exc:
+            self.bad_requests += 1
+            logger.warning("store: dropping %s: %s", conn.peername, exc)
+            conn.abort(exc)
+            return
+        if conn.is_open:
+            try:
+                conn.send_frame(resp, value)
+            except PeerLostError:
+                pass
+
+
+class _StoreRouter:
+    def __init__(self, server: StoreServer) -> None:
+        self._server = server
+
+    def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None:
+        return None
+
+    def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        self._server.serve(conn, header, payload)
+
+    def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        self._server.forget(conn)
+
+
+async def start_store(host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None) -> StoreServer:
+    """Start a store server; returns once listening, with ``.port`` set."""
+    return await StoreServer(secret).start(host, port)

@@ -1,0 +1,422 @@
+"""Every ``PSRING_*`` environment variable, and the one place the environment is read.
+
+Each field of :class:`Settings` is one variable: its name, type, default, meaning and
+whether it is a tuning knob (measured defaults a user should not need to touch) are in
+the field's declaration, so ``psring --help-env`` and the docs print this table. The
+rest of psring receives a resolved, frozen :class:`Settings` (``current()`` resolves the
+process environment once per distinct environment; components take ``settings=`` so
+tests and embedders can pass their own) and never looks at ``os.environ`` itself.
+
+The launcher variables torch.distributed, Slurm and Kubernetes define (RANK,
+WORLD_SIZE, MASTER_ADDR, SLURM_PROCID, ...) are read here too (:func:`scheduler_env`);
+what they mean is decided in :mod:`psring.rendezvous.scheduler`.
+
+Precedence, everywhere: an explicit argument, then the environment, then the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_bytes(raw: str) -> int:
+    """A non-negative whole number of bytes: ``4194304``, ``4M``, ``64K``, ``1G``."""
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in "KMG" else (text, "")
+    try:
+        value = int(number) * _SUFFIX[unit]
+    except ValueError:
+        raise ValueError("expected a whole number of bytes (as in 4194304, 4M, 64K)") from None
+    if value < 0:
+        raise ValueError("expected a number that is not negative")
+    return value
+
+
+def parse_count(raw: str) -> int:
+    """A non-negative whole number."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+    if value < 0:
+        raise ValueError("expected a number that is not negative")
+    return value
+
+
+def parse_port(raw: str) -> int:
+    value = parse_count(raw)
+    if value > 65535:
+        raise ValueError("expected a port (0 to 65535)")
+    return value
+
+
+def parse_seconds(raw: str) -> float:
+    """A positive number of seconds."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not value > 0:
+        raise ValueError("expected a positive number")
+    return value
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def parse_switch(raw: str) -> bool:
+    """1/true/yes/on or 0/false/no/off."""
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError("expected 1 or 0 (on or off)")
+
+
+def parse_text(raw: str) -> str:
+    return raw
+
+
+def choice(*options: str, aliases: Mapping[str, str] | None = None) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        text = raw.strip().lower()
+        text = (aliases or {}).get(text, text)
+        if text not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return text
+
+    parse.__doc__ = " | ".join(options)
+    return parse
+
+
+def _var(name: str, default: Any, parse: Callable[[str], Any], meaning: str, *, tuning: bool = False) -> Any:
+    return field(default=default, metadata={"env": name, "parse": parse, "meaning": meaning, "tuning": tuning})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every PSRING_* setting, resolved (see the module docstring)."""
+
+    # ------------------------------------------------------------ the job
+    topology: str = _var("PSRING_TOPOLOGY", "ring", choice("ring", "ps"), "topology when none is given: ring or ps")
+    store: str | None = _var(
+        "PSRING_STORE", None, parse_text, "the store: host:port, tcp://, env:// (MASTER_ADDR/MASTER_PORT) or file://dir"
+    )
+    job: str = _var("PSRING_JOB", "default", parse_text, "job name: the ranks of one job meet under it in the store")
+    secret: str | None = _var("PSRING_SECRET", None, parse_text, "shared secret every process of a job must know")
+    secret_file: str | None = _var(
+        "PSRING_SECRET_FILE", None, parse_text, "a file holding the secret (a Docker or Kubernetes secret)"
+    )
+    timeout: float = _var("PSRING_TIMEOUT", 300.0, parse_seconds, "seconds any one collective may take")
+    servers: int | None = _var("PSRING_SERVERS", None, parse_count, "ps: server shards (default one per worker)")
+    ps_colocate: bool = _var(
+        "PSRING_PS_COLOCATE", False, parse_switch, "ps: every worker process hosts its share of the shards"
+    )
+    checkpoint_dir: str | None = _var(
+        "PSRING_CHECKPOINT_DIR", None, parse_text, "ps: where local shards write parameter checkpoints"
+    )
+    trace_dir: str | None = _var(
+        "PSRING_TRACE_DIR", None, parse_text, "write one JSON line per collective here (psring trace reads them)"
+    )
+    # ------------------------------------------------------------ addresses
+    port: int = _var("PSRING_PORT", 0, parse_port, "the port this process listens on (0: any free port)")
+    host: str | None = _var("PSRING_HOST", None, parse_text, "psring store: the address it binds (default 0.0.0.0)")
+    bind_host: str | None = _var(
+        "PSRING_BIND_HOST", None, parse_text, "the address ranks and servers bind (default: from the advertised one)"
+    )
+    advertise_host: str | None = _var(
+        "PSRING_ADVERTISE_HOST", None, parse_text, "the address others use to reach this process (default: routed)"
+    )
+    name: str | None = _var("PSRING_NAME", None, parse_text, "a daemon's id in the cluster (default host-pid-random)")
+    # ------------------------------------------------------------ transport
+    same_host: bool = _var(
+        "PSRING_SAME_HOST",
+        True,
+        lambda raw: True if raw.strip().lower() == "auto" else parse_switch(raw),
+        "shared memory and Unix links between processes on one host: auto (on) or off",
+    )
+    checksum: str | None = _var(
+        "PSRING_CHECKSUM",
+        None,
+        choice("crc32", "crc32c", "none", aliases={"0": "none", "off": "none", "no": "none", "": "none"}),
+        "checksum every payload: crc32c (needs the crc32c package), crc32, or none",
+    )
+    tls_cert: str | None = _var("PSRING_TLS_CERT", None, parse_text, "TLS: this process's certificate (PEM)")
+    tls_key: str | None = _var("PSRING_TLS_KEY", None, parse_text, "TLS: its private key (PEM)")
+    tls_ca: str | None = _var("PSRING_TLS_CA", None, parse_text, "TLS: the CA that signs every peer (mutual TLS)")
+    heartbeat_interval: float = _var(
+        "PSRING_HEARTBEAT_INTERVAL", 1.0, parse_seconds, "seconds between heartbeats on an idle link", tuning=True
+    )
+    heartbeat_timeout: float = _var(
+        "PSRING_HEARTBEAT_TIMEOUT", 10.0, parse_seconds, "a link silent this long is lost", tuning=True
+    )
+    max_frame: int = _var("PSRING_MAX_FRAME", 2 << 30, parse_bytes, "the largest frame accepted", tuning=True)
+    buffer_pool: int = _var(
+        "PSRING_BUFFER_POOL", 512 << 20, parse_bytes, "bytes of large results kept for reuse (0: none)", tuning=True
+    )
+    spin_us: int = _var(
+        "PSRING_SPIN_US",
+        500,
+        parse_count,
+        "microseconds a lone rank polls same-host links before sleeping",
+        tuning=True,
+    )
+    # ------------------------------------------------------------ ring
+    # Why the ring's defaults are what they are (measured here, side by side, 2 cores):
+    # - the plane from 8 MiB: below ~8 MiB the event loop is as fast or faster (fewer thread wake-ups per
+    #   byte); with shared-memory links and 3+ ranks it beat the loop from ~512 KiB at 4 ranks (2 MiB: 5.7-6.7
+    #   against 8.6-9.1 ms) but not at 2 ranks, hence PSRING_RING_SHM_MIN = 1 MiB;
+    # - plane pieces of 4 MiB beat 1 MiB by ~12% at 4 ranks (fewer thread hand-offs) and matched it at 2;
+    #   8 MiB was worse;
+    # - 8 shared-memory slots per link: at 4 ranks, 64 MiB, 8 slots 110-113 ms, 6 slots 117, 4 slots 127-131;
+    # - a rooted small call from 3 ranks: 2(N-1) frames instead of N(N-1), what a small call costs when
+    #   ranks share cores;
+    # - spinning 500 us (PSRING_SPIN_US) before sleeping: waking a sleeping process costs more than the wait
+    #   on a VM; at 4 ranks 100 us cut the back-to-back 4-byte time by 10-20% and 500 us another 10-15%
+    #   (medians of 5 alternating runs: 100 us 636, 300 us 566, 500 us 544, 1000 us 628).
+    ring_piece: int = _var(
+        "PSRING_RING_PIECE", 1 << 20, parse_bytes, "ring: pipeline piece on the event loop", tuning=True
+    )
+    ring_rooted_min: int = _var(
+        "PSRING_RING_ROOTED_MIN",
+        3,
+        parse_count,
+        "ring: world size from which small calls use a root (0: never)",
+        tuning=True,
+    )
+    ring_threads: bool = _var(
+        "PSRING_RING_THREADS", True, parse_switch, "ring: the threaded data plane for large all_reduces", tuning=True
+    )
+    ring_plane_min: int = _var(
+        "PSRING_RING_PLANE_MIN",
+        8 << 20,
+        parse_bytes,
+        "ring: all_reduces from this size take the data plane",
+        tuning=True,
+    )
+    ring_shm_min: int | None = _var(
+        "PSRING_RING_SHM_MIN",
+        None,
+        parse_bytes,
+        "ring: the same with shared-memory links and 3+ ranks (default 1M, or PSRING_RING_PLANE_MIN if set)",
+        tuning=True,
+    )
+    ring_plane_piece: int = _var(
+        "PSRING_RING_PLANE_PIECE", 4 << 20, parse_bytes, "ring: the data plane's piece", tuning=True
+    )
+    ring_shm_slots: int = _var(
+        "PSRING_RING_SHM_SLOTS",
+        8,
+        parse_count,
+        "ring: shared-memory slots per same-host data link (1-256)",
+        tuning=True,
+    )
+    # ------------------------------------------------------------ parameter server
+    # ps pieces of 4 MiB were ~13% faster than 1 MiB at N=4, S=4, 64 MiB (measured side by side).
+    ps_piece: int = _var(
+        "PSRING_PS_PIECE",
+        4 << 20,
+        parse_bytes,
+        "ps: the unit pushed, folded and pulled (workers = servers)",
+        tuning=True,
+    )
+    ps_shm_slots: int = _var(
+        "PSRING_PS_SHM_SLOTS", 16, parse_count, "ps: slots in a process's shared-memory pool (0: none)", tuning=True
+    )
+    ps_shm_min: int = _var(
+        "PSRING_PS_SHM_MIN", 256 << 10, parse_bytes, "ps: pieces from this size travel in shared memory", tuning=True
+    )
+    server_backlog: int = _var(
+        "PSRING_SERVER_BACKLOG",
+        1 << 30,
+        parse_bytes,
+        "ps: a worker not reading past this many bytes is dropped",
+        tuning=True,
+    )
+    server_buffer: int = _var(
+        "PSRING_SERVER_BUFFER",
+        512 << 20,
+        parse_bytes,
+        "ps: a worker's pushes wait unread past this many bytes",
+        tuning=True,
+    )
+    max_tensor: int = _var(
+        "PSRING_MAX_TENSOR", 64 << 30, parse_bytes, "ps: the largest tensor a server accepts", tuning=True
+    )
+    # ------------------------------------------------------------ GPU
+    gpu_overlap: bool = _var(
+        "PSRING_GPU_OVERLAP",
+        False,
+        parse_switch,
+        "cupy all_reduce: copy off the device while the network runs",
+        tuning=True,
+    )
+
+    @property
+    def secret_bytes(self) -> bytes | None:
+        return self.secret.encode() if self.secret else None
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert or self.tls_ca)
+
+    @property
+    def spin_s(self) -> float:
+        return self.spin_us / 1e6
+
+    @property
+    def ring_shm_plane_min(self) -> int:
+        return self.ring_shm_min if self.ring_shm_min is not None else 1 << 20
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def variables() -> list[dataclasses.Field[Any]]:
+    """The fields of Settings, each one PSRING_* variable."""
+    return [f for f in dataclasses.fields(Settings) if "env" in f.metadata]
+
+
+def load(env: Mapping[str, str]) -> Settings:
+    """Resolve every variable in ``env``; a bad value raises ValueError naming the variable."""
+    values: dict[str, Any] = {}
+    for f in variables():
+        name = f.metadata["env"]
+        raw = env.get(name)
+        if raw is None or not raw.strip():
+            continue
+        try:
+            values[f.name] = f.metadata["parse"](raw.strip())
+        except ValueError as exc:
+            raise ValueError(f"{name}={raw!r}: {exc}") from None
+    if values.get("checksum") == "none":
+        values["checksum"] = None
+    if "ring_shm_min" not in values and "ring_plane_min" in values:
+        values["ring_shm_min"] = values["ring_plane_min"]  # one knob moves both thresholds
+    if not 1 <= values.get("ring_shm_slots", 8) <= 256:
+        raise ValueError(f"PSRING_RING_SHM_SLOTS={env.get('PSRING_RING_SHM_SLOTS')!r} must be 1 to 256")
+    if values.get("checksum") == "crc32c":
+        try:
+            import crc32c  # noqa: F401
+        except ImportError:
+            raise ValueError("PSRING_CHECKSUM=crc32c needs the crc32c package (pip install crc32c)") from None
+    if not values.get("secret") and values.get("secret_file"):
+        values["secret"] = _read_secret_file(values["secret_file"])
+    return Settings(**values)
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        with open(path) as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        raise ValueError(f"PSRING_SECRET_FILE={path!r} cannot be read: {exc}") from None
+    if not secret:
+        raise ValueError(f"PSRING_SECRET_FILE={path!r} is empty")
+    return secret
+
+
+_lock = threading.Lock()
+_cache: tuple[tuple[tuple[str, str], ...], Settings] | None = None
+
+
+def current() -> Settings:
+    """The process environment's settings, resolved once per distinct set of PSRING_* values."""
+    global _cache
+    key = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("PSRING_")))
+    cached = _cache
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    resolved = load(dict(key))
+    with _lock:
+        _cache = (key, resolved)
+    return resolved
+
+
+#: variables of the launchers psring works under (torchrun, Slurm, Kubernetes, its own)
+SCHEDULER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODEID",
+    "KUBERNETES_SERVICE_HOST",
+    "HOSTNAME",
+    "JOB_COMPLETION_INDEX",
+)
+
+
+def scheduler_env() -> dict[str, str]:
+    """The launcher variables set in this process (a snapshot)."""
+    return {k: os.environ[k] for k in SCHEDULER_VARIABLES if k in os.environ}
+
+
+def process_env() -> dict[str, str]:
+    """A copy of this process's whole environment, for a launcher to hand to the processes it starts."""
+    return dict(os.environ)
+
+
+@contextlib.contextmanager
+def job_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Run a job in this process under ``env`` (a worker daemon's job: RANK, PSRING_JOB, ...):
+    set for the duration, then restored. One job at a time per process."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def help_text(include_tuning: bool = True) -> str:
+    """The table ``psring --help-env`` prints."""
+    lines = ["psring reads these environment variables (explicit arguments and flags win over them):", ""]
+    width = max(len(f.metadata["env"]) for f in variables())
+    for f in variables():
+        if f.metadata["tuning"] and not include_tuning:
+            continue
+        default = f.default
+        shown = "unset" if default is None else (f"{default >> 20}M" if _is_size(f, default) else str(default))
+        tag = " [tuning]" if f.metadata["tuning"] else ""
+        lines.append(f"  {f.metadata['env']:<{width}}  {f.metadata['meaning']} (default {shown}){tag}")
+    lines += [
+        "",
+        "[tuning]: measured defaults; change them only to measure something else.",
+        "Launcher variables read too: " + ", ".join(SCHEDULER_VARIABLES) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def _is_size(f: dataclasses.Field[Any], default: Any) -> bool:
+    return (
+        f.metadata["parse"] is parse_bytes
+        and isinstance(default, int)
+        and default >= 1 << 20
+        and not default % (1 << 20)
+    )
+
+
+__all__ = ["Settings", "current", "help_text", "job_environment", "load", "process_env", "scheduler_env", "variables"]

@@ -1,0 +1,43 @@
+"""``init_group``: join (or form) a group over either topology.
+
+Importing the topologies here registers them (Group.registry: "ring", "ps").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..rendezvous.scheduler import resolve_settings
+from .group import Group
+from .ps.client import PsGroup
+from .recorder import process_recorder
+from .ring.group import RingGroup
+
+#: the topologies psring ships (each registers itself in Group.registry when defined)
+TOPOLOGIES = {"ring": RingGroup, "ps": PsGroup}
+
+
+# ---------------------------------------------------------------- init_group
+async def init_group(
+    topology: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: str | None = None,
+    secret: str | bytes | None = None,
+    timeout: float = 300.0,
+    **options: Any,
+) -> Group:
+    """Join (or form) a group of ``world_size`` ranks over ``topology`` ("ring" or "ps").
+
+    Arguments default from the environment (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT,
+    PSRING_TOPOLOGY, PSRING_SECRET); a rank that is not given one gets one from the store.
+    """
+
+    settings = resolve_settings(
+        topology=topology, rank=rank, world_size=world_size, store=store, secret=secret, timeout=timeout
+    )
+    cls = Group.registry[settings.topology]
+    group = await cls.create(settings, **options)  # type: ignore[attr-defined]
+    if settings.tuning.trace_dir:
+        process_recorder(settings.tuning.trace_dir, settings.job)
+    return group  # type: ignore[no-any-return]

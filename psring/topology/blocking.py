@@ -1,0 +1,169 @@
+"""The blocking facade: ``psring.init()`` runs the async core on a background loop thread.
+
+Each blocking method submits the coroutine to that loop and waits; ``async_op=True``
+returns a :class:`Handle` instead (isend/irecv-style overlap from plain scripts).
+The async Group is the only implementation.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import weakref
+from typing import Any
+
+from ..transport.loop import Portal
+from .api import init_group
+
+
+class Handle:
+    """The result of an ``async_op=True`` call: ``wait()``, ``done()``, ``exception()``."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the operation finishes and return its result (or raise its error)."""
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"operation not finished within {timeout:g}s") from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def exception(self) -> BaseException | None:
+        """The error it failed with (None if it succeeded); blocks until it finishes."""
+        return self._future.exception()
+
+
+_live: weakref.WeakSet[BlockingGroup] = weakref.WeakSet()
+
+
+def _blocking(name: str) -> Any:
+    def method(self: BlockingGroup, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        coro = getattr(self._group, name)(*args, **kwargs)
+        fut = self._portal.submit(coro)
+        if async_op:
+            return Handle(fut)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    method.__name__ = name
+    method.__doc__ = f"Blocking {name}; async_op=True returns a Handle."
+    return method
+
+
+class BlockingGroup:
+    """A Group driven from ordinary (non-async) code."""
+
+    def __init__(self, group: Any, portal: Portal, owns_portal: bool) -> None:
+        self._group = group
+        self._portal = portal
+        self._owns_portal = owns_portal
+        self._closed = False
+        _live.add(self)
+
+    @property
+    def rank(self) -> int:
+        return int(self._group.rank)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._group.world_size)
+
+    @property
+    def topology(self) -> str:
+        return str(self._group.topology)
+
+    @property
+    def group(self) -> Any:
+        """The async Group underneath (use it from coroutines run on ``portal``)."""
+        return self._group
+
+    @property
+    def portal(self) -> Portal:
+        return self._portal
+
+    all_reduce = _blocking("all_reduce")
+    broadcast = _blocking("broadcast")
+    barrier = _blocking("barrier")
+    all_gather = _blocking("all_gather")
+    reduce_scatter = _blocking("reduce_scatter")
+    reduce = _blocking("reduce")
+    scatter = _blocking("scatter")
+    gather = _blocking("gather")
+    send = _blocking("send")
+    recv = _blocking("recv")
+
+    def new_group(self, ranks: list[int]) -> BlockingGroup:
+        sub = self._portal.call(self._group.new_group(ranks))
+        return BlockingGroup(sub, self._portal, owns_portal=False)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._group.stats())
+
+    def close(self) -> None:
+        """Close the group and stop its loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self._portal.loop.is_closed():
+                self._portal.call(self._group.close(), timeout=10)
+        finally:
+            if self._owns_portal:
+                self._portal.stop()
+
+    def __enter__(self) -> BlockingGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Blocking{self._group!r}"
+
+
+def init(
+    topology: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    store: str | None = None,
+    secret: str | bytes | None = None,
+    timeout: float = 300.0,
+    **options: Any,
+) -> BlockingGroup:
+    """Blocking ``init_group``: same arguments; returns a :class:`BlockingGroup`."""
+    portal = Portal()
+    try:
+        group = portal.call(
+            init_group(
+                topology=topology,
+                rank=rank,
+                world_size=world_size,
+                store=store,
+                secret=secret,
+                timeout=timeout,
+                **options,
+            )
+        )
+    except BaseException:
+        portal.stop()
+        raise
+    return BlockingGroup(group, portal, owns_portal=True)
+
+
+@atexit.register
+def _close_all() -> None:
+    for group in list(_live):
+        try:
+            group.close()
+        except Exception:
+            pass
+
+
+__all__ = ["BlockingGroup", "Handle", "init"]

@@ -1,0 +1,129 @@
+"""One in-flight collective on one rank (its call descriptor, deadline and outcome),
+and how mismatched calls are described."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import PsringError
+from ..transport.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+class Collective:
+    """One in-flight collective on one rank: its descriptor, deadline and outcome."""
+
+    __slots__ = (
+        "data_elsewhere",
+        "deadline",
+        "desc",
+        "done",
+        "group",
+        "input_wait",
+        "interrupted",
+        "kind",
+        "report_grace",
+        "seq",
+        "started",
+        "task",
+        "waiting_on",
+    )
+
+    def __init__(self, group: Any, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
+        self.group = group
+        self.seq = seq
+        self.desc = desc
+        self.kind = desc[0]
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.waiting_on: set[int] = set()  # ranks we still expect frames from
+        #: its data comes over links other than the control connections (the ring's data plane),
+        #: so a peer's goodbye does not prove that all of the peer's data has arrived
+        self.data_elsewhere = False
+        #: seconds to wait after the deadline before reporting: another rank knows better who is silent
+        self.report_grace = 0.0
+        self.task: asyncio.Task[Any] | None = None  # the task running the body
+        self.interrupted = False
+        #: set when the input is still being copied off a device: wait(a, b) blocks until
+        #: elements a:b are in host memory (see Group._input_order)
+        self.input_wait: Callable[[int, int], None] | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} #{self.seq}"
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+            task = self.task
+            if task is not None and not self.interrupted:
+                self.interrupted = True
+                task.cancel()  # Group._run turns this back into exc
+
+    def succeed(self, value: Any = None) -> None:
+        if not self.done.done():
+            self.done.set_result(value)
+
+    def inspect(self, conn: Connection, header: dict[str, Any]) -> bool:
+        """Check a frame of this collective against our own call; False drops it."""
+        call = header.get("call")
+        if call == self.desc or self.done.done():
+            return not self.done.done()
+        src = header.get("src", conn.peer.get("rank"))
+        err = self.group._mismatch_error(self, src, call)
+        self.group._abort_everywhere(self, err, "mismatch")
+        return False
+
+
+_FIELDS = ("kind", "dtype", "shape", "op", "root")
+
+
+def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, ...]) -> str:
+    """Say how rank src's call descriptor for collective #seq differs from rank's own."""
+    if not isinstance(call, (list, tuple)) or len(call) != len(_FIELDS):
+        return f"rank {src} sent a frame for #{seq} without a valid call descriptor"
+    theirs = dict(zip(_FIELDS, call, strict=True))
+    mine = dict(zip(_FIELDS, desc, strict=True))
+    if theirs["kind"] != mine["kind"]:
+        return (
+            f"rank {src} called {theirs['kind']} as collective #{seq}, rank {rank} called "
+            f"{mine['kind']}: every rank must call the same collectives in the same order"
+        )
+    diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
+    field = diffs[0] if diffs else "call"
+    fix = {
+        "dtype": "cast to one dtype on every rank",
+        "shape": "pass arrays of one shape on every rank",
+        "op": "pass the same op on every rank",
+        "root": "pass the same src/dst on every rank",
+    }.get(field, "")
+    return (
+        f"rank {src} sent {field} {_show(theirs.get(field))} for {mine['kind']} #{seq}, "
+        f"rank {rank} expected {_show(mine.get(field))}" + (f" ({fix})" if fix else "")
+    )
+
+
+def _failure(coll: Collective) -> BaseException:
+    exc = coll.done.exception() if coll.done.done() and not coll.done.cancelled() else None
+    return exc or PsringError(f"{coll.label} was abandoned")
+
+
+async def _absorb_cancel(task: asyncio.Task[Any] | None) -> None:
+    """Consume a cancellation requested for this task that no await has delivered yet."""
+    try:
+        await asyncio.sleep(0)
+    except asyncio.CancelledError:
+        if task is not None:
+            task.uncancel()
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, tuple):
+        return str(list(value))
+    return str(value)

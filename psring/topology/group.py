@@ -1,0 +1,431 @@
+"""Group: the collectives interface both topologies implement (``init_group`` is in ``api``).
+
+The base class owns everything the topologies share: argument checks, the call
+descriptor every frame carries (so a rank that called a different collective, or the
+same one with another dtype/shape/op, is named in a ``MismatchError`` on every rank),
+device staging for cupy arrays, and the hooks each topology fills in. The life of one
+collective -- sequence numbers, deadlines naming the silent ranks, aborts that every
+rank takes together (so the group stays usable), peer loss -- is in ``runtime``.
+
+Knows peers and frames, not models or sockets.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..core import gpu, wire
+from ..core.arrays import array_module, check_array, cupy_module, is_cupy
+from ..core.compress import check_codec, codec_op, scale_exponent
+from ..core.fold import check_op
+from ..errors import CollectiveTimeoutError, GroupClosedError, PeerLostError, ProtocolError, PsringError
+from ..settings import Settings
+from ..transport.mailbox import Mailbox
+from .collective import Collective
+from .runtime import CollectiveRuntime
+
+logger = logging.getLogger(__name__)
+
+#: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
+SMALL_BYTES = 64 << 10
+#: with PSRING_GPU_OVERLAP=1, cupy all_reduces of at least this many bytes copy their input off
+#: the device range by range while the network already moves the first ranges (where the
+#: implementation can: the ring's data plane). Off by default: with 4 ranks sharing one GPU it
+#: measured slower (README, GPU).
+STREAM_MIN_BYTES = 1 << 20
+
+
+def farewell(groups: dict[str, Group], stopped_at: dict[str, int]) -> dict[str, Any]:
+    """The goodbye a connection layer sends: per group, the first collective this rank did not finish."""
+    for gid, group in groups.items():
+        stopped_at.setdefault(gid, group.stopped_at())
+    return {"seqs": stopped_at}
+
+
+class Group(CollectiveRuntime, abc.ABC):
+    """A set of ranks running collectives together; ``ring`` and ``ps`` implement it."""
+
+    topology: ClassVar[str] = ""
+    registry: ClassVar[dict[str, type[Group]]] = {}
+
+    def __init__(
+        self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, tuning: Settings
+    ) -> None:
+        #: this process's PSRING_* settings (psring.settings), as the group was made with them
+        self.tuning = tuning
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.gid = gid
+        self.mailbox = mailbox
+        self._seq = 0
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_recv: dict[int, int] = {}
+        self._active: dict[int, Collective] = {}
+        self._reserved: set[int] = set()  # numbers taken for collectives not begun yet
+        self._aborted: dict[int, PsringError] = {}
+        self._broken: PsringError | None = None
+        self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
+        self._departed_at: dict[int, int | None] = {}  # ... and the first seq they did not finish
+        self._closed = False
+        self._subgroups = 0
+        self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
+        self.bytes_sent = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.topology:
+            Group.registry[cls.topology] = cls
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}/{self.world_size}, gid={self.gid})"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True) and getattr(self, "_owns_resources", False):
+            warnings.warn(f"unclosed {self!r}; created at:\n{self._created_at}", ResourceWarning, stacklevel=1)
+
+    async def __aenter__(self) -> Group:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---------------------------------------------------------- device staging
+    @staticmethod
+    def _host(x: Any) -> tuple[np.ndarray, Any]:
+        """(host array, the array module results go back to)."""
+        x = check_array(x)
+        if is_cupy(x):
+            return stage_to_host(x), array_module(x)
+        return x, np
+
+    @staticmethod
+    def _back(y: np.ndarray, xp: Any) -> Any:
+        if xp is np:
+            return y
+        return stage_to_device(y, xp)
+
+    # -------------------------------------------------------- public collectives
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        """Reduce x over all ranks with op; every rank gets the result (a new array).
+
+        ``compression="fp16"`` (float32 x, op sum or avg) moves float16 on the wire:
+        the ranks first agree on a power-of-two scale (a one-element max all_reduce),
+        then fold in float32 in the canonical order; see :mod:`psring.core.compress`.
+        """
+        if compression is None and is_cupy(x) and self.tuning.gpu_overlap:
+            x = check_array(x)
+            order = self._input_order(x.size, x.nbytes) if x.nbytes >= STREAM_MIN_BYTES else None
+            if order is not None:
+                return await self._all_reduce_streamed(x, op, order)
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        if compression is not None:
+            check_codec(compression, host.dtype, op)
+            amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
+            agree = self._begin("all_reduce", amax, "max")
+            seq = self._seq  # reserved now, so concurrent calls take the same numbers on every rank
+            self._seq += 1
+            self._reserved.add(seq)
+            try:
+                amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+            except BaseException:
+                self._reserved.discard(seq)
+                if self._seq == seq + 1:  # give the number back: ranks that made a plain call never took it
+                    self._seq = seq
+                raise
+            e = scale_exponent(float(amax[0]), self.world_size)
+            coll = self._begin("all_reduce", host, codec_op(op, compression, e), seq=seq)
+            out = await self._run(coll, self._all_reduce_fp16(coll, host.reshape(-1), op, e))
+            return self._back(out.reshape(host.shape), xp)
+        coll = self._begin("all_reduce", host, op)
+        out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
+        return self._back(out.reshape(host.shape), xp)
+
+    async def _all_reduce_streamed(self, x: Any, op: str, order: list[tuple[int, int]]) -> Any:
+        """all_reduce of a cupy array whose copy to the host overlaps the network: the
+        implementation reads the input range by range in ``order`` (see _input_order)."""
+        staged = stage_in_order(x, order)
+        try:
+            host = staged.host.reshape(x.shape)
+            check_op(op, host.dtype)
+            coll = self._begin("all_reduce", host, op)
+            coll.input_wait = staged.wait
+            out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
+        finally:
+            staged.wait_all()  # no copy may still be writing when the buffer goes back to the pool
+        return self._back(out.reshape(x.shape), array_module(x))
+
+    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """The element ranges, in the order this implementation's all_reduce of a tensor this
+        size reads its input, when it can start before all of it is in host memory (then it
+        calls ``coll.input_wait`` before reading each range); None: it needs it all at once."""
+        return None
+
+    async def broadcast(self, x: Any, src: int = 0) -> Any:
+        """Every rank gets src's x; other ranks pass an array of the same shape and dtype."""
+        self._check_rank(src, "src")
+        host, xp = self._host(x)
+        coll = self._begin("broadcast", host, None, src)
+        out = await self._run(coll, self._broadcast(coll, host.reshape(-1), src))
+        return self._back(out.reshape(host.shape), xp)
+
+    async def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        coll = self._begin("barrier")
+        await self._run(coll, self._barrier(coll))
+
+    async def all_gather(self, x: Any) -> list[Any]:
+        """A list of every rank's x, in rank order."""
+        host, xp = self._host(x)
+        coll = self._begin("all_gather", host)
+        out = await self._run(coll, self._all_gather(coll, host.reshape(-1)))
+        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+
+    async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        """This rank's 1/world_size share of the reduction of x.
+
+        The share is ring chunk ``rank`` of the flattened tensor; when ``x.shape[0]``
+        divides by world_size that is rows ``rank*k:(rank+1)*k`` and keeps the trailing
+        shape, otherwise it is a flat slice. Bits equal the same slice of all_reduce's.
+        """
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        coll = self._begin("reduce_scatter", host, op)
+        flat = await self._run(coll, self._reduce_scatter(coll, host.reshape(-1), op))
+        n = self.world_size
+        if host.ndim >= 1 and host.shape[0] % n == 0:
+            flat = flat.reshape((host.shape[0] // n, *host.shape[1:]))
+        return self._back(flat, xp)
+
+    async def reduce(self, x: Any, dst: int = 0, op: str = "sum") -> Any:
+        """The reduction on dst (None elsewhere); same bits as all_reduce."""
+        self._check_rank(dst, "dst")
+        host, xp = self._host(x)
+        check_op(op, host.dtype)
+        coll = self._begin("reduce", host, op, dst)
+        out = await self._run(coll, self._reduce(coll, host.reshape(-1), op, dst))
+        return None if out is None else self._back(out.reshape(host.shape), xp)
+
+    async def gather(self, x: Any, dst: int = 0) -> list[Any] | None:
+        """A list of every rank's x on dst (None elsewhere)."""
+        self._check_rank(dst, "dst")
+        host, xp = self._host(x)
+        coll = self._begin("gather", host, None, dst)
+        out = await self._run(coll, self._gather(coll, host.reshape(-1), dst))
+        if out is None:
+            return None
+        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+
+    async def scatter(self, xs: Sequence[Any] | None, src: int = 0) -> Any:
+        """Rank r gets xs[r] from src; xs is a list of world_size arrays on src, None elsewhere."""
+        self._check_rank(src, "src")
+        if self.rank == src:
+            if xs is None or len(xs) != self.world_size:
+                got = "None" if xs is None else f"{len(xs)} arrays"
+                raise ValueError(f"scatter on src rank {src} needs a list of {self.world_size} arrays, got {got}")
+            staged = [self._host(x) for x in xs]
+            first = staged[0][0]
+            for i, (h, _xp) in enumerate(staged):
+                if h.shape != first.shape or h.dtype != first.dtype:
+                    raise ValueError(
+                        f"scatter: xs[{i}] has shape {h.shape} dtype {h.dtype}, xs[0] has {first.shape} {first.dtype}"
+                    )
+            stacked = (
+                np.stack([h for h, _ in staged])
+                if first.size
+                else np.empty((self.world_size, *first.shape), first.dtype)
+            )
+            head: tuple[np.ndarray | None, Any] = (stacked, staged[0][1])
+            meta = np.empty(first.shape, first.dtype)
+        else:
+            if xs is not None:
+                raise ValueError(f"scatter: xs must be None on rank {self.rank} (only src {src} passes arrays)")
+            head = (None, None)
+            meta = None
+        coll = self._begin("scatter", None, None, src)
+        out, (_dtype, shape), dev = await self._run(coll, self._scatter(coll, head[0], src, meta))
+        xp = head[1] if head[1] is not None else (cupy_module() if dev == "cuda" else np)
+        return self._back(out.reshape(shape), xp)
+
+    async def send(self, x: Any, dst: int) -> None:
+        """Send x to rank dst (returns once the bytes left this process)."""
+        self._check_rank(dst, "dst")
+        if dst == self.rank:
+            raise ValueError(f"send: dst={dst} is this rank; use a local copy")
+        self._check_usable(peer=dst)
+        host, xp = self._host(x)
+        n = self._p2p_sent.get(dst, 0)
+        self._p2p_sent[dst] = n + 1
+        await self._send(host, dst, n, "cuda" if xp is not np else "cpu")
+
+    async def recv(self, src: int, timeout: float | None = None) -> Any:
+        """The next array rank src sent to this rank, as the type it was sent as."""
+        self._check_rank(src, "src")
+        if src == self.rank:
+            raise ValueError(f"recv: src={src} is this rank")
+        self._check_usable(peer=src, receiving=True)
+        n = self._p2p_recv.get(src, 0)
+        self._p2p_recv[src] = n + 1
+        y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
+        return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
+
+    async def new_group(self, ranks: Sequence[int]) -> Group | None:
+        """A Group over ranks (renumbered 0..k-1); every rank of this group must call it.
+
+        Ranks outside ``ranks`` get a NonMemberGroup whose every call raises a clear error.
+        """
+        ranks = list(ranks)
+        if len(set(ranks)) != len(ranks) or not ranks:
+            raise ValueError(f"new_group: ranks {ranks} must be a non-empty list without repeats")
+        for r in ranks:
+            self._check_rank(r, "ranks[]")
+        self._check_usable()
+        self._subgroups += 1
+        gid = f"{self.gid}.{self._subgroups}"
+        if self.rank not in ranks:
+            return NonMemberGroup(self.rank, ranks, gid)
+        return self._make_subgroup(gid, ranks)
+
+    def _check_rank(self, r: Any, what: str) -> None:
+        if type(r) is not int or not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r!r} is not a rank of this group (0..{self.world_size - 1})")
+
+    # --------------------------------------------------------- topology hooks
+    @abc.abstractmethod
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        """all_reduce of float32 x with float16 on the wire at scale 2**e (see psring.compress)."""
+
+    @abc.abstractmethod
+    async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _barrier(self, coll: Collective) -> None: ...
+
+    @abc.abstractmethod
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None: ...
+
+    @abc.abstractmethod
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None: ...
+
+    @abc.abstractmethod
+    async def _scatter(
+        self, coll: Collective, xs: np.ndarray | None, src: int, meta: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[str, tuple[int, ...]], str]: ...
+
+    @abc.abstractmethod
+    async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None: ...
+
+    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
+        """The n-th array src sent this rank (whichever way it travelled), and its device."""
+        tag = (self.gid, "p2p", src, n)
+        fut = self.mailbox.expect(tag)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if fut.done():  # it arrived before anything went wrong: deliver it
+                    _conn, hdr, payload = fut.result()
+                    break
+                self._check_usable(peer=src, receiving=True)
+                if src in self._departed:  # it left, and everything it sent has arrived
+                    raise PeerLostError(f"recv from rank {src}: {self._departed[src]}", rank=src)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
+                    )
+                with contextlib.suppress(asyncio.TimeoutError):
+                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
+                    break
+        finally:
+            self.mailbox.unpost(tag)
+            if not fut.done():
+                fut.cancel()
+        if "dtype" not in hdr:
+            raise ProtocolError(f"frame from rank {src} carries no array")
+        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
+
+    @abc.abstractmethod
+    def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
+
+    @abc.abstractmethod
+    def _layer(self) -> Any:
+        """The connection layer under this group (ring: PeerNet; ps: ServerLinks)."""
+
+    async def close(self) -> None:
+        """Leave the group: pending calls fail here; peers learn which collectives this rank finished."""
+        if self._closed:
+            return
+        layer = self._layer()
+        layer.stopped_at[self.gid] = self.stopped_at()
+        self._closed = True
+        layer.groups.pop(self.gid, None)
+        for coll in list(self._active.values()):
+            coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
+        if self.gid == "0":
+            await asyncio.shield(layer.close())
+
+    def stats(self) -> dict[str, int]:
+        """Bytes and frames this rank's connections sent and received."""
+        return {"bytes_sent": 0, "bytes_received": 0}
+
+
+class NonMemberGroup:
+    """What new_group returns on ranks outside the subset: every call raises."""
+
+    def __init__(self, rank: int, ranks: list[int], gid: str) -> None:
+        self.rank = -1
+        self.world_size = len(ranks)
+        self.gid = gid
+        self._message = f"this process (parent rank {rank}) is not a member of subgroup {gid} over ranks {ranks}"
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def refuse(*args: Any, **kwargs: Any) -> Any:
+            if name == "close":
+                return None
+            raise GroupClosedError(self._message)
+
+        return refuse
+
+    def __repr__(self) -> str:
+        return f"NonMemberGroup({self.gid})"
+
+
+# ------------------------------------------------------------------ staging
+def stage_to_host(x: Any) -> np.ndarray:
+    """Copy a cupy array to host memory (pinned staging buffers are reused)."""
+
+    return gpu.to_host(x)
+
+
+def stage_in_order(x: Any, order: list[tuple[int, int]]) -> Any:
+    """Start copying a cupy array to pinned host memory range by range (gpu.StagedInput)."""
+
+    return gpu.StagedInput(x, order)
+
+
+def stage_to_device(y: np.ndarray, xp: Any) -> Any:
+
+    return gpu.to_device(y, xp)

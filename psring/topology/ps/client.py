@@ -1,0 +1,389 @@
+"""Parameter-server topology: every collective through sharded servers.
+
+Ranks are the workers; the S server shards are found through the store
+(``psring/{job}/server/{i}``). Every tensor is split over the shards by
+:func:`psring.server.plan`; for each collective a worker sends each involved shard a
+join frame and its pieces, and receives result pieces straight into its output
+array. Shards fold in the ring's canonical order, so ``all_reduce`` over ps returns
+the same bits as over the ring. Pushes to different shards go out together. Between
+processes on one host, pushed pieces of folding and relaying collectives and of
+parameter mode go through the worker's shared-memory pool, and results come back
+through the server process's (see :meth:`ServerLinks.share_memory` and psring.shmpool).
+
+``init_group(topology="ps")`` waits (up to its timeout) for the servers registered in
+the store. It starts servers itself only when asked (``servers=S``) or on the local
+default, where rank 0 embedded the store and so nobody else can have started any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import byte_view, result_empty
+from ...core.compress import dequantize, quantize
+from ...core.fold import pieces, ring_chunk_bounds
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ...rendezvous.join import assign_rank, open_store_for
+from ...rendezvous.scheduler import GroupSettings
+from ...transport.connection import Connection
+from ..collective import Collective
+from ..group import Group
+from .links import ServerLinks
+from .params import ParameterMode
+from .plan import SHARED_KINDS, per_piece, plan
+from .server import start_servers
+
+logger = logging.getLogger(__name__)
+
+#: seconds a worker waits for the shards to name the missing ranks after its deadline
+TIMEOUT_REPORT_GRACE = 1.0
+
+
+class PsGroup(ParameterMode, Group):
+    """Collectives through parameter-server shards."""
+
+    topology = "ps"
+
+    def __init__(self, links: ServerLinks, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=links.mailbox, tuning=links.tuning)
+        self.links = links
+        self._broken_waiters: set[asyncio.Future[None]] = set()
+        self.members = members
+        self._owns_resources = gid == "0"
+        links.groups[gid] = self
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.links.shards)
+
+    @classmethod
+    async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
+        servers = options.pop("servers", None)
+        colocate = options.pop("colocate", None)
+        if colocate is None:
+            colocate = settings.tuning.ps_colocate
+        elif not isinstance(colocate, bool):
+            raise TypeError(f"colocate={colocate!r} must be True or False")
+        if options:
+            raise TypeError(f"init_group(topology='ps') got unexpected options {sorted(options)}")
+        if servers is not None and (type(servers) is not int or servers < 1):
+            raise ValueError(f"servers={servers!r} must be a positive number of shards")
+        assert settings.world_size is not None
+        world = settings.world_size
+        prefix = f"psring/{settings.job}"
+        store, embedded = await open_store_for(settings, settings.rank)
+        links: ServerLinks | None = None
+        try:
+            rank = await assign_rank(store, prefix, settings.rank, world)
+            links = ServerLinks(rank, world, settings, store, prefix)
+            links.embedded_store = embedded
+            # a colocated shard dies with its rank and never comes back: no waiting to re-send to it
+            links.colocated = colocate
+            links.reconnect_servers = not colocate
+            hosted: list[int] | None = None  # the shards this process starts (None: none)
+            if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
+                count = servers or settings.servers or world
+                hosted = [i for i in range(count) if i % world == rank] or None
+            elif rank == 0 and (servers is not None or embedded is not None):
+                # asked to, or the local default (this process serves the store): every shard here
+                count = servers or settings.servers or 1
+                hosted = list(range(count))
+            if hosted is not None:
+                links.own_servers = await start_servers(
+                    store,
+                    count,
+                    job=settings.job,
+                    secret=settings.secret,
+                    host=settings.bind_host,
+                    advertise=settings.advertise_host,
+                    shard_ids=hosted,
+                    settings=settings.tuning,
+                )
+            await links.resolve(settings.timeout)
+            await links.connect(settings.timeout)
+            group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
+            await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            logger.info("%r ready with %d server shard(s)", group, len(links.shards))
+            return group
+        except (Exception, asyncio.CancelledError):
+            if links is not None:
+                await links.close()
+            else:
+                with contextlib.suppress(Exception):
+                    await store.close()
+                if embedded is not None:
+                    await embedded.close()
+            raise
+
+    # ---------------------------------------------------------------- plumbing
+    def local_rank(self, global_rank: Any) -> int | None:
+        return self.members.index(global_rank) if global_rank in self.members else None
+
+    def on_server_error(self, err: PsringError) -> None:
+        if self._broken is None:
+            self._broken = err
+        for coll in list(self._active.values()):
+            coll.fail(type(err)(f"{err} (while {coll.label} was pending on rank {self.rank})"))
+
+    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+        header = {"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err), "src": self.rank}
+        for conn in self.links.shards:
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+
+    def _deadline_passed(self, coll: Collective) -> None:
+        """Ask the shards who is missing; they answer every worker with an abort naming them."""
+        if coll.done.done():
+            return
+        header = {
+            "kind": "abort",
+            "tag": (self.gid, coll.seq),
+            "reason": "timeout",
+            "timeout": self.timeout,
+            "src": self.rank,
+            "message": f"{coll.label} timed out after {self.timeout:g}s on rank {self.rank}",
+        }
+        for conn in self.links.shards:
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+        asyncio.get_running_loop().call_later(TIMEOUT_REPORT_GRACE, self._timeout_unanswered, coll)
+
+    def _timeout_unanswered(self, coll: Collective) -> None:
+        coll.fail(
+            CollectiveTimeoutError(
+                f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s (the servers did not say why)"
+            )
+        )
+
+    def _make_subgroup(self, gid: str, ranks: list[int]) -> PsGroup:
+        return PsGroup(
+            self.links, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
+        )
+
+    def stats(self) -> dict[str, int]:
+        return self.links.stats()
+
+    def _layer(self) -> Any:
+        return self.links
+
+    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
+        super()._check_usable(peer, receiving, seq)
+        if self.links.lost is not None and self._broken is None:
+            self._broken = self.links.lost
+            super()._check_usable(peer, receiving, seq)
+
+    # ------------------------------------------------------------- the engine
+    def _join(self, coll: Collective) -> dict[str, Any]:
+        return {
+            "kind": "ps_req",
+            "tag": (self.gid, coll.seq, "join"),
+            "call": coll.desc,
+            "src": self.rank,
+            "size": self.world_size,
+        }
+
+    def _push(self, coll: Collective, j: int) -> dict[str, Any]:
+        return {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", j), "call": coll.desc, "src": self.rank}
+
+    async def _exchange(
+        self,
+        coll: Collective,
+        x: np.ndarray | None,
+        expects: list[tuple[tuple[Any, ...], np.ndarray | None]],
+        push: bool,
+        n: int,
+        itemsize: int,
+    ) -> None:
+        """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
+        gid, seq = self.gid, coll.seq
+        layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
+        step = per_piece(itemsize, self.links.tuning.ps_piece)
+        total = sum(len(pieces(a, b, step)) for _, a, b in layout)
+        if total == 0 and coll.kind != "scatter":
+            expects = [((gid, seq, "done"), None)]
+        remaining = [len(expects)]
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        coll.waiting_on = set()
+
+        def make_cb(dest: np.ndarray | None) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                want = dest.nbytes if dest is not None else 0
+                if hdr["nbytes"] != want:
+                    raise ProtocolError(f"server sent {hdr['nbytes']} bytes for {hdr['tag']}, expected {want}")
+                remaining[0] -= 1
+                if remaining[0] == 0 and not done.done():
+                    done.set_result(None)
+
+            return cb
+
+        for tag, dest in expects:
+            view = byte_view(dest) if dest is not None and dest.nbytes else None
+            self.mailbox.post(tag, view, self._guard(coll, make_cb(dest)))
+        if not expects:
+            done.set_result(None)
+        # pieces may go through shared memory (the shard holds them there until folded or forwarded),
+        # and results come back through the server's (a receiver that pushes nothing offers its pool too)
+        large = coll.kind in SHARED_KINDS and min(step, n) * itemsize >= self.links.tuning.ps_shm_min
+        if large and self.links.share_memory_pending():
+            await self.links.share_memory()
+        shared = push and large
+        used = []
+        owner = (gid, seq)
+        for shard, a, b in layout:
+            conn = self.links.shards[shard]
+            conn.send_frame(self._join(coll))
+            if push and x is not None:
+                for j, (pa, pb) in enumerate(pieces(a, b, step)):
+                    if shared and conn.peer_maps_pool:
+                        await self.links.slot_for(owner)
+                    conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared, owner=owner)
+            used.append(conn)
+        await done
+        for conn in used:
+            await conn.flush()
+
+    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            try:
+                fn(conn, header, payload)
+            except PsringError as exc:
+                coll.fail(exc)
+
+        return callback
+
+    def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
+        """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
+        step = per_piece(itemsize, self.links.tuning.ps_piece)
+        tags = []
+        for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
+            for j, (pa, pb) in enumerate(pieces(a, b, step)):
+                tag = (self.gid, coll.seq, "r", shard, j) + ((src,) if src is not None else ())
+                tags.append((tag, out[pa:pb], pa, pb))
+        return tags
+
+    # -------------------------------------------------------------- collectives
+    async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        out = result_empty(x)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        # the layout is the float32 tensor's (as the shard computes it from the call); pieces travel as float16
+        q = quantize(x, e)
+        r16 = np.empty_like(q)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, r16)]
+        await self._exchange(coll, q, expects, True, x.size, x.itemsize)
+        return dequantize(r16, e)
+
+    async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
+        out = np.empty_like(x)
+        me = self.rank == dst
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)] if me else []
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out if me else None
+
+    async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
+        out = np.empty_like(x)
+        expects = [(t, d) for t, d, pa, pb in self._result_tags(coll, x.size, x.itemsize, out) if a < pb and pa < b]
+        await self._exchange(coll, x, expects if a < b else [], True, x.size, x.itemsize)
+        return out[a:b].copy()
+
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+        if self.rank == src:
+            await self._exchange(coll, x, [], True, x.size, x.itemsize)
+            return x.copy()
+        out = np.empty_like(x)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out, src)]
+        await self._exchange(coll, None, expects, False, x.size, x.itemsize)
+        return out
+
+    async def _barrier(self, coll: Collective) -> None:
+        await self._exchange(coll, None, [], False, 0, 1)
+
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        expects = []
+        for r in range(n_ranks):
+            if r != me:
+                expects += [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out[r], r)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None:
+        n_ranks, me = self.world_size, self.rank
+        if me != dst:
+            await self._exchange(coll, x, [], True, x.size, x.itemsize)
+            return None
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        expects = []
+        for r in range(n_ranks):
+            if r != me:
+                expects += [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out[r], r)]
+        await self._exchange(coll, x, expects, True, x.size, x.itemsize)
+        return out
+
+    async def _scatter(
+        self, coll: Collective, xs: np.ndarray | None, src: int, meta: np.ndarray | None
+    ) -> tuple[np.ndarray, tuple[str, tuple[int, ...]], str]:
+        me, shards = self.rank, self.num_servers
+        tag = (self.gid, coll.seq, "row")
+        if me == src:
+            assert xs is not None and meta is not None
+            for s, conn in enumerate(self.links.shards):
+                conn.send_frame(self._join(coll))
+                for r in range(self.world_size):
+                    if r != me and r % shards == s:
+                        conn.send_tensor(
+                            {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", r), "call": coll.desc, "src": me},
+                            xs[r],
+                        )
+            for conn in self.links.shards:
+                await conn.flush()
+            return xs[me].copy(), (str(meta.dtype), meta.shape), "cpu"
+        fut = self.mailbox.expect(tag)
+        try:
+            for conn in self.links.shards:
+                conn.send_frame(self._join(coll))
+            _conn, hdr, payload = await fut
+        finally:
+            self.mailbox.unpost(tag)
+        if "dtype" not in hdr:
+            raise ProtocolError(f"scatter row from the servers carries no array (rank {src} scattered)")
+        y = wire.decode_tensor(hdr, payload)
+        return y, (hdr["dtype"], tuple(hdr["shape"])), str(hdr.get("dev", "cpu"))
+
+    # -------------------------------------------------------- parameter mode
+    # Used by SyncSGD: the shards hold the parameters and the optimizer state.
+
+    def on_peer_lost(self, err: PeerLostError) -> None:
+        super().on_peer_lost(err)
+        for fut in list(self._broken_waiters):
+            if not fut.done():
+                fut.set_result(None)
+
+    # ------------------------------------------------------------------- p2p
+    def _relay_shard(self, a: int, b: int) -> Connection:
+        return self.links.shards[(self.members[a] + self.members[b]) % self.num_servers]
+
+    async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
+        conn = self._relay_shard(self.rank, dst)
+        header = {"kind": "ps_data", "tag": (self.gid, "p2p", self.rank, n), "dev": device, "to": self.members[dst]}
+        conn.send_tensor(header, x)
+        await conn.flush()
+
+
+__all__ = ["PsGroup", "ServerLinks"]

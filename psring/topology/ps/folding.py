@@ -1,0 +1,152 @@
+"""The shard's work on a collective's pieces: folding them in the canonical order, forwarding relayed ones,
+and pacing the workers (backpressure on pushes, a bound on unread results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import pooled_bytes
+from ...core.compress import fold_fp16
+from ...core.fold import canonical_fold
+from ...errors import PeerLostError, ProtocolError, PsringError
+from ...transport.connection import Connection
+from .pending import _Pending, _result_ranks
+from .relay import release_held, send_once
+
+logger = logging.getLogger(__name__)
+
+
+class Folding:
+    """Part of :class:`~psring.topology.ps.shard.Shard`: what it does with the pieces of a collective."""
+
+    # ---------------------------------------------------------------- work
+    def _fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
+        pa, pb = pending.pieces[j]
+        parts = [box[r] for r in range(pending.size)]
+        dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        assert dtype is not None
+        targets = [pending.conns[r] for r in _result_ranks(pending, pa, pb)]
+        # the result goes into a slot of this process's pool when the workers map it: written once, read by all
+        pool = (
+            next((c.pool for c in targets if c.peer_maps_pool), None)
+            if (pb - pa) * dtype.itemsize >= self.settings.ps_shm_min
+            else None
+        )
+        slot = pool.take() if pool is not None else None
+        if slot is not None:
+            assert pool is not None
+            out = pool.view(slot, (pb - pa) * dtype.itemsize).view(dtype)
+        else:
+            out = np.empty(pb - pa, dtype) if pending.codec else _piece_empty(pb - pa, dtype)
+        if pending.codec:
+            fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
+        else:
+            canonical_fold(parts, pending.op, out, pa, pending.n)
+        del pending.inbox[j]
+        release_held(pending.held.pop(j, ()))  # handed back with the result frames below
+        for src, conn in pending.conns.items():
+            self._account(conn, -box[src].nbytes)
+        self.bytes_folded += out.nbytes * pending.size
+        header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
+        try:
+            for conn in targets:
+                if slot is not None:
+                    assert pool is not None
+                    with contextlib.suppress(PsringError):  # its loss is reported through detach
+                        conn.send_slot(header, pool, slot, out)
+                else:
+                    self._send(conn, header, out)
+        finally:
+            if slot is not None:
+                assert pool is not None
+                pool.give_back(slot)
+        pending.done_pieces += 1
+        self._maybe_finish(pending)
+
+    def _forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
+        out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}
+        if pending.kind == "gather":
+            targets = [pending.root] if src != pending.root else []
+        else:
+            targets = [r for r in range(pending.size) if r != src]
+        send_once(
+            [pending.conns[r] for r in targets],
+            out,
+            data,
+            stable="pool" not in header,
+            send=self._send,
+            shm_min=self.settings.ps_shm_min,
+        )
+        pending.done_pieces += 1
+        self._maybe_finish(pending)
+
+    def _scatter_row(self, pending: _Pending, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        row = header["tag"][3]
+        src = header.get("src")
+        if src != pending.root:
+            raise ProtocolError(f"rank {src} sent a scatter row, but the root is rank {pending.root}")
+        if not (0 <= row < pending.size and row != pending.root and row % self.shards == self.index):
+            raise ProtocolError(f"scatter row {row} does not travel through shard {self.index}")
+        if "dtype" not in header:
+            raise ProtocolError("scatter row carries no array")
+        data = wire.decode_tensor(header, payload)
+        fwd = {k: v for k, v in header.items() if k in ("dev",)}
+        fwd.update(kind="ps_data", tag=(pending.gid, pending.seq, "row"), call=pending.desc)
+        if len(pending.conns) < pending.size:
+            pending.waiting.append((row, -1, data, fwd))
+            return
+        self._send_row(pending, row, data, fwd)
+
+    def _send_row(self, pending: _Pending, row: int, data: np.ndarray, fwd: dict[str, Any]) -> None:
+        conn = pending.conns[row]
+        with contextlib.suppress(PsringError):
+            conn.send_tensor(dict(fwd), data)
+        pending.done_pieces += 1
+        self._maybe_finish(pending)
+
+    def _send(self, conn: Connection, header: dict[str, Any], data: np.ndarray) -> None:
+        try:
+            conn.send_tensor(dict(header), data)
+        except PsringError:
+            return  # its loss is reported through detach
+        transport = conn.transport
+        if transport is not None and transport.get_write_buffer_size() > self.settings.server_backlog:
+            conn.abort(
+                PeerLostError(
+                    f"rank {conn.peer.get('rank')} stopped reading ({self.settings.server_backlog} bytes unsent)"
+                )
+            )
+
+    def _account(self, conn: Connection, nbytes: int) -> None:
+        """Track a worker's pushed-but-unreduced bytes; pause reading from it past PSRING_SERVER_BUFFER."""
+        total = self.buffered.get(conn, 0) + nbytes
+        self.buffered[conn] = total
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            return
+        if nbytes > 0 and total > self.settings.server_buffer:
+            transport.pause_reading()
+        elif nbytes < 0 and total <= self.settings.server_buffer // 2:
+            with contextlib.suppress(RuntimeError):
+                transport.resume_reading()
+
+    def _maybe_finish(self, pending: _Pending) -> None:
+        if len(pending.conns) < pending.size:
+            return
+        if pending.done_pieces >= pending.expected_frames(self.index, self.shards):
+            if pending.kind != "scatter" and not pending.pieces:  # nothing to send: say it is done
+                header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "done"), "call": pending.desc}
+                for conn in pending.conns.values():
+                    with contextlib.suppress(PsringError):
+                        conn.send_frame(dict(header))
+            self._finish((pending.gid, pending.seq), "done")
+
+
+def _piece_empty(count: int, dtype: np.dtype) -> np.ndarray:
+    return pooled_bytes(count * dtype.itemsize).view(dtype)

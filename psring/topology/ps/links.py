@@ -1,0 +1,267 @@
+"""A worker's links to the parameter-server shards: dialing, reconnecting to a restarted shard,
+losses, shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ...rendezvous.scheduler import GroupSettings
+from ...transport.connection import Connection
+from ...transport.listener import open_connection
+from ...transport.mailbox import Mailbox
+from ...transport.samehost import host_key
+from ...transport.shmpool import ShmPool
+from ..group import farewell
+from .server import ShardServer
+
+logger = logging.getLogger(__name__)
+
+
+class ServerLinks:
+    """A worker's connections to the server shards, and the mailbox they deliver to."""
+
+    def __init__(self, rank: int, world_size: int, settings: GroupSettings, store: Any, prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.tuning = settings.tuning
+        self.store = store
+        self.prefix = prefix
+        self.mailbox = Mailbox()
+        self.mailbox.on_lost = self._on_conn_lost
+        self.mailbox.on_control = self._on_control
+        self.shards: list[Connection] = []
+        self.addresses: list[str] = []
+        self.groups: dict[str, Any] = {}  # gid -> PsGroup
+        self.stopped_at: dict[str, int] = {}  # per group: the first seq this rank did not finish
+        self.lost: PsringError | None = None
+        self.embedded_store: Any = None
+        self.own_servers: ShardServer | None = None
+        self.reconnect_servers = True  # parameter mode re-sends to a restarted shard
+        self.colocated = False  # the shards live in the ranks' processes (shard i in rank i % N)
+        self._loss_waiters: set[asyncio.Future[None]] = set()
+        self._closing = False
+        self.pool: ShmPool | None = None  # pushes to shards on this host (psring.shmpool)
+        self._pool_failed = False
+        self._pool_checked: set[int] = set()  # ids of the shard connections offered it (or not able to)
+
+    def loss_future(self) -> asyncio.Future[None]:
+        """A future that fails with the PeerLostError of the next lost shard connection."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if isinstance(self.lost, PeerLostError):
+            fut.set_exception(self.lost)
+        else:
+            self._loss_waiters.add(fut)
+            fut.add_done_callback(self._loss_waiters.discard)
+        return fut
+
+    async def reconnect(self, deadline: float) -> None:
+        """Dial every lost shard again at the address the store now has for it (a restarted server)."""
+        for i, conn in enumerate(self.shards):
+            if conn.is_open:
+                continue
+            key = f"{self.prefix}/server/{i}"
+            while True:
+                raw = await self.store.get(key)
+                host, _, port = (raw or b"").decode().rpartition(":")
+                try:
+                    new = await open_connection(
+                        host,
+                        int(port),
+                        secret=self.settings.secret,
+                        hello=self._hello(i),
+                        router=self.mailbox,
+                        timeout=min(2.0, max(deadline - time.monotonic(), 0.1)),
+                        name=f"rank {self.rank}",
+                        settings=self.tuning,
+                    )
+                    break
+                except (PsringError, ValueError, OSError) as exc:
+                    if time.monotonic() > deadline:
+                        raise PeerLostError(f"server shard {i} did not come back: {exc}") from exc
+                    await asyncio.sleep(0.2)
+            new.peer["shard"] = i
+            self.shards[i] = new
+            self.addresses[i] = f"{host}:{port}"
+        self.lost = None
+
+    async def resolve(self, timeout: float) -> int:
+        """Wait for the servers to register; return how many shards there are."""
+        deadline = time.monotonic() + timeout
+        key = f"{self.prefix}/num_servers"
+        try:
+            await self.store.wait([key], timeout)
+        except PsringError:
+            raise CollectiveTimeoutError(
+                f"no parameter server registered for job {self.settings.job!r} at {self.store.address} within "
+                f"{timeout:g}s: start them with `psring server --store HOST:PORT --shards S` "
+                f"(psring launch --topology ps and psring train start local ones)"
+            ) from None
+        raw = await self.store.get(key)
+        count = int(raw.decode()) if raw else 0
+        keys = [f"{self.prefix}/server/{i}" for i in range(count)]
+        try:
+            await self.store.wait(keys, max(deadline - time.monotonic(), 0.1))
+        except PsringError:
+            missing = [i for i, k in enumerate(keys) if await self.store.get(k) is None]
+            raise CollectiveTimeoutError(
+                f"server shard(s) {missing} of {count} did not register within {timeout:g}s"
+            ) from None
+        for k in keys:
+            raw = await self.store.get(k)
+            assert raw is not None
+            self.addresses.append(raw.decode())
+        return count
+
+    def _hello(self, i: int) -> dict[str, Any]:
+        return {
+            "role": "rank",
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "job": self.settings.job,
+            "shard": i,
+            "host": host_key(),
+        }
+
+    def share_memory_pending(self) -> bool:
+        """Whether a shard connection has not been considered for this worker's pool yet."""
+        return any(id(c) not in self._pool_checked for c in self.shards)
+
+    async def slot_for(self, owner: tuple[Any, int]) -> None:
+        """Wait until the pool has a free slot, where waiting cannot deadlock (else the piece
+        goes on the socket): pieces larger than the pool then stream through it."""
+        pool = self.pool
+        while pool is not None and not pool.free and pool.may_wait(*owner):
+            await pool.wait_free()
+
+    async def share_memory(self) -> None:
+        """Offer every shard on this host not offered yet this worker's shared-memory pool (made
+        now, at the first large collective); such a shard maps it and offers its own back."""
+        todo = [c for c in self.shards if id(c) not in self._pool_checked and c.can_share_memory()]
+        self._pool_checked = {id(c) for c in self.shards}
+        if self.pool is None and todo and not self._pool_failed and self.tuning.ps_shm_slots > 0:
+            try:
+                self.pool = ShmPool(self.tuning.ps_shm_slots, self.tuning.ps_piece)
+            except (OSError, ValueError) as exc:
+                self._pool_failed = True
+                logger.warning("rank %d: no shared memory for pushes to the servers (%s)", self.rank, exc)
+        if self.pool is not None and todo:
+            await asyncio.gather(*(c.offer_pool(self.pool, min(self.settings.timeout, 10.0)) for c in todo))
+
+    async def connect(self, timeout: float) -> None:
+        async def dial(i: int) -> Connection:
+            own = self.own_servers
+            if own is not None and i in own.shards:  # a shard this process hosts: no socket
+                conn: Connection = own.attach_local(self._hello(i), name=f"rank {self.rank}")
+                conn.router = self.mailbox
+                conn.peer["shard"] = i
+                return conn
+            host, _, port = self.addresses[i].rpartition(":")
+            try:
+                conn = await open_connection(
+                    host,
+                    int(port),
+                    secret=self.settings.secret,
+                    hello=self._hello(i),
+                    router=self.mailbox,
+                    timeout=timeout,
+                    name=f"rank {self.rank}",
+                    settings=self.tuning,
+                )
+            except PeerLostError as exc:
+                raise PeerLostError(f"server shard {i} at {self.addresses[i]} is unreachable: {exc}") from exc
+            conn.peer["shard"] = i
+            return conn
+
+        self.shards = list(await asyncio.gather(*(dial(i) for i in range(len(self.addresses)))))
+
+    # -------------------------------------------------------------- failures
+    def _on_conn_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        if self._closing:
+            return
+        i = conn.peer.get("shard")
+        ago = time.monotonic() - conn.last_heard
+        how = "closed its connection" if error is None else f"was lost: {error}"
+        host = f", hosted by rank {i % self.world_size}," if self.colocated and isinstance(i, int) else ""
+        err = PeerLostError(
+            f"server shard {i} at {self.addresses[i] if isinstance(i, int) else conn.peername}{host} {how} "
+            f"(last heard {ago:.1f}s ago)"
+        )
+        err.__cause__ = error
+        self._break(err)
+
+    def _break(self, err: PsringError) -> None:
+        if self.lost is None:
+            self.lost = err
+        for fut in list(self._loss_waiters):
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        for group in list(self.groups.values()):
+            if isinstance(err, PeerLostError):
+                group.on_peer_lost(err)
+            else:
+                group.on_server_error(err)
+
+    def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
+        kind = header["kind"]
+        if kind == "reject":
+            self._break(ProtocolError(str(header.get("reason", "the server rejected this worker"))[:2000]))
+            return True
+        if kind != "abort":
+            return False
+        tag, reason = header.get("tag"), header.get("reason")
+        if not isinstance(tag, tuple) or len(tag) != 2 or reason not in ("lost", "mismatch", "timeout"):
+            raise ProtocolError(f"malformed abort frame from {conn.peername}")
+        message = str(header.get("message", ""))[:2000]
+        if reason == "lost":
+            lost = header.get("lost")
+            for fut in list(self._loss_waiters):
+                if not fut.done():
+                    fut.set_exception(PeerLostError(message, rank=lost if type(lost) is int else None))
+                    fut.exception()
+            for group in list(self.groups.values()):
+                local = group.local_rank(lost)
+                if local is not None or type(lost) is not int:  # a rank outside this job is none of its business
+                    suffix = (
+                        f" [rank {local} of subgroup {group.gid}]" if group.gid != "0" and local is not None else ""
+                    )
+                    group.on_peer_lost(PeerLostError(message + suffix, rank=lost if type(lost) is int else None))
+            return True
+        group = self.groups.get(tag[0])
+        if group is not None and type(tag[1]) is int:
+            missing = header.get("missing") or ()
+            group.on_abort(tag[1], reason, message, [m for m in missing if type(m) is int])
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Bytes to and from the shards, payloads in shared memory included (and counted apart)."""
+        return {
+            "bytes_sent": sum(c.bytes_sent + c.pool_bytes_sent for c in self.shards),
+            "bytes_received": sum(c.bytes_received + c.pool_bytes_received for c in self.shards),
+            "shm_bytes_sent": sum(c.pool_bytes_sent for c in self.shards),
+            "shm_bytes_received": sum(c.pool_bytes_received for c in self.shards),
+        }
+
+    def per_shard(self) -> list[tuple[int, int]]:
+        """(bytes this worker sent to, received from) each shard."""
+        return [(c.bytes_sent + c.pool_bytes_sent, c.bytes_received + c.pool_bytes_received) for c in self.shards]
+
+    async def close(self) -> None:
+        self._closing = True
+        goodbye = farewell(self.groups, self.stopped_at)
+        await asyncio.gather(*(c.close(farewell=goodbye) for c in self.shards), return_exceptions=True)
+        if self.own_servers is not None:
+            await self.own_servers.drain(timeout=10.0)
+            await self.own_servers.close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        if self.embedded_store is not None:
+            await self.embedded_store.close()
+        if self.pool is not None:
+            self.pool.close()

@@ -1,0 +1,182 @@
+"""The worker's side of parameter mode (SyncSGD over ps): the shards hold the parameters and the
+optimizer state; workers push gradients and pull the new parameters, re-sending after a shard restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import byte_view
+from ...core.compress import check_codec, quantize, scale_exponent
+from ...core.fold import pieces
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from .plan import per_piece, plan
+
+logger = logging.getLogger(__name__)
+
+
+class ParameterMode:
+    """Part of :class:`~psring.topology.ps.client.PsGroup`: parameter mode, used by SyncSGD."""
+
+    def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        step = per_piece(flat.itemsize, self.links.tuning.ps_piece)
+        return [
+            (s, a, pieces(a, z, step)) for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b)
+        ]
+
+    async def param_init(self, buckets: list[np.ndarray], optimizer: dict[str, Any]) -> tuple[list[np.ndarray], int]:
+        """Rank 0 offers its parameters; every rank then pulls what the shards hold (and their step)."""
+        self._check_usable()
+        if self.gid != "0":
+            raise ValueError("parameter mode runs on the main group, not a subgroup")
+        if self.rank == 0:
+            for b, flat in enumerate(buckets):
+                for shard, _a, parts in self._param_layout(b, flat):
+                    conn = self.links.shards[shard]
+                    base = {
+                        "kind": "ps_param",
+                        "op": "init",
+                        "n": flat.size,
+                        "dtype": wire.tensor_fields(flat)["dtype"],
+                        "size": self.world_size,
+                        "optimizer": optimizer,
+                    }
+                    if not parts:
+                        conn.send_frame({**base, "tag": ("param", b, "init", -1), "piece": None})
+                    for j, (pa, pb) in enumerate(parts):
+                        conn.send_tensor({**base, "tag": ("param", b, "init", j), "piece": j}, flat[pa:pb])
+        outs = [np.empty_like(flat) for flat in buckets]
+        steps: list[int] = []
+
+        async def pull(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
+            futs = [
+                self.mailbox.expect(("param", b, "pull", shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
+                for j, (pa, pb) in enumerate(parts)
+            ]
+            marker = self.mailbox.expect(("param", b, "pulled", shard))
+            self.links.shards[shard].send_frame(
+                {"kind": "ps_param", "op": "pull", "tag": ("param", b, "pull"), "src": self.rank}
+            )
+            for fut in futs:
+                _c, hdr, payload = await fut
+                if payload is not None and hdr["nbytes"] and not _same(payload, outs[b]):
+                    raise ProtocolError("parameter piece did not land in place")
+            _c, hdr, _p = await marker
+            steps.append(int(hdr["step"]))
+
+        jobs = [
+            pull(b, shard, parts) for b, flat in enumerate(buckets) for shard, _a, parts in self._param_layout(b, flat)
+        ]
+        await self._param_wait(asyncio.gather(*jobs), "pulling the initial parameters")
+        if len(set(steps)) > 1:
+            raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
+        return outs, (steps[0] if steps else 0)
+
+    async def param_step(
+        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | None = None
+    ) -> None:
+        """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
+
+        With ``compression="fp16"`` the gradients travel as float16 at a scale the workers
+        agree on first, exactly as a compressed all_reduce does (psring.compress).
+        """
+        wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
+        if compression is not None:
+            for g in grads:
+                check_codec(compression, g.dtype, "avg")
+            amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
+            amax = await self.all_reduce(amax, op="max")
+            exps = [scale_exponent(float(a), self.world_size) for a in amax]
+            wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
+        got: set[tuple[Any, ...]] = set()
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                lost = self.links.lost
+                if isinstance(lost, PeerLostError) and lost.rank is None:
+                    raise lost  # a server went away since the last step: reconnect first
+                self._check_usable()
+                await self._param_round(t, grads, wire_grads, outs, got, deadline)
+                return
+            except PeerLostError as exc:
+                if exc.rank is not None or not self.links.reconnect_servers:
+                    raise
+                logger.warning("%r: %s; reconnecting to re-send step %d", self, exc, t)
+                await self.links.reconnect(deadline)
+                self._broken = None
+
+    async def _param_round(
+        self,
+        t: int,
+        grads: list[np.ndarray],
+        wire_grads: list[tuple[np.ndarray, int | None]],
+        outs: list[np.ndarray],
+        got: set[tuple[Any, ...]],
+        deadline: float,
+    ) -> None:
+        futs = []
+        if self.links.share_memory_pending() and any(g.nbytes >= self.links.tuning.ps_shm_min for g, _e in wire_grads):
+            await self.links.share_memory()
+        for b, flat in enumerate(grads):
+            sent, e = wire_grads[b]
+            push = {"kind": "ps_param", "op": "push", "src": self.rank}
+            if e is not None:
+                push["scale"] = e
+            for shard, _a, parts in self._param_layout(b, flat):
+                conn = self.links.shards[shard]
+                for j, (pa, pb) in enumerate(parts):
+                    tag = ("param", b, t, "r", shard, j)
+                    if tag in got:
+                        continue
+                    self.mailbox.unpost(tag)
+                    fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                    fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
+                    futs.append(fut)
+                    piece = sent[pa:pb]
+                    shared = piece.nbytes >= self.links.tuning.ps_shm_min and conn.peer_maps_pool
+                    if shared:
+                        await self.links.slot_for(("param", t))
+                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
+        await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
+
+    async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:
+        lost = self.links.loss_future()
+        broken: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # a worker was lost
+        if self._broken is not None:
+            broken.set_result(None)
+        self._broken_waiters.add(broken)
+        remaining = (deadline or time.monotonic() + self.timeout) - time.monotonic()
+        try:
+            done, _ = await asyncio.wait(
+                {work, lost, broken}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            self._broken_waiters.discard(broken)
+            if not lost.done():
+                lost.cancel()
+        if work in done:
+            work.result()
+            return
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        if lost in done:
+            raise lost.exception() or PeerLostError("a server shard was lost")
+        if broken in done and isinstance(self._broken, PeerLostError):
+            lost_rank = self._broken.rank if self._broken.rank is not None else -1  # a worker, not a server
+            raise PeerLostError(f"{self!r}: {self._broken} (during {what})", rank=lost_rank) from self._broken
+        raise CollectiveTimeoutError(f"rank {self.rank}: the servers did not answer {what} within {self.timeout:g}s")
+
+
+def _same(payload: Any, out: np.ndarray) -> bool:
+    try:
+        return bool(np.shares_memory(np.frombuffer(payload, np.uint8), out))
+    except (TypeError, ValueError):
+        return False

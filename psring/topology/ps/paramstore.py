@@ -1,0 +1,394 @@
+"""Parameter mode: shards that hold the parameters and the optimizer state.
+
+Parameters travel as *buckets* (flat arrays, each many tensors long; SyncSGD makes
+them). Bucket b is split over the shards by the same :func:`psring.server.plan` as a
+collective numbered b, so each shard owns one slice of it. Frames (kind ``ps_param``):
+
+- ``init`` (rank 0, per piece): the starting parameters and the optimizer config. A
+  shard that already holds the bucket (restored from a checkpoint) keeps its own.
+- ``pull``: the shard answers with its current slice, piece by piece, and the step.
+- ``push`` (every worker, per piece, for step t): gradients. Once all N workers pushed
+  piece j of step t, the shard averages them in the ring's canonical order, applies the
+  optimizer to that piece of the slice, and sends the new parameters to every worker.
+  A push for a step already applied (a worker re-sending after a reconnect) is answered
+  with the current parameters and never applied twice; duplicates are ignored.
+
+Checkpoints (``--checkpoint-dir``): every K completed steps of a bucket, and on
+SIGTERM, each shard writes its buckets (parameters, optimizer state, step) to a
+temporary file, fsyncs it and renames it into place. With a checkpoint directory a
+step's results are sent only after its checkpoint is on disk (K=1, the default), so a
+server SIGKILLed and restarted with ``--restore`` never loses an acknowledged step and
+never applies one twice: workers reconnect and re-send, and end with the parameters of
+an uninterrupted run. With K>1 a crash rolls a shard back up to K-1 steps; workers
+then get an error naming both steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import DTYPES, dtype_name
+from ...core.compress import dequantize, fold_fp16, parse_codec_op
+from ...core.fold import canonical_fold, pieces
+from ...core.optim import Optimizer
+from ...errors import ProtocolError, PsringError
+from ...transport.connection import Connection
+from .plan import per_piece, plan
+from .relay import release_held, send_once
+
+logger = logging.getLogger(__name__)
+
+
+class Bucket:
+    """One shard's slice of one parameter bucket, with its optimizer state."""
+
+    def __init__(
+        self, b: int, n: int, dtype: str, size: int, config: dict[str, Any], shard: int, shards: int, piece_bytes: int
+    ):
+        self.b, self.n, self.dtype_name, self.size, self.config = b, n, dtype, size, config
+        self.dtype = DTYPES[dtype]
+        mine = [(a, z) for s, a, z in plan("all_reduce", n, self.dtype.itemsize, shards, b) if s == shard]
+        self.slice = mine[0] if mine else (0, 0)
+        self.pieces = pieces(*self.slice, per_piece(self.dtype.itemsize, piece_bytes))
+        self.param = np.empty(self.slice[1] - self.slice[0], self.dtype)
+        self.optimizer = Optimizer.from_config(config)
+        self.state: dict[str, Any] = {}
+        self.step = 0
+        self.ready = False
+        self.init_seen: set[int] = set()
+        self.inbox: dict[int, dict[int, np.ndarray]] = {}
+        self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
+        self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
+        self.applied: set[int] = set()  # pieces of the current step already updated
+        self.conns: dict[int, Connection] = {}
+        self.held: list[tuple[int, np.ndarray]] = []  # results waiting for the checkpoint
+        self.waiting_pulls: list[Connection] = []
+
+    def piece_view(self, j: int) -> tuple[int, int, np.ndarray]:
+        pa, pb = self.pieces[j]
+        a = self.slice[0]
+        return pa, pb, self.param[pa - a : pb - a]
+
+    def start(self) -> None:
+        self.state = self.optimizer.init_state(self.param)
+        self.ready = True
+
+    def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        meta = {
+            "b": self.b,
+            "n": self.n,
+            "dtype": self.dtype_name,
+            "size": self.size,
+            "config": self.config,
+            "step": self.step,
+            "slice": list(self.slice),
+        }
+        out = {f"{prefix}meta": np.array(json.dumps(meta)), f"{prefix}param": self.param}
+        for k, v in Optimizer.state_arrays(self.state).items():
+            out[f"{prefix}state.{k}"] = np.asarray(v)
+        return out
+
+
+class ParamStore:
+    """The parameter-mode state of one shard."""
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+        self.buckets: dict[int, Bucket] = {}
+        self.checkpoint_dir: str | None = None
+        self.checkpoint_every = 1
+        self.checkpoints_written = 0
+        self.updates_applied = 0
+        self.early_pulls: dict[int, list[Connection]] = {}
+
+    # ------------------------------------------------------------ checkpoints
+    def path(self) -> str:
+        assert self.checkpoint_dir is not None
+        s = self.shard
+        return os.path.join(self.checkpoint_dir, f"psring-{s.job}-shard{s.index}-of{s.shards}.npz")
+
+    def save(self) -> None:
+        if self.checkpoint_dir is None or not self.buckets:
+            return
+        arrays: dict[str, np.ndarray] = {}
+        for b, bucket in self.buckets.items():
+            if bucket.ready:
+                arrays.update(bucket.to_arrays(f"b{b}."))
+        path = self.path()
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        self.checkpoints_written += 1
+
+    def restore(self) -> int:
+        """Load this shard's checkpoint, if there is one; return the number of buckets restored."""
+        if self.checkpoint_dir is None or not os.path.exists(self.path()):
+            return 0
+        with np.load(self.path(), allow_pickle=False) as data:
+            metas = [k for k in data.files if k.endswith(".meta")]
+            for key in metas:
+                prefix = key[: -len("meta")]
+                meta = json.loads(str(data[key]))
+                bucket = Bucket(
+                    meta["b"],
+                    meta["n"],
+                    meta["dtype"],
+                    meta["size"],
+                    meta["config"],
+                    self.shard.index,
+                    self.shard.shards,
+                    self.shard.settings.ps_piece,
+                )
+                if list(bucket.slice) != meta["slice"]:
+                    raise ValueError(f"checkpoint {self.path()} was written for another shard layout")
+                bucket.param[...] = data[f"{prefix}param"]
+                bucket.start()
+                for k in list(bucket.state):
+                    if k != "step" and f"{prefix}state.{k}" in data.files:
+                        bucket.state[k][...] = data[f"{prefix}state.{k}"]
+                bucket.step = int(meta["step"])
+                self.buckets[bucket.b] = bucket
+        logger.info("%r restored %d bucket(s) from %s", self.shard, len(metas), self.path())
+        return len(metas)
+
+    # ----------------------------------------------------------------- frames
+    def handle(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        op = header.get("op")
+        tag = header.get("tag")
+        if not (isinstance(tag, tuple) and len(tag) >= 2 and tag[0] == "param" and type(tag[1]) is int):
+            raise ProtocolError(f"parameter frame with a malformed tag {tag!r}")
+        b = tag[1]
+        if op == "init":
+            self._init(conn, b, header, payload)
+        elif op == "pull":
+            bucket = self.buckets.get(b)
+            if bucket is not None and bucket.ready:
+                self._send_params(conn, bucket, "pull")
+            else:  # rank 0's init may still be on its way (another connection): answer when it lands
+                early = self.early_pulls.setdefault(b, [])
+                if len(self.early_pulls) > 100_000 or len(early) > 1 << 16:
+                    raise ProtocolError(f"too many pulls of parameter buckets nobody initialised (bucket {b})")
+                early.append(conn)
+        elif op == "push":
+            self._push(conn, b, header, payload)
+        else:
+            raise ProtocolError(f"parameter frame with unknown op {op!r}")
+
+    def _bucket(self, b: int) -> Bucket:
+        bucket = self.buckets.get(b)
+        if bucket is None:
+            raise ProtocolError(f"unknown parameter bucket {b}: push or pull before rank 0 initialised it")
+        return bucket
+
+    def _init(self, conn: Connection, b: int, header: dict[str, Any], payload: Any) -> None:
+        n, dtype, size, config, j = (
+            header.get("n"),
+            header.get("dtype"),
+            header.get("size"),
+            header.get("optimizer"),
+            header.get("piece"),
+        )
+        if not (type(n) is int and n >= 0 and dtype in DTYPES and type(size) is int and size >= 1):
+            raise ProtocolError(f"init of bucket {b} with n={n!r} dtype={dtype!r} size={size!r}")
+        bucket = self.buckets.get(b)
+        if bucket is None:
+            try:
+                bucket = Bucket(
+                    b,
+                    n,
+                    dtype,
+                    size,
+                    dict(config or {}),
+                    self.shard.index,
+                    self.shard.shards,
+                    self.shard.settings.ps_piece,
+                )
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"bucket {b}: bad optimizer config {config!r}: {exc}") from None
+            self.buckets[b] = bucket
+        elif (bucket.n, bucket.dtype_name, bucket.size) != (n, dtype, size):
+            raise ProtocolError(
+                f"bucket {b} is {bucket.n} x {bucket.dtype_name} for {bucket.size} workers here, "
+                f"init says {n} x {dtype} for {size}"
+            )
+        if bucket.ready:
+            return  # restored or initialised already: the shard's own state wins
+        if j is None:  # an empty slice: nothing to fill
+            bucket.start()
+        else:
+            if type(j) is not int or not 0 <= j < len(bucket.pieces):
+                raise ProtocolError(f"init piece {j!r} of bucket {b} is out of range")
+            pa, pb, view = bucket.piece_view(j)
+            if header["nbytes"] != view.nbytes:
+                raise ProtocolError(
+                    f"init piece {j} of bucket {b} has {header['nbytes']} bytes, expected {view.nbytes}"
+                )
+            view[...] = np.frombuffer(payload, bucket.dtype, count=pb - pa)
+            bucket.init_seen.add(j)
+            if len(bucket.init_seen) == len(bucket.pieces):
+                bucket.start()
+        if bucket.ready:
+            pulls, bucket.waiting_pulls = bucket.waiting_pulls + self.early_pulls.pop(b, []), []
+            for waiter in pulls:
+                if waiter.is_open:
+                    self._send_params(waiter, bucket, "pull")
+
+    def _push(self, conn: Connection, b: int, header: dict[str, Any], payload: Any) -> None:
+        bucket = self._bucket(b)
+        tag, src = header["tag"], header.get("src")
+        if len(tag) != 4 or type(tag[2]) is not int or type(tag[3]) is not int or not 0 <= tag[3] < len(bucket.pieces):
+            raise ProtocolError(f"push with a malformed tag {tag!r}")
+        t, j = tag[2], tag[3]
+        if type(src) is not int or not 0 <= src < bucket.size:
+            raise ProtocolError(f"push from rank {src!r}, outside 0..{bucket.size - 1}")
+        if not bucket.ready:
+            raise ProtocolError(f"push to bucket {b} before its initial parameters arrived")
+        if t < bucket.step or (t == bucket.step and j in bucket.applied):
+            # already applied (a re-send after a reconnect): answer, never apply twice
+            self._send_result(bucket, t, j, conn)
+            return
+        if t > bucket.step:
+            raise ProtocolError(
+                f"rank {src} pushed step {t} of bucket {b}, but this shard is at step {bucket.step} "
+                f"(restored from an older checkpoint: steps {bucket.step}..{t - 1} were lost)"
+            )
+        pa, pb, view = bucket.piece_view(j)
+        scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.compress)
+        if scale is not None:
+            if bucket.dtype != np.float32:
+                raise ProtocolError(f"fp16 push to bucket {b} of {bucket.dtype_name}: compression needs float32")
+            parse_codec_op(f"avg:fp16@{scale}")  # validates the exponent
+        wire_dtype = np.dtype(np.float16) if scale is not None else bucket.dtype
+        want = (pb - pa) * wire_dtype.itemsize
+        if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
+            raise ProtocolError(
+                f"push piece {j} of bucket {b} from rank {src}: {header['nbytes']} bytes of {header.get('dtype')}, "
+                f"expected {want} bytes of {dtype_name(wire_dtype)}"
+            )
+        bucket.conns[src] = conn
+        box = bucket.inbox.setdefault(j, {})
+        if src in box:
+            return  # a duplicate of a push still waiting for the others
+        first = bucket.inbox_scale.setdefault(j, scale)
+        if first != scale:
+            raise ProtocolError(
+                f"rank {src} pushed piece {j} of bucket {b} at fp16 scale {scale}, another rank at {first} "
+                "(None: uncompressed); every worker must use the same compression"
+            )
+        box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
+        if "pool" in header:  # it stays in the worker's shared memory until folded
+            bucket.slots.setdefault(j, []).append((conn, conn.hold_slot()))
+        if len(box) < bucket.size:
+            return
+        grad = np.empty(pb - pa, bucket.dtype)
+        parts = [box[r] for r in range(bucket.size)]
+        if scale is not None:
+            dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
+        else:
+            canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n)
+        del bucket.inbox[j]
+        del bucket.inbox_scale[j]
+        release_held(bucket.slots.pop(j, ()))
+        a = bucket.slice[0]
+        state = {k: (v[pa - a : pb - a] if isinstance(v, np.ndarray) else v) for k, v in bucket.state.items()}
+        state["step"] = bucket.step
+        bucket.optimizer.update(view, grad, state)
+        self.updates_applied += 1
+        bucket.applied.add(j)
+        if self.checkpoint_dir is not None:
+            bucket.held.append((j, view))
+        else:
+            self._send_result(bucket, t, j)
+        if len(bucket.applied) == len(bucket.pieces):
+            self._step_done(bucket, t)
+
+    def _step_done(self, bucket: Bucket, t: int) -> None:
+        bucket.step = t + 1
+        bucket.state["step"] = bucket.step
+        bucket.applied = set()
+        if self.checkpoint_dir is not None:
+            if bucket.step % self.checkpoint_every == 0:
+                t0 = time.perf_counter()
+                self.save()
+                logger.debug("%r checkpoint after step %d in %.1f ms", self.shard, t, (time.perf_counter() - t0) * 1e3)
+            held, bucket.held = bucket.held, []
+            for j, _view in held:
+                self._send_result(bucket, t, j)
+
+    def _send_result(self, bucket: Bucket, t: int, j: int, conn: Connection | None = None) -> None:
+        """Piece j's parameters after step t, to conn (a re-send) or to every worker."""
+        _pa, _pb, view = bucket.piece_view(j)
+        header = {
+            "kind": "ps_param",
+            "op": "result",
+            "tag": ("param", bucket.b, t, "r", self.shard.index, j),
+            "step": t + 1,
+        }
+        conns = [conn] if conn is not None else [bucket.conns[r] for r in range(bucket.size) if r in bucket.conns]
+        send_once(conns, header, view, stable=False, shm_min=self.shard.settings.ps_shm_min)
+
+    def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:
+        for j in range(len(bucket.pieces)):
+            _pa, _pb, view = bucket.piece_view(j)
+            header = {
+                "kind": "ps_param",
+                "op": "params",
+                "tag": ("param", bucket.b, "pull", self.shard.index, j),
+                "step": bucket.step,
+            }
+            send_once([conn], header, view, stable=False, shm_min=self.shard.settings.ps_shm_min)
+        with contextlib.suppress(PsringError):
+            conn.send_frame(
+                {
+                    "kind": "ps_param",
+                    "op": "params",
+                    "tag": ("param", bucket.b, "pulled", self.shard.index),
+                    "step": bucket.step,
+                    "pieces": len(bucket.pieces),
+                }
+            )
+
+
+def param_store(shard: Any) -> ParamStore:
+    if shard.params is None:
+        shard.params = ParamStore(shard)
+    return shard.params  # type: ignore[no-any-return]
+
+
+def handle_param(shard: Any, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+    param_store(shard).handle(conn, header, payload)
+
+
+def configure_checkpoints(server: Any, directory: str | None, every: int, restore: bool) -> None:
+    if every < 1:
+        raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
+    if restore and directory is None:
+        raise ValueError("--restore needs --checkpoint-dir")
+    if directory is not None:
+        os.makedirs(directory, exist_ok=True)
+    for shard in server.shards.values():
+        store = param_store(shard)
+        store.checkpoint_dir = directory
+        store.checkpoint_every = every
+        if restore:
+            store.restore()
+    server.on_stop = lambda: [param_store(s).save() for s in server.shards.values()]
+
+
+__all__ = ["ParamStore", "configure_checkpoints", "handle_param"]

@@ -1,0 +1,127 @@
+"""One collective on one shard (who joined, what arrived, what is left), and the checks of a join's call."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import DTYPES, prod
+from ...core.compress import parse_codec_op
+from ...core.fold import pieces, ring_chunk_bounds
+from ...errors import ProtocolError
+from ...transport.connection import Connection
+from .plan import FOLD_KINDS, KINDS, per_piece, plan
+
+
+# ------------------------------------------------------------ collective state
+class _Pending:
+    """One collective on one shard: who joined, what arrived, what is left to do."""
+
+    __slots__ = (
+        "codec",
+        "conns",
+        "created",
+        "desc",
+        "done_pieces",
+        "dtype",
+        "first",
+        "gid",
+        "held",
+        "inbox",
+        "kind",
+        "n",
+        "op",
+        "pieces",
+        "root",
+        "seq",
+        "size",
+        "slice",
+        "total_rows",
+        "waiting",
+    )
+
+    def __init__(
+        self,
+        gid: str,
+        seq: int,
+        desc: tuple[Any, ...],
+        size: int,
+        first: int,
+        shard: int,
+        shards: int,
+        piece_bytes: int,
+    ):
+        self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
+        kind, dtype, shape, op, root = desc
+        self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.compress says
+        self.kind, self.op, self.root = kind, (self.codec[0] if self.codec else op), root
+        self.dtype = DTYPES[dtype] if dtype is not None else None
+        self.n = prod(tuple(shape)) if shape is not None else 0
+        itemsize = self.dtype.itemsize if self.dtype is not None else 1
+        mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq) if s == shard]
+        self.slice = mine[0] if mine else (0, 0)
+        self.pieces = pieces(*self.slice, per_piece(itemsize, piece_bytes))
+        self.conns: dict[int, Connection] = {}
+        self.inbox: dict[int, dict[int, np.ndarray]] = {}  # piece -> src -> data (folds), or queued relays
+        # piece j (or a relayed piece ("w", src, j) not yet forwarded) -> the workers' shared-memory slots it is in
+        self.held: dict[Any, list[tuple[Connection, int]]] = {}
+        self.done_pieces = 0
+        self.created = time.monotonic()
+        self.waiting: list[tuple[int, int, np.ndarray, dict[str, Any]]] = []  # relays held until all joined
+        self.total_rows = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} #{self.seq}" + (f" of group {self.gid}" if self.gid != "0" else "")
+
+    def senders(self) -> list[int]:
+        """Ranks whose pieces this shard still needs."""
+        if self.kind in FOLD_KINDS or self.kind in ("all_gather", "gather"):
+            return list(range(self.size))
+        if self.kind == "broadcast":
+            return [self.root]
+        if self.kind == "scatter":
+            return [self.root]
+        return []
+
+    def expected_frames(self, shard: int, shards: int) -> int:
+        """Data frames (all senders together) this shard must see before it is finished."""
+        if self.kind in FOLD_KINDS:
+            return len(self.pieces)  # one fold per piece
+        if self.kind in ("all_gather", "gather"):
+            return len(self.pieces) * self.size  # every rank's piece is relayed
+        if self.kind == "broadcast":
+            return len(self.pieces)
+        if self.kind == "scatter":
+            return sum(1 for r in range(self.size) if r != self.root and r % shards == shard)
+        return 0
+
+
+def _check_desc(desc: Any, max_tensor: int) -> None:
+    if not (isinstance(desc, tuple) and len(desc) == 5 and desc[0] in KINDS):
+        raise ProtocolError(f"join frame with a malformed call descriptor {desc!r}")
+    kind, dtype, shape, op, root = desc
+    if dtype is not None and dtype not in DTYPES:
+        raise ProtocolError(f"dtype {dtype!r} is not allowed")
+    if shape is not None and not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape)):
+        raise ProtocolError(f"shape {shape!r} is not a tuple of sizes")
+    if shape is not None and dtype is not None and prod(shape) * DTYPES[dtype].itemsize > max_tensor:
+        raise ProtocolError(f"a {list(shape)} {dtype} tensor is larger than this server accepts ({max_tensor} bytes)")
+    if kind in FOLD_KINDS and parse_codec_op(op) is not None:
+        if kind != "all_reduce" or dtype != "float32":
+            raise ProtocolError(f"op {op!r} (compressed) needs a float32 all_reduce, not a {dtype} {kind}")
+    elif kind in FOLD_KINDS and op not in ("sum", "avg", "min", "max", "prod"):
+        raise ProtocolError(f"op {op!r} is not a reduction")
+    if root is not None and type(root) is not int:
+        raise ProtocolError(f"root {root!r} is not a rank")
+
+
+def _result_ranks(pending: _Pending, pa: int, pb: int) -> list[int]:
+    if pending.kind == "all_reduce":
+        return list(range(pending.size))
+    if pending.kind == "reduce":
+        return [pending.root]
+    # reduce_scatter: the ranks whose ring chunk overlaps the piece
+    return [r for r, (a, b) in enumerate(ring_chunk_bounds(pending.n, pending.size)) if a < pb and pa < b and a < b]

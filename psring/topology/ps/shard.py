@@ -1,0 +1,382 @@
+"""Parameter-server shards: the server side of the ``ps`` topology.
+
+A shard owns one slice of every tensor (see :func:`plan`). For a collective each
+worker first sends a *join* frame (its call descriptor, its rank in the group and the
+group's size), then its pieces. The shard checks every join against the first (a
+difference is a ``MismatchError`` for every worker), reduces each piece once all N
+workers have pushed it -- folding in the ring's canonical order, so both topologies
+return the same bits -- and streams the result piece to the workers that want it
+the moment it is folded. Relay collectives (broadcast, all_gather, gather, scatter,
+send/recv) forward pieces instead of folding them.
+
+Workers on the shard's host push pieces through shared memory (psring.shmpool): the
+shard holds each worker's slot until the piece is folded (or forwarded), folds straight
+out of the slots into a slot of its process's own pool, and lends that one slot to
+every worker that wants the result; a relayed piece is copied once into such a slot.
+A worker that does not map the pool gets a copy on its socket.
+
+A shard never falls over because of one client: a malformed frame or a frame that
+contradicts the plan gets that worker an error frame and the connection dropped; a
+worker that stops reading is dropped when its unsent backlog passes a bound; a
+worker whose pushes pile up is paused (TCP backpressure) until others catch up. A
+worker that is lost mid-collective is named to every other worker.
+
+Parameter mode (``ps_param`` frames) keeps parameters and optimizer state on the
+shard: see :class:`ParamStore`.
+
+One process hosts one or more shards behind one listening port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from ... import settings as settings_mod
+from ...core import wire
+from ...core.arrays import dtype_name, pooled_bytes
+from ...errors import PeerLostError, ProtocolError, PsringError
+from ...settings import Settings
+from ...transport.connection import Connection
+from ..collective import mismatch_message
+from .folding import Folding
+from .paramstore import handle_param
+from .pending import _check_desc, _Pending
+from .plan import FOLD_KINDS
+from .relay import release_held
+
+logger = logging.getLogger(__name__)
+
+
+class Shard(Folding):
+    """One parameter-server shard (several may share a process and its port)."""
+
+    def __init__(self, index: int, shards: int, job: str, settings: Settings | None = None) -> None:
+        self.settings = settings or settings_mod.current()
+        self.index = index
+        self.shards = shards
+        self.job = job
+        self.pending: dict[tuple[str, int], _Pending] = {}
+        self.finished: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
+        self.by_rank: dict[int, Connection] = {}  # global worker rank -> its connection to this shard
+        self.conns: set[Connection] = set()
+        self.buffered: dict[Connection, int] = {}
+        self.gone: dict[int, str] = {}  # ranks of the main group that left or were lost
+        self.gone_at: dict[int, int | None] = {}  # ... and the first main-group seq they did not finish
+        self.frames_in = 0
+        self.bytes_folded = 0
+        self.params: Any = None  # ParamStore, created on first use
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def __repr__(self) -> str:
+        return f"Shard({self.index}/{self.shards}, job={self.job})"
+
+    # ---------------------------------------------------------- connections
+    def attach(self, conn: Connection) -> None:
+        rank = conn.peer.get("rank")
+        world = conn.peer.get("world_size")
+        if type(rank) is not int or rank < 0 or type(world) is not int or world < 1:
+            raise ProtocolError(f"worker hello claims rank {rank!r} of a world of {world!r}")
+        # a rank outside its world is no member: it may talk to the shard, but no collective
+        # waits for it and its loss is nobody's business; members must agree on the world
+        worlds = {c.peer.get("world_size") for r, c in self.by_rank.items() if c.is_open and r < c.peer["world_size"]}
+        if rank < world and worlds and world not in worlds:
+            raise ProtocolError(
+                f"rank {rank} says job {self.job!r} has {world} ranks; the ranks connected to shard "
+                f"{self.index} say {sorted(worlds)}"
+            )
+        old = self.by_rank.get(rank)
+        if old is not None and old.is_open and old is not conn:
+            raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
+        self.by_rank[rank] = conn
+        self.gone.pop(rank, None)
+        self.gone_at.pop(rank, None)
+        self.conns.add(conn)
+        self.idle.clear()
+
+    def detach(self, conn: Connection, error: PeerLostError | None) -> None:
+        self.conns.discard(conn)
+        self.buffered.pop(conn, None)
+        rank = conn.peer.get("rank")
+        attached = type(rank) is int and self.by_rank.get(rank) is conn
+        member = attached and rank < conn.peer["world_size"]
+        if attached:  # members and strangers alike: nothing keeps a closed connection
+            del self.by_rank[rank]
+        if not self.conns:
+            self.idle.set()
+        dropped = error is not None and isinstance(error.__cause__, ProtocolError)  # our own doing
+        # a worker that said goodbye reports, per group, the first collective it did not
+        # finish: the ones before it need nothing more from it, whoever has yet to join them
+        seqs = (conn.farewell or {}).get("seqs") if error is None else None
+        seqs = seqs if isinstance(seqs, dict) else {}
+
+        def finished(p: _Pending) -> bool:
+            at = seqs.get(p.gid)
+            return type(at) is int and p.seq < at
+
+        needed = [
+            key for key, p in self.pending.items() if any(c is conn for c in p.conns.values()) and not finished(p)
+        ]
+        if member:
+            needed += [
+                key for key, p in self.pending.items() if p.gid == "0" and rank not in p.conns and not finished(p)
+            ]
+        if error is None or dropped:
+            how = f"rank {rank} left (closed its connection)" if error is None else f"rank {rank} was dropped: {error}"
+            if member:
+                self.gone[rank] = how
+                at = seqs.get("0")
+                self.gone_at[rank] = at if type(at) is int else None
+            if not needed:
+                return  # nothing outstanding needs it: later collectives that do are told at their join
+            how += f" while {self.pending[needed[0]].label} still needed it"
+        else:
+            how = f"rank {rank} at {conn.peername} was lost: {error}"
+            if member:
+                self.gone[rank] = how
+                self.gone_at[rank] = None
+                needed = list(self.pending)
+            elif not needed:
+                return
+        self._report_lost(rank, how)
+        for key in needed:
+            self._finish(key, "lost")
+
+    def _left_before(self, rank: int, seq: int) -> bool:
+        """Whether gone rank left before finishing main-group collective seq."""
+        at = self.gone_at.get(rank)
+        return at is None or seq >= at
+
+    def _report_lost(self, rank: Any, how: str) -> None:
+        header = {"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": rank, "message": how}
+        for other in list(self.conns):
+            with contextlib.suppress(PsringError):
+                other.send_frame(dict(header))
+
+    # ------------------------------------------------------------- frames in
+    def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None:
+        # each piece is read straight into a buffer of its own, recycled once folded and sent
+        if header["kind"] == "ps_data" and header["nbytes"] >= POOLED_MIN:
+            return memoryview(pooled_bytes(header["nbytes"]))
+        return None
+
+    def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        self.frames_in += 1
+        kind = header["kind"]
+        try:
+            if kind == "ps_req":
+                self._on_join(conn, header)
+            elif kind == "ps_data":
+                if header.get("to") is not None:
+                    self._relay_p2p(conn, header, payload)
+                else:
+                    self._on_data(conn, header, payload)
+            elif kind == "abort":
+                self._on_abort(conn, header)
+            elif kind == "ps_param":
+                handle_param(self, conn, header, payload)
+            else:
+                raise ProtocolError(f"a {kind!r} frame means nothing to a parameter server")
+        except ProtocolError as exc:
+            self._reject(conn, str(exc))
+
+    def _reject(self, conn: Connection, message: str) -> None:
+        logger.warning("%r: dropping rank %s (%s): %s", self, conn.peer.get("rank"), conn.peername, message)
+        with contextlib.suppress(PsringError):
+            conn.send_frame({"kind": "reject", "reason": f"server shard {self.index}: {message}"})
+        asyncio.get_running_loop().call_later(0.05, conn.abort, ProtocolError(message))
+
+    def _on_join(self, conn: Connection, header: dict[str, Any]) -> None:
+        tag, desc, src, size = header.get("tag"), header.get("call"), header.get("src"), header.get("size")
+        if not (isinstance(tag, tuple) and len(tag) == 3 and isinstance(tag[0], str) and type(tag[1]) is int):
+            raise ProtocolError(f"join frame with a malformed tag {tag!r}")
+        if not (type(size) is int and 1 <= size <= 1 << 16 and type(src) is int and 0 <= src < size):
+            raise ProtocolError(f"join frame with src={src!r} size={size!r}")
+        _check_desc(desc, self.settings.max_tensor)
+        key = (tag[0], tag[1])
+        if key in self.finished:
+            if self.finished[key] != "done":  # abandoned: tell the latecomer at once
+                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{tag[1]} was abandoned")
+            return
+        pending = self.pending.get(key)
+        if pending is None:
+            gone = [r for r in self.gone if r < size and self._left_before(r, key[1])] if key[0] == "0" else []
+            if gone:  # it can never complete: say so now rather than at the deadline
+                conn.send_frame(
+                    {
+                        "kind": "abort",
+                        "tag": ("*", -1),
+                        "reason": "lost",
+                        "lost": gone[0],
+                        "message": self.gone[gone[0]],
+                    }
+                )
+                return
+            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, self.settings.ps_piece)
+            self.pending[key] = pending
+        elif desc != pending.desc or size != pending.size:
+            if size != pending.size:
+                message = (
+                    f"rank {src} joined {desc[0]} #{key[1]} in a group of {size}, "
+                    f"rank {pending.first} in a group of {pending.size}"
+                )
+            else:
+                message = mismatch_message(key[1], src, desc, pending.first, pending.desc)
+            self._abort_all(key, "mismatch", message)
+            return
+        if src in pending.conns and pending.conns[src] is not conn:
+            raise ProtocolError(f"two workers claim rank {src} of group {key[0]}")
+        pending.conns[src] = conn
+        if len(pending.conns) == pending.size:
+            held, pending.waiting = pending.waiting, []
+            for src_, j, data, hdr in held:
+                if pending.kind == "scatter":
+                    self._send_row(pending, src_, data, hdr)
+                else:
+                    self._account(pending.conns[src_], -data.nbytes)
+                    self._forward(pending, src_, j, data, hdr)
+                    release_held(pending.held.pop(("w", src_, j), ()))
+            self._maybe_finish(pending)
+
+    def _on_data(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        tag, src = header["tag"], header.get("src")
+        if not (len(tag) == 4 and isinstance(tag[0], str) and type(tag[1]) is int and type(tag[3]) is int):
+            raise ProtocolError(f"data frame with a malformed tag {tag!r}")
+        key = (tag[0], tag[1])
+        if key in self.finished:
+            return  # an abandoned collective's stragglers
+        pending = self.pending.get(key)
+        if pending is None or pending.conns.get(src) is not conn:
+            raise ProtocolError(f"rank {src} sent data for #{tag[1]} of group {tag[0]} before joining it")
+        if header.get("call") != pending.desc:
+            self._abort_all(
+                key, "mismatch", mismatch_message(key[1], src, header.get("call"), pending.first, pending.desc)
+            )
+            return
+        j = tag[3]
+        if pending.kind == "scatter":
+            self._scatter_row(pending, conn, header, payload)
+            return
+        if not 0 <= j < len(pending.pieces):
+            raise ProtocolError(
+                f"piece {j} of {pending.label} is out of range (this shard has {len(pending.pieces)}"
+                f" of {self.settings.ps_piece} bytes: is PSRING_PS_PIECE the same for workers and servers?)"
+            )
+        pa, pb = pending.pieces[j]
+        assert pending.dtype is not None
+        wire_dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        want = (pb - pa) * wire_dtype.itemsize
+        if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
+            raise ProtocolError(
+                f"piece {j} of {pending.label} from rank {src} has {header['nbytes']} bytes of "
+                f"{header.get('dtype')}, expected {want} bytes of {dtype_name(wire_dtype)}"
+                + (
+                    " (is PSRING_PS_PIECE the same for workers and servers?)"
+                    if header.get("dtype") == dtype_name(wire_dtype)
+                    else ""
+                )
+            )
+        data = np.frombuffer(payload, dtype=wire_dtype, count=pb - pa)
+        if pending.kind in FOLD_KINDS:
+            box = pending.inbox.setdefault(j, {})
+            if src in box:
+                raise ProtocolError(f"rank {src} pushed piece {j} of {pending.label} twice")
+            box[src] = data
+            if "pool" in header:  # it stays in the worker's shared memory until folded
+                pending.held.setdefault(j, []).append((conn, conn.hold_slot()))
+            self._account(conn, data.nbytes)
+            if len(box) == pending.size:
+                self._fold(pending, j, box)
+        else:
+            if pending.kind == "broadcast" and src != pending.root:
+                raise ProtocolError(f"rank {src} pushed data for a broadcast from rank {pending.root}")
+            if len(pending.conns) < pending.size:
+                pending.waiting.append((src, j, data, header))
+                if "pool" in header:  # it stays in the worker's shared memory until forwarded
+                    pending.held.setdefault(("w", src, j), []).append((conn, conn.hold_slot()))
+                self._account(conn, data.nbytes)
+                return
+            self._forward(pending, src, j, data, header)
+
+    def _finish(self, key: tuple[str, int], outcome: str) -> None:
+        pending = self.pending.pop(key, None)
+        if pending is not None:
+            for held in pending.held.values():
+                release_held(held)
+            pending.held.clear()
+            for conn in pending.conns.values():
+                held = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
+                if held:
+                    self._account(conn, -held)
+        self.finished[key] = outcome
+        while len(self.finished) > 10_000:
+            self.finished.popitem(last=False)
+
+    # ------------------------------------------------------------- aborts
+    def _abort_all(self, key: tuple[str, int], reason: str, message: str, missing: list[int] | None = None) -> None:
+        header = {"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": missing or []}
+        for conn in list(self.conns):
+            with contextlib.suppress(PsringError):
+                conn.send_frame(dict(header))
+        self._finish(key, reason)
+
+    def _send_abort(self, conn: Connection, key: tuple[str, int], reason: str, message: str) -> None:
+        with contextlib.suppress(PsringError):
+            conn.send_frame({"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": []})
+
+    def _on_abort(self, conn: Connection, header: dict[str, Any]) -> None:
+        tag, reason = header.get("tag"), header.get("reason")
+        if not (isinstance(tag, tuple) and len(tag) == 2 and reason in ("timeout", "mismatch")):
+            raise ProtocolError("malformed abort frame")
+        key = (tag[0], tag[1])
+        if key in self.finished and self.finished[key] != "done":
+            return
+        pending = self.pending.get(key)
+        if reason == "timeout" and pending is None:
+            # not one of this collective's shards (a small tensor lives on one): it cannot say who
+            # is missing, and an answer from it could reach the workers before the shard that can
+            return
+        message = str(header.get("message", ""))[:2000]
+        missing: list[int] = []
+        if reason == "timeout" and pending is not None:
+            missing = self._missing(pending)
+            who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"
+            message = (
+                f"{pending.label} timed out after {header.get('timeout', '?')}s on rank {header.get('src')} "
+                f"waiting for {who} (server shard {self.index} has nothing from them)"
+            )
+        self._abort_all(key, reason, message, missing)
+
+    def _missing(self, pending: _Pending) -> list[int]:
+        absent = set(range(pending.size)) - set(pending.conns)
+        if pending.kind in FOLD_KINDS:
+            for box in pending.inbox.values():
+                absent |= set(range(pending.size)) - set(box)
+        return sorted(absent)
+
+    # ------------------------------------------------------------- p2p
+    def _relay_p2p(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        to = header.get("to")
+        if type(to) is not int:
+            raise ProtocolError(f"send relayed to a malformed rank {to!r}")
+        target = self.by_rank.get(to)
+        if target is None or not target.is_open:
+            raise ProtocolError(f"send to rank {to}, which is not connected to shard {self.index}")
+        if "dtype" not in header:
+            raise ProtocolError("relayed send carries no array")
+        data = wire.decode_tensor(header, payload)
+        fwd = {k: v for k, v in header.items() if k not in ("to", "nbytes", "dtype", "shape")}
+        self._send(target, fwd, data)
+
+
+#: pieces from this size are received into (and folded into) pooled buffers
+POOLED_MIN = 1 << 20
+
+
+__all__ = ["Shard"]

@@ -1,0 +1,7 @@
+"""The ring topology: peer-to-peer links between the ranks.
+
+``group.RingGroup`` is assembled from its paths: ``small`` (one-hop exchanges for small
+tensors), ``pipeline`` (the pipelined ring on the event loop), ``fp16`` (float16 on the wire)
+and ``plane`` (large all_reduces on the threaded data plane). ``net.PeerNet`` is the rank's
+endpoint under them: the listening port, the links, losses.
+"""

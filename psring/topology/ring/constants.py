@@ -1,0 +1,21 @@
+"""What the ring's modules share: the phases in data tags, and fixed bounds and graces.
+
+The tunable sizes and thresholds are settings (psring.settings: PSRING_RING_*).
+"""
+
+from __future__ import annotations
+
+# phases in data tags: (gid, seq, phase, ...)
+RS, AG, DIRECT, BCAST, GATHER_RING, TO_ROOT, SCATTER, RESULT = range(8)
+
+#: seconds a rank that waits only on the root of a rooted call gives the root to name the silent
+#: rank before its own timeout names the root
+ROOT_REPORT_GRACE = 1.0
+
+#: the largest payload that takes the same-host links (the rest of a message is its header)
+MESH_MAX_BYTES = 64 << 10
+#: messages that may wait for a collective (or subgroup) this rank has not reached yet
+MESH_EARLY_MAX = 100_000
+
+#: seconds a broken data link waits for the control plane to report the same loss (with its reason)
+PLANE_GRACE = 1.0

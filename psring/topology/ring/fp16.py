@@ -1,0 +1,100 @@
+"""The ring's all_reduce with float16 on the wire (psring.core.compress gives the rounding rules)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import byte_view
+from ...core.compress import dequantize, fold_fp16, quantize
+from ...core.fold import finish_avg, pieces, ring_chunk_bounds
+from ...errors import ProtocolError
+from ...transport.connection import Connection
+from ..collective import Collective
+from ..group import SMALL_BYTES
+from .constants import AG, DIRECT, RS
+
+logger = logging.getLogger(__name__)
+
+
+class Fp16Ring:
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce with float16 on the wire."""
+
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        n_ranks = self.world_size
+        q = quantize(x, e)
+        if x.nbytes <= SMALL_BYTES and n_ranks >= self.net.rooted_min:  # the result travels as float16 too
+            return dequantize(await self._rooted(coll, q, lambda b: fold_fp16(b, op, e, np.empty_like(q))), e)
+        if n_ranks == 1 or x.nbytes <= SMALL_BYTES:
+            bufs = np.empty((n_ranks, x.size), np.float16)
+            bufs[self.rank] = q
+            if n_ranks > 1:
+                ranks = list(range(n_ranks))
+                await self._direct_exchange(coll, q, DIRECT, bufs, ranks, ranks)
+            return dequantize(fold_fp16(bufs, op, e, np.empty(x.size, np.float16)), e)
+        return await self._ring_fp16(coll, q, op, e)
+
+    async def _ring_fp16(self, coll: Collective, q: np.ndarray, op: str, e: int) -> np.ndarray:
+        """The pipelined ring all_reduce with float16 on the wire (psring.compress gives the rules)."""
+        n_ranks, me = self.world_size, self.rank
+        right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
+        chunk_pieces = [pieces(a, b, self.net.tuning.ring_piece // 2) for a, b in ring_chunk_bounds(q.size, n_ranks)]
+        own = dequantize(q, e)  # what this rank contributes
+        out = np.empty(q.size, np.float32)
+        rs16, ag16 = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
+        final_chunk = right_rank
+        right = await self._link(right_rank)
+        coll.waiting_on = {left_rank}
+        ag_chunks = [c for c in range(n_ranks) if c != final_chunk]
+        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
+        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        done, one_done = self._wait_piece(coll, needed)
+        header = self._header
+
+        def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if hdr["nbytes"] != 2 * (b - a):
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                seg = out[a:b]
+                dequantize(rs16[a:b], e, out=seg)
+                np.add(seg, own[a:b], out=seg)
+                if c != final_chunk:
+                    right.send_tensor(header(coll, RS, c, j), quantize(seg, e, out=rs16[a:b]))
+                else:
+                    if op == "avg":
+                        finish_avg(seg, n_ranks)
+                    dequantize(quantize(seg, e, out=ag16[a:b]), e, out=seg)
+                    right.send_tensor(header(coll, AG, c, j), ag16[a:b])
+                one_done()
+
+            return cb
+
+        def ag_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            forward = right_rank != (c - 1) % n_ranks
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if hdr["nbytes"] != 2 * (b - a):
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                dequantize(ag16[a:b], e, out=out[a:b])
+                if forward:
+                    right.send_tensor(header(coll, AG, c, j), ag16[a:b])
+                one_done()
+
+            return cb
+
+        post, gid, seq = self.mailbox.post, self.gid, coll.seq
+        for c in range(n_ranks):
+            if c != me:
+                for j, (a, b) in enumerate(chunk_pieces[c]):
+                    post((gid, seq, RS, c, j), byte_view(rs16[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
+        for c in ag_chunks:
+            for j, (a, b) in enumerate(chunk_pieces[c]):
+                post((gid, seq, AG, c, j), byte_view(ag16[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
+        for j, (a, b) in enumerate(chunk_pieces[me]):
+            right.send_tensor(header(coll, RS, me, j), q[a:b])
+        await done
+        await right.flush()
+        return out

@@ -1,0 +1,368 @@
+"""A ring rank's endpoint: one listening port, links to the other ranks, one mailbox, and what
+happens when a rank is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, ClassVar
+
+import msgpack
+
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
+from ...rendezvous.scheduler import GroupSettings
+from ...rendezvous.store import StoreServer
+from ...settings import Settings
+from ...transport.connection import Connection
+from ...transport.dataplane import DataPlane
+from ...transport.listener import Listener, open_connection
+from ...transport.mailbox import Mailbox
+from ...transport.samehost import host_key, same_host_paths
+from ...transport.unixnet import UnixMesh
+from ..group import farewell
+from .constants import MESH_EARLY_MAX, PLANE_GRACE
+from .plane import PlaneLinks
+
+logger = logging.getLogger(__name__)
+
+
+def plane_possible(settings: Settings) -> bool:
+    """Whether this process can run the threaded data plane (plain TCP, no per-frame checksums)."""
+    # a TLS stream cannot leave its transport
+    return settings.ring_threads and not settings.tls and settings.checksum is None
+
+
+def mesh_possible(settings: Settings) -> bool:
+    """Whether this process offers same-host Unix links (PSRING_SAME_HOST, no per-frame checksums:
+    a user who asked for them gets them on every byte)."""
+    return same_host_paths(settings) and settings.checksum is None
+
+
+class PeerNet(PlaneLinks):
+    """This process's rank endpoint: one listening port, links to other ranks, one mailbox."""
+
+    #: ranks open in this process (tests run several in one event loop)
+    live: ClassVar[int] = 0
+
+    def __init__(self, rank: int, world_size: int, settings: GroupSettings, store: Any, prefix: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.settings = settings
+        self.tuning = settings.tuning
+        #: from this world size on, small calls go through a rotating root (PSRING_RING_ROOTED_MIN)
+        self.rooted_min = settings.tuning.ring_rooted_min or 1 << 30
+        self.store = store
+        self.prefix = prefix
+        self._counted = False
+        self.mailbox = Mailbox()
+        self.mailbox.on_lost = self._on_conn_lost
+        self.mailbox.on_control = self._on_control
+        self.links: dict[int, Connection] = {}
+        self.conns: set[Connection] = set()
+        self.groups: dict[str, Any] = {}  # gid -> RingGroup
+        self.stopped_at: dict[str, int] = {}  # per group: the first seq this rank did not finish
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self.lost: dict[int, PeerLostError] = {}
+        self._dialing: dict[int, asyncio.Future[Connection]] = {}
+        self._seen_controls: set[tuple[Any, ...]] = set()
+        self._closing = False
+        self.listener: Listener | None = None
+        self.embedded_store: StoreServer | None = None
+        self.plane: DataPlane | None = None
+        self.plane_min = 1 << 62  # all_reduces of this many bytes or more take the plane (agreed in resolve)
+        self.plane_offer = max(self.tuning.ring_plane_min, 1)  # this rank's own threshold, published for that
+        self.plane_shm_offer = max(min(self.tuning.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
+        if world_size > 1 and plane_possible(self.tuning):
+            self.plane = DataPlane(rank, world_size)
+            self.plane.recv_ready = asyncio.Event()
+        #: same-host Unix links for small messages (psring.unixnet), when every rank can use them
+        self.mesh: UnixMesh | None = None
+        self.mesh_peers: dict[int, dict[str, Any]] = {}
+        self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
+        if world_size > 1 and mesh_possible(self.tuning):
+            self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
+        PeerNet.live += 1
+        self._counted = True
+
+    def hello(self) -> dict[str, Any]:
+        return {"role": "rank", "rank": self.rank, "job": self.settings.job}
+
+    async def start(self) -> None:
+        self.listener = Listener(
+            self._accepted,
+            secret=self.settings.secret,
+            info=self.hello(),
+            router_for=lambda conn: self.mailbox,
+            name=f"rank {self.rank}",
+            settings=self.tuning,
+        )
+        await self.listener.start(self.settings.bind_host, self.settings.port)
+        offer = f"{self.plane_offer}/{self.plane_shm_offer}" if self.plane is not None else "-1"
+        await self.store.set(f"{self.prefix}/plane/{self.rank}", offer.encode())
+        unix = b"-"
+        if self.mesh is not None:
+            try:
+                unix = msgpack.packb(self.mesh.bind())
+            except OSError as exc:
+                logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
+                self.mesh = None
+        await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
+        address = f"{self.settings.advertise_host}:{self.listener.port}"
+        await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
+
+    async def resolve(self, timeout: float) -> None:
+        keys = [f"{self.prefix}/addr/{r}" for r in range(self.world_size)]
+        try:
+            await self.store.wait(keys, timeout)
+        except StoreError:
+            present = [r for r in range(self.world_size) if await self.store.get(keys[r]) is not None]
+            missing = sorted(set(range(self.world_size)) - set(present))
+            raise CollectiveTimeoutError(
+                f"rendezvous: rank(s) {missing} did not join within {timeout:g}s "
+                f"({len(present)} of {self.world_size} ranks joined at {self.store.address})",
+                missing=tuple(missing),
+            ) from None
+        for r in range(self.world_size):
+            raw = await self.store.get(keys[r])
+            assert raw is not None
+            host, _, port = raw.decode().rpartition(":")
+            self.addresses[r] = (host, int(port))
+        shm_min = 1 << 62
+        if self.plane is not None:  # every rank must take the same path: the plane only if all can
+            offers: list[tuple[int, int]] = []
+            for r in range(self.world_size):
+                text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
+                try:
+                    tcp, _, shm = text.partition("/")
+                    offers.append((int(tcp), int(shm or tcp)))
+                except ValueError:
+                    offers.append((-1, -1))
+            if any(min(o) < 1 for o in offers):
+                without = [r for r, o in enumerate(offers) if min(o) < 1]
+                logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
+                self.plane = None
+            else:  # the same threshold on every rank, or they would take different paths
+                self.plane_min = max(o[0] for o in offers)
+                shm_min = max(o[1] for o in offers)
+        if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
+            peers: dict[int, dict[str, Any]] = {}
+            mine = host_key()
+            for r in range(self.world_size):
+                raw = await self.store.get(f"{self.prefix}/unix/{r}")
+                try:
+                    info = msgpack.unpackb(raw) if raw and raw != b"-" else None
+                except Exception:
+                    info = None
+                if isinstance(info, dict) and info.get("key") == mine:
+                    peers[r] = info
+            if len(peers) == self.world_size:
+                self.mesh_peers = {r: info for r, info in peers.items() if r != self.rank}
+                if self.world_size >= 3:  # the plane's links will be shared memory (see PSRING_RING_SHM_MIN)
+                    self.plane_min = min(self.plane_min, shm_min)
+            else:
+                others = sorted(set(range(self.world_size)) - set(peers))
+                logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
+                self.mesh.close()
+                self.mesh = None
+
+    async def open_mesh(self, timeout: float) -> None:
+        """Open the same-host links to every other rank (each checked by its pid)."""
+        assert self.mesh is not None
+        await self.mesh.connect(self.mesh_peers, timeout)
+
+    def _on_mesh_message(self, peer: int, head: tuple[Any, ...], payload: memoryview) -> None:
+        gid = head[0]
+        group = self.groups.get(gid)
+        if group is not None:
+            group.on_mesh(peer, head[1], head[2], head[3], payload)
+            return
+        orphans = self._mesh_orphans.setdefault(gid, [])  # its subgroup is not made here yet
+        if len(orphans) >= MESH_EARLY_MAX:
+            raise ProtocolError(f"over {MESH_EARLY_MAX} messages for subgroup {gid!r}, which this rank never made")
+        orphans.append((peer, head, bytes(payload)))
+
+    def _on_mesh_closed(self, peer: int, error: BaseException | None) -> None:
+        """A same-host link ended. Everything the peer sent before it has been read, so a
+        collective still waiting on the peer will not get its data. The control link usually
+        says why (a goodbye, a crash) at once; if it has not after PLANE_GRACE, report this."""
+
+        def check() -> None:
+            if self._closing:
+                return
+            gone = self.lost.get(peer)
+            if gone is None:
+                how = f"broke: {error}" if error is not None else "closed"
+                self._peer_lost(peer, PeerLostError(f"the same-host link from rank {peer} {how}", rank=peer))
+                return
+            for group in list(self.groups.values()):
+                if peer in group.members:
+                    group.on_mesh_closed(group.members.index(peer), gone)
+
+        if not self._closing:
+            asyncio.get_running_loop().call_later(0 if peer in self.lost else PLANE_GRACE, check)
+
+    def _register(self, conn: Connection, peer_rank: int) -> None:
+        self.conns.add(conn)
+        current = self.links.get(peer_rank)
+        if current is None or not current.is_open:
+            self.links[peer_rank] = conn
+
+    def _accepted(self, conn: Connection) -> None:
+        peer_rank = conn.peer.get("rank")
+        if conn.peer.get("job") != self.settings.job:
+            raise ProtocolError(f"peer from job {conn.peer.get('job')!r} dialed job {self.settings.job!r}")
+        if type(peer_rank) is not int or not 0 <= peer_rank < self.world_size:
+            raise ProtocolError(f"peer claims rank {peer_rank!r}, outside 0..{self.world_size - 1}")
+        if conn.peer.get("data"):
+            self._accept_data_link(conn, peer_rank)
+            return
+        self._register(conn, peer_rank)
+
+    async def link(self, rank: int, timeout: float) -> Connection:
+        conn = self.links.get(rank)
+        if conn is not None and conn.is_open:
+            return conn
+        if rank in self.lost:
+            raise self.lost[rank]
+        pending = self._dialing.get(rank)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._dialing[rank] = fut
+        try:
+            host, port = self.addresses[rank]
+            conn = await open_connection(
+                host,
+                port,
+                secret=self.settings.secret,
+                hello=self.hello(),
+                router=self.mailbox,
+                timeout=timeout,
+                name=f"rank {self.rank}",
+                settings=self.tuning,
+            )
+            if conn.peer.get("rank") != rank:
+                conn.abort(ProtocolError("wrong peer"))
+                raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {rank}")
+            self._register(conn, rank)
+            fut.set_result(conn)
+            return conn
+        except BaseException as exc:
+            if isinstance(exc, PeerLostError):
+                exc = PeerLostError(f"rank {rank} at {self.addresses.get(rank)} is unreachable: {exc}", rank=rank)
+            fut.set_exception(exc)
+            fut.exception()
+            raise exc from None
+        finally:
+            del self._dialing[rank]
+
+    # -------------------------------------------------------------- failures
+    def _on_conn_lost(self, conn: Connection, error: PeerLostError | None) -> None:
+        if conn not in self.conns:
+            return  # never accepted (wrong job, impossible rank): it was no link to anyone
+        self.conns.discard(conn)
+        peer_rank = conn.peer.get("rank")
+        if self._closing or type(peer_rank) is not int:
+            return
+        if self.links.get(peer_rank) is conn:
+            del self.links[peer_rank]
+        if error is None and any(c.peer.get("rank") == peer_rank and c.is_open for c in self.conns):
+            return  # closed cleanly while another link to that rank is up (a dropped one may have lost frames)
+        ago = time.monotonic() - conn.last_heard
+        if error is None:  # a clean goodbye: the peer finished, it did not crash
+            err = PeerLostError(f"rank {peer_rank} at {conn.peername} closed its connections", rank=peer_rank)
+            hurt = False
+            seqs = (conn.farewell or {}).get("seqs")
+            seqs = seqs if isinstance(seqs, dict) else {}
+            for group in list(self.groups.values()):
+                if peer_rank in group.members:
+                    at = seqs.get(group.gid)
+                    at = at if type(at) is int else None
+                    hurt |= group.on_peer_departed(group.members.index(peer_rank), err, at)
+            if hurt:  # it left in the middle of a collective: everyone must give up on it
+                self._peer_lost(peer_rank, err)
+            else:
+                self.lost.setdefault(peer_rank, err)
+            return
+        err = PeerLostError(
+            f"rank {peer_rank} at {conn.peername} was lost (last heard {ago:.1f}s ago): {error}", rank=peer_rank
+        )
+        err.__cause__ = error
+        self._peer_lost(peer_rank, err)
+
+    def _peer_lost(self, peer_rank: int, err: PeerLostError) -> None:
+        if peer_rank in self.lost:
+            return
+        self.lost[peer_rank] = err
+        for group in list(self.groups.values()):
+            if peer_rank in group.members:
+                group.on_peer_lost(err)
+        self.flood({"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": peer_rank, "message": str(err)})
+
+    def flood(self, header: dict[str, Any]) -> None:
+        """Send a control frame over every open link (receivers forward it once)."""
+        key = (header["reason"], header["tag"][0], header["tag"][1], header.get("lost"))
+        self._seen_controls.add(key)
+        for conn in list(self.conns):
+            if conn.is_open:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+
+    def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
+        if header["kind"] != "abort":
+            return False
+        tag = header.get("tag")
+        reason = header.get("reason")
+        if not isinstance(tag, tuple) or len(tag) != 2 or reason not in ("lost", "mismatch", "timeout"):
+            raise ProtocolError(f"malformed abort frame from {conn.peername}")
+        key = (reason, tag[0], tag[1], header.get("lost"))
+        if key in self._seen_controls:
+            return True
+        message = str(header.get("message", ""))[:2000]
+        if reason == "lost":
+            lost = header.get("lost")
+            if type(lost) is int and lost != self.rank:
+                self._peer_lost(lost, PeerLostError(message, rank=lost))
+            return True
+        self.flood(dict(header))
+        group = self.groups.get(tag[0])
+        if group is not None and type(tag[1]) is int:
+            group.on_abort(tag[1], reason, message)
+        return True
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._counted:
+            self._counted = False
+            PeerNet.live -= 1
+        goodbye = farewell(self.groups, self.stopped_at)
+        conns = list(self.conns)
+        await asyncio.gather(*(c.close(farewell=goodbye) for c in conns), return_exceptions=True)
+        if self.plane is not None:
+            self.plane.close()
+        if self.mesh is not None:
+            self.mesh.close()
+        if self.listener is not None:
+            await self.listener.close()
+        with contextlib.suppress(Exception):
+            await self.store.close()
+        if self.embedded_store is not None:
+            await self.embedded_store.close()
+
+    def stats(self) -> dict[str, int]:
+        plane = self.plane
+        mesh_sent, mesh_received = self.mesh.stats() if self.mesh is not None else (0, 0)
+        return {
+            "bytes_sent": sum(c.bytes_sent for c in self._all_conns()) + (plane.bytes_sent if plane else 0) + mesh_sent,
+            "bytes_received": sum(c.bytes_received for c in self._all_conns())
+            + (plane.bytes_received if plane else 0)
+            + mesh_received,
+        }
+
+    def _all_conns(self) -> list[Connection]:
+        seen = set(self.conns)
+        if self.listener is not None:
+            seen |= self.listener.connections
+        return list(seen)

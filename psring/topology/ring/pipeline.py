@@ -1,0 +1,232 @@
+"""The ring's pipelined paths on the event loop: reduce-scatter then all-gather in pieces, the broadcast
+chain and the all_gather ring. Each piece is folded and forwarded in a receive callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import byte_view, result_empty
+from ...core.fold import finish_avg, pieces, reduce_op, ring_chunk_bounds
+from ...errors import ProtocolError, PsringError
+from ...transport.connection import Connection
+from ..collective import Collective
+from ..group import SMALL_BYTES
+from .constants import AG, BCAST, DIRECT, GATHER_RING, RS
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: the pipelined paths on the event loop."""
+
+    def _wait_piece(self, coll: Collective, conn_count: int) -> tuple[asyncio.Future[None], Callable[[], None]]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        remaining = [conn_count]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                coll.waiting_on.clear()  # every frame is in: a peer leaving now costs nothing
+                done.set_result(None)
+
+        if conn_count == 0:
+            done.set_result(None)
+        return done, one_done
+
+    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a receive callback: any error in it fails the collective, not the connection."""
+
+        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            try:
+                fn(conn, header, payload)
+            except PsringError as exc:
+                coll.fail(exc)
+            except Exception as exc:  # pragma: no cover - a bug; surface it on the collective
+                logger.exception("%r: receive callback failed", self)
+                coll.fail(exc)
+
+        return callback
+
+    async def _ring_reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
+        """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
+        n_ranks, me = self.world_size, self.rank
+        right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
+        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        bounds = ring_chunk_bounds(x.size, n_ranks)
+        chunk_pieces = [pieces(a, b, per_piece) for a, b in bounds]
+        out = result_empty(x)
+        ufunc = reduce_op(op)
+        final_chunk = right_rank  # the chunk whose fold completes here
+        right = await self._link(right_rank)
+        to_dst = await self._link(dst) if mode == "reduce" and me != dst else None
+        coll.waiting_on = {left_rank}
+        gid, seq = self.gid, coll.seq
+
+        # every posted receive calls one_done once: done means all forwarding duties are met too
+        ag_chunks = [
+            c
+            for c in range(n_ranks)
+            if c != final_chunk
+            and (mode == "all" or (mode == "scatter" and c == me) or (mode == "reduce" and me == dst))
+        ]
+        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
+        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        done, one_done = self._wait_piece(coll, needed)
+        header = self._header
+
+        def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                seg = out[a:b]
+                if payload is not None and hdr["nbytes"] != seg.nbytes:
+                    raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
+                ufunc(seg, x[a:b], out=seg)  # canonical: (fold so far) op own
+                if c != final_chunk:
+                    right.send_tensor(header(coll, RS, c, j), seg)
+                else:
+                    if op == "avg":
+                        finish_avg(seg, n_ranks)
+                    if mode in ("all", "scatter"):  # to the next rank (in scatter mode: c's owner)
+                        right.send_tensor(header(coll, AG, c, j), seg)
+                    elif to_dst is not None:
+                        to_dst.send_tensor(header(coll, AG, c, j), seg)
+                one_done()
+
+            return cb
+
+        def ag_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
+            forward = mode == "all" and right_rank != (c - 1) % n_ranks
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward:
+                    right.send_tensor(header(coll, AG, c, j), out[a:b])
+                one_done()
+
+            return cb
+
+        post = self.mailbox.post
+        for c in range(n_ranks):
+            if c != me:
+                for j, (a, b) in enumerate(chunk_pieces[c]):
+                    post((gid, seq, RS, c, j), byte_view(out[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
+        for c in ag_chunks:
+            for j, (a, b) in enumerate(chunk_pieces[c]):
+                post((gid, seq, AG, c, j), byte_view(out[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
+        for j, (a, b) in enumerate(chunk_pieces[me]):
+            right.send_tensor(header(coll, RS, me, j), x[a:b])
+        await done
+        await right.flush()
+        if to_dst is not None:
+            await to_dst.flush()
+        return out
+
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = x.copy() if me == src else np.empty_like(x)
+        if n_ranks == 1:
+            return out
+        if x.nbytes <= SMALL_BYTES:
+            if me == src:
+                await self._direct_exchange(coll, x, BCAST, None, [], list(range(n_ranks)))
+            else:
+                await self._direct_exchange(coll, None, BCAST, {src: out}, [src], [])
+            return out
+        # pipelined chain src -> src+1 -> ... -> src-1
+        right_rank = (me + 1) % n_ranks
+        forward = right_rank != src
+        right = await self._link(right_rank) if (forward or me == src) else None
+        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        parts = pieces(0, x.size, per_piece)
+        if me == src:
+            assert right is not None
+            for j, (a, b) in enumerate(parts):
+                right.send_tensor(self._header(coll, BCAST, "p", j), x[a:b])
+            await right.flush()
+            return out
+        done, one_done = self._wait_piece(coll, len(parts))
+        coll.waiting_on = {(me - 1) % n_ranks}
+
+        def arrived(a: int, b: int) -> Callable[..., None]:
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward and right is not None:
+                    right.send_tensor(self._header(coll, *hdr["tag"][2:]), out[a:b])
+                one_done()
+
+            return cb
+
+        for j, (a, b) in enumerate(parts):
+            self.mailbox.post(
+                (self.gid, coll.seq, BCAST, "p", j), byte_view(out[a:b]), self._guard(coll, arrived(a, b))
+            )
+        await done
+        if right is not None:
+            await right.flush()
+        return out
+
+    async def _recv_into(self, coll: Collective, tag: tuple[Any, ...], out: np.ndarray, src: int) -> None:
+        done, one_done = self._wait_piece(coll, 1)
+        coll.waiting_on = {src}
+
+        def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+            if hdr["nbytes"] != out.nbytes:
+                raise ProtocolError(f"rank {src} sent {hdr['nbytes']} bytes, expected {out.nbytes}")
+            if payload is not None and out.nbytes and not _same_memory(payload, out):
+                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, np.uint8)
+            one_done()
+
+        self.mailbox.post(tag, byte_view(out) if out.nbytes else None, self._guard(coll, cb))
+        await done
+
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+        n_ranks, me = self.world_size, self.rank
+        out = np.empty((n_ranks, x.size), x.dtype)
+        out[me] = x
+        if n_ranks == 1:
+            return out
+        ranks = list(range(n_ranks))
+        if x.nbytes <= SMALL_BYTES:
+            await self._direct_exchange(coll, x, DIRECT, out, ranks, ranks)
+            return out
+        right_rank = (me + 1) % n_ranks
+        right = await self._link(right_rank)
+        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        parts = pieces(0, x.size, per_piece)
+        done, one_done = self._wait_piece(coll, (n_ranks - 1) * len(parts))
+        coll.waiting_on = {(me - 1) % n_ranks}
+
+        def arrived(c: int, a: int, b: int) -> Callable[..., None]:
+            forward = right_rank != c
+
+            def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                if forward:
+                    right.send_tensor(self._header(coll, GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
+                one_done()
+
+            return cb
+
+        for c in ranks:
+            if c == me:
+                continue
+            for j, (a, b) in enumerate(parts):
+                self.mailbox.post(
+                    (self.gid, coll.seq, GATHER_RING, c, j),
+                    byte_view(out[c, a:b]),
+                    self._guard(coll, arrived(c, a, b)),
+                )
+        for j, (a, b) in enumerate(parts):
+            right.send_tensor(self._header(coll, GATHER_RING, me, j), x[a:b])
+        await done
+        await right.flush()
+        return out
+
+
+def _same_memory(payload: Any, out: np.ndarray) -> bool:
+    try:
+        return np.shares_memory(np.frombuffer(payload, np.uint8), out)
+    except (TypeError, ValueError):
+        return False

@@ -1,0 +1,187 @@
+"""The ring's threaded data plane (psring.transport.dataplane), seen from the ring: setting up its links
+(and their shared-memory segments between same-host neighbours) and running large all_reduces on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+
+import msgpack
+import numpy as np
+
+from ...core.fold import pieces, reduce_op, ring_chunk_bounds
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
+from ...transport.connection import Connection
+from ...transport.dataplane import DataPlane, PlaneLinkError, PlaneMismatch, ShmSegment
+from ...transport.listener import open_connection
+from ..collective import Collective
+from .constants import PLANE_GRACE
+
+logger = logging.getLogger(__name__)
+
+
+class PlaneDriver:
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: large all_reduces on the data plane."""
+
+    def _plane_for(self, nbytes: int) -> DataPlane | None:
+        plane = self.net.plane
+        if plane is not None and self.gid == "0" and plane.ready and nbytes >= self.net.plane_min:
+            return plane
+        return None
+
+    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+        """On the data plane this rank reads its input chunk by chunk: its own chunk first
+        (sent as is), then the chunks it folds, in ring order."""
+        if self.world_size == 1 or self._plane_for(nbytes) is None:
+            return None
+        n_ranks, me = self.world_size, self.rank
+        bounds = ring_chunk_bounds(count, n_ranks)
+        return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
+
+    async def _plane_all_reduce(self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane) -> np.ndarray:
+        """all_reduce on the threaded data plane (psring.dataplane). Queued before the first
+        await, so concurrent calls reach the plane in call order, the same on every rank."""
+        n_ranks, me = self.world_size, self.rank
+        per_piece = max(1, self.net.tuning.ring_plane_piece // x.itemsize)
+        parts = [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, n_ranks)]
+        on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
+        job = plane.all_reduce(
+            coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait
+        )
+        coll.waiting_on = {(me - 1) % n_ranks}
+        coll.data_elsewhere = True
+        finished = False
+        try:
+            await job.done
+            finished = True
+        finally:
+            if not finished:
+                job.cancel()  # failed from elsewhere (which also cancelled job.done): the threads drop it
+        return job.out
+
+    def _plane_failed(self, coll: Collective, exc: BaseException) -> None:
+        if coll.done.done():
+            return
+        n_ranks, me = self.world_size, self.rank
+        if isinstance(exc, PlaneMismatch):
+            self._abort_everywhere(coll, self._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
+        elif isinstance(exc, PlaneLinkError):
+            self.net.plane_broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
+        else:
+            coll.fail(exc)
+
+
+class PlaneLinks:
+    """Part of :class:`~psring.topology.ring.net.PeerNet`: the data plane's links and segments."""
+
+    async def open_plane(self, timeout: float) -> None:
+        """Dial the data link to the right neighbour, wait for the left's, start the threads.
+        Between same-host ranks (the mesh was agreed) each link also gets a shared segment."""
+        plane = self.plane
+        assert plane is not None and plane.recv_ready is not None
+        right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
+        shm_out: ShmSegment | None = None
+        if self.mesh is not None:
+            try:
+                shm_out = ShmSegment.create(self.tuning.ring_shm_slots, self.tuning.ring_plane_piece)
+            except OSError as exc:
+                logger.info("rank %d: no shared memory for the data link to rank %d (%s)", self.rank, right, exc)
+            plane.shm_out = shm_out  # closed (and unlinked) with the plane, whatever happens next
+            offer = [shm_out.path, shm_out.slots, shm_out.slot_bytes] if shm_out is not None else None
+            await self.store.set(f"{self.prefix}/shm/{self.rank}", msgpack.packb(offer))
+        host, port = self.addresses[right]
+        conn = await open_connection(
+            host,
+            port,
+            secret=self.settings.secret,
+            hello={**self.hello(), "data": 1},
+            router=None,
+            timeout=timeout,
+            name=f"rank {self.rank} data",
+            settings=self.tuning,
+        )
+        if conn.peer.get("rank") != right:
+            conn.abort(ProtocolError("wrong peer"))
+            raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {right}")
+        plane.set_send(conn.detach())
+        try:
+            await asyncio.wait_for(plane.recv_ready.wait(), timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
+            ) from None
+        if self.mesh is not None:
+            shm_in = await self._map_left_segment(left, timeout)
+            mapped = shm_out is not None and await self._right_mapped(right, shm_out, timeout)
+            plane.use_shm(shm_out if mapped else None, shm_in)
+            if shm_out is not None:
+                shm_out.unlink()  # both ends have it mapped (or never will): the name is not needed
+                if plane.shm_out is None:
+                    shm_out.close()
+        plane.start()
+
+    async def _map_left_segment(self, left: int, timeout: float) -> ShmSegment | None:
+        """Map the segment the left neighbour offered for its link to this rank, and say whether."""
+        key = f"{self.prefix}/shm/{left}"
+        await self._wait_key(key, left, timeout)
+        segment = offer = None
+        try:
+            offer = msgpack.unpackb(await self.store.get(key) or b"\xc0")
+            if offer is not None:
+                path, slots, slot_bytes = offer
+                segment = ShmSegment.open(path, slots, slot_bytes)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.info("rank %d: cannot map rank %d's shared memory (%s): its link stays on TCP", self.rank, left, exc)
+        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(segment and offer[0]))
+        return segment
+
+    async def _right_mapped(self, right: int, segment: ShmSegment, timeout: float) -> bool:
+        """Whether the right neighbour mapped this very segment (its answer names the file)."""
+        key = f"{self.prefix}/shm-ok/{right}"
+        await self._wait_key(key, right, timeout)
+        with contextlib.suppress(Exception):
+            return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == segment.path)
+        return False
+
+    async def _wait_key(self, key: str, rank: int, timeout: float) -> None:
+        try:
+            await self.store.wait([key], timeout)
+        except StoreError:
+            raise CollectiveTimeoutError(
+                f"rank {rank} did not set up its data link within {timeout:g}s", missing=(rank,)
+            ) from None
+
+    def _accept_data_link(self, conn: Connection, peer_rank: int) -> None:
+        left = (self.rank - 1) % self.world_size
+        plane = self.plane
+        if plane is None or peer_rank != left:
+            raise ProtocolError(
+                f"rank {peer_rank} offered a data link to rank {self.rank}: only its left neighbour "
+                f"(rank {left}) may, and only when every rank runs the data plane"
+            )
+        if plane.recv_sock is not None:
+            raise ProtocolError(f"rank {self.rank} already has a data link from rank {left}")
+        plane.set_recv(conn.detach())
+
+    def plane_broken(self, peer_rank: int, exc: PlaneLinkError, coll: Collective) -> None:
+        """A data link failed mid-collective. The control plane usually reports the same loss with
+        its reason (a crash, a goodbye) at once; if it has not after PLANE_GRACE, report this."""
+
+        def check() -> None:
+            if self._closing or coll.done.done():
+                return
+            err = PeerLostError(
+                f"the data link {'to' if exc.side == 'send' else 'from'} rank {peer_rank} at "
+                f"{self.addresses.get(peer_rank)} broke: {exc}",
+                rank=peer_rank,
+            )
+            if peer_rank in self.lost:  # it left cleanly earlier; this collective needed it
+                coll.fail(err)
+            else:
+                self._peer_lost(peer_rank, err)
+
+        # a peer that said goodbye has no more to say: fail now; else give the control plane time
+        asyncio.get_running_loop().call_later(0 if peer_rank in self.lost else PLANE_GRACE, check)

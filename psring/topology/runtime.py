@@ -1,0 +1,245 @@
+"""The life of a collective on one rank: begun under a sequence number and a call descriptor, run
+under one deadline, ended; abandoned by every rank together on a mismatch or a timeout; failed
+when a peer is lost (the group is then broken) or departs while it still needed it.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..core.arrays import DTYPES, dtype_name
+from ..errors import CollectiveTimeoutError, GroupClosedError, MismatchError, PeerLostError, PsringError
+from .collective import Collective, _absorb_cancel, _failure, mismatch_message
+from .recorder import OBSERVERS
+
+logger = logging.getLogger(__name__)
+
+
+class CollectiveRuntime:
+    """Part of :class:`~psring.topology.group.Group`: sequence numbers, deadlines, aborts and losses.
+
+    The topologies call ``_begin``/``_run``, report what their connection layer sees
+    (``on_abort``, ``on_peer_lost``, ``on_peer_departed``) and send aborts (``_send_abort``).
+    """
+
+    # ------------------------------------------------------------------ state
+    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
+        """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank).
+
+        A rank that left cleanly finished every collective before the one it reported
+        in its goodbye, and everything it sent has arrived: slower ranks may still run
+        those collectives, and receive what it sent them, without it.
+        """
+        if self._closed:
+            raise GroupClosedError(f"{self!r} is closed")
+        if self._broken is not None:
+            broken = self._broken
+            message = f"{self!r} is broken: {broken}"
+            if isinstance(broken, PeerLostError):  # keep who was lost: callers tell servers from workers by it
+                raise PeerLostError(message, rank=broken.rank) from broken
+            if isinstance(broken, CollectiveTimeoutError):
+                raise CollectiveTimeoutError(message, missing=broken.missing) from broken
+            raise type(broken)(message) from broken
+        if self._departed:
+            if peer is None:
+                for r, gone in self._departed.items():
+                    stopped_at = self._departed_at.get(r)
+                    if stopped_at is None or (self._seq if seq is None else seq) >= stopped_at:
+                        raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
+            elif peer in self._departed and not receiving:
+                gone = self._departed[peer]
+                raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
+
+    def stopped_at(self) -> int:
+        """The first collective seq this rank has not finished (told to peers when it leaves)."""
+        first = min(self._active, default=self._seq)
+        return min(first, min(self._reserved)) if self._reserved else first
+
+    def _begin(
+        self,
+        kind: str,
+        x: np.ndarray | None = None,
+        op: str | None = None,
+        root: int | None = None,
+        timeout: float | None = None,
+        seq: int | None = None,
+    ) -> Collective:
+        """Start a collective: the next sequence number, or one reserved earlier (``seq``)."""
+        if seq is None:
+            self._check_usable()
+            seq = self._seq
+            self._seq += 1
+        else:
+            self._reserved.discard(seq)
+            self._check_usable(seq=seq)
+        dtype = dtype_name(x.dtype) if x is not None else None
+        shape = tuple(x.shape) if x is not None else None
+        desc = (kind, dtype, shape, op, root)
+        coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout)
+        pending = self._aborted.pop(seq, None)
+        if pending is not None:
+            raise pending
+        self._active[seq] = coll
+        self.mailbox.inspect((self.gid, seq), coll.inspect)
+        return coll
+
+    def _end(self, coll: Collective) -> None:
+        self._active.pop(coll.seq, None)
+        failed = coll.done.cancelled() or coll.done.exception() is not None
+        self.mailbox.forget((self.gid, coll.seq), drop_queued=failed)
+
+    async def _run(self, coll: Collective, body: Any) -> Any:
+        """Run a collective's body under its deadline; on any failure abandon it cleanly.
+
+        The body runs inline in the caller's task (no task per call: small collectives
+        are latency-bound). A failure from elsewhere -- a peer's abort, a mismatch, a lost
+        peer, the deadline -- sets ``coll.done`` and cancels this task; the cancellation
+        is turned back into that error here.
+        """
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        coll.task = task
+        timer = loop.call_later(max(coll.deadline - time.monotonic(), 0.0), self._deadline_passed, coll)
+        error: BaseException | None = None
+        try:
+            result = await body
+            if coll.interrupted:  # failed from elsewhere after the body's last await
+                await _absorb_cancel(task)
+                raise _failure(coll)
+            return result
+        except asyncio.CancelledError as exc:
+            if coll.interrupted and task is not None and task.uncancel() == 0:
+                error = _failure(coll)
+                raise error from None
+            error = exc
+            raise  # cancelled by the caller too
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            timer.cancel()
+            coll.task = None
+            if not coll.done.done():
+                coll.done.cancel()
+            elif not coll.done.cancelled():
+                coll.done.exception()  # mark retrieved
+            self._end(coll)
+            if OBSERVERS:
+                self._observe(coll, error)
+
+    def _observe(self, coll: Collective, failed: BaseException | None) -> None:
+        now_wall, now = time.time(), time.monotonic()
+        kind, dtype, shape, op, root = coll.desc
+        nbytes = 0
+        if dtype is not None and shape is not None:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+        settings = getattr(self._layer(), "settings", None)
+        record = {
+            "job": getattr(settings, "job", None),
+            "seq": coll.seq,
+            "gid": self.gid,
+            "rank": self.rank,
+            "world": self.world_size,
+            "topology": self.topology,
+            "kind": kind,
+            "op": op,
+            "root": root,
+            "dtype": dtype,
+            "bytes": nbytes,
+            "start": now_wall - (now - coll.started),
+            "end": now_wall,
+            "ok": failed is None,
+            "error": None if failed is None else f"{type(failed).__name__}: {failed}",
+        }
+        for observer in list(OBSERVERS):
+            try:
+                observer(record)
+            except Exception:  # an observer must never break a collective
+                logger.exception("psring observer %r failed", observer)
+
+    def _deadline_passed(self, coll: Collective) -> None:
+        if coll.done.done():
+            return
+        if coll.report_grace > 0:  # let the rank that knows who is silent say so first
+            grace, coll.report_grace = coll.report_grace, 0.0
+            asyncio.get_running_loop().call_later(grace, self._deadline_passed, coll)
+            return
+        missing = tuple(sorted(coll.waiting_on))
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else "its peers"
+        err = CollectiveTimeoutError(
+            f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s waiting for {who}",
+            missing=missing,
+        )
+        self._abort_everywhere(coll, err, "timeout")
+
+    # --------------------------------------------------------------- failures
+    def _mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
+        return MismatchError(mismatch_message(coll.seq, src, call, self.rank, coll.desc))
+
+    def _abort_everywhere(self, coll: Collective, err: PsringError, reason: str) -> None:
+        coll.fail(err)
+        self._send_abort(coll.seq, err, reason)
+
+    @abc.abstractmethod
+    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+        """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
+
+    def on_abort(self, seq: int, reason: str, message: str, missing: Sequence[int] = ()) -> None:
+        """A peer abandoned collective ``seq``: fail ours, or remember it for when we get there."""
+        err: PsringError
+        if reason == "mismatch":
+            err = MismatchError(message)
+        else:
+            err = CollectiveTimeoutError(message, missing=tuple(missing))
+        coll = self._active.get(seq)
+        if coll is not None:
+            coll.fail(err)
+        elif seq >= self._seq:
+            self._aborted[seq] = err
+            if len(self._aborted) > 10_000:  # a runaway peer: keep memory bounded
+                self._aborted.pop(min(self._aborted))
+        self.mailbox.forget((self.gid, seq), drop_queued=True)
+
+    def on_peer_lost(self, err: PeerLostError) -> None:
+        """A peer this group needs is gone: fail everything in flight, refuse new calls."""
+        if self._closed:
+            return
+        if self._broken is None:
+            self._broken = err
+            log = logger.warning if self._active else logger.debug
+            log("%r broken: %s", self, err)
+        for coll in list(self._active.values()):
+            lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
+            lost.__cause__ = err.__cause__
+            coll.fail(lost)
+
+    def on_peer_departed(self, local_rank: int, err: PeerLostError, stopped_at: int | None = None) -> bool:
+        """A peer closed its connections cleanly (its process is done with the group).
+
+        Everything it sent has arrived by then, so only a collective still waiting for
+        its frames fails (returns True: the caller then tells the other ranks); later
+        collectives (and send/recv with it) raise at once. A collective whose data comes
+        over another link (``data_elsewhere``) that the peer finished (before ``stopped_at``)
+        is left to that link: its data may still be on the way, and the link's end says
+        whether all of it came.
+        """
+        if self._closed:
+            return False
+        self._departed.setdefault(local_rank, err)
+        self._departed_at.setdefault(local_rank, stopped_at)
+        hurt = False
+        for coll in list(self._active.values()):
+            if local_rank in coll.waiting_on:
+                if coll.data_elsewhere and stopped_at is not None and coll.seq < stopped_at:
+                    continue
+                lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
+                coll.fail(lost)
+                hurt = True
+        return hurt

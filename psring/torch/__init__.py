@@ -1,0 +1,345 @@
+"""psring under an existing PyTorch training loop, the way Horovod's DistributedOptimizer works.
+
+torch is never a dependency of psring: import this module only where torch is installed.
+
+    import psring, psring.torch as pt
+    group = psring.init()                                  # the blocking facade
+    pt.broadcast_parameters(model, group)                  # every rank starts from rank 0's weights
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group)
+    pt.broadcast_optimizer_state(opt, group)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()                    # buckets are averaged while backward runs
+        opt.step()                                         # waits for the averages, then steps
+
+Tensors cross into psring without copies (DLPack: numpy for CPU tensors, cupy for CUDA ones).
+Collectives here return new tensors (psring's rule: inputs are never modified);
+DistributedOptimizer writes the averaged gradients into ``.grad`` in place.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..core.arrays import cupy_module
+from ..topology.blocking import BlockingGroup, Handle
+
+try:
+    import torch
+except ImportError as exc:  # pragma: no cover - exercised only without torch
+    raise ImportError("psring.torch needs PyTorch (pip install torch); psring itself does not") from exc
+
+
+#: gradient bucket size, as DDP's default
+BUCKET_BYTES = 25 << 20
+
+
+# ------------------------------------------------------------------ tensors
+def to_array(t: torch.Tensor) -> Any:
+    """A numpy (CPU) or cupy (CUDA) array sharing ``t``'s memory (DLPack, no copy)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 tensors have no numpy dtype: cast to float32 first")
+    if t.device.type == "cpu":
+        return np.from_dlpack(t.resolve_conj().resolve_neg())
+    if t.device.type == "cuda":
+        cp = cupy_module()
+        if cp is None:
+            raise RuntimeError("a CUDA tensor needs cupy to travel through psring (pip install psring[gpu])")
+        return cp.from_dlpack(t)
+    raise TypeError(f"tensors on {t.device} are not supported (cpu or cuda)")
+
+
+def from_array(a: Any) -> torch.Tensor:
+    """A torch tensor sharing array ``a``'s memory (DLPack, no copy)."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.copy()
+    return torch.from_dlpack(a)
+
+
+def _blocking(group: Any) -> BlockingGroup:
+    if not isinstance(group, BlockingGroup):
+        raise TypeError(
+            "psring.torch works with the blocking facade: pass group = psring.init(...), "
+            f"not {type(group).__name__} (an async Group: convert with to_array/from_array yourself)"
+        )
+    return group
+
+
+class _TensorHandle:
+    """An async_op handle whose result comes back as torch tensors."""
+
+    def __init__(self, handle: Handle, convert: Any) -> None:
+        self._handle, self._convert = handle, convert
+
+    def wait(self, timeout: float | None = None) -> Any:
+        return self._convert(self._handle.wait(timeout))
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+    def exception(self) -> BaseException | None:
+        return self._handle.exception()
+
+
+def _call(group: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], async_op: bool, convert: Any) -> Any:
+    g = _blocking(group)
+    out = getattr(g, name)(*args, async_op=async_op, **kwargs)
+    return _TensorHandle(out, convert) if async_op else convert(out)
+
+
+def _tensor(a: Any) -> Any:
+    return None if a is None else from_array(a)
+
+
+def _tensors(xs: Any) -> Any:
+    return None if xs is None else [from_array(a) for a in xs]
+
+
+def all_reduce(
+    group: Any, tensor: torch.Tensor, op: str = "sum", *, compression: str | None = None, async_op: bool = False
+) -> Any:
+    """A new tensor: ``tensor`` reduced over the group (op sum, avg, min, max, prod)."""
+    return _call(group, "all_reduce", (to_array(tensor), op), {"compression": compression}, async_op, _tensor)
+
+
+def broadcast(group: Any, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Any:
+    return _call(group, "broadcast", (to_array(tensor), src), {}, async_op, _tensor)
+
+
+def all_gather(group: Any, tensor: torch.Tensor, *, async_op: bool = False) -> Any:
+    return _call(group, "all_gather", (to_array(tensor),), {}, async_op, _tensors)
+
+
+def reduce_scatter(group: Any, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Any:
+    return _call(group, "reduce_scatter", (to_array(tensor), op), {}, async_op, _tensor)
+
+
+def reduce(group: Any, tensor: torch.Tensor, dst: int = 0, op: str = "sum", *, async_op: bool = False) -> Any:
+    return _call(group, "reduce", (to_array(tensor), dst, op), {}, async_op, _tensor)
+
+
+def send(group: Any, tensor: torch.Tensor, dst: int, *, async_op: bool = False) -> Any:
+    return _call(group, "send", (to_array(tensor), dst), {}, async_op, lambda r: r)
+
+
+def recv(group: Any, src: int, *, async_op: bool = False) -> Any:
+    return _call(group, "recv", (src,), {}, async_op, _tensor)
+
+
+# ------------------------------------------------------- parameters, state
+def _named(params: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, torch.nn.Module):
+        return list(params.state_dict(keep_vars=True).items())
+    if isinstance(params, Mapping):
+        return list(params.items())
+    return [(str(i), p) for i, p in enumerate(params)]
+
+
+def broadcast_parameters(
+    params: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[Any], group: Any, root_rank: int = 0
+) -> None:
+    """Overwrite every rank's parameters and buffers with root_rank's, in place.
+
+    ``params``: a module (its state_dict: parameters and buffers), a dict of tensors, or
+    an iterable of tensors. CPU tensors of one dtype travel as one flat broadcast.
+    """
+    g = _blocking(group)
+    named = _named(params)
+    with torch.no_grad():
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for _name, t in named:
+            if t.device.type == "cpu":
+                by_dtype.setdefault(t.dtype, []).append(t)
+            else:
+                t.copy_(from_array(g.broadcast(to_array(t.detach().contiguous()), src=root_rank)))
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            ts = by_dtype[dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype)
+            out = from_array(g.broadcast(to_array(flat), src=root_rank))
+            off = 0
+            for t in ts:
+                t.copy_(out[off : off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+def broadcast_optimizer_state(optimizer: Any, group: Any, root_rank: int = 0) -> None:
+    """Give every rank root_rank's optimizer state (momentum buffers, moments, step counts, hyper-parameters)."""
+    g = _blocking(group)
+    inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
+    if g.rank == root_rank:
+        buf = io.BytesIO()
+        torch.save(inner.state_dict(), buf)
+        data = np.frombuffer(buf.getbuffer(), np.uint8).copy()
+    else:
+        data = np.empty(0, np.uint8)
+    size = g.broadcast(np.array([data.size], np.int64), src=root_rank)
+    if g.rank != root_rank:
+        data = np.empty(int(size[0]), np.uint8)
+    data = g.broadcast(data, src=root_rank)
+    if g.rank != root_rank:
+        inner.load_state_dict(torch.load(io.BytesIO(data.tobytes()), weights_only=True))
+
+
+# ---------------------------------------------------------- the optimizer
+class _Bucket:
+    __slots__ = ("flat", "handle", "params", "ready", "slices")
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        total = sum(p.numel() for p in params)
+        self.flat = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.slices: list[tuple[int, int]] = []
+        off = 0
+        for p in params:
+            self.slices.append((off, off + p.numel()))
+            off += p.numel()
+        self.ready: dict[int, int] = {}  # param index -> backward passes seen
+        self.handle: Any = None
+
+
+class DistributedOptimizer:
+    """Wrap a torch optimizer: ``step()`` applies it to gradients averaged over the group.
+
+    Gradients are packed into buckets (``bucket_bytes``, by dtype and device, in reverse
+    parameter order as they come out of backward). With ``overlap`` (the default, torch >= 2.1),
+    a bucket is averaged -- in the background, while backward goes on -- as soon as all its
+    gradients are in; buckets start in one fixed order on every rank. ``step()`` averages the
+    rest (a parameter that got no gradient counts as zero), waits, writes the averages into
+    ``.grad`` and steps the wrapped optimizer. ``backward_passes_per_step=k`` lets k backward
+    passes accumulate into ``.grad`` before the exchange. ``compression="fp16"`` as in
+    :class:`psring.SyncSGD`. Everything else (``zero_grad``, ``param_groups``, ``state_dict``)
+    is the wrapped optimizer's.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group: Any,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        compression: str | None = None,
+        backward_passes_per_step: int = 1,
+        overlap: bool = True,
+    ) -> None:
+        self.optimizer = optimizer
+        self.group = _blocking(group)
+        if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be a positive integer")
+        self.compression = compression
+        self.passes = backward_passes_per_step
+        params = [p for grp in optimizer.param_groups for p in grp["params"] if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedOptimizer: the optimizer has no parameters that require grad")
+        if compression is not None and any(p.dtype != torch.float32 for p in params):
+            raise TypeError(f"compression={compression!r} needs float32 parameters")
+        self.buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
+        current: list[torch.Tensor] = []
+        size = 0
+        for p in reversed(params):  # gradients of the last layers come first
+            nbytes = p.numel() * p.element_size()
+            if current and (
+                size + nbytes > bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+            ):
+                self._add_bucket(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        self._add_bucket(current)
+        self._next = 0  # the next bucket to launch (in order, the same on every rank)
+        self._hooks = []
+        self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+        if self.overlap:
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _add_bucket(self, params: list[torch.Tensor]) -> None:
+        b = len(self.buckets)
+        for i, p in enumerate(params):
+            self._where[id(p)] = (b, i)
+        self.buckets.append(_Bucket(params))
+
+    # ----------------------------------------------------------- exchange
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        b, i = self._where[id(p)]
+        bucket = self.buckets[b]
+        if bucket.handle is not None:
+            raise RuntimeError(
+                "DistributedOptimizer: a gradient arrived after its bucket was sent -- more backward passes "
+                f"than backward_passes_per_step={self.passes} before step()"
+            )
+        bucket.ready[i] = bucket.ready.get(i, 0) + 1
+        while self._next < len(self.buckets):
+            nxt = self.buckets[self._next]
+            if len(nxt.ready) < len(nxt.params) or min(nxt.ready.values()) < self.passes:
+                break
+            self._launch(nxt)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        with torch.no_grad():
+            for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
+                if p.grad is None:
+                    bucket.flat[a:z].zero_()
+                else:
+                    bucket.flat[a:z].copy_(p.grad.reshape(-1))
+        bucket.handle = self.group.all_reduce(
+            to_array(bucket.flat), op="avg", compression=self.compression, async_op=True
+        )
+        self._next += 1
+
+    def synchronize(self) -> None:
+        """Average every gradient now (launching what backward did not) and write them into ``.grad``."""
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        with torch.no_grad():
+            for bucket in self.buckets:
+                avg = from_array(bucket.handle.wait())
+                for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
+                    if p.grad is None:
+                        p.grad = avg[a:z].view_as(p).clone()
+                    else:
+                        p.grad.copy_(avg[a:z].view_as(p))
+                bucket.handle = None
+                bucket.ready.clear()
+        self._next = 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.synchronize()
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, {len(self.buckets)} buckets, overlap={self.overlap})"
+
+
+__all__ = [
+    "DistributedOptimizer",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "from_array",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "send",
+    "to_array",
+]

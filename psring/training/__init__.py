@@ -1,0 +1,5 @@
+"""Layer 5: synchronous SGD over a Group, and the main job.
+
+- ``sgd``: SyncSGD (buckets, either topology, identical parameters).
+- ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
+"""

@@ -1,0 +1,269 @@
+"""Synchronous SGD over either topology: one call, the same parameters.
+
+``SyncSGD(group, params, optimizer)`` keeps the parameters in a few flat *buckets*
+(many tensors each, so a model with hundreds of tensors sends few frames). Over the
+ring, ``step(grads)`` averages each bucket with ``all_reduce(op="avg")`` and applies the
+optimizer locally; over ps, the shards average, apply the same optimizer code and the
+workers pull the new parameters. Both average in one canonical order and the
+optimizers are elementwise, so every rank -- and both topologies -- hold bit-identical
+parameters after any number of steps (same device type).
+
+Knows a Group and an optimizer, not sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..core.arrays import array_module, check_array, dtype_name
+from ..core.compress import check_codec
+from ..core.optim import SGD, Optimizer
+from ..errors import MismatchError
+from ..topology.blocking import BlockingGroup
+
+#: default bucket size (torch DDP's default is 25 MiB)
+BUCKET_BYTES = 25 << 20
+
+
+class _Bucket:
+    __slots__ = ("dtype", "names", "nbytes", "offsets", "shapes", "size")
+
+    def __init__(self, dtype: Any) -> None:
+        self.dtype = dtype
+        self.names: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.offsets: list[int] = []
+        self.size = 0
+        self.nbytes = 0
+
+    def add(self, name: str, shape: tuple[int, ...], count: int) -> None:
+        self.names.append(name)
+        self.shapes.append(shape)
+        self.offsets.append(self.size)
+        self.size += count
+        self.nbytes = self.size * np.dtype(self.dtype).itemsize
+
+
+def make_buckets(params: Mapping[str, Any], bucket_bytes: int = BUCKET_BYTES) -> list[_Bucket]:
+    """Group tensors, in the dict's order, into flat buckets of one dtype and at most bucket_bytes."""
+    buckets: list[_Bucket] = []
+    open_by_dtype: dict[str, _Bucket] = {}
+    for name, p in params.items():
+        key = dtype_name(p.dtype)
+        bucket = open_by_dtype.get(key)
+        if bucket is None or (bucket.size and bucket.nbytes + p.nbytes > bucket_bytes):
+            bucket = _Bucket(p.dtype)
+            buckets.append(bucket)
+            open_by_dtype[key] = bucket
+        bucket.add(name, tuple(p.shape), int(p.size))
+    return buckets
+
+
+class SyncSGD:
+    """Synchronous data-parallel SGD: ``params = await opt.step(grads)`` on every rank."""
+
+    def __new__(cls, group: Any, *args: Any, **kwargs: Any) -> Any:
+
+        if cls is SyncSGD and isinstance(group, BlockingGroup):
+            return BlockingSyncSGD(group, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        group: Any,
+        params: Mapping[str, Any],
+        optimizer: Optimizer | None = None,
+        *,
+        bucket_bytes: int = BUCKET_BYTES,
+        accumulate: int = 1,
+        compression: str | None = None,
+    ) -> None:
+        if not params:
+            raise ValueError("SyncSGD needs at least one parameter")
+        if type(accumulate) is not int or accumulate < 1:
+            raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
+        if compression is not None:
+            for name, v in params.items():
+                try:
+                    check_codec(compression, check_array(v, f"params[{name!r}]").dtype, "avg")
+                except TypeError as exc:
+                    raise TypeError(f"SyncSGD: params[{name!r}]: {exc}") from None
+        self.compression = compression
+        self.group = group
+        self.optimizer = optimizer or SGD(lr=0.01)
+        self.accumulate = accumulate
+        self._names = list(params)
+        checked = {k: check_array(v, f"params[{k!r}]") for k, v in params.items()}
+        xps = {array_module(v) for v in checked.values()}
+        if len(xps) > 1:
+            raise TypeError("SyncSGD: params mix numpy and cupy arrays; keep them on one device")
+        self.xp = xps.pop()
+        self.buckets = make_buckets(checked, bucket_bytes)
+        self._flat = [self._concat(b, checked) for b in self.buckets]
+        self._state: list[dict[str, Any]] = []
+        self._acc: list[Any] | None = None
+        self._micro = 0
+        self.step_count = 0  # optimizer steps taken (server-side step for ps)
+        self.started = False
+        self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
+        self.params = self._views()
+
+    # ------------------------------------------------------------ layout
+    def _concat(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> Any:
+        xp = self.xp
+        flat = xp.empty(bucket.size, dtype=bucket.dtype)
+        for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
+            a = arrays[name]
+            if tuple(a.shape) != shape or a.dtype != bucket.dtype:
+                raise ValueError(
+                    f"grads[{name!r}] has shape {tuple(a.shape)} dtype {a.dtype}, "
+                    f"the parameter has {shape} {bucket.dtype}"
+                )
+            if array_module(a) is not xp:
+                raise TypeError(f"grads[{name!r}] is on another device than the parameters")
+            flat[off : off + a.size] = a.reshape(-1)
+        return flat
+
+    def _views(self) -> dict[str, Any]:
+        out = {}
+        for bucket, flat in zip(self.buckets, self._flat, strict=True):
+            for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
+                count = int(np.prod(shape)) if shape else 1
+                out[name] = flat[off : off + count].reshape(shape)
+        return {name: out[name] for name in self._names}
+
+    # ---------------------------------------------------------- the work
+    @property
+    def topology(self) -> str:
+        return str(self.group.topology)
+
+    async def start(self) -> dict[str, Any]:
+        """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
+
+        Called by the first ``step`` if you do not; call it yourself before computing the
+        first gradients so that they are taken at the agreed parameters.
+        """
+        if self.started:
+            return self.params
+        await self._check_setup()
+        if self.topology == "ps":
+            host = [_to_host(f) for f in self._flat]
+            outs, step = await self.group.param_init(host, self.optimizer.config())
+            self._flat = [_like(self.xp, o) for o in outs]
+            self.step_count = step
+        else:
+            self._flat = [await self.group.broadcast(f, src=0) for f in self._flat]
+            self._state = [self.optimizer.init_state(f) for f in self._flat]
+        self.started = True
+        self.params = self._views()
+        return self.params
+
+    def setup(self) -> dict[str, Any]:
+        """What every rank must agree on: optimizer, compression, accumulation, parameter layout."""
+        return {
+            "optimizer": self.optimizer.config(),
+            "compression": self.compression,
+            "accumulate": self.accumulate,
+            "buckets": [[dtype_name(b.dtype), b.names, [list(s) for s in b.shapes]] for b in self.buckets],
+        }
+
+    async def _check_setup(self) -> None:
+        """One small all_gather: a rank set up differently fails at once on every rank, named."""
+        mine = json.dumps(self.setup(), sort_keys=True, default=str)
+        digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:8], "little", signed=True)
+        digests = await self.group.all_gather(np.array([digest], np.int64))
+        differ = [r for r, d in enumerate(digests) if int(d[0]) != int(digests[0][0])]
+        if differ:
+            shown = mine if len(mine) < 400 else mine[:397] + "..."
+            raise MismatchError(
+                f"SyncSGD: rank(s) {', '.join(map(str, differ))} set up a different optimizer, compression, "
+                f"accumulate or parameter layout than rank 0 (this is rank {self.group.rank}: {shown})"
+            )
+
+    async def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
+        """Average grads over the group, apply the optimizer; returns the new parameters.
+
+        With ``accumulate=k`` the gradients of k calls are summed locally and exchanged
+        once, divided by k (so the step equals one over a k-times larger batch and the
+        learning rate needs no change); the k-1 calls in between return the unchanged
+        parameters.
+        """
+        if not self.started:
+            await self.start()
+        missing = [n for n in self._names if n not in grads]
+        extra = [n for n in grads if n not in self._names]
+        if missing or extra:
+            raise KeyError(f"grads must have exactly the parameters' names: missing {missing}, unexpected {extra}")
+        flats = [self._concat(b, grads) for b in self.buckets]
+        if self.accumulate > 1:
+            if self._acc is None:
+                self._acc = flats
+            else:
+                for acc, f in zip(self._acc, flats, strict=True):
+                    acc += f
+            self._micro += 1
+            if self._micro < self.accumulate:
+                return self.params
+            flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
+            self._acc, self._micro = None, 0
+        t0 = time.perf_counter()
+        if self.topology == "ps":
+            host = [_to_host(f) for f in flats]
+            outs = [np.empty_like(h) for h in host]
+            await self.group.param_step(self.step_count, host, outs, compression=self.compression)
+            self._flat = [_like(self.xp, o) for o in outs]
+            t1 = t2 = time.perf_counter()  # the update ran on the servers, inside the exchange
+        else:
+            avgs = await asyncio.gather(
+                *(self.group.all_reduce(f, op="avg", compression=self.compression) for f in flats)
+            )
+            t1 = time.perf_counter()
+            for flat, avg, state in zip(self._flat, avgs, self._state, strict=True):
+                self.optimizer.update(flat, avg, state)
+            t2 = time.perf_counter()
+        self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
+        self.step_count += 1
+        self.params = self._views()
+        return self.params
+
+
+def _to_host(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    return x.get()  # cupy
+
+
+def _like(xp: Any, host: np.ndarray) -> Any:
+    return host if xp is np else xp.asarray(host)
+
+
+class BlockingSyncSGD:
+    """SyncSGD for the blocking facade: ``params = opt.step(grads)``."""
+
+    def __init__(self, group: Any, params: Mapping[str, Any], optimizer: Optimizer | None = None, **kwargs: Any):
+        self._portal = group.portal
+        self._inner = SyncSGD(group.group, params, optimizer, **kwargs)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self._inner.params
+
+    @property
+    def step_count(self) -> int:
+        return self._inner.step_count
+
+    def start(self) -> dict[str, Any]:
+        return self._portal.call(self._inner.start())  # type: ignore[no-any-return]
+
+    def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
+        return self._portal.call(self._inner.step(grads))  # type: ignore[no-any-return]
+
+
+__all__ = ["BlockingSyncSGD", "SyncSGD", "make_buckets"]

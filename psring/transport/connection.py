@@ -1,0 +1,474 @@
+"""Connections: authenticated, heartbeating asyncio transports that move frames.
+
+A :class:`Connection` is an ``asyncio.BufferedProtocol`` (uvloop reads straight into
+the buffer it hands out): headers are parsed from a small staging buffer, and a
+large payload is read directly into its destination buffer, with no intermediate
+``bytes``. Sending writes the header bytes and a memoryview of the payload (no
+copy); :meth:`Connection.flush` waits until the kernel has taken every byte, after
+which the caller may reuse the payload's memory.
+
+Frames that are not connection-level (handshake, ping, bye) go to a router; the
+:class:`Mailbox` here is the router groups use: receives are matched by the
+header's ``tag``, whether posted before or after the frame arrives.
+
+Knows frames, not collectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from .. import settings as settings_mod
+from ..core import wire
+from ..errors import PeerLostError, ProtocolError
+from ..settings import Settings
+from .handshake import Handshake
+from .heartbeat import Heartbeats
+from .slots import SharedMemory
+
+logger = logging.getLogger(__name__)
+
+#: payloads at least this large (still to read) are read straight into their destination
+DIRECT_READ_MIN = 32 << 10
+HANDSHAKE_STAGING_SIZE = 4 << 10
+
+
+def _crc32c(data: Any) -> int:
+    try:
+        import crc32c
+    except ImportError:
+        raise ProtocolError("a crc32c checksum needs the crc32c package (pip install crc32c)") from None
+    return int(crc32c.crc32c(data))
+
+
+#: payload checksums by name (PSRING_CHECKSUM): the sender names the one it used in the frame header
+CHECKSUMS: dict[str, Callable[[Any], int]] = {"crc32": zlib.crc32, "crc32c": _crc32c}
+
+#: payloads up to this many bytes are copied next to their header and written in one call
+SMALL_COPY = 16 << 10
+
+
+class Router(Protocol):
+    """Where a Connection sends the frames it does not handle itself."""
+
+    def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None: ...
+
+    def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None: ...
+
+    def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None: ...
+
+
+class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
+    """One authenticated frame stream to a peer.
+
+    This module holds the framing: the receive path that parses headers and reads
+    payloads into place, the send path, flush and close. The handshake and its
+    authentication (:mod:`.handshake`), heartbeats (:mod:`.heartbeat`) and payloads in
+    shared memory (:mod:`.slots`) are mixed in from modules of their own.
+    """
+
+    def __init__(
+        self,
+        *,
+        secret: bytes | None,
+        limits: wire.Limits | None = None,
+        name: str = "connection",
+        heartbeat_interval: float | None = None,
+        heartbeat_timeout: float | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        settings = settings or settings_mod.current()
+        self.settings = settings
+        self.name = name
+        self._secret = secret
+        self._limits = limits or wire.Limits.from_settings(settings)
+        self._decoder = wire.HeaderDecoder(self._limits)
+        # a small buffer until the peer has proved itself: a flood of connections costs little
+        self._staging = bytearray(HANDSHAKE_STAGING_SIZE)
+        self._stage = memoryview(self._staging)
+        self._start = 0
+        self._end = 0
+        # the payload being read
+        self._header: dict[str, Any] | None = None
+        self._dest: memoryview | None = None
+        self._dest_obj: Any = None
+        self._dest_off = 0
+        self._direct = False
+
+        self.transport: asyncio.Transport | None = None
+        self.router: Router | None = None
+        self.peer: dict[str, Any] = {}  # the peer's hello/challenge fields
+        self.peername: str = "?"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.frames_received = 0
+        self.last_heard = time.monotonic()
+        self._last_sent = self.last_heard
+        self._closing = False
+        #: the peer's goodbye frame, once it said goodbye (it may carry where the peer stopped)
+        self.farewell: dict[str, Any] | None = None
+        self._lost: PeerLostError | None = None
+        self._closed = asyncio.get_running_loop().create_future()
+        self._flush_waiters: list[asyncio.Future[None]] = []
+        self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+        self._checksum = settings.checksum
+        self._init_heartbeats(
+            heartbeat_interval or settings.heartbeat_interval, heartbeat_timeout or settings.heartbeat_timeout
+        )
+        self._init_shared_memory()
+
+    def __repr__(self) -> str:
+        return f"Connection({self.name} <-> {self.peername})"
+
+    # ----------------------------------------------------------- transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        # high=0/low=0: pause_writing after any write the kernel did not take at once,
+        # resume_writing when the buffer is empty again -- the flush signal.
+        transport.set_write_buffer_limits(high=0, low=0)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - platform dependent
+                pass
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple):
+            self.peername = f"{peer[0]}:{peer[1]}"
+        self.last_heard = self._last_sent = time.monotonic()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._lost is None and not self._closing:
+            detail = f": {exc}" if exc else " (closed by the peer)"
+            self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} lost{detail}")
+            if exc is not None:
+                self._lost.__cause__ = exc
+        self._teardown()
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        self._wake_flushers(None)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
+
+    # ------------------------------------------------------------- receive path
+    def get_buffer(self, sizehint: int) -> memoryview:
+        dest = self._dest
+        if dest is not None and self._start == self._end:
+            remaining = len(dest) - self._dest_off
+            if remaining >= DIRECT_READ_MIN:
+                self._direct = True
+                return dest[self._dest_off :]
+        self._direct = False
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._staging) - self._end < 4096:
+            # compact: move the unparsed tail to the front
+            n = self._end - self._start
+            self._stage[:n] = self._stage[self._start : self._end]
+            self._start, self._end = 0, n
+        return self._stage[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.bytes_received += nbytes
+        self.last_heard = time.monotonic()
+        try:
+            if self._direct:
+                self._direct = False
+                self._dest_off += nbytes
+                if self._dest is not None and self._dest_off == len(self._dest):
+                    self._finish_frame()
+                return
+            self._end += nbytes
+            self._process_staging()
+        except Exception as exc:  # a bad frame or a router failure ends this connection
+            self.abort(exc)
+
+    def _process_staging(self) -> None:
+        stage = self._stage
+        while self._start < self._end:
+            if self._dest is None:
+                header, used = self._decoder.feed(stage[self._start : self._end])
+                self._start += used
+                if header is None:
+                    break
+                self._begin_frame(header)
+            else:
+                take = min(self._end - self._start, len(self._dest) - self._dest_off)
+                self._dest[self._dest_off : self._dest_off + take] = stage[self._start : self._start + take]
+                self._dest_off += take
+                self._start += take
+                if self._dest_off == len(self._dest):
+                    self._finish_frame()
+            if self._transport_gone():
+                return
+        if self._start == self._end:
+            self._start = self._end = 0
+
+    def _transport_gone(self) -> bool:
+        return self.transport is None or self.transport.is_closing()
+
+    def _begin_frame(self, header: dict[str, Any]) -> None:
+        nbytes = header["nbytes"]
+        if nbytes and self._handshake_frames is not None:
+            # nothing is allocated for a party that has not proved itself yet
+            kind = header["kind"]
+            raise ProtocolError(f"a {kind!r} frame with a {nbytes}-byte payload before the handshake completed")
+        self._header = header
+        if "pool" in header:  # the payload is in a slot of the peer's pool, not on the socket
+            self._pooled_payload(header, nbytes)
+            return
+        dest: memoryview | None = None
+        if (
+            nbytes
+            and self._handshake_frames is None
+            and self.router is not None
+            and header["kind"] not in ("ping", "bye")
+        ):
+            dest = self.router.buffer_for(self, header)
+            if dest is not None and len(dest) != nbytes:
+                dest = None
+        if dest is None:
+            obj = np.empty(nbytes, dtype=np.uint8)
+            dest = memoryview(obj)
+            self._dest_obj = obj
+        else:
+            self._dest_obj = dest
+        self._dest = dest
+        self._dest_off = 0
+        if nbytes == 0:
+            self._finish_frame()
+
+    def _finish_frame(self) -> None:
+        header, payload = self._header, self._dest_obj
+        self._header = self._dest = self._dest_obj = None
+        self._dest_off = 0
+        slot, self._slot_in = self._slot_in, None
+        self.frames_received += 1
+        assert header is not None
+        kind = header["kind"]
+        if "free" in header:
+            self._taken_back(header.pop("free"))
+        if slot is not None and (
+            kind in ("ping", "bye", "pool", "free") or self._handshake_frames is not None or self.router is None
+        ):
+            self.release_slot(slot)  # nobody will read it
+        if kind == "ping":
+            return
+        if kind == "bye":
+            self._closing = True  # the peer is leaving on purpose: not a loss
+            self.farewell = header
+            return
+        if self._handshake_frames is not None:
+            if self._handshake_frames.qsize() >= 4:  # a handshake is 2-3 frames, one at a time
+                raise ProtocolError(f"{self.peername} sent a stream of frames before the handshake completed")
+            self._handshake_frames.put_nowait(header)
+            return
+        if kind == "pool":
+            self._on_pool(header)
+            return
+        if kind == "free":
+            return
+        if self.router is None:
+            raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
+        if "sum" in header:
+            self._verify(header, payload)
+        if slot is None:
+            self.router.deliver(self, header, payload)
+            return
+        self._slot_in = slot
+        try:
+            self.router.deliver(self, header, payload)
+        finally:
+            if self._slot_in is not None:  # the router is done with it (it did not hold it)
+                self._slot_in = None
+                self.release_slot(slot)
+
+    def _verify(self, header: dict[str, Any], payload: Any) -> None:
+        """The sender put a checksum of the payload in the header: check it before anyone uses the bytes."""
+        claim = header["sum"]
+        if not (isinstance(claim, tuple) and len(claim) == 2 and claim[0] in CHECKSUMS and type(claim[1]) is int):
+            raise ProtocolError(f"{self.peer_label} at {self.peername} sent a malformed checksum field: {claim!r}")
+        got = CHECKSUMS[claim[0]](memoryview(payload).cast("B") if header["nbytes"] else b"")
+        if got != claim[1]:
+            raise ProtocolError(
+                f"payload checksum mismatch on a {header['kind']!r} frame from {self.peer_label} at {self.peername} "
+                f"({claim[0]} {got:#010x}, sender said {claim[1]:#010x}): the bytes were corrupted in transit"
+            )
+
+    # ---------------------------------------------------------------- send path
+    def send_frame(
+        self, header: dict[str, Any], payload: memoryview | bytes | None = None, *, nbytes: int | None = None
+    ) -> None:
+        """Queue one frame (header + payload) for sending; never blocks, never copies payload.
+
+        The payload's memory must stay unchanged until :meth:`flush` returns. (``nbytes``:
+        the size of a payload that is in a shared-memory slot rather than given here.)
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
+        size = len(payload) if payload is not None else 0
+        if isinstance(payload, memoryview):
+            size = payload.nbytes
+        if nbytes is None:
+            header.pop("pool", None)  # a relayed header says nothing of where its payload is
+            nbytes = size
+        header["nbytes"] = nbytes
+        if self._to_free and self._handshake_frames is None:
+            header["free"], self._to_free = self._to_free, []
+        if self._checksum is not None and size and self._handshake_frames is None:
+            header["sum"] = (self._checksum, CHECKSUMS[self._checksum](payload))
+        head = wire.encode_header(header)
+        if size and size <= SMALL_COPY:
+            transport.write(b"".join((head, payload)))  # one syscall, one segment: small frames are latency-bound
+            self.bytes_sent += len(head) + size
+        elif size:
+            transport.writelines((head, payload))
+            self.bytes_sent += len(head) + size
+        else:
+            transport.write(head)
+            self.bytes_sent += len(head)
+        self.frames_sent += 1
+        self._last_sent = time.monotonic()
+
+    def send_tensor(
+        self, header: dict[str, Any], x: np.ndarray, shared: bool = False, owner: tuple[Any, int] | None = None
+    ) -> None:
+        """Send a C-contiguous host array as a frame; the header gains dtype/shape/nbytes.
+
+        ``shared=True``: when the peer maps this side's pool and a slot is free, the array is
+        copied into the slot (taken for ``owner``, see ShmPool.may_wait) and only its number
+        crosses the socket. The receiving router must be done with such a payload when its
+        ``deliver`` returns, or hold the slot.
+        """
+        header = {**header, **wire.tensor_fields(x)}
+        pool = self.pool
+        if shared and self.peer_maps_pool and pool is not None and 0 < x.nbytes <= pool.slot_bytes:
+            k = pool.take(owner)
+            if k is not None:
+                try:
+                    np.copyto(pool.view(k, x.nbytes), wire.byte_view(x))
+                    self._write_pooled(header, pool, k, x.nbytes)
+                finally:
+                    pool.give_back(k)
+                return
+        self.send_frame(header, wire.byte_view(x) if x.nbytes else None)
+
+    async def flush(self) -> None:
+        """Wait until every byte queued so far has been handed to the kernel."""
+        transport = self.transport
+        if transport is None or transport.get_write_buffer_size() == 0:
+            if self._lost is not None and transport is None:
+                raise self._lost
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        await fut
+
+    def _wake_flushers(self, exc: BaseException | None) -> None:
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                if exc is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(exc)
+
+    # ------------------------------------------------------------------- close
+    @property
+    def lost(self) -> PeerLostError | None:
+        return self._lost
+
+    @property
+    def is_open(self) -> bool:
+        return not self._transport_gone() and self._lost is None
+
+    #: an in-process end (no socket, no shared memory)
+    is_local = False
+
+    def abort(self, exc: BaseException) -> None:
+        """Drop the connection because of an error (bad frame, silent peer)."""
+        logger.debug("%r aborted: %s", self, exc)
+        if self._lost is None:
+            if isinstance(exc, PeerLostError):
+                self._lost = exc
+            else:
+                self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
+                self._lost.__cause__ = exc
+        if self.transport is not None:
+            self.transport.abort()
+        self._teardown()
+
+    def detach(self) -> socket.socket:
+        """Take this connection's socket out of the event loop, as a blocking socket for a thread.
+
+        Call it right after the handshake, before either side sent anything else: bytes the
+        transport already read would be lost. This Connection is closed quietly (no goodbye,
+        no loss reported to its router); the socket itself stays open.
+        """
+        transport = self.transport
+        if transport is None or transport.is_closing() or self._lost is not None:
+            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
+        if transport.get_extra_info("ssl_object") is not None:
+            raise ProtocolError("a TLS connection cannot be detached from its transport")
+        if self._end != self._start or self._header is not None:
+            raise ProtocolError(f"{self.peername} sent bytes before its link was taken over")
+        sock = transport.get_extra_info("socket")
+        raw = socket.socket(fileno=os.dup(sock.fileno()))
+        raw.setblocking(True)
+        transport.pause_reading()
+        self._closing = True
+        self.router = None
+        transport.abort()  # closes this fd only: the dup keeps the socket (no RST, no FIN)
+        self._teardown()
+        return raw
+
+    async def close(self, timeout: float = 2.0, farewell: dict[str, Any] | None = None) -> None:
+        """Say goodbye, flush, and close; idempotent, and closes even if the goodbye fails.
+
+        ``farewell`` adds fields to the goodbye frame (the peer sees them as its ``farewell``).
+        """
+        if self.transport is None or (self._closing and self.transport.is_closing()):
+            self._teardown()
+            return
+        self._closing = True
+        try:
+            if not self.transport.is_closing() and self._handshake_frames is None:
+                self.send_frame({**(farewell or {}), "kind": "bye"})
+                await asyncio.wait_for(self.flush(), timeout)
+        except (Exception, asyncio.CancelledError):
+            pass
+        finally:
+            if self.transport is not None:
+                self.transport.close()
+            self._teardown()
+
+    def _teardown(self) -> None:
+        if self._hb_handle is not None:
+            self._hb_handle.cancel()
+            self._hb_handle = None
+        self._release_shared_memory()
+        err = self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} closed")
+        self._wake_flushers(err)
+        if not self._closed.done():
+            self._closed.set_result(None)
+            router = self.router
+            if router is not None:
+                router.connection_lost(self, None if self._closing and self._lost is None else self._lost)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._closed)

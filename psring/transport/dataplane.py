@@ -1,0 +1,734 @@
+"""The ring's data plane: all_reduce bytes on two blocking sockets, driven by two threads.
+
+Control stays on asyncio (handshakes, heartbeats, aborts, every other collective);
+the bytes of ``all_reduce`` do not. PERF-NOTES measured why: on loopback 80-86% of
+the time is the kernel copying, and one event-loop thread that receives, adds and
+sends in turn leaves that copying idle half the time. Here a send thread and a
+receive thread (which also does the reduction) each block in their own syscalls,
+which, like numpy, release the GIL, so sending, receiving and adding overlap.
+
+Each rank dials one data link to its right neighbour (authenticated like any
+connection, then taken out of the event loop) and accepts one from its left. A
+rank sends on the first and receives on the second, so each socket has one
+thread. Collectives go through a FIFO of jobs in the order the ranks called them
+(the same on every rank); every frame names its collective, so frames of a job one
+rank abandoned (after a mismatch, a timeout) are skipped by the next one.
+
+Frame: a 24-byte header (magic, index in the job's stream, seq, nbytes) and the
+payload. Index 0 of every job is the call descriptor (msgpack), compared with the
+receiver's own: ranks that called different things get a ``MismatchError``, not
+misread bytes. The order of the other frames follows from the ring algorithm, so
+a frame out of place is a protocol error.
+
+When both neighbours are on one host (the ring agreed on same-host links), a link's
+payloads go through a shared-memory segment instead (:class:`ShmSegment`): ``slots``
+buffers of a piece each, written by the left rank, read in place by the right one.
+Only the header crosses the socket (its magic is ``SHM_MAGIC`` with the slot's number
+in the low byte), and the receiver hands a slot back by writing its number, one byte,
+the other way on the same socket. The right rank folds straight out of the slot into
+its result or, for a partial sum it only hands on, into a free slot of its own link to
+the right, so a piece costs one copy into a slot, or none, and one pass of the fold,
+instead of the kernel copying it twice through loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import mmap
+import os
+import queue
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from ..core.arrays import byte_view, result_empty
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x31445350  # b"PSD1"
+SHM_MAGIC = 0x31485300  # b"\0SH1" + slot number in the low byte: the payload is in that slot
+SHM_MAX_SLOTS = 256
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "psring-plane-"
+HEADER = struct.Struct("<IIQQ")  # magic, index, seq, nbytes
+POLL = 0.1  # how often a blocked thread looks whether its job was abandoned
+SMALL_SEND = 64 << 10  # header and payload up to this size leave in one syscall
+MAX_CALL = 4096  # bytes of a call descriptor
+
+#: a receive step: (a, b, what) -- what: reduce and forward, reduce (final: the result) and
+#: forward, store and forward, store only
+_REDUCE, _FINAL, _STORE_FWD, _STORE = range(4)
+
+
+class PlaneLinkError(Exception):
+    """A data link failed (the peer went away, or sent bytes that are not frames)."""
+
+    def __init__(self, message: str, side: str) -> None:
+        super().__init__(message)
+        self.side = side  # "send" (to the right) or "recv" (from the left)
+
+
+class PlaneMismatch(Exception):
+    """The left neighbour's frames are for another call than ours."""
+
+    def __init__(self, call: Any) -> None:
+        super().__init__(f"left neighbour called {call!r}")
+        self.call = call
+
+
+class _Abandoned(Exception):
+    pass
+
+
+class ShmSegment:
+    """A link's shared memory: ``slots`` buffers of ``slot_bytes``, in a file under /dev/shm that
+    lives only until the receiver has mapped it (the sender then unlinks it)."""
+
+    def __init__(self, path: str, fd: int, slots: int, slot_bytes: int, writable: bool) -> None:
+        self.path: str | None = path
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        try:
+            # mapped in at once (MAP_POPULATE): no page faults in the first collective
+            self.mm = mmap.mmap(
+                fd,
+                slots * slot_bytes,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
+            )
+        finally:
+            os.close(fd)
+        self.array = np.frombuffer(self.mm, np.uint8)
+
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> ShmSegment:
+        """A new segment for the sender (OSError where /dev/shm cannot hold it)."""
+        if not 1 <= slots <= SHM_MAX_SLOTS:
+            raise ValueError(f"a data link has 1 to {SHM_MAX_SLOTS} shared-memory slots, not {slots}")
+        slot_bytes = -(-slot_bytes // 4096) * 4096  # page-aligned slots: any dtype view is aligned
+        path = os.path.join(SHM_DIR, SHM_PREFIX + secrets.token_hex(8))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # reserve the pages now: a full tmpfs fails here, not with SIGBUS at the first write
+            os.posix_fallocate(fd, 0, slots * slot_bytes)
+            return cls(path, fd, slots, slot_bytes, writable=True)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+
+    @classmethod
+    def open(cls, path: str, slots: int, slot_bytes: int) -> ShmSegment:
+        """The receiver's read-only view of its left neighbour's segment (OSError, ValueError)."""
+        name = os.path.basename(path)
+        if (
+            os.path.dirname(path) != SHM_DIR
+            or not name.startswith(SHM_PREFIX)
+            or not 1 <= slots <= SHM_MAX_SLOTS
+            or slot_bytes < 1
+        ):
+            raise ValueError(f"not a data plane segment: {path!r} ({slots} x {slot_bytes} bytes)")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            if os.fstat(fd).st_size != slots * slot_bytes:
+                raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, not {slots} x {slot_bytes}")
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = cls(path, fd, slots, slot_bytes, writable=False)
+        segment.path = None  # the sender unlinks it
+        return segment
+
+    def slot(self, k: int, nbytes: int) -> np.ndarray:
+        start = k * self.slot_bytes
+        return self.array[start : start + nbytes]
+
+    def unlink(self) -> None:
+        path, self.path = self.path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def close(self) -> None:
+        self.unlink()
+        self.array = np.empty(0, np.uint8)
+        with contextlib.suppress(BufferError):  # a view still held somewhere: the mapping goes with it
+            self.mm.close()
+
+
+class Job:
+    """One all_reduce on the data plane: what to send, what to receive, and where."""
+
+    def __init__(
+        self,
+        seq: int,
+        call: bytes,
+        x: np.ndarray,
+        steps: list[tuple[int, int, int]],
+        n_send: int,
+        first_index: int,
+        ufunc: np.ufunc,
+        avg: int,
+        on_error: Callable[[BaseException], None],
+        stop: threading.Event,
+        ready: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.seq = seq
+        self.call = call
+        self.x = x
+        self.out = result_empty(x)
+        self.steps = steps
+        self.n_send = n_send  # items the send thread sends, own ones included
+        self.next_index = first_index  # stream index of the first forwarded frame
+        self.ufunc = ufunc
+        self.avg = avg  # divide the final chunks by this (op avg), 0: no
+        self.on_error = on_error
+        self.stop = stop  # the plane is closing
+        self.ready = ready  # ready(a, b): block until x[a:b] holds the input (device staging)
+        # (header, payload, input range to wait for before sending it, if any); a payload that
+        # is an int: that many bytes are in the slot the header names already
+        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | int | None, tuple[int, int] | None] | None] = (
+            queue.SimpleQueue()
+        )
+        self.send_closed = False  # the send thread is done with it (under the plane's slot lock)
+        self.cancelled = threading.Event()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+        self._pending = 2  # the send and the receive thread
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def gone(self) -> bool:
+        return self.cancelled.is_set() or self.stop.is_set()
+
+    def part_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._tell(_resolve, self.done)
+
+    def fail(self, exc: BaseException) -> None:
+        self.cancelled.set()
+        self.fwd.put(None)  # wake the send thread
+        self._tell(self.on_error, exc)
+
+    def _tell(self, fn: Callable[..., None], arg: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed: nobody waits for this job any more
+            pass
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class _Reader:
+    """Buffered frame reader on the receiving socket; survives abandoned jobs mid-frame."""
+
+    def __init__(self, sock: socket.socket, shm: ShmSegment | None = None) -> None:
+        self.sock = sock
+        self.buf = bytearray(1 << 16)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+        self.skip = 0  # payload bytes of an abandoned frame still to drop
+        self.bytes_received = 0
+        self.credits_sent = 0  # bytes written back: one per slot handed back
+        self.shm = shm
+        self.in_slot = False  # the current frame's payload is in a shared-memory slot: this one
+        self.slot = 0
+
+    def _recv(self, dest: memoryview, job: Job) -> int:
+        while True:
+            try:
+                n = self.sock.recv_into(dest)
+            except TimeoutError:
+                if job.gone():
+                    raise _Abandoned from None
+                continue
+            if n == 0:
+                raise PlaneLinkError("the left neighbour closed its data link", "recv")
+            self.bytes_received += n
+            return n
+
+    def _fill(self, job: Job) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif len(self.buf) - self.end < HEADER.size:
+            n = self.end - self.start
+            self.view[:n] = self.view[self.start : self.end]
+            self.start, self.end = 0, n
+        self.end += self._recv(self.view[self.end :], job)
+
+    def _drop(self, job: Job) -> None:
+        while self.skip:
+            if self.start == self.end:
+                self._fill(job)
+            take = min(self.skip, self.end - self.start)
+            self.start += take
+            self.skip -= take
+
+    def header(self, job: Job) -> tuple[int, int, int]:
+        """(index, seq, nbytes) of the next frame, skipping frames of earlier collectives."""
+        while True:
+            self._drop(job)
+            while self.end - self.start < HEADER.size:
+                self._fill(job)
+            magic, index, seq, nbytes = HEADER.unpack_from(self.buf, self.start)
+            if magic & ~0xFF == SHM_MAGIC and self.shm is not None:
+                self.in_slot, self.slot = True, magic & 0xFF
+                if self.slot >= self.shm.slots or nbytes > self.shm.slot_bytes:
+                    raise PlaneLinkError(f"the data link from the left named slot {self.slot} ({nbytes} bytes)", "recv")
+            elif magic == MAGIC:
+                self.in_slot = False
+            else:
+                raise PlaneLinkError(f"the data link from the left sent a bad frame (magic {magic:#x})", "recv")
+            if seq >= job.seq:
+                return index, seq, nbytes
+            self.start += HEADER.size  # a frame of a collective this rank abandoned
+            if self.in_slot:
+                self.release(nbytes)
+            else:
+                self.skip = nbytes
+
+    def take_slot(self, nbytes: int) -> np.ndarray:
+        """Consume the current header; its payload, in place in the shared segment (read-only).
+        Hand it back with ``release`` once read."""
+        assert self.shm is not None and self.in_slot
+        self.start += HEADER.size
+        return self.shm.slot(self.slot, nbytes)
+
+    def release(self, nbytes: int) -> None:
+        """The current slot is read: the left neighbour may write it again."""
+        self.bytes_received += nbytes
+        try:
+            self.sock.sendall(bytes((self.slot,)))
+            self.credits_sent += 1
+        except OSError:
+            pass  # the left neighbour sent all it had and left: it needs no slot back
+
+    def payload(self, job: Job, dest: memoryview) -> None:
+        """Consume the current header and read its payload into dest."""
+        self.start += HEADER.size
+        n = len(dest)
+        have = min(self.end - self.start, n)
+        dest[:have] = self.view[self.start : self.start + have]
+        self.start += have
+        off = have
+        while off < n:
+            try:
+                off += self._recv(dest[off:], job)
+            except _Abandoned:
+                self.skip = n - off
+                raise
+
+
+class DataPlane:
+    """Two data links (to the right, from the left), a thread on each, and a FIFO of jobs."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.send_sock: socket.socket | None = None
+        self.recv_sock: socket.socket | None = None
+        self.recv_ready: asyncio.Event | None = None
+        self._send_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._recv_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._reader: _Reader | None = None
+        self._bytes_sent = 0
+        self.closed = False
+        self.stop = threading.Event()
+        #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
+        self.shm_out: ShmSegment | None = None
+        self.shm_in: ShmSegment | None = None
+        # the link to the right's free slots, and how many frames queued for the send thread
+        # still need one (the receive thread fills a slot itself only if one is left over for
+        # each of those: see _take_slot)
+        self._free: collections.deque[int] = collections.deque()
+        self._unslotted = 0
+        self._slot_lock = threading.Lock()
+        self._slots_back = 0  # slots the right neighbour has handed back
+        self.shm_bytes_sent = 0
+        self.slots_filled_here = 0  # pieces the receive thread folded straight into a slot to the right
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes from the left (frames on the socket, payloads in its shared slots), and the
+        slot hand-backs from the right (one byte each)."""
+        return (self._reader.bytes_received if self._reader is not None else 0) + self._slots_back
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes to the right (frames on the socket, payloads in its shared slots), and the
+        slot hand-backs to the left."""
+        return self._bytes_sent + (self._reader.credits_sent if self._reader is not None else 0)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._threads) and not self.closed
+
+    def set_recv(self, sock: socket.socket) -> None:
+        self.recv_sock = sock
+        sock.settimeout(POLL)
+        if self.recv_ready is not None:
+            self.recv_ready.set()
+
+    def set_send(self, sock: socket.socket) -> None:
+        self.send_sock = sock
+        sock.settimeout(None)
+
+    def use_shm(self, out: ShmSegment | None, into: ShmSegment | None) -> None:
+        """Payloads to the right go through ``out``, those from the left come in ``into``
+        (either may be None: that link carries its payloads on the socket). Before ``start``."""
+        self.shm_out, self.shm_in = out, into
+        self._free = collections.deque(range(out.slots) if out is not None else ())
+
+    def start(self) -> None:
+        assert self.send_sock is not None and self.recv_sock is not None
+        self._reader = _Reader(self.recv_sock, self.shm_in)
+        for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+            t = threading.Thread(target=target, name=f"psring-rank{self.rank}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # ----------------------------------------------------------------- jobs
+    def all_reduce(
+        self,
+        seq: int,
+        call: bytes,
+        x: np.ndarray,
+        parts: list[list[tuple[int, int]]],
+        ufunc: np.ufunc,
+        avg: bool,
+        on_error: Callable[[BaseException], None],
+        ready: Callable[[int, int], None] | None = None,
+    ) -> Job:
+        """Queue a pipelined ring reduce-scatter + all-gather of flat x; ``parts[c]`` are the
+        pieces (element ranges) of ring chunk c. The job's ``out`` holds the result once
+        ``done``, folded in the canonical order. ``ready(a, b)``, if given, is called (in the
+        plane's threads) before x[a:b] is read: x may still be arriving from a device."""
+        n, me = self.world_size, self.rank
+        steps: list[tuple[int, int, int]] = []
+        for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
+            c = (me - k) % n
+            steps.extend((a, b, _REDUCE if k < n - 1 else _FINAL) for a, b in parts[c])
+        for k in range(n - 1):  # all-gather: chunks me, me-1, ..., me+2 (not forwarded: it is done)
+            c = (me - k) % n
+            steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
+        n_own = len(parts[me])
+        n_fwd = sum(1 for s in steps if s[2] != _STORE)
+        avg_n = n if avg else 0
+        job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop, ready)
+        job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None, None))
+        for j, (a, b) in enumerate(parts[me]):
+            data = byte_view(x[a:b])
+            if self._needs_slot(data.nbytes):
+                with self._slot_lock:
+                    self._unslotted += 1
+            job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data, (a, b)))
+        # own frames are queued before the receive thread can forward anything: stream order
+        self._send_q.put(job)
+        self._recv_q.put(job)
+        return job
+
+    # -------------------------------------------------------------- threads
+    # Each job is handled in a method of its own, so that no local keeps its arrays (the
+    # caller's input, the result) alive once it is done: a result the caller drops goes
+    # back to the pool at once.
+    def _send_loop(self) -> None:
+        while True:
+            job = self._send_q.get()
+            if job is None or not self._send_job(job):
+                return
+            del job
+
+    def _send_job(self, job: Job) -> bool:
+        """Send one job's frames; False when the plane is closing."""
+        try:
+            return self._send_frames(job)
+        finally:
+            self._close_send(job)
+
+    def _send_frames(self, job: Job) -> bool:
+        sock = self.send_sock
+        assert sock is not None
+        try:
+            sent = 0
+            while sent < job.n_send:
+                try:
+                    item = job.fwd.get(timeout=POLL)
+                except queue.Empty:
+                    if job.gone():
+                        return True
+                    continue
+                if item is None:
+                    return True  # the receive side gave up on it
+                header, payload, needs = item
+                if needs is not None and job.ready is not None:
+                    job.ready(*needs)
+                if payload is None:
+                    sock.sendall(header)
+                    self._bytes_sent += len(header)
+                elif isinstance(payload, int):  # the receive thread filled the slot
+                    sock.sendall(header)
+                    self._bytes_sent += len(header) + payload
+                    self.shm_bytes_sent += payload
+                elif self._needs_slot(payload.nbytes):
+                    if not self._send_slot(job, header, payload):
+                        return True
+                elif payload.nbytes <= SMALL_SEND:
+                    sock.sendall(header + payload)
+                    self._bytes_sent += len(header) + payload.nbytes
+                else:
+                    sock.sendall(header)
+                    sock.sendall(payload)
+                    self._bytes_sent += len(header) + payload.nbytes
+                sent += 1
+        except OSError as exc:
+            if self.closed:
+                return False
+            job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
+            return True
+        job.part_done()
+        return True
+
+    def _needs_slot(self, nbytes: int) -> bool:
+        return self.shm_out is not None and nbytes <= self.shm_out.slot_bytes
+
+    def _harvest(self) -> None:
+        """Take the slots the right neighbour handed back (under the slot lock; never blocks)."""
+        sock = self.send_sock
+        assert sock is not None
+        try:
+            back = sock.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        if not back:
+            raise ConnectionResetError("the right neighbour closed its data link")
+        self._slots_back += len(back)
+        self._free.extend(back)
+
+    def _send_slot(self, job: Job, header: bytes, payload: memoryview) -> bool:
+        """Copy a payload into a free slot and send its header; False if the job was abandoned
+        while every slot was taken."""
+        shm, sock = self.shm_out, self.send_sock
+        assert shm is not None and sock is not None
+        while True:
+            with self._slot_lock:
+                if not self._free:
+                    self._harvest()
+                if self._free:
+                    k = self._free.popleft()
+                    self._unslotted -= 1
+                    break
+            ready, _, _ = select.select([sock], [], [], POLL)
+            if not ready and job.gone():
+                return False
+        np.copyto(shm.slot(k, payload.nbytes), np.frombuffer(payload, np.uint8))
+        sock.sendall(HEADER.pack(SHM_MAGIC | k, *HEADER.unpack(header)[1:]))
+        self._bytes_sent += len(header) + payload.nbytes
+        self.shm_bytes_sent += payload.nbytes
+        return True
+
+    def _close_send(self, job: Job) -> None:
+        """The send thread is done with job: slots filled for frames it will not send are free
+        again, and frames that would have needed one are no longer counted."""
+        with self._slot_lock:
+            job.send_closed = True
+            while True:
+                try:
+                    item = job.fwd.get_nowait()
+                except queue.Empty:
+                    return
+                if item is None or item[1] is None:
+                    continue
+                if isinstance(item[1], int):
+                    self._free.append(item[0][0])  # the slot number: the header's first (low) byte
+                elif self._needs_slot(item[1].nbytes):
+                    self._unslotted -= 1
+
+    def _forward(self, job: Job, view: memoryview) -> None:
+        """Queue a frame for the right neighbour; the send thread copies it into a slot (receive thread)."""
+        header = HEADER.pack(MAGIC, job.next_index, job.seq, view.nbytes)
+        job.next_index += 1
+        with self._slot_lock:
+            if job.send_closed:
+                return
+            if self._needs_slot(view.nbytes):
+                self._unslotted += 1
+            job.fwd.put((header, view, None))
+
+    def _take_slot(self, nbytes: int) -> int | None:
+        """A free slot of the link to the right for the receive thread to fill, if one is left
+        over once every frame queued for the send thread that needs one has one. (Else such a
+        frame could wait forever for a slot held by a frame queued behind it. Those frames get
+        their slots in queue order and slots only come back, so the margin holds.)"""
+        if not self._needs_slot(nbytes):
+            return None
+        with self._slot_lock:
+            if len(self._free) <= self._unslotted:
+                try:
+                    self._harvest()
+                except OSError:
+                    return None  # the send thread will find the link broken and say so
+            return self._free.popleft() if len(self._free) > self._unslotted else None
+
+    def _forward_slot(self, job: Job, k: int, nbytes: int) -> None:
+        """Queue the header of slot k, which the receive thread filled."""
+        header = HEADER.pack(SHM_MAGIC | k, job.next_index, job.seq, nbytes)
+        job.next_index += 1
+        with self._slot_lock:
+            if job.send_closed:
+                self._free.append(k)
+                return
+            job.fwd.put((header, nbytes, None))
+
+    def _recv_loop(self) -> None:
+        reader = self._reader
+        assert reader is not None
+        while True:
+            job = self._recv_q.get()
+            if job is None or not self._recv_job(job, reader):
+                return
+            del job
+
+    def _recv_job(self, job: Job, reader: _Reader) -> bool:
+        """Receive (and reduce, and hand on) one job's frames; False when the plane is closing."""
+        if job.gone():
+            return True
+        try:
+            self._receive(job, reader)
+        except _Abandoned:
+            return True
+        except PlaneMismatch as exc:
+            job.fail(exc)
+            return True
+        except PlaneLinkError as exc:
+            if self.closed:
+                return False
+            job.fail(exc)
+            return True
+        except OSError as exc:
+            if self.closed:
+                return False
+            job.fail(PlaneLinkError(f"receiving from the left neighbour failed: {exc}", "recv"))
+            return True
+        except Exception as exc:  # pragma: no cover - a bug: surface it on the collective
+            logger.exception("data plane receive failed")
+            job.fail(exc)
+            return True
+        job.part_done()
+        return True
+
+    def _receive(self, job: Job, reader: _Reader) -> None:
+        seq = job.seq
+        index, _, nbytes = self._next(job, reader)
+        if index != 0 or nbytes > MAX_CALL:
+            raise PlaneLinkError(f"collective #{seq}: the left neighbour's first frame is #{index}", "recv")
+        call = bytearray(nbytes)
+        reader.payload(job, memoryview(call))
+        if bytes(call) != job.call:
+            try:
+                theirs = msgpack.unpackb(bytes(call), use_list=False)
+            except Exception:
+                theirs = None
+            raise PlaneMismatch(theirs)
+        x, out, ufunc = job.x, job.out, job.ufunc
+        expect = 1
+        for a, b, what in job.steps:
+            index, _, nbytes = self._next(job, reader)
+            dest = out[a:b]
+            view = byte_view(dest)
+            if index != expect or nbytes != view.nbytes:
+                raise PlaneLinkError(
+                    f"collective #{seq}: frame #{index} of {nbytes} bytes from the left neighbour, "
+                    f"expected #{expect} of {view.nbytes}",
+                    "recv",
+                )
+            expect += 1
+            if reader.in_slot:  # fold (or copy) straight out of the shared slot
+                src = reader.take_slot(nbytes).view(dest.dtype)
+                k = self._take_slot(nbytes) if what == _REDUCE else None
+                if what <= _FINAL:
+                    if job.ready is not None:
+                        job.ready(a, b)
+                    if k is not None:  # a partial sum only handed on: straight into the next slot
+                        assert self.shm_out is not None
+                        ufunc(src, x[a:b], out=self.shm_out.slot(k, nbytes).view(dest.dtype))
+                    else:
+                        ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
+                    if what == _FINAL and job.avg:
+                        np.divide(dest, dest.dtype.type(job.avg), out=dest)
+                else:
+                    np.copyto(dest, src)
+                del src
+                reader.release(nbytes)
+                if k is not None:
+                    self.slots_filled_here += 1
+                    self._forward_slot(job, k, nbytes)
+                elif what != _STORE:
+                    self._forward(job, view)
+                continue
+            reader.payload(job, view)
+            if what <= _FINAL:
+                if job.ready is not None:
+                    job.ready(a, b)
+                ufunc(dest, x[a:b], out=dest)  # canonical: (fold so far) op own
+                if what == _FINAL and job.avg:
+                    np.divide(dest, dest.dtype.type(job.avg), out=dest)
+            if what != _STORE:
+                self._forward(job, view)
+
+    @staticmethod
+    def _next(job: Job, reader: _Reader) -> tuple[int, int, int]:
+        while True:
+            index, at, nbytes = reader.header(job)
+            if at == job.seq:
+                return index, at, nbytes
+            # the left neighbour is already past this collective: it abandoned it, and
+            # the control plane will fail ours too; wait for that without reading on
+            if job.cancelled.wait(POLL) or job.stop.is_set():
+                raise _Abandoned
+
+    # ---------------------------------------------------------------- close
+    def close(self) -> None:
+        """Stop the threads and close both links (idempotent; never blocks for long)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stop.set()
+        for sock in (self.send_sock, self.recv_sock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        self._send_q.put(None)
+        self._recv_q.put(None)
+        for t in self._threads:
+            t.join(timeout=2.0)
+        for sock in (self.send_sock, self.recv_sock):
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+        stuck = any(t.is_alive() for t in self._threads)
+        for segment in (self.shm_out, self.shm_in):
+            if segment is None:
+                continue
+            if stuck:  # a thread may still touch the mapping: only drop the name
+                segment.unlink()
+            else:
+                segment.close()

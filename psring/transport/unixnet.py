@@ -1,0 +1,331 @@
+"""Same-host links: Unix seqpacket sockets between the ranks of one host, for small messages.
+
+When every rank of a job runs under one kernel, in one network and one pid namespace
+(one machine, or containers sharing both), a small collective need not cross TCP:
+a seqpacket socket keeps message boundaries, so a message is one ``send`` and one
+``recv_into``, with no stream framing, no protocol object and no transport buffers
+in between. Measured on the 2-core VM, a 4-byte all-to-all exchange between 4
+processes took ~260 microseconds this way against ~1.2 ms through the TCP links.
+
+A message is one whole frame (:func:`psring.wire.encode_message`); this module
+knows messages and peers, not collectives.
+
+Trust: each rank binds a listening socket under a random abstract name and
+publishes ``(host key, name, pid)`` through the store. A link is kept only if the
+kernel's credentials of the other end (``SO_PEERCRED``) show the pid that rank
+published, so a stranger on the host who finds the name cannot pose as a rank.
+``PSRING_SAME_HOST=off`` keeps everything on TCP (and TLS, when configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ..core import wire
+from ..errors import CollectiveTimeoutError, PeerLostError, ProtocolError
+from .samehost import host_key
+
+logger = logging.getLogger(__name__)
+
+#: the largest message a link carries; a bigger one is refused at the sender. Fits the
+#: default socket send buffer (~208 KiB), which a seqpacket message must fit whole
+MAX_MESSAGE = 128 << 10
+
+_CREDS = struct.Struct("3i")
+
+
+def peer_pid(sock: socket.socket) -> int:
+    pid, _uid, _gid = _CREDS.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+    return int(pid)
+
+
+class UnixLink:
+    """One seqpacket socket to one peer rank, with a queue for what the kernel did not take."""
+
+    __slots__ = ("bytes_received", "bytes_sent", "closed", "deferred", "frames_sent", "peer", "pending", "sock")
+
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.closed = False
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.deferred = 0  #: messages that had to wait for room in the kernel's buffer
+
+
+class UnixMesh:
+    """This rank's Unix links to the other ranks on its host.
+
+    ``on_message(peer, head, payload)`` runs for every message, in the order each peer
+    sent them; ``payload`` is a view into a receive buffer that is reused as soon as
+    the callback returns (copy what you keep). ``on_closed(peer, error)`` runs once per
+    link that ends while the mesh is open (``error`` None for an orderly end).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        job: str,
+        on_message: Callable[[int, tuple[Any, ...], memoryview], None],
+        on_closed: Callable[[int, BaseException | None], None],
+    ) -> None:
+        self.rank = rank
+        self.job = job
+        self.on_message = on_message
+        self.on_closed = on_closed
+        self.links: dict[int, UnixLink] = {}
+        self.listener: socket.socket | None = None
+        self.name = ""
+        self._buf = bytearray(MAX_MESSAGE + 1)
+        self._view = memoryview(self._buf)
+        self._drained: asyncio.Future[None] | None = None
+        self._closing = False
+        self.backlog = 0  #: links with messages the kernel has not taken yet
+
+    def __repr__(self) -> str:
+        return f"UnixMesh(rank {self.rank}, {len(self.links)} links)"
+
+    # ------------------------------------------------------------------ set-up
+    def bind(self) -> dict[str, Any]:
+        """Listen under a fresh abstract name; return what to publish for the peers."""
+        key = host_key()
+        if key is None:
+            raise OSError("this system cannot tell which processes share its host (no /proc or SO_PEERCRED)")
+        self.name = f"psring-{self.job[:40]}-{self.rank}-{secrets.token_hex(8)}"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.bind("\0" + self.name)
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self.listener = sock
+        return {"key": key, "name": self.name, "pid": os.getpid()}
+
+    async def connect(self, peers: dict[int, dict[str, Any]], timeout: float) -> None:
+        """Link to every peer: dial the higher ranks, accept the lower ones (each checked by pid)."""
+        assert self.listener is not None
+        me = self.rank
+        lower = {r for r in peers if r < me}
+        accepted: dict[int, socket.socket] = {}
+        all_in = asyncio.Event()
+        if not lower:
+            all_in.set()
+        loop = asyncio.get_running_loop()
+        greeters: set[asyncio.Task[None]] = set()
+
+        async def greet(sock: socket.socket) -> None:
+            try:
+                sock.setblocking(False)
+                raw = await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout)
+                hello = msgpack.unpackb(raw, raw=False) if raw else None
+                rank = hello.get("rank") if isinstance(hello, dict) else None
+                if (
+                    type(rank) is not int
+                    or rank not in lower
+                    or rank in accepted
+                    or hello.get("job") != self.job
+                    or peer_pid(sock) != peers[rank]["pid"]
+                ):
+                    logger.warning(
+                        "rank %d: refused a same-host link from pid %d claiming %r", me, peer_pid(sock), hello
+                    )
+                    sock.close()
+                    return
+                accepted[rank] = sock
+                if len(accepted) == len(lower):
+                    all_in.set()
+            except Exception:
+                sock.close()
+
+        async def accept_loop() -> None:
+            while not all_in.is_set():
+                sock, _ = await loop.sock_accept(self.listener)  # type: ignore[arg-type]
+                task = asyncio.ensure_future(greet(sock))
+                greeters.add(task)
+                task.add_done_callback(greeters.discard)
+
+        async def dial(rank: int) -> tuple[int, socket.socket]:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            try:
+                sock.setblocking(False)
+                await loop.sock_connect(sock, "\0" + str(peers[rank]["name"]))
+                pid = peer_pid(sock)
+                if pid != peers[rank]["pid"]:
+                    raise ProtocolError(
+                        f"the same-host socket rank {rank} published is held by pid {pid}, "
+                        f"not by the pid rank {rank} published ({peers[rank]['pid']})"
+                    )
+                sock.send(msgpack.packb({"rank": me, "job": self.job}))
+            except BaseException:
+                sock.close()
+                raise
+            return rank, sock
+
+        acceptor = asyncio.ensure_future(accept_loop())
+        dials = [asyncio.ensure_future(dial(r)) for r in sorted(peers) if r > me]
+        try:
+            async with asyncio.timeout(timeout):
+                dialed = await asyncio.gather(*dials)
+                await all_in.wait()
+        except TimeoutError:
+            missing = sorted(lower - set(accepted))
+            raise CollectiveTimeoutError(
+                f"rank {me}: rank(s) {missing} did not open their same-host links within {timeout:g}s "
+                "(PSRING_SAME_HOST=off keeps every rank on TCP)",
+                missing=tuple(missing),
+            ) from None
+        except BaseException:
+            for sock in accepted.values():
+                sock.close()
+            for task in dials:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result()[1].close()
+            raise
+        finally:
+            acceptor.cancel()
+            for task in (*dials, *greeters):
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(acceptor, *dials, *greeters, return_exceptions=True)
+        self.listener.close()  # every link is up: nobody else may join
+        self.listener = None
+        for rank, sock in (*dialed, *accepted.items()):
+            link = UnixLink(rank, sock)
+            self.links[rank] = link
+            loop.add_reader(sock.fileno(), self._readable, link)
+
+    # ---------------------------------------------------------------- sending
+    def send(self, peer: int, msg: bytes) -> None:
+        """Queue one message to peer (sent at once when the kernel takes it)."""
+        link = self.links[peer]
+        if link.closed:
+            raise PeerLostError(f"the same-host link from rank {self.rank} to rank {peer} is closed", rank=peer)
+        if len(msg) > MAX_MESSAGE:
+            raise ProtocolError(f"a {len(msg)}-byte message is over the same-host limit of {MAX_MESSAGE} bytes")
+        if link.pending:
+            link.pending.append(msg)
+            link.deferred += 1
+            return
+        try:
+            link.sock.send(msg)
+        except BlockingIOError:
+            link.pending.append(msg)
+            link.deferred += 1
+            self.backlog += 1
+            asyncio.get_running_loop().add_writer(link.sock.fileno(), self._writable, link)
+            return
+        except OSError as exc:
+            self._ended(link, exc)
+            raise PeerLostError(f"the same-host link to rank {peer} broke: {exc}", rank=peer) from exc
+        link.bytes_sent += len(msg)
+        link.frames_sent += 1
+
+    async def drain(self) -> None:
+        """Wait until every queued message is with the kernel (or its link has ended)."""
+        while self.backlog:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+
+    def _writable(self, link: UnixLink) -> None:
+        while link.pending:
+            msg = link.pending[0]
+            try:
+                link.sock.send(msg)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._ended(link, exc)
+                return
+            link.pending.popleft()
+            link.bytes_sent += len(msg)
+            link.frames_sent += 1
+        asyncio.get_running_loop().remove_writer(link.sock.fileno())
+        self.backlog -= 1
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        if self._drained is not None and not self._drained.done() and not self.backlog:
+            self._drained.set_result(None)
+
+    # -------------------------------------------------------------- receiving
+    def _readable(self, link: UnixLink) -> bool:
+        # One message per call: the loop calls again while more are queued (level-triggered),
+        # which costs less than the failing recv that ends a drain-everything loop.
+        try:
+            n = link.sock.recv_into(self._buf)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            self._ended(link, exc)
+            return False
+        if n == 0:  # messages are never empty: this is the end
+            self._ended(link, None)
+            return False
+        link.bytes_received += n
+        try:
+            if n > MAX_MESSAGE:
+                raise ProtocolError(f"a message over the {MAX_MESSAGE}-byte limit")
+            head, payload = wire.decode_message(self._view[:n])
+            self.on_message(link.peer, head, payload)
+        except ProtocolError as exc:
+            self._ended(link, ProtocolError(f"rank {link.peer} sent a bad same-host message: {exc}"))
+        return True
+
+    def poll(self, peers: list[int]) -> bool:
+        """Take at most one waiting message from each of these peers' links, without blocking;
+        True if any came."""
+        got = False
+        links = self.links
+        for peer in peers:
+            link = links[peer]
+            if not link.closed and self._readable(link):
+                got = True
+        return got
+
+    # ---------------------------------------------------------------- endings
+    def _ended(self, link: UnixLink, error: BaseException | None) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        loop = asyncio.get_running_loop()
+        fd = link.sock.fileno()
+        if fd >= 0:
+            loop.remove_reader(fd)
+            loop.remove_writer(fd)
+        link.sock.close()
+        if link.pending:
+            link.pending.clear()
+            self.backlog -= 1
+        self._wake_drain()
+        if not self._closing:
+            self.on_closed(link.peer, error)
+
+    def close(self) -> None:
+        """Close every link and the listener (no callbacks)."""
+        self._closing = True
+        for link in list(self.links.values()):
+            self._ended(link, None)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+    def stats(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) over every link."""
+        links = self.links.values()
+        return sum(link.bytes_sent for link in links), sum(link.bytes_received for link in links)

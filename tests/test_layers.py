@@ -1,0 +1,156 @@
+"""The package's shape: folders are layers, each imports only the layers below it, nothing imports
+in a circle, and one module reads the environment."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from psring import settings
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "psring"
+
+#: bottom to top; a module may import its own layer and the ones before it
+LAYERS = {
+    "errors": 0,
+    "settings": 0,
+    "version": 0,
+    "core": 1,
+    "optim": 1,  # the public path of core.optim
+    "transport": 2,
+    "rendezvous": 3,
+    "topology": 4,
+    "training": 5,
+    "cluster": 6,
+    "torch": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 9,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else "__init__"]
+
+
+def _imports() -> dict[str, set[str]]:
+    """For every psring module, the psring modules it imports anywhere (module level or in a function)."""
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module or ""
+                if not target.startswith("psring"):
+                    continue
+                for alias in node.names:  # "from .core import wire" imports the module psring.core.wire
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in modules else target)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("psring")}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_every_module_is_in_a_known_layer() -> None:
+    for name in _imports():
+        assert _layer(name) >= 0, name
+
+
+def test_each_layer_imports_only_layers_below_it() -> None:
+    wrong = [
+        f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})"
+        for name, deps in _imports().items()
+        for dep in deps
+        if _layer(dep) > _layer(name)
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_circles() -> None:
+    graph = _imports()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_the_settings_module_reads_the_environment() -> None:
+    readers = []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if "os.environ" in text or "os.getenv" in text:
+            readers.append(_module_name(path))
+    assert readers == ["psring.settings"], readers
+
+
+def test_every_setting_names_its_variable_and_meaning() -> None:
+    names = [f.metadata["env"] for f in settings.variables()]
+    assert len(names) == len(set(names)) and all(n.startswith("PSRING_") for n in names)
+    assert all(f.metadata["meaning"] for f in settings.variables())
+    # every PSRING_ name the code mentions is one of them
+    mentioned = set()
+    for path in PKG.rglob("*.py"):
+        mentioned |= set(__import__("re").findall(r"\bPSRING_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    unknown = mentioned - set(names)
+    assert not unknown, f"PSRING_ variables mentioned but not in psring.settings: {sorted(unknown)}"
+
+
+def test_bad_values_name_the_variable() -> None:
+    with pytest.raises(ValueError, match=r"PSRING_RING_PIECE='big': expected a whole number of bytes"):
+        settings.load({"PSRING_RING_PIECE": "big"})
+    with pytest.raises(ValueError, match=r"PSRING_TOPOLOGY='tree': expected one of ring, ps"):
+        settings.load({"PSRING_TOPOLOGY": "tree"})
+    with pytest.raises(ValueError, match=r"PSRING_TIMEOUT='-1': expected a positive number"):
+        settings.load({"PSRING_TIMEOUT": "-1"})
+    loaded = settings.load({"PSRING_RING_PIECE": "2M", "PSRING_SAME_HOST": "off", "PSRING_TIMEOUT": "7"})
+    assert loaded.ring_piece == 2 << 20 and loaded.same_host is False and loaded.timeout == 7.0
+
+
+def test_secret_file_is_read(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "s").write_text("sesame\n")
+    assert settings.load({"PSRING_SECRET_FILE": str(tmp_path / "s")}).secret == "sesame"
+    assert settings.load({"PSRING_SECRET_FILE": str(tmp_path / "s"), "PSRING_SECRET": "x"}).secret == "x"
+    with pytest.raises(ValueError, match=r"PSRING_SECRET_FILE=.* cannot be read"):
+        settings.load({"PSRING_SECRET_FILE": str(tmp_path / "missing")})
+
+
+@pytest.mark.timeout(60)
+def test_help_env_lists_every_variable() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "psring", "--help-env"], capture_output=True, text=True, timeout=50, check=True
+    ).stdout
+    for f in settings.variables():
+        assert f.metadata["env"] in out
+    assert "[tuning]" in out
