@@ -29,6 +29,10 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
     assert summary["ranks_agree"] is True
     assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
     assert len(summary["bytes_per_worker"]) == 2 and all(s > 0 for s, _ in summary["bytes_per_worker"])
+    # not a terminal: one plain line per epoch, no progress-bar redraws, no runpy warnings
+    epochs = [line for line in proc.stdout.splitlines() if line.startswith(f"[{topology}] epoch ")]
+    assert len(epochs) == 4, proc.stdout
+    assert "\r" not in proc.stdout + proc.stderr and "Warning" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(

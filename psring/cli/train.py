@@ -18,13 +18,15 @@ from ..transport.loop import new_event_loop
 
 
 class _Progress:
-    """A live bar in the parent, fed by rank 0's progress lines (tqdm if installed, else plain lines)."""
+    """Rank 0's progress lines, shown in the parent: a live bar (tqdm, on stderr) when there is a
+    terminal to redraw it on and tqdm is installed; else one plain line per epoch on stdout, so
+    a log gets the epochs and no redraws."""
 
-    def __init__(self, label: str, quiet: bool) -> None:
+    def __init__(self, label: str, quiet: bool, live: bool | None = None) -> None:
         self.label = label
         self.quiet = quiet
         self.bar: Any = None
-        self.last_epoch = 0
+        self.live = sys.stderr.isatty() if live is None else live
 
     def __call__(self, line: str) -> bool:
         if not line.startswith(PROGRESS):
@@ -36,6 +38,8 @@ class _Progress:
         text = f"epoch {info['epoch']} loss {info['loss']:.4f}" + (f" acc {info['acc']:.4f}" if "acc" in info else "")
         text += f" {rate:.0f} steps/s {info['mb']:.1f} MB"
         try:
+            if not self.live:
+                raise ImportError("no terminal: plain lines")
             from tqdm import tqdm
         except ImportError:
             if "acc" in info:
@@ -73,7 +77,7 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
         env = settings_mod.process_env()
         if topology == "ps":
             env["PSRING_SERVERS"] = str(args.servers or args.workers)
-        cmd = [sys.executable, "-m", "psring.training.job", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "psring.training", json.dumps(spec)]
         progress = _Progress(topology, quiet)
         loop = new_event_loop()
         try:

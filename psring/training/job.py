@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,6 @@ import numpy as np
 from ..core.arrays import cupy_module
 from ..core.optim import SGD, Adam
 from ..topology.api import init_group
-from ..transport.loop import new_event_loop
 from .data import load_digits_split, shard_indices
 from .model import accuracy, forward_backward, init_params
 from .sgd import SyncSGD
@@ -37,8 +36,112 @@ def make_optimizer(spec: dict[str, Any]) -> Any:
 PROGRESS = "PSRING-PROGRESS "
 
 
-# ------------------------------------------------------------------ worker
-async def worker(spec: dict[str, Any], progress: Any = None) -> dict[str, Any] | None:
+class _Run:
+    """One rank's training run: its data, model and optimizer, and what it measured."""
+
+    def __init__(self, group: Any, spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
+        self.group, self.spec, self.emit = group, spec, emit
+        self.xtr, self.ytr, self.xte, self.yte = load_digits_split(spec["seed"])
+        self.xp: Any = np
+        if spec["device"] == "cuda":
+            self.xp = cupy_module()
+            self.xtr, self.ytr, self.xte, self.yte = (
+                self.xp.asarray(v) for v in (self.xtr, self.ytr, self.xte, self.yte)
+            )
+        # ranks start from different seeds and agree on rank 0's parameters in start()
+        self.params = {k: self.xp.asarray(v) for k, v in init_params(spec["seed"] + group.rank).items()}
+        self.opt = SyncSGD(
+            group,
+            self.params,
+            make_optimizer(spec),
+            accumulate=spec.get("accumulate", 1),
+            compression=spec.get("compression"),
+        )
+        self.comm = self.compute = 0.0
+        self.steps = 0
+        self.history: list[dict[str, Any]] = []
+        per_rank = math.ceil(len(self.xtr) / group.world_size)
+        self.total_steps = math.ceil(per_rank / spec["batch_size"]) * spec["epochs"]
+        self.t_start = time.perf_counter()
+
+    def _progress(self, epoch: int, loss: float, **extra: Any) -> None:
+        if self.group.rank == 0:
+            self.emit(
+                {
+                    "step": self.steps,
+                    "total": self.total_steps,
+                    "epoch": epoch + 1,
+                    "loss": loss,
+                    **extra,
+                    "elapsed": time.perf_counter() - self.t_start,
+                    "mb": sum(self.group.stats().values()) / 1e6,
+                }
+            )
+
+    async def epoch(self, epoch: int) -> None:
+        group, spec, batch_size = self.group, self.spec, self.spec["batch_size"]
+        idx = shard_indices(len(self.xtr), epoch, spec["seed"], group.rank, group.world_size)
+        losses = []
+        for start in range(0, len(idx), batch_size):
+            batch = self.xp.asarray(idx[start : start + batch_size])
+            t0 = time.perf_counter()
+            loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
+            t1 = time.perf_counter()
+            self.params = await self.opt.step(grads)
+            self.compute += t1 - t0
+            self.comm += time.perf_counter() - t1
+            losses.append(loss)
+            self.steps += 1
+            if self.steps % 10 == 0 or start + batch_size >= len(idx):
+                self._progress(epoch, float(np.mean(losses[-10:])))
+        mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
+        acc = accuracy(self.params, self.xte, self.yte)
+        self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
+        self._progress(epoch, mean_loss, acc=acc)
+
+    async def summary(self) -> dict[str, Any] | None:
+        """Rank 0's summary (None elsewhere). Every rank must hold identical parameters: this
+        checks it rather than assumes it."""
+        group = self.group
+        host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
+        digest = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
+        digest = int((digest * (np.arange(digest.size) % 251 + 1)).sum())
+        digests = await group.all_gather(np.array([digest], np.int64))
+        wall = time.perf_counter() - self.t_start
+        stats = group.stats()
+        all_stats = await group.all_gather(np.array([stats["bytes_sent"], stats["bytes_received"]], np.int64))
+        servers: list[list[int]] = []
+        if group.topology == "ps":  # what the shards received and sent = the sum over workers of the reverse
+            mine = np.array(group.links.per_shard(), np.int64).reshape(-1, 2)
+            total = await group.all_reduce(mine, op="sum")
+            servers = [[int(r), int(s)] for s, r in total]
+        if group.rank != 0:
+            return None
+        spec, steps = self.spec, max(self.steps, 1)
+        return {
+            "topology": group.topology,
+            "workers": group.world_size,
+            "servers": getattr(group, "num_servers", 0),
+            "optimizer": spec["optimizer"],
+            "compression": spec.get("compression"),
+            "accumulate": spec.get("accumulate", 1),
+            "test_accuracy": self.history[-1]["test_accuracy"],
+            "final_loss": self.history[-1]["loss"],
+            "wall_s": wall,
+            "steps": self.steps,
+            "ms_per_step_compute": 1e3 * self.compute / steps,
+            "ms_per_step_comm": 1e3 * self.comm / steps,
+            "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
+            "bytes_per_server": servers,
+            "ranks_agree": len({int(d[0]) for d in digests}) == 1,
+            "param_digest": digest,
+            "history": self.history,
+        }
+
+
+async def worker(
+    spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any] | None:
     """One rank of the main job; rank 0 returns (and writes to spec["out"], if set) the summary.
 
     ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines).
@@ -52,114 +155,14 @@ async def worker(spec: dict[str, Any], progress: Any = None) -> dict[str, Any] |
 
     group = await init_group(timeout=spec["timeout"])
     try:
-        xtr, ytr, xte, yte = load_digits_split(spec["seed"])
-        xp: Any = np
-        if spec["device"] == "cuda":
-            xp = cupy_module()
-            xtr, ytr, xte, yte = (xp.asarray(v) for v in (xtr, ytr, xte, yte))
-        # ranks start from different seeds and agree on rank 0's parameters in start()
-        params = {k: xp.asarray(v) for k, v in init_params(spec["seed"] + group.rank).items()}
-        opt = SyncSGD(
-            group,
-            params,
-            make_optimizer(spec),
-            accumulate=spec.get("accumulate", 1),
-            compression=spec.get("compression"),
-        )
-        params = await opt.start()
-        comm = compute = 0.0
-        steps = 0
-        history = []
-        per_rank = math.ceil(len(xtr) / group.world_size)
-        per_epoch = math.ceil(per_rank / spec["batch_size"])
-        t_start = time.perf_counter()
+        run = _Run(group, spec, emit)
+        run.params = await run.opt.start()
         for epoch in range(spec["epochs"]):
-            idx = shard_indices(len(xtr), epoch, spec["seed"], group.rank, group.world_size)
-            losses = []
-            for start in range(0, len(idx), spec["batch_size"]):
-                batch = xp.asarray(idx[start : start + spec["batch_size"]])
-                t0 = time.perf_counter()
-                loss, grads = forward_backward(params, xtr[batch], ytr[batch])
-                t1 = time.perf_counter()
-                params = await opt.step(grads)
-                t2 = time.perf_counter()
-                compute += t1 - t0
-                comm += t2 - t1
-                losses.append(loss)
-                steps += 1
-                if group.rank == 0 and (steps % 10 == 0 or start + spec["batch_size"] >= len(idx)):
-                    moved = sum(group.stats().values())
-                    emit(
-                        {
-                            "step": steps,
-                            "total": per_epoch * spec["epochs"],
-                            "epoch": epoch + 1,
-                            "loss": float(np.mean(losses[-10:])),
-                            "elapsed": time.perf_counter() - t_start,
-                            "mb": moved / 1e6,
-                        }
-                    )
-            mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
-            acc = accuracy(params, xte, yte)
-            history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": steps})
-            if group.rank == 0:
-                emit(
-                    {
-                        "step": steps,
-                        "total": per_epoch * spec["epochs"],
-                        "epoch": epoch + 1,
-                        "loss": mean_loss,
-                        "acc": acc,
-                        "elapsed": time.perf_counter() - t_start,
-                        "mb": sum(group.stats().values()) / 1e6,
-                    }
-                )
-        # every rank must hold identical parameters: check it, do not assume it
-        host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in params.items()}
-        digest = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
-        digest = int((digest * (np.arange(digest.size) % 251 + 1)).sum())
-        digests = await group.all_gather(np.array([digest], np.int64))
-        agree = len({int(d[0]) for d in digests}) == 1
-        wall = time.perf_counter() - t_start
-        stats = group.stats()
-        all_stats = await group.all_gather(np.array([stats["bytes_sent"], stats["bytes_received"]], np.int64))
-        servers: list[list[int]] = []
-        if group.topology == "ps":  # what the shards received and sent = the sum over workers of the reverse
-            mine = np.array(group.links.per_shard(), np.int64).reshape(-1, 2)
-            total = await group.all_reduce(mine, op="sum")
-            servers = [[int(r), int(s)] for s, r in total]
-        if group.rank == 0:
-            summary = {
-                "topology": group.topology,
-                "workers": group.world_size,
-                "servers": getattr(group, "num_servers", 0),
-                "optimizer": spec["optimizer"],
-                "compression": spec.get("compression"),
-                "accumulate": spec.get("accumulate", 1),
-                "test_accuracy": history[-1]["test_accuracy"],
-                "final_loss": history[-1]["loss"],
-                "wall_s": wall,
-                "steps": steps,
-                "ms_per_step_compute": 1e3 * compute / max(steps, 1),
-                "ms_per_step_comm": 1e3 * comm / max(steps, 1),
-                "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
-                "bytes_per_server": servers,
-                "ranks_agree": agree,
-                "param_digest": digest,
-                "history": history,
-            }
-            if spec.get("out"):
-                with open(spec["out"], "w") as fh:
-                    json.dump(summary, fh)
-            return summary
-        return None
+            await run.epoch(epoch)
+        summary = await run.summary()
+        if summary is not None and spec.get("out"):
+            with open(spec["out"], "w") as fh:
+                json.dump(summary, fh)
+        return summary
     finally:
         await group.close()
-
-
-if __name__ == "__main__":
-    _loop = new_event_loop()
-    try:
-        _loop.run_until_complete(worker(json.loads(sys.argv[1])))
-    finally:
-        _loop.close()

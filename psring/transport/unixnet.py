@@ -119,92 +119,37 @@ class UnixMesh:
     async def connect(self, peers: dict[int, dict[str, Any]], timeout: float) -> None:
         """Link to every peer: dial the higher ranks, accept the lower ones (each checked by pid)."""
         assert self.listener is not None
-        me = self.rank
-        lower = {r for r in peers if r < me}
-        accepted: dict[int, socket.socket] = {}
-        all_in = asyncio.Event()
-        if not lower:
-            all_in.set()
-        loop = asyncio.get_running_loop()
-        greeters: set[asyncio.Task[None]] = set()
-
-        async def greet(sock: socket.socket) -> None:
-            try:
-                sock.setblocking(False)
-                raw = await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout)
-                hello = msgpack.unpackb(raw, raw=False) if raw else None
-                rank = hello.get("rank") if isinstance(hello, dict) else None
-                if (
-                    type(rank) is not int
-                    or rank not in lower
-                    or rank in accepted
-                    or hello.get("job") != self.job
-                    or peer_pid(sock) != peers[rank]["pid"]
-                ):
-                    logger.warning(
-                        "rank %d: refused a same-host link from pid %d claiming %r", me, peer_pid(sock), hello
-                    )
-                    sock.close()
-                    return
-                accepted[rank] = sock
-                if len(accepted) == len(lower):
-                    all_in.set()
-            except Exception:
-                sock.close()
-
-        async def accept_loop() -> None:
-            while not all_in.is_set():
-                sock, _ = await loop.sock_accept(self.listener)  # type: ignore[arg-type]
-                task = asyncio.ensure_future(greet(sock))
-                greeters.add(task)
-                task.add_done_callback(greeters.discard)
-
-        async def dial(rank: int) -> tuple[int, socket.socket]:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                sock.setblocking(False)
-                await loop.sock_connect(sock, "\0" + str(peers[rank]["name"]))
-                pid = peer_pid(sock)
-                if pid != peers[rank]["pid"]:
-                    raise ProtocolError(
-                        f"the same-host socket rank {rank} published is held by pid {pid}, "
-                        f"not by the pid rank {rank} published ({peers[rank]['pid']})"
-                    )
-                sock.send(msgpack.packb({"rank": me, "job": self.job}))
-            except BaseException:
-                sock.close()
-                raise
-            return rank, sock
-
-        acceptor = asyncio.ensure_future(accept_loop())
-        dials = [asyncio.ensure_future(dial(r)) for r in sorted(peers) if r > me]
+        me, loop = self.rank, asyncio.get_running_loop()
+        acceptor = _Acceptor(self.listener, me, self.job, {r: p for r, p in peers.items() if r < me}, timeout)
+        accepting = asyncio.ensure_future(acceptor.run())
+        dials = [asyncio.ensure_future(_dial(me, self.job, r, peers[r])) for r in sorted(peers) if r > me]
         try:
             async with asyncio.timeout(timeout):
                 dialed = await asyncio.gather(*dials)
-                await all_in.wait()
+                await acceptor.all_in.wait()
         except TimeoutError:
-            missing = sorted(lower - set(accepted))
+            missing = sorted(set(acceptor.lower) - set(acceptor.accepted))
             raise CollectiveTimeoutError(
                 f"rank {me}: rank(s) {missing} did not open their same-host links within {timeout:g}s "
                 "(PSRING_SAME_HOST=off keeps every rank on TCP)",
                 missing=tuple(missing),
             ) from None
         except BaseException:
-            for sock in accepted.values():
-                sock.close()
+            acceptor.close_accepted()
             for task in dials:
                 if task.done() and not task.cancelled() and task.exception() is None:
                     task.result()[1].close()
             raise
         finally:
-            acceptor.cancel()
-            for task in (*dials, *greeters):
+            accepting.cancel()
+            for task in dials:
                 task.cancel()
+            await acceptor.stop()
             with contextlib.suppress(BaseException):
-                await asyncio.gather(acceptor, *dials, *greeters, return_exceptions=True)
+                await asyncio.gather(accepting, *dials, return_exceptions=True)
         self.listener.close()  # every link is up: nobody else may join
         self.listener = None
-        for rank, sock in (*dialed, *accepted.items()):
+        for rank, sock in (*dialed, *acceptor.accepted.items()):
             link = UnixLink(rank, sock)
             self.links[rank] = link
             loop.add_reader(sock.fileno(), self._readable, link)
@@ -329,3 +274,78 @@ class UnixMesh:
         """(bytes sent, bytes received) over every link."""
         links = self.links.values()
         return sum(link.bytes_sent for link in links), sum(link.bytes_received for link in links)
+
+
+async def _dial(me: int, job: str, rank: int, peer: dict[str, Any]) -> tuple[int, socket.socket]:
+    """Dial a higher rank's listening name; keep the link only if the kernel says its pid holds it."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, "\0" + str(peer["name"]))
+        pid = peer_pid(sock)
+        if pid != peer["pid"]:
+            raise ProtocolError(
+                f"the same-host socket rank {rank} published is held by pid {pid}, "
+                f"not by the pid rank {rank} published ({peer['pid']})"
+            )
+        sock.send(msgpack.packb({"rank": me, "job": job}))
+    except BaseException:
+        sock.close()
+        raise
+    return rank, sock
+
+
+class _Acceptor:
+    """Accepts the lower ranks' links: each must name a rank still expected, of this job, from the
+    pid that rank published (the kernel's SO_PEERCRED); anything else is closed and logged."""
+
+    def __init__(self, listener: socket.socket, me: int, job: str, lower: dict[int, dict[str, Any]], timeout: float):
+        self.listener, self.me, self.job, self.lower, self.timeout = listener, me, job, lower, timeout
+        self.accepted: dict[int, socket.socket] = {}
+        self.all_in = asyncio.Event()
+        if not lower:
+            self.all_in.set()
+        self._greeters: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self.all_in.is_set():
+            sock, _ = await loop.sock_accept(self.listener)
+            task = asyncio.ensure_future(self._greet(sock))
+            self._greeters.add(task)
+            task.add_done_callback(self._greeters.discard)
+
+    async def _greet(self, sock: socket.socket) -> None:
+        try:
+            sock.setblocking(False)
+            raw = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), self.timeout)
+            hello = msgpack.unpackb(raw, raw=False) if raw else None
+            rank = hello.get("rank") if isinstance(hello, dict) else None
+            if (
+                type(rank) is not int
+                or rank not in self.lower
+                or rank in self.accepted
+                or hello.get("job") != self.job
+                or peer_pid(sock) != self.lower[rank]["pid"]
+            ):
+                logger.warning(
+                    "rank %d: refused a same-host link from pid %d claiming %r", self.me, peer_pid(sock), hello
+                )
+                sock.close()
+                return
+            self.accepted[rank] = sock
+            if len(self.accepted) == len(self.lower):
+                self.all_in.set()
+        except Exception:
+            sock.close()
+
+    def close_accepted(self) -> None:
+        for sock in self.accepted.values():
+            sock.close()
+
+    async def stop(self) -> None:
+        for task in list(self._greeters):
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*self._greeters, return_exceptions=True)
