@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from benchmarks.netns import NetnsCluster, netns_available
+from tests.harness.netns import NetnsCluster, netns_available
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it is in the dev extra)")
 

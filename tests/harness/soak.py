@@ -1,7 +1,7 @@
 """Soak: many small and large all_reduce calls over each topology, RSS and open files sampled.
 
-    python benchmarks/soak.py                          # the long form: 10,000 small + 200 large per topology
-    python benchmarks/soak.py --small 1000 --large 20  # the short form the test suite runs
+    python tests/harness/soak.py                          # the long form: 10,000 small + 200 large per topology
+    python tests/harness/soak.py --small 1000 --large 20  # the short form the test suite runs
 
 Two ranks (and, for ps, two shards) share this process and event loop, so its RSS covers all
 of them. Reported per topology: RSS at start and end, the RSS slope over the second half of

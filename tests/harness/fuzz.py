@@ -1,8 +1,8 @@
 """Fuzz psring's listening sockets, live: the store, a parameter-server shard, a ring peer.
 
-    python benchmarks/fuzz.py                       # the long form: 3,000 inputs per family and target
-    python benchmarks/fuzz.py --inputs 150 --json   # the short form the test suite runs
-    python benchmarks/fuzz.py --atheris-runs 200000 # also coverage-guided fuzzing of the frame decoder
+    python tests/harness/fuzz.py                       # the long form: 3,000 inputs per family and target
+    python tests/harness/fuzz.py --inputs 150 --json   # the short form the test suite runs
+    python tests/harness/fuzz.py --atheris-runs 200000 # also coverage-guided fuzzing of the frame decoder
 
 Each target is a real process (or two) started here: `psring store`; `psring server` (one
 shard, with a shared secret) serving a 2-rank ps group that runs in this process; two ring

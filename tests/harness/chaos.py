@@ -1,7 +1,7 @@
 """Chaos: SIGKILL a random worker or server shard mid-training, again and again; nothing may hang.
 
-    python benchmarks/chaos.py --trials 20                # the long form, per topology
-    python benchmarks/chaos.py --trials 2 --json          # the short form the test suite runs
+    python tests/harness/chaos.py --trials 20                # the long form, per topology
+    python tests/harness/chaos.py --trials 2 --json          # the short form the test suite runs
 
 Each trial starts a store, (for ps) a `psring server` process with 2 shards writing
 checkpoints, and 3 worker processes running STEPS SyncSGD steps; after a random number of

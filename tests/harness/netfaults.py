@@ -1,7 +1,7 @@
 """Network faults between hosts (network namespaces): cut links, slow and lossy links.
 
-    sudo python benchmarks/netfaults.py                        # the long form
-    sudo python benchmarks/netfaults.py --cuts 1 --steps 12 --conditions "none;loss 1%" --json
+    sudo python tests/harness/netfaults.py                        # the long form
+    sudo python tests/harness/netfaults.py --cuts 1 --steps 12 --conditions "none;loss 1%" --json
 
 Every rank (3 of them), the store and (for ps) the server run in namespaces of their own on
 one bridge, as on separate hosts. Two experiments, over each topology:
@@ -15,7 +15,7 @@ one bridge, as on separate hosts. Two experiments, over each topology:
 - degraded: the same training run (fixed seeds, STEPS steps) with every host's link made
   worse: "rate 100mbit" (tc tbf), "loss 1%" (iptables drops each packet a host receives with
   that chance), or any tc netem condition ("delay 5ms", "corrupt 0.1%") where the kernel has
-  netem (benchmarks/netns.py). The final parameters must be bit-identical to the undisturbed
+  netem (tests/harness/netns.py). The final parameters must be bit-identical to the undisturbed
   run's, and to the other topology's; recorded is the median step time. A condition this
   machine cannot make is reported as unavailable, not passed.
 
@@ -37,10 +37,10 @@ import uuid
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
-from benchmarks.netns import NetnsCluster, Unavailable, netns_available  # noqa: E402
+from tests.harness.netns import NetnsCluster, Unavailable, netns_available  # noqa: E402
 
 HEARTBEAT_TIMEOUT = 3.0
 GROUP_TIMEOUT = 8.0
