@@ -118,7 +118,7 @@ class Settings:
         "PSRING_SECRET_FILE", None, parse_text, "a file holding the secret (a Docker or Kubernetes secret)"
     )
     timeout: float = _var("PSRING_TIMEOUT", 300.0, parse_seconds, "seconds any one collective may take")
-    servers: int | None = _var("PSRING_SERVERS", None, parse_count, "ps: server shards (default one per worker)")
+    servers: int | None = _var("PSRING_SERVERS", None, parse_count, "ps: server shards (unset: one per worker)")
     ps_colocate: bool = _var(
         "PSRING_PS_COLOCATE", False, parse_switch, "ps: every worker process hosts its share of the shards"
     )
@@ -130,14 +130,20 @@ class Settings:
     )
     # ------------------------------------------------------------ addresses
     port: int = _var("PSRING_PORT", 0, parse_port, "the port this process listens on (0: any free port)")
-    host: str | None = _var("PSRING_HOST", None, parse_text, "psring store: the address it binds (default 0.0.0.0)")
+    host: str | None = _var("PSRING_HOST", None, parse_text, "psring store: the address it binds (unset: 0.0.0.0)")
     bind_host: str | None = _var(
-        "PSRING_BIND_HOST", None, parse_text, "the address ranks and servers bind (default: from the advertised one)"
+        "PSRING_BIND_HOST",
+        None,
+        parse_text,
+        "the address ranks and servers bind (unset: loopback when advertising loopback, else 0.0.0.0)",
     )
     advertise_host: str | None = _var(
-        "PSRING_ADVERTISE_HOST", None, parse_text, "the address others use to reach this process (default: routed)"
+        "PSRING_ADVERTISE_HOST",
+        None,
+        parse_text,
+        "the address others use to reach this process (unset: the one routed towards the store)",
     )
-    name: str | None = _var("PSRING_NAME", None, parse_text, "a daemon's id in the cluster (default host-pid-random)")
+    name: str | None = _var("PSRING_NAME", None, parse_text, "a daemon's id in the cluster (unset: host-pid-random)")
     # ------------------------------------------------------------ transport
     same_host: bool = _var(
         "PSRING_SAME_HOST",
@@ -208,7 +214,7 @@ class Settings:
         "PSRING_RING_SHM_MIN",
         None,
         parse_bytes,
-        "ring: the same with shared-memory links and 3+ ranks (default 1M, or PSRING_RING_PLANE_MIN if set)",
+        "ring: the same with shared-memory links and 3+ ranks (unset: 1M, or PSRING_RING_PLANE_MIN if that is set)",
         tuning=True,
     )
     ring_plane_piece: int = _var(
@@ -391,32 +397,69 @@ def job_environment(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def help_text(include_tuning: bool = True) -> str:
+def _shown(f: dataclasses.Field[Any]) -> str:
+    """A field's default as a user would write it."""
+    default = f.default
+    if default is None:
+        return "unset"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if f.metadata["parse"] is parse_bytes and isinstance(default, int) and default:
+        for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+            if default % scale == 0:
+                return f"{default // scale}{unit}"
+    return str(default)
+
+
+def help_text() -> str:
     """The table ``psring --help-env`` prints."""
     lines = ["psring reads these environment variables (explicit arguments and flags win over them):", ""]
     width = max(len(f.metadata["env"]) for f in variables())
     for f in variables():
-        if f.metadata["tuning"] and not include_tuning:
-            continue
-        default = f.default
-        shown = "unset" if default is None else (f"{default >> 20}M" if _is_size(f, default) else str(default))
-        tag = " [tuning]" if f.metadata["tuning"] else ""
-        lines.append(f"  {f.metadata['env']:<{width}}  {f.metadata['meaning']} (default {shown}){tag}")
+        tag = "  [tuning]" if f.metadata["tuning"] else ""
+        lines.append(f"  {f.metadata['env']:<{width}}  {_shown(f):>7}  {f.metadata['meaning']}{tag}")
     lines += [
         "",
-        "[tuning]: measured defaults; change them only to measure something else.",
+        "The middle column is the default. [tuning]: a measured default; change it only to measure something else.",
         "Launcher variables read too: " + ", ".join(SCHEDULER_VARIABLES) + ".",
     ]
     return "\n".join(lines)
 
 
-def _is_size(f: dataclasses.Field[Any], default: Any) -> bool:
-    return (
-        f.metadata["parse"] is parse_bytes
-        and isinstance(default, int)
-        and default >= 1 << 20
-        and not default % (1 << 20)
-    )
+def markdown() -> str:
+    """docs/settings.md, generated from this module (a test keeps the file in step with it)."""
+    lines = [
+        "# Settings",
+        "",
+        "Every environment variable psring reads, generated from `psring/settings.py` (the one module that",
+        "reads the environment); `psring --help-env` prints the same table. Explicit arguments and",
+        "command-line flags win over these; a bad value stops the process with the variable's name and",
+        "what was expected. *Tuning* variables have measured defaults: change them only to measure",
+        "something else.",
+        "",
+        "| variable | default | meaning | tuning |",
+        "|---|---|---|---|",
+    ]
+    for f in variables():
+        meaning = f.metadata["meaning"].replace("|", "\\|")
+        lines.append(f"| `{f.metadata['env']}` | {_shown(f)} | {meaning} | {'yes' if f.metadata['tuning'] else ''} |")
+    lines += [
+        "",
+        "The launcher variables psring reads, with torch.distributed's, Slurm's and Kubernetes' meanings:",
+        ", ".join(f"`{v}`" for v in SCHEDULER_VARIABLES) + ".",
+        "",
+    ]
+    return "\n".join(lines)
 
 
-__all__ = ["Settings", "current", "help_text", "job_environment", "load", "process_env", "scheduler_env", "variables"]
+__all__ = [
+    "Settings",
+    "current",
+    "help_text",
+    "job_environment",
+    "load",
+    "markdown",
+    "process_env",
+    "scheduler_env",
+    "variables",
+]

@@ -154,3 +154,28 @@ def test_help_env_lists_every_variable() -> None:
     for f in settings.variables():
         assert f.metadata["env"] in out
     assert "[tuning]" in out
+
+
+def test_the_settings_page_is_generated_from_the_code() -> None:
+    page = PKG.parent / "docs" / "settings.md"
+    assert page.read_text() == settings.markdown(), (
+        "docs/settings.md is stale: regenerate it with "
+        "python -c \"import psring.settings as s; open('docs/settings.md', 'w').write(s.markdown())\""
+    )
+
+
+def test_every_link_in_the_docs_resolves() -> None:
+    import re
+
+    root = PKG.parent
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = target.split("#", 1)[0]
+            if path and not (page.parent / path).resolve().exists():
+                broken.append(f"{page.relative_to(root)}: {target}")
+            if path.startswith("..") and not (page.parent / path).resolve().is_relative_to(root):
+                broken.append(f"{page.relative_to(root)}: {target} is outside the repository")
+    assert not broken, "\n".join(broken)

@@ -6,7 +6,7 @@ the array (no copy), and the decoder stops at the end of the header so the calle
 can read the payload straight into its destination buffer.
 
 Every header field is validated before a payload byte is read: the message kind,
-the dtype (one of :data:`psring.arrays.DTYPES`), the shape (``prod(shape) *
+the dtype (one of :data:`psring.core.arrays.DTYPES`), the shape (``prod(shape) *
 itemsize == nbytes``) and ``nbytes`` against the frame limit (``PSRING_MAX_FRAME``,
 default 2 GiB). Arrays travel little-endian, in C order.
 """
@@ -240,7 +240,7 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
 
 
 # ----------------------------------------------------------------- messages
-#: a message is one frame held whole in one datagram-like unit (psring.unixnet): a 2-byte
+#: a message is one frame held whole in one datagram-like unit (psring.transport.unixnet): a 2-byte
 #: header length, a msgpack array header (gid, seq, phase, call), then the payload bytes.
 #: The payload's size is the message's rest; the receiver checks it against the call
 #: descriptor (kind, dtype, shape, op, root) it expects, which names dtype and shape.

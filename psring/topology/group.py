@@ -307,7 +307,7 @@ class Group(CollectiveRuntime, abc.ABC):
 
     @abc.abstractmethod
     async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
-        """all_reduce of float32 x with float16 on the wire at scale 2**e (see psring.compress)."""
+        """all_reduce of float32 x with float16 on the wire at scale 2**e (see psring.core.compress)."""
 
     @abc.abstractmethod
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...

@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 #: callables called with a record (seq, rank, kind, bytes, start, end, ok, ...) after every
-#: collective: the flight recorder (psring.observe) and the metrics use them; empty by default
+#: collective: the flight recorder (psring.topology.recorder) and the metrics use them; empty by default
 OBSERVERS: list[Any] = []
 
 

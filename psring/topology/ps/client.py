@@ -2,13 +2,13 @@
 
 Ranks are the workers; the S server shards are found through the store
 (``psring/{job}/server/{i}``). Every tensor is split over the shards by
-:func:`psring.server.plan`; for each collective a worker sends each involved shard a
+:func:`psring.topology.ps.plan.plan`; for each collective a worker sends each involved shard a
 join frame and its pieces, and receives result pieces straight into its output
 array. Shards fold in the ring's canonical order, so ``all_reduce`` over ps returns
 the same bits as over the ring. Pushes to different shards go out together. Between
 processes on one host, pushed pieces of folding and relaying collectives and of
 parameter mode go through the worker's shared-memory pool, and results come back
-through the server process's (see :meth:`ServerLinks.share_memory` and psring.shmpool).
+through the server process's (see :meth:`ServerLinks.share_memory` and psring.transport.shmpool).
 
 ``init_group(topology="ps")`` waits (up to its timeout) for the servers registered in
 the store. It starts servers itself only when asked (``servers=S``) or on the local

@@ -46,7 +46,7 @@ class ServerLinks:
         self.colocated = False  # the shards live in the ranks' processes (shard i in rank i % N)
         self._loss_waiters: set[asyncio.Future[None]] = set()
         self._closing = False
-        self.pool: ShmPool | None = None  # pushes to shards on this host (psring.shmpool)
+        self.pool: ShmPool | None = None  # pushes to shards on this host (psring.transport.shmpool)
         self._pool_failed = False
         self._pool_checked: set[int] = set()  # ids of the shard connections offered it (or not able to)
 

@@ -85,7 +85,7 @@ class ParameterMode:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
 
         With ``compression="fp16"`` the gradients travel as float16 at a scale the workers
-        agree on first, exactly as a compressed all_reduce does (psring.compress).
+        agree on first, exactly as a compressed all_reduce does (psring.core.compress).
         """
         wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
         if compression is not None:

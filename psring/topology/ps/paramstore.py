@@ -1,7 +1,7 @@
 """Parameter mode: shards that hold the parameters and the optimizer state.
 
 Parameters travel as *buckets* (flat arrays, each many tensors long; SyncSGD makes
-them). Bucket b is split over the shards by the same :func:`psring.server.plan` as a
+them). Bucket b is split over the shards by the same :func:`psring.topology.ps.plan.plan` as a
 collective numbered b, so each shard owns one slice of it. Frames (kind ``ps_param``):
 
 - ``init`` (rank 0, per piece): the starting parameters and the optimizer config. A
@@ -269,7 +269,7 @@ class ParamStore:
                 f"(restored from an older checkpoint: steps {bucket.step}..{t - 1} were lost)"
             )
         pa, pb, view = bucket.piece_view(j)
-        scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.compress)
+        scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.core.compress)
         if scale is not None:
             if bucket.dtype != np.float32:
                 raise ProtocolError(f"fp16 push to bucket {b} of {bucket.dtype_name}: compression needs float32")

@@ -55,7 +55,7 @@ class _Pending:
     ):
         self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
         kind, dtype, shape, op, root = desc
-        self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.compress says
+        self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.core.compress says
         self.kind, self.op, self.root = kind, (self.codec[0] if self.codec else op), root
         self.dtype = DTYPES[dtype] if dtype is not None else None
         self.n = prod(tuple(shape)) if shape is not None else 0

@@ -9,7 +9,7 @@ return the same bits -- and streams the result piece to the workers that want it
 the moment it is folded. Relay collectives (broadcast, all_gather, gather, scatter,
 send/recv) forward pieces instead of folding them.
 
-Workers on the shard's host push pieces through shared memory (psring.shmpool): the
+Workers on the shard's host push pieces through shared memory (psring.transport.shmpool): the
 shard holds each worker's slot until the piece is folded (or forwarded), folds straight
 out of the slots into a slot of its process's own pool, and lends that one slot to
 every worker that wants the result; a relayed piece is copied once into such a slot.

@@ -38,7 +38,7 @@ class Fp16Ring:
         return await self._ring_fp16(coll, q, op, e)
 
     async def _ring_fp16(self, coll: Collective, q: np.ndarray, op: str, e: int) -> np.ndarray:
-        """The pipelined ring all_reduce with float16 on the wire (psring.compress gives the rules)."""
+        """The pipelined ring all_reduce with float16 on the wire (psring.core.compress gives the rules)."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
         chunk_pieces = [pieces(a, b, self.net.tuning.ring_piece // 2) for a, b in ring_chunk_bounds(q.size, n_ranks)]

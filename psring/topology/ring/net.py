@@ -77,7 +77,7 @@ class PeerNet(PlaneLinks):
         if world_size > 1 and plane_possible(self.tuning):
             self.plane = DataPlane(rank, world_size)
             self.plane.recv_ready = asyncio.Event()
-        #: same-host Unix links for small messages (psring.unixnet), when every rank can use them
+        #: same-host Unix links for small messages (psring.transport.unixnet), when every rank can use them
         self.mesh: UnixMesh | None = None
         self.mesh_peers: dict[int, dict[str, Any]] = {}
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}

@@ -42,7 +42,7 @@ class PlaneDriver:
         return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
 
     async def _plane_all_reduce(self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane) -> np.ndarray:
-        """all_reduce on the threaded data plane (psring.dataplane). Queued before the first
+        """all_reduce on the threaded data plane (psring.transport.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank."""
         n_ranks, me = self.world_size, self.rank
         per_piece = max(1, self.net.tuning.ring_plane_piece // x.itemsize)

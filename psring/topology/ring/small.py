@@ -51,7 +51,7 @@ class SmallPaths:
         return out
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
-        """A message from a same-host link (psring.unixnet): into its posted receive, or kept."""
+        """A message from a same-host link (psring.transport.unixnet): into its posted receive, or kept."""
         src = self._local.get(peer)
         if src is None:
             return  # not a member of this group: nothing of ours
