@@ -51,6 +51,30 @@ class Cluster:
                 assert line or proc.poll() is None, f"worker {name} exited: {proc.poll()}"
         return proc
 
+    def spawn_server_daemon(self, name: str, *extra: str) -> subprocess.Popen[str]:
+        proc = spawn(
+            [
+                "-m",
+                "psring",
+                "server",
+                "--cluster",
+                "--store",
+                self.address,
+                "--host",
+                "127.0.0.1",
+                "--name",
+                name,
+                *extra,
+            ],
+            self.env,
+        )
+        self.daemons[name] = proc
+        line = ""
+        while "ready for ps jobs" not in line:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, f"server daemon {name} exited: {proc.poll()}"
+        return proc
+
     def client(self) -> Client:
         return Client(self.address, secret=self.secret)
 

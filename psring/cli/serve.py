@@ -10,7 +10,7 @@ import sys
 from .. import settings as settings_mod
 from ..rendezvous.client import connect_store, parse_store_address
 from ..rendezvous.launch import launch
-from ..rendezvous.scheduler import routable_host_towards
+from ..rendezvous.scheduler import default_route_host, routable_host_towards
 from ..rendezvous.store import start_store
 from ..settings import Settings
 from ..topology.ps.server import serve_forever, start_servers
@@ -53,7 +53,9 @@ async def _serve_shards(args: argparse.Namespace) -> int:
     if num is None or num < 1:
         raise ValueError(f"--shards must be at least 1, got {num}")
     store = await connect_store(address, secret=secret, timeout=args.timeout, role="server")
-    advertise = args.advertise or (routable_host_towards(address.host) if address.scheme == "tcp" else "127.0.0.1")
+    advertise = args.advertise or (
+        routable_host_towards(address.host) if address.scheme == "tcp" else default_route_host()
+    )
     server = await start_servers(
         store,
         num,
@@ -80,6 +82,9 @@ async def _serve_shards(args: argparse.Namespace) -> int:
 def _cmd_server(args: argparse.Namespace) -> int:
     if args.cluster:
         return cli_server_daemon(args)
+    for flag, value in (("--metrics-port", args.metrics_port), ("--name", args.name)):
+        if value is not None and flag == "--metrics-port":
+            raise ValueError(f"{flag} applies to a server daemon (--cluster); a standalone server has no metrics")
     return _run(_serve_shards(args))
 
 
@@ -102,7 +107,18 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.colocate:
         env["PSRING_PS_COLOCATE"] = "1"
     try:
-        return _run(launch(args.n, cmd, topology=args.topology, env=env))
+        return _run(
+            launch(
+                args.n,
+                cmd,
+                topology=args.topology,
+                env=env,
+                nnodes=args.nnodes,
+                node_rank=args.node_rank,
+                master_addr=args.master_addr,
+                master_port=args.master_port,
+            )
+        )
     except KeyboardInterrupt:
         return 130
 
@@ -134,8 +150,14 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.set_defaults(func=_cmd_server)
 
-    p = sub.add_parser("launch", help="run a command as N local ranks (torchrun-like)", formatter_class=fmt)
-    p.add_argument("-n", "--nproc", dest="n", type=int, required=True, help="number of ranks")
+    p = sub.add_parser(
+        "launch", help="run a command as this node's ranks (torchrun's flags and env)", formatter_class=fmt
+    )
+    p.add_argument("-n", "--nproc", "--nproc-per-node", dest="n", type=int, required=True, help="ranks on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job (one launcher each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (node 0 serves the store)")
+    p.add_argument("--master-addr", default=None, help="node 0's address, as the other nodes reach it")
+    p.add_argument("--master-port", type=int, default=None, help="the store's port on node 0 (one node: ephemeral)")
     p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY for the ranks")
     p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument(

@@ -40,7 +40,7 @@ from ..rendezvous.client import connect_store, parse_store_address
 from ..rendezvous.scheduler import routable_host_towards
 from ..topology.api import init_group
 from ..topology.blocking import init
-from ..topology.ps.server import start_servers
+from ..topology.ps.server import ShardHost, start_servers
 from ..topology.recorder import FlightRecorder
 from ..training.job import worker
 from ..transport.listener import Listener
@@ -321,12 +321,13 @@ class WorkerDaemon(_Daemon):
         recorder = None
         try:
             if spec["topology"] == "ps" and rank == 0 and not spec.get("shard_hosts"):
-                servers = await start_servers(
+                servers = await start_servers(  # a ps worker listens on nothing: they take the declared port
                     await self._new_store(),
                     spec["servers"],
                     job=job,
                     secret=self.secret,
                     host=self.bind_host,
+                    port=self.port,
                     advertise=self.advertise,
                 )
             if self.trace_dir:
@@ -397,11 +398,26 @@ class ServerDaemon(_Daemon):
     def __init__(self, store: str, *, checkpoint_dir: str | None = None, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)
         self.checkpoint_dir = checkpoint_dir
+        self.host: ShardHost | None = None
+
+    async def _open_port(self) -> None:
+        """One port for the daemon's whole life: doctor's probes while idle, every job's shards while busy."""
+        if self.host is None:
+            self.host = ShardHost(secret=self.secret, name=f"psring server {self.id}")
+            await self.host.start(self.bind_host, self.port)
+            self.port = self.host.port
+
+    async def _close_port(self) -> None:
+        if self.host is not None:
+            await self.host.close()
+            self.host = None
 
     async def serve(self) -> None:
-
         await self.start()
-        print(f"psring server {self.id}: ready for ps jobs, store {self.store_spec}", flush=True)
+        print(
+            f"psring server {self.id}: ready for ps jobs on {self.advertise}:{self.port}, store {self.store_spec}",
+            flush=True,
+        )
         beat = self._start_heartbeat()
         running: dict[int, Any] = {}
         try:
@@ -411,20 +427,15 @@ class ServerDaemon(_Daemon):
                     await self.store.delete(key("serve", self.id))
                     order = json.loads(raw)
                     jid = int(order["job"])
-                    port = 0
-                    if not running:  # the declared port serves the shards (one job's at a time)
-                        await self._close_port()
-                        port = self.port
                     running[jid] = await start_servers(
                         await self._new_store(),
                         order["num_shards"],
                         job=f"job{jid}",
                         secret=self.secret,
-                        host=self.bind_host,
-                        port=port,
                         advertise=self.advertise,
                         shard_ids=order["shards"],
                         checkpoint_dir=os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None,
+                        shard_host=self.host,
                     )
                     self.state, self.job = "busy", jid
                 for jid in list(running):
@@ -435,7 +446,6 @@ class ServerDaemon(_Daemon):
                         self.jobs_run += 1
                 if not running and self.state == "busy":
                     self.state, self.job = "idle", None
-                    await self._open_port()
         finally:
             self.stopping.set()
             self._stop_heartbeat(beat)

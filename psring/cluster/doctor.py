@@ -13,6 +13,9 @@ from ..version import __version__
 from .client import AsyncClient
 from .daemons import HEARTBEAT_S
 
+#: doctor reports a daemon whose clock is further off this one than this (heartbeat age allowed for)
+CLOCK_SKEW_S = 30.0
+
 
 # --------------------------------------------------------------------- doctor
 async def doctor(store: str, secret: str | bytes | None = None, timeout: float = 5.0) -> list[str]:
@@ -46,9 +49,13 @@ async def doctor(store: str, secret: str | bytes | None = None, timeout: float =
                     f"{who} runs psring {rec.get('version')} (wire {rec.get('wire')}), this is {__version__} "
                     f"(wire {wire.WIRE_VERSION}): install the same version everywhere"
                 )
-            skew = abs(float(rec.get("time", 0)) - time.time())
-            if skew > 30 + HEARTBEAT_S * 3:
-                problems.append(f"{who}: its clock is {skew:.0f}s off this one (or it stopped heartbeating): check NTP")
+            # a record is rewritten every heartbeat: allow for its age before blaming the clock
+            skew = abs(float(rec.get("time", 0)) - time.time()) - HEARTBEAT_S * 3
+            if skew > CLOCK_SKEW_S:
+                problems.append(
+                    f"{who}: its clock is {skew:.0f}s off this one (over {CLOCK_SKEW_S:g}s; or it stopped "
+                    "heartbeating): check NTP"
+                )
             if rec.get("state") == "idle":
                 problems += await _probe(who, rec, client.secret, timeout)
         for rec in status["workers"]:

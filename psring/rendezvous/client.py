@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import settings as settings_mod
-from ..errors import PeerLostError, StoreError
+from ..errors import AuthError, PeerLostError, StoreError
 from ..transport.connection import Connection
+from ..transport.handshake import HANDSHAKE_TIMEOUT
 from ..transport.listener import open_connection
 from ..transport.mailbox import Mailbox
 
@@ -40,12 +41,27 @@ class StoreClient:
         mailbox = Mailbox()
         try:
             conn = await open_connection(
-                host, port, secret=secret, hello={"role": role}, router=mailbox, timeout=timeout, name="store-client"
+                host,
+                port,
+                secret=secret,
+                hello={"role": role},
+                router=mailbox,
+                timeout=timeout,
+                name="store-client",
+                handshake_timeout=HANDSHAKE_TIMEOUT,
             )
         except PeerLostError as exc:
             raise PeerLostError(
                 f"cannot reach the rendezvous store at {host}:{port} within {timeout:g}s ({exc}); "
                 "start one with 'psring store --port PORT' or check MASTER_ADDR/MASTER_PORT"
+            ) from exc
+        except AuthError as exc:
+            if "did not complete the handshake" not in str(exc):
+                raise
+            raise StoreError(
+                f"{host}:{port} accepted a connection but did not answer as a psring store within "
+                f"{HANDSHAKE_TIMEOUT:g}s: another service listens there (torch's TCPStore? under torchrun psring "
+                "uses torch's own store; elsewhere give psring a port of its own with PSRING_STORE)"
             ) from exc
         return cls(conn, mailbox, f"{host}:{port}")
 
@@ -234,7 +250,8 @@ class FileStoreClient:
 # --------------------------------------------------------------- addressing
 @dataclass(frozen=True)
 class StoreAddress:
-    """Where the store is: ``scheme`` is 'tcp' (host, port) or 'file' (path)."""
+    """Where the store is: ``scheme`` is 'tcp' (a psring store at host, port), 'torch' (torch's
+    c10d TCPStore at host, port: torchrun's) or 'file' (path)."""
 
     scheme: str
     host: str = ""
@@ -242,7 +259,10 @@ class StoreAddress:
     path: str = ""
 
     def __str__(self) -> str:
-        return f"file://{self.path}" if self.scheme == "file" else f"{self.host}:{self.port}"
+        if self.scheme == "file":
+            return f"file://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"torch://{host}:{self.port}" if self.scheme == "torch" else f"{host}:{self.port}"
 
 
 def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) -> StoreAddress:
@@ -264,10 +284,13 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
         if not path:
             raise ValueError(f"store={spec!r}: a file store needs a directory, as in file:///shared/dir")
         return StoreAddress("file", path=path)
+    scheme = "tcp"
     if spec.startswith("tcp://"):
         spec = spec[len("tcp://") :]
+    elif spec.startswith("torch://"):
+        scheme, spec = "torch", spec[len("torch://") :]
     if "://" in spec:
-        raise ValueError(f"store={spec!r}: unknown scheme (use host:port, tcp://, env:// or file://)")
+        raise ValueError(f"store={spec!r}: unknown scheme (use host:port, tcp://, env://, torch:// or file://)")
     host, sep, port_s = spec.rpartition(":")
     if not sep or not host:
         raise ValueError(f"store={spec!r} is not host:port")
@@ -277,7 +300,7 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
         raise ValueError(f"store={spec!r}: port {port_s!r} is not a number") from None
     if not 0 < port < 65536:
         raise ValueError(f"store={spec!r}: port {port} is out of range")
-    return StoreAddress("tcp", host=host.strip("[]"), port=port)
+    return StoreAddress(scheme, host=host.strip("[]"), port=port)
 
 
 async def connect_store(
@@ -285,4 +308,6 @@ async def connect_store(
 ) -> StoreClient | FileStoreClient:
     if address.scheme == "file":
         return FileStoreClient(address.path)
+    if address.scheme == "torch":
+        raise ValueError(f"store {address}: torch's store is joined with init_group (it needs the rank)")
     return await StoreClient.connect(address.host, address.port, secret=secret, timeout=timeout, role=role)

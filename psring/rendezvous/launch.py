@@ -1,9 +1,18 @@
-"""``psring launch``: a local launcher in the manner of torchrun.
+"""``psring launch``: a launcher in the manner of torchrun, one per node.
 
-Starts an embedded store (and, for ``--topology ps``, one ``psring server`` process
-per parameter-server shard), spawns N processes with RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT and PSRING_* set, prefixes each output line with the
-rank, and if one exits non-zero ends the others (by PID) and exits non-zero too.
+Each node's launcher starts K ranks with torchrun's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) and PSRING_TOPOLOGY,
+prefixes each output line with the rank, and, for ``--topology ps``, starts this node's
+share of the parameter-server shards as ``psring server`` processes (none with
+``--colocate``: the ranks host them).
+
+One node: the launcher serves an embedded store on an ephemeral loopback port (or on
+``--master-port``). Several nodes (``--nnodes N --node-rank i --master-addr H
+--master-port P``): node 0's launcher serves the store at H:P, every launcher registers
+there and waits for the others before starting its ranks, and the launchers watch one key:
+when a rank fails on any node, its launcher sets it, and every launcher ends its own ranks
+(by PID) within a second and exits non-zero. Node 0 keeps the store up until every node is
+done.
 """
 
 from __future__ import annotations
@@ -12,18 +21,28 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .. import settings as settings_mod
+from ..errors import PsringError, StoreError
 from ..settings import Settings
+from .client import StoreAddress, connect_store
+from .join import local_bind_address
+from .scheduler import bind_host_for, routable_host_towards
 from .store import StoreServer, start_store
+
+#: seconds between a launcher's looks at the job's shared state (a failure elsewhere, the others done)
+WATCH_S = 0.2
 
 
 async def _pump(
     stream: asyncio.StreamReader,
     prefix: str,
-    out: object,
+    out: Any,
     quiet_first: bool = False,
     on_line: Callable[[str], bool] | None = None,
 ) -> None:
@@ -37,11 +56,12 @@ async def _pump(
         text = line.decode(errors="replace")
         if on_line is not None and on_line(text):
             continue
-        out.write(f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n")  # type: ignore[attr-defined]
-        out.flush()  # type: ignore[attr-defined]
+        out.write(f"{prefix}{text}" if text.endswith("\n") else f"{prefix}{text}\n")
+        out.flush()
 
 
 async def _terminate(procs: Sequence[asyncio.subprocess.Process], grace: float = 5.0) -> None:
+    """SIGTERM, then after ``grace`` SIGKILL, every process still running; wait for them all."""
     for proc in procs:
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -56,6 +76,156 @@ async def _terminate(procs: Sequence[asyncio.subprocess.Process], grace: float =
         await asyncio.gather(*(p.wait() for p in procs))
 
 
+def _exit_code(code: int) -> int:
+    return code if code > 0 else (128 - code if code < 0 else 1)
+
+
+class _Node:
+    """One node's launcher: its view of the shared store, its processes, and the job's outcome."""
+
+    def __init__(self, n: int, nnodes: int, node_rank: int, tuning: Settings, prefix_output: bool) -> None:
+        self.n, self.nnodes, self.node_rank, self.tuning = n, nnodes, node_rank, tuning
+        self.prefix_output = prefix_output
+        self.key = f"psring-launch/{tuning.job}/"
+        self.store: Any = None
+        self.ranks: list[asyncio.subprocess.Process] = []
+        self.servers: list[asyncio.subprocess.Process] = []
+        self.pumps: list[asyncio.Task[None]] = []
+
+    # ------------------------------------------------------------ rendezvous
+    async def join(self, address: StoreAddress) -> None:
+        """Register this node and wait for the others (torchrun's rendezvous, static)."""
+        self.store = await connect_store(address, secret=self.tuning.secret_bytes, timeout=self.tuning.timeout)
+        me = f"{socket.gethostname()} (pid {os.getpid()})"
+        ok, holder = await self.store.compare_set(f"{self.key}node/{self.node_rank}", None, me.encode())
+        if not ok:
+            raise StoreError(
+                f"node rank {self.node_rank} already joined this job from {(holder or b'?').decode()}: "
+                "give each node's launcher its own --node-rank"
+            )
+        if self.nnodes > 1:
+            try:
+                await self.store.barrier(f"{self.key}nodes", self.nnodes, self.tuning.timeout)
+            except StoreError:
+                present = [i for i in range(self.nnodes) if await self.store.get(f"{self.key}node/{i}") is not None]
+                missing = sorted(set(range(self.nnodes)) - set(present))
+                raise StoreError(
+                    f"node(s) {missing} of {self.nnodes} did not join at {address} within {self.tuning.timeout:g}s"
+                ) from None
+
+    async def fail(self, why: str) -> None:
+        """Tell every node the job failed (the first reason wins)."""
+        with contextlib.suppress(PsringError, OSError):
+            await self.store.compare_set(f"{self.key}failed", None, why.encode())
+
+    async def failed_elsewhere(self) -> str | None:
+        raw = await self.store.get(f"{self.key}failed")
+        return raw.decode(errors="replace") if raw is not None else None
+
+    async def wait_for_nodes(self, timeout: float) -> None:
+        """Node 0 serves the store: keep it until every node has finished (or the job failed)."""
+        deadline = time.monotonic() + timeout
+        keys = [f"{self.key}done/{i}" for i in range(self.nnodes)]
+        while time.monotonic() < deadline:
+            done = [await self.store.get(k) is not None for k in keys]
+            if all(done) or await self.failed_elsewhere() is not None:
+                return
+            await asyncio.sleep(WATCH_S)
+
+    # ------------------------------------------------------------ processes
+    def _label(self, what: str) -> str:
+        return f"[{what}] " if self.prefix_output else ""
+
+    async def start_servers(self, address: StoreAddress, env: dict[str, str]) -> None:
+        """This node's share of the ps shards (shard i runs on node i % nnodes), one process each."""
+        count = self.tuning.servers or self.n * self.nnodes
+        if count < 1:
+            raise ValueError(f"--servers must be at least 1, got {count}")
+        advertise = self.tuning.advertise_host or routable_host_towards(address.host)
+        for i in range(self.node_rank, count, self.nnodes):
+            cmd = [
+                sys.executable, "-m", "psring", "server", "--store", str(address), "--shard", str(i),
+                "--num-shards", str(count), "--host", self.tuning.bind_host or bind_host_for(advertise),
+                "--advertise", advertise, "--job", self.tuning.job,
+            ]  # fmt: skip
+            if self.tuning.checkpoint_dir:
+                cmd += ["--checkpoint-dir", self.tuning.checkpoint_dir]
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                env={**env, "PYTHONUNBUFFERED": "1"},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            self.servers.append(proc)
+            assert proc.stdout is not None
+            self.pumps.append(asyncio.ensure_future(_pump(proc.stdout, self._label(f"server {i}"), sys.stdout, True)))
+
+    async def start_ranks(
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        extra_env: Sequence[dict[str, str]] | None,
+        on_line: Callable[[str], bool] | None,
+    ) -> None:
+        for local in range(self.n):
+            rank = self.node_rank * self.n + local
+            child = {
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+                "WORLD_SIZE": str(self.n * self.nnodes),
+                "LOCAL_WORLD_SIZE": str(self.n),
+                "GROUP_RANK": str(self.node_rank),
+                "PYTHONUNBUFFERED": "1",
+            }
+            if extra_env is not None:
+                child.update(extra_env[local])
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, env=child, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            )
+            self.ranks.append(proc)
+            assert proc.stdout is not None
+            self.pumps.append(
+                asyncio.ensure_future(_pump(proc.stdout, self._label(f"rank {rank}"), sys.stdout, False, on_line))
+            )
+
+    async def supervise(self) -> int:
+        """Wait for this node's ranks; end them all when one fails here or a node fails elsewhere."""
+        waits = {
+            asyncio.ensure_future(p.wait()): f"rank {self.node_rank * self.n + r}" for r, p in enumerate(self.ranks)
+        }
+        waits.update({asyncio.ensure_future(p.wait()): f"server process {i}" for i, p in enumerate(self.servers)})
+        ranks_left = set(list(waits)[: len(self.ranks)])
+        try:
+            while ranks_left:
+                done, _ = await asyncio.wait(set(waits), timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    code, who = task.result(), waits.pop(task)
+                    ranks_left.discard(task)
+                    if code != 0 or who.startswith("server"):
+                        where = f" on node {self.node_rank}" if self.nnodes > 1 else ""
+                        why = f"{who}{where} exited with code {code}"
+                        sys.stderr.write(f"psring launch: {why}; stopping the others\n")
+                        await self.fail(why)
+                        return _exit_code(code)
+                if self.nnodes > 1 and not done:
+                    elsewhere = await self.failed_elsewhere()
+                    if elsewhere is not None:
+                        sys.stderr.write(f"psring launch: {elsewhere}; stopping node {self.node_rank}'s ranks\n")
+                        return 1
+            return 0
+        except (PsringError, OSError) as exc:  # the store went away: node 0's launcher is gone
+            sys.stderr.write(f"psring launch: lost the job's store ({exc}); stopping node {self.node_rank}'s ranks\n")
+            return 1
+        finally:
+            for task in waits:
+                task.cancel()
+
+    async def stop(self) -> None:
+        await _terminate([*self.ranks, *self.servers])
+        await asyncio.gather(*self.pumps, return_exceptions=True)
+
+
 async def launch(
     n: int,
     cmd: Sequence[str],
@@ -66,112 +236,56 @@ async def launch(
     store: StoreServer | None = None,
     extra_env: Sequence[dict[str, str]] | None = None,
     on_line: Callable[[str], bool] | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str | None = None,
+    master_port: int | None = None,
 ) -> int:
-    """Run cmd as n ranks; return 0 if all succeeded, else the first failing exit code."""
+    """Run cmd as this node's n ranks of an nnodes-node job; return 0 if every rank on every node
+    succeeded, else the exit code of the failure (1 for a failure on another node)."""
     if n < 1:
         raise ValueError(f"-n must be at least 1, got {n}")
     if not cmd:
         raise ValueError("nothing to launch: give a command after --")
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} is not one of 0..{nnodes - 1} (--nnodes {nnodes})")
+    if nnodes > 1 and (not master_addr or not master_port):
+        raise ValueError("a job of several nodes needs --master-addr and --master-port (node 0's address and a port)")
     base = settings_mod.process_env() if env is None else dict(env)
     tuning = settings_mod.load(base)  # the children's settings: bad values fail here, once
-    own_store = store is None
-    server = store or await start_store("127.0.0.1", 0, secret=tuning.secret_bytes)
-    procs: list[asyncio.subprocess.Process] = []
-    pumps: list[asyncio.Task[None]] = []
-    servers: list[asyncio.subprocess.Process] = []
+    addr = master_addr or "127.0.0.1"
+    server = store
+    if server is None and node_rank == 0:
+        bind = local_bind_address(addr)
+        if bind is None:
+            raise ValueError(
+                f"--master-addr {addr} is not an address of this machine: node 0's launcher serves the store there"
+            )
+        server = await start_store(bind, master_port or 0, secret=tuning.secret_bytes)
+    port = server.port if server is not None else master_port
+    assert port is not None
+    address = StoreAddress("tcp", host=addr, port=port)
+    node = _Node(n, nnodes, node_rank, tuning, prefix_output)
+    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), PSRING_TOPOLOGY=topology)
     try:
+        await node.join(address)
         if topology == "ps" and not tuning.ps_colocate:  # colocated: the ranks host the shards
-            servers = await _start_local_servers(server, base, tuning, n)
-            for i, proc in enumerate(servers):
-                assert proc.stdout is not None
-                pumps.append(
-                    asyncio.ensure_future(
-                        _pump(proc.stdout, f"[server {i}] " if prefix_output else "", sys.stdout, quiet_first=True)
-                    )
-                )
-        for rank in range(n):
-            child = dict(base)
-            child.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(n),
-                LOCAL_WORLD_SIZE=str(n),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(server.port),
-                PSRING_TOPOLOGY=topology,
-                PYTHONUNBUFFERED="1",
-            )
-            if extra_env is not None:
-                child.update(extra_env[rank])
-            proc = await asyncio.create_subprocess_exec(
-                *cmd, env=child, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-            )
-            procs.append(proc)
-            assert proc.stdout is not None
-            label = f"[rank {rank}] " if prefix_output else ""
-            pumps.append(asyncio.ensure_future(_pump(proc.stdout, label, sys.stdout, on_line=on_line)))
-        waits = {asyncio.ensure_future(p.wait()): f"rank {r}" for r, p in enumerate(procs)}
-        server_waits = {asyncio.ensure_future(p.wait()): f"server shard {i}" for i, p in enumerate(servers)}
-        failed = 0
-        pending = set(waits) | set(server_waits)
-        while pending & set(waits):
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                code = task.result()
-                who = waits.get(task) or server_waits[task]
-                if (code != 0 or task in server_waits) and not failed:
-                    failed = code if code > 0 else (128 - code if code < 0 else 1)
-                    sys.stderr.write(f"psring launch: {who} exited with code {code}; stopping the others\n")
-                    await _terminate([*procs, *servers])
-        await _terminate(servers)
-        for task in server_waits:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-        return failed
+            await node.start_servers(address, base)
+        await node.start_ranks(cmd, base, extra_env, on_line)
+        code = await node.supervise()
+        await node.stop()
+        if code == 0:
+            with contextlib.suppress(PsringError, OSError):
+                await node.store.set(f"{node.key}done/{node_rank}", b"1")
+            if node_rank == 0 and nnodes > 1:
+                await node.wait_for_nodes(tuning.timeout)
+        return code
     except (Exception, asyncio.CancelledError):
-        await _terminate([*procs, *servers])
+        await node.stop()
         raise
     finally:
-        if own_store:
+        if node.store is not None:
+            with contextlib.suppress(Exception):
+                await node.store.close()
+        if store is None and server is not None:
             await server.close()
-
-
-async def _start_local_servers(
-    store: StoreServer, env: dict[str, str], tuning: Settings, workers: int
-) -> list[asyncio.subprocess.Process]:
-    """The parameter-server shards of a local ps job: one ``psring server`` process per shard.
-
-    PSRING_SERVERS of them (default: one per worker); PSRING_CHECKPOINT_DIR, when set,
-    is passed on as --checkpoint-dir.
-    """
-    count = tuning.servers or workers
-    if count < 1:
-        raise ValueError(f"--servers must be at least 1, got {count}")
-    procs = []
-    for i in range(count):
-        cmd = [
-            sys.executable,
-            "-m",
-            "psring",
-            "server",
-            "--store",
-            f"127.0.0.1:{store.port}",
-            "--shard",
-            str(i),
-            "--num-shards",
-            str(count),
-            "--host",
-            "127.0.0.1",
-            "--job",
-            tuning.job,
-        ]
-        if tuning.checkpoint_dir:
-            cmd += ["--checkpoint-dir", tuning.checkpoint_dir]
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            env={**env, "PYTHONUNBUFFERED": "1"},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        procs.append(proc)
-    return procs

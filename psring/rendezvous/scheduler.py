@@ -3,16 +3,19 @@
 A group's settings come from an explicit argument, then the environment, then the
 defaults. The launcher names follow torch.distributed (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT); when RANK/WORLD_SIZE are unset, Slurm's (SLURM_PROCID,
-SLURM_NTASKS) and a Kubernetes StatefulSet pod's ordinal are used. psring's own
-variables (PSRING_*) come resolved from psring.settings.
+SLURM_NTASKS), a Kubernetes Indexed Job's completion index and a StatefulSet pod's
+ordinal are used. psring's own variables (PSRING_*) come resolved from psring.settings.
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import re
 import socket
+import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import settings as settings_mod
 from ..settings import Settings
@@ -43,16 +46,17 @@ def _slurm_first_host(nodelist: str) -> str:
 def resolve_rank_world(
     rank: int | None, world_size: int | None, env: Mapping[str, str]
 ) -> tuple[int | None, int | None]:
-    if rank is None:
-        rank = _int_env(env, "RANK")
-    if rank is None:
-        rank = _int_env(env, "SLURM_PROCID")
+    """Rank and world size: the arguments, else RANK/WORLD_SIZE (torchrun, psring launch, Kubeflow's
+    PyTorchJob), else Slurm's SLURM_PROCID/SLURM_NTASKS, else a Kubernetes Indexed Job's
+    JOB_COMPLETION_INDEX or StatefulSet pod ordinal (world size then from WORLD_SIZE)."""
+    for name in ("RANK", "SLURM_PROCID", "JOB_COMPLETION_INDEX"):
+        if rank is None:
+            rank = _int_env(env, name)
     if rank is None:
         rank = statefulset_ordinal(env)
-    if world_size is None:
-        world_size = _int_env(env, "WORLD_SIZE")
-    if world_size is None:
-        world_size = _int_env(env, "SLURM_NTASKS")
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if world_size is None:
+            world_size = _int_env(env, name)
     return rank, world_size
 
 
@@ -65,28 +69,90 @@ def statefulset_ordinal(env: Mapping[str, str]) -> int | None:
     return int(match.group(2)) if match else None
 
 
+def slurm_port(env: Mapping[str, str]) -> int:
+    """MASTER_PORT, else a port derived from the Slurm job id (two jobs sharing a node then
+    meet on different ports), else 29500."""
+    port = _int_env(env, "MASTER_PORT")
+    if port is not None:
+        return port
+    job = _int_env(env, "SLURM_JOB_ID")
+    return 20000 + job % 20000 if job is not None else 29500
+
+
 def default_store_spec(tuning: Settings, env: Mapping[str, str]) -> str | None:
-    """PSRING_STORE; env:// when MASTER_* are set; else the first Slurm host; else env://."""
+    """Where the ranks meet, unless told: PSRING_STORE; under torchrun torch's own store at
+    MASTER_ADDR:MASTER_PORT; env:// when MASTER_* are set; else the first host of a Slurm
+    allocation; else env:// (which then says what is missing)."""
     if tuning.store:
         return tuning.store
+    if env.get("TORCHELASTIC_RUN_ID") and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"torch://{_bracketed(env['MASTER_ADDR'])}:{env['MASTER_PORT']}"
     if env.get("MASTER_ADDR") or (env.get("MASTER_PORT") and not env.get("SLURM_JOB_NODELIST")):
         return "env://"
     if env.get("SLURM_JOB_NODELIST"):
-        port = env.get("MASTER_PORT") or "29500"
-        return f"{_slurm_first_host(env['SLURM_JOB_NODELIST'])}:{port}"
+        return f"{_bracketed(_slurm_first_host(env['SLURM_JOB_NODELIST']))}:{slurm_port(env)}"
     return "env://"
 
 
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def routable_host_towards(store_host: str) -> str:
-    """The local address the kernel would use to reach store_host (no packet is sent)."""
-    if store_host in ("127.0.0.1", "localhost", "::1", ""):
-        return "127.0.0.1"
+    """The local address the kernel would use to reach store_host (no packet is sent): loopback
+    for a store on loopback, else the address of the interface that routes there."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((store_host, 9))
-            return sock.getsockname()[0]
-    except OSError:
+        infos = socket.getaddrinfo(store_host or "127.0.0.1", 9, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        infos = []
+    for family, _type, _proto, _name, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+        except OSError:
+            continue
+    try:
         return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def default_route_host() -> str:
+    """This host's address for others (a file store has no host to route towards): the one on
+    its default route, else the first address of an interface that is up and not loopback,
+    else 127.0.0.1."""
+    for probe in ("192.0.2.1", "2001:db8::1"):  # documentation addresses: nothing is sent
+        address = routable_host_towards(probe)
+        if address and not address.startswith("127.") and address != "::1":
+            return address
+    return next(iter(interface_addresses()), "127.0.0.1")
+
+
+def interface_addresses() -> list[str]:
+    """The IPv4 addresses of this host's interfaces other than loopback (Linux)."""
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue  # no IPv4 address on it
+            address = socket.inet_ntoa(raw[20:24])
+            if not address.startswith("127."):
+                found.append(address)
+    return found
+
+
+def bind_host_for(advertise: str) -> str:
+    """Loopback when advertising loopback, else the wildcard of the advertised address's family."""
+    try:
+        ip = ipaddress.ip_address(advertise.strip("[]"))
+    except ValueError:
+        return "0.0.0.0"
+    if ip.is_loopback:
+        return str(ip)
+    return "::" if ip.version == 6 else "0.0.0.0"
 
 
 @dataclass(frozen=True)
@@ -104,6 +170,8 @@ class GroupSettings:
     servers: int | None
     #: every PSRING_* setting of the process, resolved (psring.settings)
     tuning: Settings
+    #: the launcher's variables this was resolved from (RANK, MASTER_ADDR, TORCHELASTIC_*, SLURM_*, ...)
+    launcher: Mapping[str, str] = field(default_factory=dict)
 
 
 def resolve_settings(
@@ -139,10 +207,13 @@ def resolve_settings(
     if isinstance(secret, str):
         secret = secret.encode()
     store_address = parse_store_address(store if store is not None else default_store_spec(tuning, env), env)
-    advertise = tuning.advertise_host or (
-        routable_host_towards(store_address.host) if store_address.scheme == "tcp" else "127.0.0.1"
-    )
-    bind = tuning.bind_host or ("127.0.0.1" if advertise.startswith("127.") else "0.0.0.0")
+    if tuning.advertise_host:
+        advertise = tuning.advertise_host
+    elif store_address.scheme == "file":  # the ranks may be on several hosts sharing the directory
+        advertise = default_route_host()
+    else:
+        advertise = routable_host_towards(store_address.host)
+    bind = tuning.bind_host or bind_host_for(advertise)
     return GroupSettings(
         topology=topology,
         rank=rank,
@@ -156,4 +227,5 @@ def resolve_settings(
         advertise_host=advertise,
         servers=tuning.servers,
         tuning=tuning,
+        launcher=dict(env),
     )

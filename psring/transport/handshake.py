@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..core import wire
@@ -82,7 +83,13 @@ class Handshake:
         await self._handshake_frame(deadline, "welcome")
         self._handshake_done()
 
-    async def server_handshake(self, info: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    async def server_handshake(
+        self,
+        info: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
+        timeout: float = HANDSHAKE_TIMEOUT,
+    ) -> None:
+        """``info``: the fields this side tells the client, or a function of the client's hello
+        that returns them (one port serving several jobs answers each as its own)."""
         deadline = time.monotonic() + timeout
         hello = await self._handshake_frame(deadline, "hello")
         self.peer = {k: v for k, v in hello.items() if k not in ("kind", "nonce", "auth", "nbytes", "version")}
@@ -90,6 +97,8 @@ class Handshake:
             reason = f"wire version {hello.get('version')!r} is not this server's {wire.WIRE_VERSION}"
             self._reject(reason)
             raise ProtocolError(f"{self.peername}: {reason}")
+        if callable(info):
+            info = info(self.peer)
         nonce = secrets.token_bytes(32)
         client_nonce = hello.get("nonce")
         if not isinstance(client_nonce, bytes) or len(client_nonce) < 16:

@@ -56,10 +56,12 @@ async def open_connection(
     name: str = "client",
     retry_refused: bool = True,
     settings: Settings | None = None,
+    handshake_timeout: float | None = None,
 ) -> Connection:
     """Dial host:port, authenticate, and return the ready Connection.
 
-    Refused connections are retried until ``timeout`` (the peer may still be starting).
+    Refused connections are retried until ``timeout`` (the peer may still be starting). The
+    handshake gets what is left of ``timeout`` (or ``handshake_timeout``, when given).
     """
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + timeout
@@ -83,7 +85,9 @@ async def open_connection(
             delay = min(delay * 2, 0.5)
     conn.router = router
     try:
-        await conn.client_handshake(hello, timeout=max(deadline - time.monotonic(), HANDSHAKE_TIMEOUT))
+        await conn.client_handshake(
+            hello, timeout=handshake_timeout or max(deadline - time.monotonic(), HANDSHAKE_TIMEOUT)
+        )
     except (Exception, asyncio.CancelledError):
         conn.abort(AuthError("handshake failed"))
         raise
@@ -107,7 +111,7 @@ class Listener:
         on_connection: Callable[[Connection], Awaitable[None] | None],
         *,
         secret: bytes | None,
-        info: dict[str, Any] | None = None,
+        info: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         router_for: Callable[[Connection], Router | None] | None = None,
         name: str = "server",
         limits: wire.Limits | None = None,

@@ -61,8 +61,11 @@ class NetnsCluster:
         self.addresses[name] = address
         return ns
 
-    def write_hosts(self) -> None:
+    def write_hosts(self, aliases: dict[str, str] | None = None) -> None:
+        """Every host's /etc/hosts (as `ip netns exec` shows it) names every host; ``aliases`` maps
+        more names (a service, a pod's DNS name) to a host."""
         lines = ["127.0.0.1 localhost"] + [f"{a} {n}" for n, a in self.addresses.items()]
+        lines += [f"{self.addresses[host]} {alias}" for alias, host in (aliases or {}).items()]
         for name, ns in self.hosts.items():
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
             with open(f"/etc/netns/{ns}/hosts", "w") as fh:

@@ -91,8 +91,9 @@ class PsGroup(ParameterMode, Group):
             if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
                 count = servers or settings.servers or world
                 hosted = [i for i in range(count) if i % world == rank] or None
-            elif rank == 0 and (servers is not None or embedded is not None):
-                # asked to, or the local default (this process serves the store): every shard here
+            elif rank == 0 and (servers is not None or embedded is not None or settings.store.scheme == "torch"):
+                # asked to, or nobody else can have started servers (this process serves the store,
+                # or the store is torch's: torchrun starts only the ranks): every shard here
                 count = servers or settings.servers or 1
                 hosted = list(range(count))
             if hosted is not None:
@@ -102,6 +103,7 @@ class PsGroup(ParameterMode, Group):
                     job=settings.job,
                     secret=settings.secret,
                     host=settings.bind_host,
+                    port=settings.port,  # a worker listens on nothing else: its shards take its port
                     advertise=settings.advertise_host,
                     shard_ids=hosted,
                     settings=settings.tuning,

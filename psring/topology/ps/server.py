@@ -1,4 +1,9 @@
-"""A server process: its shards behind one listening port, registered in the store."""
+"""A server process: its shards behind one listening port, registered in the store.
+
+A process serves one job's shards on a port of their own (:meth:`ShardServer.start`), or the
+shards of any number of jobs on one port it already has (:class:`ShardHost`, a server daemon's
+declared port): connections are routed by the job and shard their hello names.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.listener import Listener
 from ...transport.local import local_pair
+from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key
 from ...transport.shmpool import ShmPool
 from .paramstore import configure_checkpoints
@@ -40,9 +46,12 @@ class ShardServer:
         self.local: set[Connection] = set()  # shard ends of in-process workers (colocated shards)
         self.pool: ShmPool | None = None  # results for workers on this host (made at the first offer)
         self._pool_failed = False
+        self.host: ShardHost | None = None  # the shared port it serves on, instead of a listener of its own
 
     @property
     def port(self) -> int:
+        if self.host is not None:
+            return self.host.port
         return self.listener.port if self.listener is not None else 0
 
     def _route(self, conn: Connection) -> Shard:
@@ -88,7 +97,7 @@ class ShardServer:
         self.listener = Listener(
             self._accepted,
             secret=self.secret,
-            info={"role": "server", "shards": sorted(self.shards), "job": self.job, "host": host_key()},
+            info=self.info(),
             router_for=self._router_for,
             name=f"server shard(s) {sorted(self.shards)}",
             settings=self.settings,
@@ -96,6 +105,17 @@ class ShardServer:
         await self.listener.start(host, port)
         self.address = f"{advertise}:{self.listener.port}"
         return self
+
+    def serve_on(self, host: ShardHost, advertise: str) -> ShardServer:
+        """Serve on a port this process already listens on (a server daemon's, for many jobs)."""
+        host.add(self)
+        self.host = host
+        self.address = f"{advertise}:{host.port}"
+        return self
+
+    def info(self) -> dict[str, Any]:
+        """What this server tells a worker in its handshake."""
+        return {"role": "server", "shards": sorted(self.shards), "job": self.job, "host": host_key()}
 
     async def register(self, store: Any) -> None:
         """Publish each shard's address (and the shard count) under the job's prefix."""
@@ -117,6 +137,12 @@ class ShardServer:
                     await conn.close()
             await self.listener.close()
             self.listener = None
+        if self.host is not None:  # the port stays: close this job's connections only
+            self.host.remove(self)
+            for conn in [c for shard in self.shards.values() for c in list(shard.conns) if c not in self.local]:
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            self.host = None
         for conn in list(self.local):
             conn.abort(PeerLostError("server shut down"))
         if self.pool is not None:
@@ -125,6 +151,73 @@ class ShardServer:
             with contextlib.suppress(Exception):
                 await self.store.close()
             self.store = None
+
+
+class ShardHost:
+    """One listening port serving the shards of any number of jobs, each job's connections routed
+    to that job's :class:`ShardServer` by the job their hello names. A server daemon listens on
+    its declared port this way for its whole life: idle (doctor's probes land here) and busy."""
+
+    def __init__(self, *, secret: bytes | None, name: str, settings: Settings | None = None) -> None:
+        self.secret = secret
+        self.name = name
+        self.settings = settings or settings_mod.current()
+        self.servers: dict[str, ShardServer] = {}
+        self.listener: Listener | None = None
+
+    @property
+    def port(self) -> int:
+        return self.listener.port if self.listener is not None else 0
+
+    async def start(self, host: str, port: int) -> ShardHost:
+        self.listener = Listener(
+            self._accepted,
+            secret=self.secret,
+            info=self._info,
+            router_for=self._router_for,
+            name=self.name,
+            settings=self.settings,
+        )
+        await self.listener.start(host, port)
+        return self
+
+    def add(self, server: ShardServer) -> None:
+        if server.job in self.servers:
+            raise ValueError(f"{self.name} already serves shards of job {server.job!r}")
+        self.servers[server.job] = server
+
+    def remove(self, server: ShardServer) -> None:
+        if self.servers.get(server.job) is server:
+            del self.servers[server.job]
+
+    def _info(self, hello: dict[str, Any]) -> dict[str, Any]:
+        server = self.servers.get(hello.get("job"))  # type: ignore[arg-type]
+        return server.info() if server is not None else {"role": "server", "shards": [], "host": host_key()}
+
+    def _server(self, conn: Connection) -> ShardServer | None:
+        if conn.peer.get("role") == "doctor":  # a reachability and secret check: accepted, then closed by it
+            return None
+        job = conn.peer.get("job")
+        server = self.servers.get(job)  # type: ignore[arg-type]
+        if server is None:
+            raise ProtocolError(f"{self.name} serves no shards of job {job!r} (it serves jobs {sorted(self.servers)})")
+        return server
+
+    def _router_for(self, conn: Connection) -> Any:
+        server = self._server(conn)
+        return server._router_for(conn) if server is not None else Mailbox()
+
+    def _accepted(self, conn: Connection) -> None:
+        server = self._server(conn)
+        if server is not None:
+            server._accepted(conn)
+
+    async def close(self) -> None:
+        for server in list(self.servers.values()):
+            await server.close()
+        if self.listener is not None:
+            await self.listener.close()
+            self.listener = None
 
 
 class _ShardRouter:
@@ -155,8 +248,10 @@ async def start_servers(
     checkpoint_every: int = 1,
     restore: bool = False,
     settings: Settings | None = None,
+    shard_host: ShardHost | None = None,
 ) -> ShardServer:
-    """Start shards (all of them, or shard_ids) in this event loop and register them in store."""
+    """Start shards (all of them, or shard_ids) in this event loop and register them in store:
+    on a port of their own (host, port), or on ``shard_host``'s port."""
     if num_shards < 1:
         raise ValueError(f"--shards must be at least 1, got {num_shards}")
     ids = list(range(num_shards)) if shard_ids is None else shard_ids
@@ -166,7 +261,11 @@ async def start_servers(
     server = ShardServer(ids, num_shards, job=job, secret=secret, settings=settings)
     if checkpoint_dir is not None or restore:
         configure_checkpoints(server, checkpoint_dir, checkpoint_every, restore)
-    await server.start(host, port, advertise or ("127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host))
+    advertise = advertise or ("127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host)
+    if shard_host is not None:
+        server.serve_on(shard_host, advertise)
+    else:
+        await server.start(host, port, advertise)
     await server.register(store)
     return server
 
