@@ -10,7 +10,8 @@ per-piece tasks). Small tensors take a one-hop path (every rank sends its tensor
 to every other and folds locally) in the same canonical order, so the bits do not
 depend on the path.
 
-Each process listens on exactly one port; peers dial it (no back-connections)."""
+A rank listens on one port (PSRING_PORT, or an ephemeral one); peers and its data links dial it
+(no back-connections)."""
 
 from __future__ import annotations
 
