@@ -165,6 +165,50 @@ async def test_syncsgd_ring_ps_and_single_process_agree_bit_for_bit(make_groups,
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("opt_factory", [lambda: SGD(lr=0.05, momentum=0.9), lambda: Adam(lr=0.01)])
+@pytest.mark.parametrize("saved_on, resumed_on", [("ring", "ring"), ("ps", "ps"), ("ring", "ps"), ("ps", "ring")])
+async def test_state_dict_resumes_bit_for_bit(make_groups, opt_factory, saved_on: str, resumed_on: str) -> None:
+    """Checkpoint after 7 steps, resume in a new group (over ps: fresh shards that take the
+    checkpoint's parameters, optimizer state and step), finish: the parameters of an
+    uninterrupted run, bit for bit -- across topologies too."""
+    steps, at, world = 20, 7, 3
+    ref = _reference(opt_factory(), world, steps)
+    groups = await make_groups(world, saved_on)
+    opts = [psring.SyncSGD(g, _model(g.rank), opt_factory()) for g in groups]
+    for t in range(at):
+        await asyncio.gather(*(o.step(_grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    states = await asyncio.gather(*(o.state_dict() for o in opts))
+    assert all(s["step"] == at for s in states)
+    for k in ref:
+        assert all(np.array_equal(s["params"][k], states[0]["params"][k]) for s in states)
+    await asyncio.gather(*(g.close() for g in groups))
+    groups = await make_groups(world, resumed_on)
+    fresh = [psring.SyncSGD(g, _model(g.rank + 10), opt_factory()) for g in groups]  # other starting points
+    for o in fresh:
+        o.load_state_dict(states[0])  # rank 0's checkpoint, loaded everywhere
+    await asyncio.gather(*(o.start() for o in fresh))
+    assert all(o.step_count == at for o in fresh)
+    for t in range(at, steps):
+        outs = await asyncio.gather(*(o.step(_grads(t, g.rank)) for o, g in zip(fresh, groups, strict=True)))
+    for k in ref:
+        assert all(np.array_equal(out[k], ref[k]) for out in outs), k
+
+
+@pytest.mark.asyncio
+async def test_state_dict_refuses_another_setup_and_late_loading(make_groups) -> None:
+    groups = await make_groups(2, "ring")
+    opts = [psring.SyncSGD(g, _model(g.rank), SGD(lr=0.1, momentum=0.9)) for g in groups]
+    states = await asyncio.gather(*(o.state_dict() for o in opts))
+    other = psring.SyncSGD(groups[0], _model(0), Adam(lr=0.1))
+    with pytest.raises(ValueError, match="another optimizer, compression, accumulation or parameter layout"):
+        other.load_state_dict(states[0])
+    with pytest.raises(RuntimeError, match="load_state_dict must come before start"):
+        opts[0].load_state_dict(states[0])
+    with pytest.raises(ValueError, match="not a SyncSGD checkpoint"):
+        psring.SyncSGD(groups[0], _model(0), SGD(lr=0.1)).load_state_dict({"params": {}})
+
+
+@pytest.mark.asyncio
 async def test_syncsgd_fp16_compression_ring_ps_and_single_process_agree_bit_for_bit(make_groups) -> None:
     steps, world = 100, 3
     opt_factory = lambda: SGD(lr=0.05, momentum=0.9)  # noqa: E731

@@ -114,6 +114,7 @@ class SyncSGD:
         self.started = False
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self._views()
+        self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
 
     # ------------------------------------------------------------ layout
     def _concat(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> Any:
@@ -153,17 +154,94 @@ class SyncSGD:
         if self.started:
             return self.params
         await self._check_setup()
+        loaded, self._loaded = self._loaded, None
         if self.topology == "ps":
             host = [_to_host(f) for f in self._flat]
-            outs, step = await self.group.param_init(host, self.optimizer.config())
+            step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
+            outs, step = await self.group.param_init(host, self.optimizer.config(), step, state)
             self._flat = [_like(self.xp, o) for o in outs]
             self.step_count = step
         else:
             self._flat = [await self.group.broadcast(f, src=0) for f in self._flat]
             self._state = [self.optimizer.init_state(f) for f in self._flat]
+            if loaded is not None:  # every rank loaded the same checkpoint (rank 0's params won anyway)
+                for state, saved in zip(self._state, loaded["state"], strict=True):
+                    for k, v in saved.items():
+                        state[k][...] = self.xp.asarray(v)
+                    state["step"] = loaded["step"]
+                self.step_count = loaded["step"]
         self.started = True
         self.params = self._views()
         return self.params
+
+    async def state_dict(self) -> dict[str, Any]:
+        """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
+        name, and the setup every rank agreed on. Over ps the optimizer state is read from the
+        servers. Every rank returns the same; save rank 0's. Call it between steps."""
+        if not self.started:
+            await self.start()
+        if self.accumulate > 1 and self._micro:
+            raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
+        keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
+        if self.topology == "ps":
+            per_bucket, step = await self.group.param_state([_to_host(f) for f in self._flat], keys)
+        else:
+            per_bucket = [{k: _to_host(s[k]) for k in keys} for s in self._state]
+            step = self.step_count
+        state = {k: self._by_name([b[k] for b in per_bucket]) for k in keys}
+        return {
+            "format": "psring.SyncSGD/1",
+            "step": step,
+            "setup": self.setup(),
+            "params": self._by_name([_to_host(f) for f in self._flat]),
+            "optimizer_state": state,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a checkpoint made by :meth:`state_dict` (every rank loads the same one),
+        before :meth:`start`. Over ps, shards that already hold the parameters (alive, or restored
+        from their own checkpoints) keep theirs, and their step wins."""
+        if self.started:
+            raise RuntimeError("load_state_dict must come before start() (or the first step)")
+        if state.get("format") != "psring.SyncSGD/1":
+            raise ValueError(f"not a SyncSGD checkpoint (format {state.get('format')!r})")
+        mine = json.dumps(self.setup(), sort_keys=True, default=str)
+        theirs = json.dumps(state.get("setup"), sort_keys=True, default=str)
+        if mine != theirs:
+            raise ValueError(
+                "the checkpoint was made with another optimizer, compression, accumulation or parameter layout: "
+                f"it has {theirs[:300]}, this has {mine[:300]}"
+            )
+        params = state["params"]
+        self._flat = [_like(self.xp, np.asarray(f)) for f in self._flat_from(params)]
+        per_key = {k: self._flat_from(v) for k, v in state["optimizer_state"].items()}
+        buckets = [{k: per_key[k][b] for k in per_key} for b in range(len(self.buckets))]
+        self._loaded = {"step": int(state["step"]), "state": buckets}
+        self.step_count = int(state["step"])
+        self.params = self._views()
+
+    def _by_name(self, flats: list[Any]) -> dict[str, np.ndarray]:
+        out = {}
+        for bucket, flat in zip(self.buckets, flats, strict=True):
+            for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
+                count = int(np.prod(shape)) if shape else 1
+                out[name] = np.array(flat[off : off + count]).reshape(shape)
+        return out
+
+    def _flat_from(self, arrays: Mapping[str, Any]) -> list[np.ndarray]:
+        missing = [n for n in self._names if n not in arrays]
+        if missing:
+            raise ValueError(f"the checkpoint lacks {missing}")
+        return [self._concat_host(b, arrays) for b in self.buckets]
+
+    def _concat_host(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> np.ndarray:
+        flat = np.empty(bucket.size, dtype=bucket.dtype)
+        for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
+            a = _to_host(arrays[name])
+            if tuple(a.shape) != shape:
+                raise ValueError(f"the checkpoint's {name!r} has shape {tuple(a.shape)}, the parameter has {shape}")
+            flat[off : off + a.size] = a.reshape(-1)
+        return flat
 
     def setup(self) -> dict[str, Any]:
         """What every rank must agree on: optimizer, compression, accumulation, parameter layout."""
@@ -237,7 +315,9 @@ class SyncSGD:
 def _to_host(x: Any) -> np.ndarray:
     if isinstance(x, np.ndarray):
         return x
-    return x.get()  # cupy
+    if hasattr(x, "get"):
+        return x.get()  # cupy
+    return np.asarray(x)
 
 
 def _like(xp: Any, host: np.ndarray) -> Any:
@@ -264,6 +344,12 @@ class BlockingSyncSGD:
 
     def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
         return self._portal.call(self._inner.step(grads))  # type: ignore[no-any-return]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._portal.call(self._inner.state_dict())  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._inner.load_state_dict(state)
 
 
 __all__ = ["BlockingSyncSGD", "SyncSGD", "make_buckets"]

@@ -31,8 +31,19 @@ class ParameterMode:
             (s, a, pieces(a, z, step)) for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b)
         ]
 
-    async def param_init(self, buckets: list[np.ndarray], optimizer: dict[str, Any]) -> tuple[list[np.ndarray], int]:
-        """Rank 0 offers its parameters; every rank then pulls what the shards hold (and their step)."""
+    async def param_init(
+        self,
+        buckets: list[np.ndarray],
+        optimizer: dict[str, Any],
+        step: int | None = None,
+        state: list[dict[str, np.ndarray]] | None = None,
+    ) -> tuple[list[np.ndarray], int]:
+        """Rank 0 offers its parameters; every rank then pulls what the shards hold (and their step).
+
+        A resumed run (``step`` and, per bucket, the optimizer ``state`` of a checkpoint) offers
+        those too: shards that hold nothing yet take them; shards that already hold the bucket
+        (alive, or restored from their own checkpoints) keep theirs.
+        """
         self._check_usable()
         if self.gid != "0":
             raise ValueError("parameter mode runs on the main group, not a subgroup")
@@ -48,10 +59,17 @@ class ParameterMode:
                         "size": self.world_size,
                         "optimizer": optimizer,
                     }
+                    if step is not None and state is not None:
+                        base.update(step=step, state_keys=sorted(state[b]))
                     if not parts:
                         conn.send_frame({**base, "tag": ("param", b, "init", -1), "piece": None})
                     for j, (pa, pb) in enumerate(parts):
                         conn.send_tensor({**base, "tag": ("param", b, "init", j), "piece": j}, flat[pa:pb])
+                    if step is not None and state is not None:
+                        for key in sorted(state[b]):
+                            for j, (pa, pb) in enumerate(parts):
+                                header = {"kind": "ps_param", "op": "init_state", "tag": ("param", b, "init_state", j)}
+                                conn.send_tensor({**header, "key": key}, state[b][key][pa:pb])
         outs = [np.empty_like(flat) for flat in buckets]
         steps: list[int] = []
 
@@ -75,6 +93,38 @@ class ParameterMode:
             pull(b, shard, parts) for b, flat in enumerate(buckets) for shard, _a, parts in self._param_layout(b, flat)
         ]
         await self._param_wait(asyncio.gather(*jobs), "pulling the initial parameters")
+        if len(set(steps)) > 1:
+            raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
+        return outs, (steps[0] if steps else 0)
+
+    async def param_state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
+        """The optimizer state the shards hold (``keys`` of it, per bucket, as flat arrays shaped
+        like the buckets), and their step: what a worker-side checkpoint of a ps run needs."""
+        self._check_usable()
+        outs = [{k: np.empty_like(flat) for k in keys} for flat in buckets]
+        steps: list[int] = []
+
+        async def fetch(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
+            futs = [
+                self.mailbox.expect(
+                    ("param", b, "state", shard, k, j), byte_view(outs[b][k][pa:pb]) if pb > pa else None
+                )
+                for k in keys
+                for j, (pa, pb) in enumerate(parts)
+            ]
+            marker = self.mailbox.expect(("param", b, "stated", shard))
+            self.links.shards[shard].send_frame(
+                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.rank}
+            )
+            for fut in futs:
+                await fut
+            _c, hdr, _p = await marker
+            if sorted(hdr.get("keys") or []) != sorted(keys):
+                raise ProtocolError(f"server shard {shard} holds optimizer state {hdr.get('keys')}, expected {keys}")
+            steps.append(int(hdr["step"]))
+
+        jobs = [fetch(b, s, parts) for b, flat in enumerate(buckets) for s, _a, parts in self._param_layout(b, flat)]
+        await self._param_wait(asyncio.gather(*jobs), "reading the optimizer state")
         if len(set(steps)) > 1:
             raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
         return outs, (steps[0] if steps else 0)

@@ -63,6 +63,10 @@ class Bucket:
         self.step = 0
         self.ready = False
         self.init_seen: set[int] = set()
+        #: optimizer state rank 0 sent with its parameters (a worker-side checkpoint): key -> pieces seen
+        self.given_state: dict[str, np.ndarray] = {}
+        self.given_seen: set[tuple[str, int]] = set()
+        self.given_step: int | None = None
         self.inbox: dict[int, dict[int, np.ndarray]] = {}
         self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
         self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
@@ -78,7 +82,21 @@ class Bucket:
 
     def start(self) -> None:
         self.state = self.optimizer.init_state(self.param)
+        if self.given_step is not None:  # rank 0 resumes from its checkpoint: its state, its step
+            for k, v in self.given_state.items():
+                self.state[k][...] = v
+            self.step = self.state["step"] = self.given_step
         self.ready = True
+
+    def complete(self) -> bool:
+        """Every piece of rank 0's initial parameters (and optimizer state, if it sent any) is in."""
+        want = len(self.pieces) * len(self.given_state)
+        return len(self.init_seen) == len(self.pieces) and len(self.given_seen) == want
+
+    def state_view(self, key: str, j: int) -> np.ndarray:
+        pa, pb = self.pieces[j]
+        a = self.slice[0]
+        return self.state[key][pa - a : pb - a]  # type: ignore[no-any-return]
 
     def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
         meta = {
@@ -176,6 +194,10 @@ class ParamStore:
         b = tag[1]
         if op == "init":
             self._init(conn, b, header, payload)
+        elif op == "init_state":
+            self._init_state(b, header, payload)
+        elif op == "state":
+            self._send_state(conn, self._bucket(b))
         elif op == "pull":
             bucket = self.buckets.get(b)
             if bucket is not None and bucket.ready:
@@ -229,6 +251,16 @@ class ParamStore:
             )
         if bucket.ready:
             return  # restored or initialised already: the shard's own state wins
+        step, keys = header.get("step"), header.get("state_keys")
+        if step is not None and bucket.given_step is None:  # a resumed run: its step and optimizer state
+            expected = sorted(Optimizer.state_arrays(bucket.optimizer.init_state(bucket.param)))
+            if type(step) is not int or step < 0 or not isinstance(keys, (list, tuple)) or sorted(keys) != expected:
+                raise ProtocolError(
+                    f"init of bucket {b} at step {step!r} with optimizer state {keys!r}; this optimizer's state "
+                    f"is {expected}"
+                )
+            bucket.given_step = step
+            bucket.given_state = {k: np.empty_like(bucket.param) for k in keys}
         if j is None:  # an empty slice: nothing to fill
             bucket.start()
         else:
@@ -241,13 +273,62 @@ class ParamStore:
                 )
             view[...] = np.frombuffer(payload, bucket.dtype, count=pb - pa)
             bucket.init_seen.add(j)
-            if len(bucket.init_seen) == len(bucket.pieces):
+            if bucket.complete():
                 bucket.start()
         if bucket.ready:
             pulls, bucket.waiting_pulls = bucket.waiting_pulls + self.early_pulls.pop(b, []), []
             for waiter in pulls:
                 if waiter.is_open:
                     self._send_params(waiter, bucket, "pull")
+
+    def _init_state(self, b: int, header: dict[str, Any], payload: Any) -> None:
+        """A piece of rank 0's optimizer state, sent after its parameters (a resumed run)."""
+        bucket = self._bucket(b)
+        if bucket.ready:
+            return  # the shard's own state wins, as for the parameters
+        key, tag = header.get("key"), header.get("tag")
+        j = tag[3] if len(tag) == 4 else None
+        if key not in bucket.given_state or type(j) is not int or not 0 <= j < len(bucket.pieces):
+            raise ProtocolError(f"optimizer state {key!r} piece {j!r} of bucket {b} was not announced")
+        pa, pb = bucket.pieces[j]
+        a = bucket.slice[0]
+        dest = bucket.given_state[key][pa - a : pb - a]
+        if header["nbytes"] != dest.nbytes:
+            raise ProtocolError(f"optimizer state {key} piece {j} of bucket {b}: {header['nbytes']} bytes")
+        dest[...] = np.frombuffer(payload, bucket.dtype, count=pb - pa)
+        bucket.given_seen.add((key, j))
+        if bucket.complete():
+            bucket.start()
+            pulls, bucket.waiting_pulls = bucket.waiting_pulls + self.early_pulls.pop(b, []), []
+            for waiter in pulls:
+                if waiter.is_open:
+                    self._send_params(waiter, bucket, "pull")
+
+    def _send_state(self, conn: Connection, bucket: Bucket) -> None:
+        """This shard's slice of a bucket's optimizer state, piece by piece, then its step."""
+        if not bucket.ready:
+            raise ProtocolError(f"optimizer state of bucket {bucket.b} asked for before it was initialised")
+        keys = sorted(Optimizer.state_arrays(bucket.state))
+        for key in keys:
+            for j in range(len(bucket.pieces)):
+                header = {
+                    "kind": "ps_param",
+                    "op": "state",
+                    "tag": ("param", bucket.b, "state", self.shard.index, key, j),
+                }
+                send_once(
+                    [conn], header, bucket.state_view(key, j), stable=False, shm_min=self.shard.settings.ps_shm_min
+                )
+        with contextlib.suppress(PsringError):
+            conn.send_frame(
+                {
+                    "kind": "ps_param",
+                    "op": "state",
+                    "tag": ("param", bucket.b, "stated", self.shard.index),
+                    "step": bucket.step,
+                    "keys": keys,
+                }
+            )
 
     def _push(self, conn: Connection, b: int, header: dict[str, Any], payload: Any) -> None:
         bucket = self._bucket(b)
