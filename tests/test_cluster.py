@@ -19,6 +19,7 @@ from psring.cluster.daemons import JobError, key
 from psring.rendezvous.scheduler import resolve_settings
 
 from .conftest import end, run_tree, spawn
+from .test_start import free_port
 
 pytestmark = [pytest.mark.timeout(170)]
 
@@ -356,3 +357,111 @@ def test_statefulset_ordinal_needs_kubernetes() -> None:
     assert statefulset_ordinal({"KUBERNETES_SERVICE_HOST": "x", "HOSTNAME": "web-3"}) == 3
     assert statefulset_ordinal({"KUBERNETES_SERVICE_HOST": "x", "HOSTNAME": "web"}) is None
     assert psring.__version__
+
+
+def _reference_digest(topology: str, workers: int, epochs: int) -> tuple[int, float]:
+    """The main job run without interruption (psring train), for the same settings."""
+    proc = run_tree(
+        [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", str(workers),
+         "--epochs", str(epochs), "--json"],
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    return summary["param_digest"], summary["test_accuracy"]
+
+
+def _stream_until(job, step: int) -> None:
+    for rec in job.stream():
+        if rec.get("step", 0) >= step:
+            return
+    raise AssertionError("the job ended before the step to interrupt it at")
+
+
+@pytest.mark.parametrize("topology, server_daemon", [("ring", False), ("ps", False), ("ps", True)])
+def test_a_lost_worker_daemon_restarts_the_job_from_its_checkpoint(cluster, tmp_path, topology, server_daemon) -> None:
+    """submit --max-restarts: a worker daemon SIGKILLed mid-job; the job is stopped everywhere and
+    placed again on the daemons idle then, resumes from its latest checkpoint (worker-side, in the
+    store; over ps with a server daemon also the shards' own) and ends with an uninterrupted run's
+    parameters, bit for bit."""
+    epochs = 60
+    ref_digest, ref_acc = _reference_digest(topology, 2, epochs)
+    c = cluster()
+    victim = c.worker("v0")
+    c.worker("v1")
+    if server_daemon:
+        c.spawn_server_daemon("s0", "--checkpoint-dir", str(tmp_path / "ckpt"))
+    with c.client() as client:
+        job = client.submit(topology, 2, train={"epochs": epochs}, max_restarts=2)
+        _stream_until(job, 400)
+        spare = c.worker("v2")  # where the second attempt's rank goes
+        os.kill(victim.pid, signal.SIGKILL)
+        restarts = [rec for rec in job.stream() if "restart" in rec]
+        summary = job.wait(timeout=120)
+        status = client.status()
+    assert len(restarts) == 1 and "v0" in restarts[0]["why"], restarts
+    assert summary["param_digest"] == ref_digest and summary["test_accuracy"] == ref_acc
+    assert summary["resumed_at"] is not None and summary["resumed_at"] >= 400 - 10 * 1
+    [rec] = [j for j in status["jobs"] if j["id"] == job.id]
+    assert rec["state"] == "done" and rec["attempt"] == 1 and len(rec["restarts"]) == 1
+    assert spare.poll() is None
+
+
+def test_a_crashed_server_daemon_resumes_its_shards(cluster, tmp_path) -> None:
+    """A server daemon SIGKILLed mid-job and started again (what a restart policy does): it keeps
+    its identity in its checkpoint directory, resumes the job's shards from their checkpoints on
+    its declared port, the workers reconnect and re-send the step in flight, and the job ends with
+    an uninterrupted run's parameters."""
+    epochs = 60
+    ref_digest, ref_acc = _reference_digest("ps", 2, epochs)
+    c = cluster()
+    c.worker("p0")
+    c.worker("p1")
+    args = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--port", str(free_port()))
+    server = c.spawn_server_daemon("s-first", *args)  # --name is kept from the first start on
+    with c.client() as client:
+        sid = next(s["id"] for s in client.status()["servers"])
+        job = client.submit("ps", 2, train={"epochs": epochs})
+        _stream_until(job, 300)
+        os.kill(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        server.wait(timeout=10)
+        restarted = spawn(
+            ["-m", "psring", "server", "--cluster", "--store", c.address, "--host", "127.0.0.1", *args], c.env
+        )
+        c.daemons["s-again"] = restarted
+        resumed = restarted.stdout.readline()
+        assert f"psring server {sid}: resumed shards [0, 1] of job {job.id}" in resumed, resumed
+        summary = job.wait(timeout=120)
+        took = time.monotonic() - killed
+    assert summary["param_digest"] == ref_digest and summary["test_accuracy"] == ref_acc
+    assert summary["resumed_at"] is None  # the workers never stopped: they re-sent the step in flight
+    assert took < 60
+
+
+def test_status_tells_lost_daemons_and_why_a_job_failed(cluster) -> None:
+    """Nobody waits on the job: its state still ends failed, with the reason, and the dead daemon
+    shows as lost within seconds."""
+    c = cluster()
+    victim = c.worker("q0")
+    c.worker("q1")
+    with c.client() as client:
+        job = client.submit("ring", 2, train={"epochs": 500})
+        _stream_until(job, 50)
+        os.kill(victim.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            status = client.status()
+            [rec] = [j for j in status["jobs"] if j["id"] == job.id]
+            lost = {w["id"]: w["state"] for w in status["workers"]}
+            if rec["state"] == "failed" and lost.get("q0") == "lost":
+                break
+            time.sleep(0.3)
+        assert rec["state"] == "failed" and "rank" in rec["reason"], rec
+        assert lost == {"q0": "lost", "q1": "idle"}, lost
+        out = run_tree([sys.executable, "-m", "psring", "status", "--store", c.address], timeout=60).stdout
+        assert re.search(r"q0\s+\S+\s+lost", out) and "failed" in out, out
+        js = json.loads(
+            run_tree([sys.executable, "-m", "psring", "status", "--store", c.address, "--json"], timeout=60).stdout
+        )
+        assert {w["id"]: w["state"] for w in js["workers"]} == lost

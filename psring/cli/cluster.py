@@ -63,6 +63,7 @@ def cli_submit(args: Any) -> int:
         "optimizer": args.optimizer,
         "compression": None if args.compression == "none" else args.compression,
         "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
     }
     try:
         extra = json.loads(args.args) if args.args else {}
@@ -84,9 +85,13 @@ def cli_submit(args: Any) -> int:
             train=train,
             wait_for_workers=not args.no_wait,
             timeout=args.timeout,
+            max_restarts=args.max_restarts,
         )
         print(f"psring submit: job {job.id} placed ({args.topology}, {args.workers} workers)", flush=True)
         for rec in job.stream():
+            if "restart" in rec:
+                print(f"psring submit: {rec['why']}; restarting (restart {rec['restart']} of {rec['of']})", flush=True)
+                continue
             text = f"epoch {rec.get('epoch')} step {rec.get('step')}/{rec.get('total')} loss {rec.get('loss', 0):.4f}"
             if "acc" in rec:
                 text += f" acc {rec['acc']:.4f}"
@@ -119,14 +124,19 @@ def cli_status(args: Any) -> int:
     if args.json:
         print(json.dumps(status))
         return 0
-    print(f"{'role':8} {'id':40} {'address':24} {'state':6} job")
+    print(f"{'role':8} {'id':40} {'address':24} {'state':9} job")
     for role in ("workers", "servers"):
         for r in status[role]:
             print(
-                f"{role[:-1]:8} {r['id']:40} {str(r['host']) + ':' + str(r['port']):24} {r['state']:6} {r.get('job')}"
+                f"{role[:-1]:8} {r['id']:40} {str(r['host']) + ':' + str(r['port']):24} {r['state']:9} {r.get('job')}"
             )
     for j in status["jobs"]:
-        print(f"job {j['id']}: {j['state']} {j['topology']} {len(j.get('workers', []))} workers {j.get('kind')}")
+        restarts = f", {j.get('attempt')} restart(s)" if j.get("attempt") else ""
+        print(
+            f"job {j['id']}: {j['state']} {j['topology']} {len(j.get('workers', []))} workers {j.get('kind')}{restarts}"
+        )
+        if j.get("reason"):
+            print(f"  {j['reason']}")
     return 0
 
 
@@ -187,6 +197,15 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--args", default=None, help="JSON keyword arguments for the entrypoint")
     p.add_argument("--no-wait", action="store_true", help="fail at once if not enough idle daemons")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds for any one collective")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when a rank fails, stop every rank and place the job again, up to this many times",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=10, help="the main job: save a checkpoint every N optimizer steps"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cli_submit)
 

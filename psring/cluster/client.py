@@ -12,7 +12,7 @@ from typing import Any
 
 from ..rendezvous.client import connect_store, parse_store_address
 from ..transport.loop import Portal
-from .daemons import JobError, _secret_bytes, key
+from .daemons import HEARTBEAT_S, JobError, _secret_bytes, key, run_key
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +40,32 @@ class AsyncClient:
             self.store = None
 
     async def _records(self, kind: str) -> list[dict[str, Any]]:
+        """Every daemon's record, with ``age``: seconds since it was last rewritten, by the store's clock."""
         out = []
         for k in await self.store.list(key(kind) + "/"):
-            raw = await self.store.get(k)
+            raw, age = await self.store.get_aged(k)
             if raw:
                 with contextlib.suppress(ValueError):
-                    out.append(json.loads(raw))
+                    out.append({**json.loads(raw), "age": age})
         return out
 
     async def status(self) -> dict[str, Any]:
+        """Daemons (a daemon whose heartbeats stopped is shown as ``lost``) and jobs (a failed job
+        with its reason)."""
         await self.connect()
         jobs = []
         for k in await self.store.list(key("jobs") + "/"):
             if k.endswith("/spec"):
                 spec = json.loads(await self.store.get(k) or b"{}")
                 state = await self.store.get(key("jobs", spec.get("id"), "state"))
-                jobs.append({**spec, "state": (state or b"?").decode()})
+                reason = await self.store.get(key("jobs", spec.get("id"), "reason"))
+                job = {**spec, "state": (state or b"?").decode()}
+                if reason is not None and job["state"] in ("failed", "restarting"):
+                    job["reason"] = reason.decode(errors="replace")
+                jobs.append(job)
         return {
-            "workers": await self._records("workers"),
-            "servers": await self._records("servers"),
+            "workers": [_liveness(r) for r in await self._records("workers")],
+            "servers": [_liveness(r) for r in await self._records("servers")],
             "jobs": sorted(jobs, key=lambda j: j.get("id", 0)),
         }
 
@@ -74,50 +81,68 @@ class AsyncClient:
         wait_for_workers: bool = True,
         place_timeout: float = 600.0,
         timeout: float = 300.0,
+        max_restarts: int = 0,
     ) -> int:
-        """Place a job on ``workers`` idle daemons; returns its id once every rank took it."""
+        """Place a job on ``workers`` idle daemons; returns its id once every rank took it.
+
+        ``max_restarts``: when a rank fails (a daemon lost, a rank raising), every rank is
+        stopped and the job placed again on the daemons idle then, up to this many times, as
+        long as someone waits on it; the main job resumes from its latest checkpoint.
+        """
         if topology not in ("ring", "ps"):
             raise ValueError(f"topology={topology!r} is not ring or ps")
         if type(workers) is not int or workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive integer")
         if servers is not None and (topology != "ps" or servers < 1):
             raise ValueError("servers applies to topology='ps', and must be at least 1")
+        if type(max_restarts) is not int or max_restarts < 0:
+            raise ValueError(f"max_restarts={max_restarts!r} must be a whole number")
         await self.connect()
         jid = await self.store.add(key("next-job"), 1)
         spec: dict[str, Any] = {
             "id": jid,
             "topology": topology,
             "servers": servers or workers,
+            "size": workers,
             "kind": "entrypoint" if entrypoint else "train",
             "entrypoint": entrypoint,
             "args": args or {},
             "train": _train_spec(train or {}),
             "timeout": timeout,
             "workers": [],
+            "attempt": 0,
+            "max_restarts": max_restarts,
+            "restarts": [],
             "submitted": time.time(),
         }
         await self.store.set(key("jobs", jid, "state"), b"queued")
         await self.store.set(key("jobs", jid, "spec"), json.dumps(spec))
+        await self._place(spec, wait_for_workers, place_timeout)
+        return jid
+
+    async def _place(self, spec: dict[str, Any], wait: bool, place_timeout: float) -> None:
+        """Claim idle workers and servers for the job's current attempt and hand out its ranks."""
+        jid = spec["id"]
         try:
-            chosen = await self._claim(jid, workers, wait_for_workers, place_timeout)
+            chosen = await self._claim(jid, spec["size"], wait, place_timeout)
             spec["workers"] = chosen
-            if topology == "ps":
-                spec["shard_hosts"] = await self._place_shards(jid, spec["servers"])
+            if spec["topology"] == "ps":
+                spec["shard_hosts"] = await self._place_shards(spec)
             await self.store.set(key("jobs", jid, "spec"), json.dumps(spec))
             await self.store.set(key("jobs", jid, "state"), b"running")
             for rank, wid in enumerate(chosen):
-                await self.store.set(key("assign", wid), json.dumps({"job": jid, "rank": rank}))
-            await self._wait_acks(jid, chosen)
+                assignment = {"job": jid, "rank": rank, "attempt": spec["attempt"]}
+                await self.store.set(key("assign", wid), json.dumps(assignment))
+            await self._wait_acks(spec, chosen)
         except BaseException:
             await self.store.set(key("jobs", jid, "state"), b"cancelled")
             raise
-        return jid
 
     async def _claim(self, jid: int, n: int, wait: bool, place_timeout: float) -> list[str]:
         deadline = time.monotonic() + place_timeout
         while True:
             records = await self._records("workers")
-            idle = sorted(r["id"] for r in records if r.get("state") == "idle")
+            idle = sorted(r["id"] for r in records if r.get("state") == "idle" and not _lost(r))
             if len(idle) >= n:
                 got: list[str] = []
                 for wid in idle:
@@ -140,24 +165,27 @@ class AsyncClient:
                 )
             await asyncio.sleep(0.3)
 
-    async def _place_shards(self, jid: int, num_shards: int) -> dict[str, list[int]] | None:
-        hosts = sorted(r["id"] for r in await self._records("servers"))
+    async def _place_shards(self, spec: dict[str, Any]) -> dict[str, list[int]] | None:
+        hosts = sorted(r["id"] for r in await self._records("servers") if not _lost(r))
         if not hosts:
             return None  # rank 0's daemon hosts the shards
+        num_shards = spec["servers"]
         plan: dict[str, list[int]] = {}
         for i in range(num_shards):
             plan.setdefault(hosts[i % len(hosts)], []).append(i)
         for sid, shards in plan.items():
-            await self.store.set(
-                key("serve", sid), json.dumps({"job": jid, "shards": shards, "num_shards": num_shards})
-            )
+            order = {"job": spec["id"], "attempt": spec["attempt"], "shards": shards, "num_shards": num_shards}
+            await self.store.set(key("serve", sid), json.dumps(order))
         return plan
 
-    async def _wait_acks(self, jid: int, chosen: list[str], ack_timeout: float = 15.0) -> None:
+    async def _wait_acks(self, spec: dict[str, Any], chosen: list[str], ack_timeout: float = 15.0) -> None:
+        jid, attempt = spec["id"], spec["attempt"]
         deadline = time.monotonic() + ack_timeout
         while True:
             missing = [
-                (r, wid) for r, wid in enumerate(chosen) if await self.store.get(key("jobs", jid, "ack", r)) is None
+                (r, wid)
+                for r, wid in enumerate(chosen)
+                if await self.store.get(run_key(jid, attempt, "ack", r)) is None
             ]
             if not missing:
                 return
@@ -171,19 +199,31 @@ class AsyncClient:
                 raise JobError(f"job {jid}: worker daemon(s) {names} did not take the job within {ack_timeout:g}s")
             await asyncio.sleep(0.1)
 
+    async def spec(self, jid: int) -> dict[str, Any]:
+        return json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")  # type: ignore[no-any-return]
+
     async def progress(self, jid: int) -> dict[str, Any] | None:
         raw = await self.store.get(key("jobs", jid, "progress"))
         return json.loads(raw) if raw else None
 
+    async def _outcomes(self, spec: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        out = {}
+        for r in range(len(spec.get("workers", []))):
+            raw = await self.store.get(run_key(spec["id"], spec.get("attempt", 0), "rank", r))
+            if raw:
+                out[r] = json.loads(raw)
+        return out
+
+    async def _fail(self, jid: int, error: str) -> None:
+        """Mark the job failed, with the reason (the daemons stop its ranks within a second)."""
+        await self.store.set(key("jobs", jid, "reason"), error)
+        await self.store.set(key("jobs", jid, "state"), b"failed")
+
     async def poll(self, jid: int, beats: dict[str, tuple[int, float]], dead_after: float) -> dict[str, Any] | None:
-        """None while running; else {"ok": bool, "result"|"error": ...} for the whole job."""
+        """None while the current attempt runs; else {"ok": bool, "result"|"error": ...}."""
         spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
         chosen: list[str] = spec.get("workers", [])
-        outcomes = {}
-        for r in range(len(chosen)):
-            raw = await self.store.get(key("jobs", jid, "rank", r))
-            if raw:
-                outcomes[r] = json.loads(raw)
+        outcomes = await self._outcomes(spec)
         now = time.monotonic()
         dead = []
         for r, wid in enumerate(chosen):
@@ -199,12 +239,12 @@ class AsyncClient:
                 dead.append((r, wid, now - seen[1]))
         if dead:
             r, wid, ago = dead[0]
-            await self.store.set(key("jobs", jid, "state"), b"failed")
-            return {
-                "ok": False,
-                "error": f"job {jid} failed: worker daemon {wid} (rank {r}) stopped heartbeating "
-                f"{ago:.1f}s ago -- it died or hung",
-            }
+            error = (
+                f"job {jid} failed: worker daemon {wid} (rank {r}) stopped heartbeating {ago:.1f}s ago "
+                "-- it died or hung"
+            )
+            await self._fail(jid, error)
+            return {"ok": False, "error": error}
         failed = {r: o for r, o in outcomes.items() if not o.get("ok")}
         if failed and len(outcomes) < len(chosen):
             # give the other ranks a moment to report: the rank whose own error started it all
@@ -212,42 +252,34 @@ class AsyncClient:
             first = beats.setdefault("\0failed", (0, now))[1]  # type: ignore[arg-type]
             if now - first < 2.0:
                 return None
-        causes = {
-            r: o for r, o in failed.items() if "lost_rank" not in o and "PeerLostError" not in str(o.get("error"))
-        }
-        if causes:
-            r = min(causes)
-            await self.store.set(key("jobs", jid, "state"), b"failed")
-            return {
-                "ok": False,
-                "error": f"job {jid} failed: rank {r} on worker {causes[r].get('worker')}: {causes[r].get('error')}",
-                "ranks": failed,
-            }
-        lost = sorted({o["lost_rank"] for o in failed.values() if type(o.get("lost_rank")) is int})
-        lost = [r for r in lost if 0 <= r < len(chosen) and r not in failed]
-        if lost:  # survivors name the rank they lost: that daemon is the culprit
-            await self.store.set(key("jobs", jid, "state"), b"failed")
-            r = lost[0]
-            first = next(o for o in failed.values() if o.get("lost_rank") == r)
-            return {
-                "ok": False,
-                "error": f"job {jid} failed: worker daemon {chosen[r]} (rank {r}) was lost mid-job "
-                f"({first.get('error')})",
-                "ranks": failed,
-            }
         if failed:
-            await self.store.set(key("jobs", jid, "state"), b"failed")
-            # the first rank to fail is usually the cause; a lost peer names the rank it lost
-            r = min(failed)
-            return {
-                "ok": False,
-                "error": f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}",
-                "ranks": failed,
-            }
-        if len(outcomes) == len(chosen):
+            error = _blame(jid, chosen, failed)
+            await self._fail(jid, error)
+            return {"ok": False, "error": error, "ranks": failed}
+        if chosen and len(outcomes) == len(chosen):
             await self.store.set(key("jobs", jid, "state"), b"done")
             return {"ok": True, "result": outcomes[0].get("result"), "ranks": outcomes}
         return None
+
+    async def restart(self, jid: int, why: str, place_timeout: float = 600.0) -> int:
+        """Stop the job's current attempt everywhere and place the next one; returns its number."""
+        spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+        await self._fail(jid, why)  # every rank still running stops (the daemons watch the state)
+        deadline = time.monotonic() + 30.0
+        while time.monotonic() < deadline:  # until each rank reported, or its daemon is gone
+            outcomes = await self._outcomes(spec)
+            pending = [wid for r, wid in enumerate(spec["workers"]) if r not in outcomes]
+            records = {r["id"]: r for r in await self._records("workers")}
+            if all(wid not in records or _lost(records[wid]) for wid in pending):
+                break
+            await asyncio.sleep(0.2)
+        spec["attempt"] += 1
+        spec["restarts"].append({"attempt": spec["attempt"], "why": why, "at": time.time()})
+        await self.store.set(key("jobs", jid, "spec"), json.dumps(spec))
+        await self.store.set(key("jobs", jid, "state"), b"restarting")
+        logger.warning("job %d: restart %d of %d: %s", jid, spec["attempt"], spec["max_restarts"], why)
+        await self._place(spec, True, place_timeout)
+        return int(spec["attempt"])
 
     async def wait(self, jid: int, timeout: float | None = None, dead_after: float = 5.0) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -255,12 +287,47 @@ class AsyncClient:
         while True:
             out = await self.poll(jid, beats, dead_after)
             if out is not None:
-                if not out["ok"]:
+                if out["ok"]:
+                    return out["result"]
+                spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+                if spec.get("attempt", 0) >= spec.get("max_restarts", 0):
                     raise JobError(out["error"])
-                return out["result"]
+                await self.restart(jid, out["error"])
+                beats.clear()
+                continue
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {jid} not finished within {timeout:g}s")
             await asyncio.sleep(0.2)
+
+
+#: a daemon whose record was not rewritten for this long (by the store's clock) stopped heartbeating
+LOST_AFTER_S = 5 * HEARTBEAT_S
+
+
+def _lost(record: dict[str, Any]) -> bool:
+    age = record.get("age")
+    return age is not None and float(age) > LOST_AFTER_S
+
+
+def _liveness(record: dict[str, Any]) -> dict[str, Any]:
+    return {**record, "state": "lost"} if _lost(record) else record
+
+
+def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> str:
+    """Which rank's failure started it: one that failed of its own accord, else the rank the
+    others lost, else the first to fail."""
+    causes = {r: o for r, o in failed.items() if "lost_rank" not in o and "PeerLostError" not in str(o.get("error"))}
+    if causes:
+        r = min(causes)
+        return f"job {jid} failed: rank {r} on worker {causes[r].get('worker')}: {causes[r].get('error')}"
+    lost = sorted({o["lost_rank"] for o in failed.values() if type(o.get("lost_rank")) is int})
+    lost = [r for r in lost if 0 <= r < len(chosen) and r not in failed]
+    if lost:  # survivors name the rank they lost: that daemon is the culprit
+        r = lost[0]
+        first = next(o for o in failed.values() if o.get("lost_rank") == r)
+        return f"job {jid} failed: worker daemon {chosen[r]} (rank {r}) was lost mid-job ({first.get('error')})"
+    r = min(failed)
+    return f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}"
 
 
 def _train_spec(overrides: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +342,7 @@ def _train_spec(overrides: dict[str, Any]) -> dict[str, Any]:
         "device": "cpu",
         "seed": 0,
         "out": None,
+        "checkpoint_every": 10,
     }
     unknown = set(overrides) - set(spec)
     if unknown:
@@ -294,17 +362,27 @@ class Job:
         return self.client._portal.call(self.client._inner.wait(self.id, timeout))
 
     def stream(self, interval: float = 0.2) -> Iterator[dict[str, Any]]:
-        """Progress records as they change, until the job ends (then wait() gives the outcome)."""
+        """Progress records as they change, until the job ends (then wait() gives the outcome).
+
+        A job submitted with ``max_restarts`` is restarted from here when a rank fails, with a
+        record ``{"restart": attempt, "of": max_restarts, "why": ...}`` first."""
+        call, inner = self.client._portal.call, self.client._inner
         beats: dict[str, tuple[int, float]] = {}
         last = None
         while True:
-            rec = self.client._portal.call(self.client._inner.progress(self.id))
+            rec = call(inner.progress(self.id))
             if rec is not None and rec != last:
                 last = rec
                 yield rec
-            done = self.client._portal.call(self.client._inner.poll(self.id, beats, 5.0))
+            done = call(inner.poll(self.id, beats, 5.0))
             if done is not None:
-                return
+                spec = call(inner.spec(self.id))
+                if done["ok"] or spec.get("attempt", 0) >= spec.get("max_restarts", 0):
+                    return
+                yield {"restart": spec["attempt"] + 1, "of": spec["max_restarts"], "why": done["error"]}
+                call(inner.restart(self.id, done["error"]))
+                beats.clear()
+                continue
             time.sleep(interval)
 
 

@@ -42,6 +42,7 @@ from ..topology.api import init_group
 from ..topology.blocking import init
 from ..topology.ps.server import ShardHost, start_servers
 from ..topology.recorder import FlightRecorder
+from ..training.checkpoint import StoreCheckpoints
 from ..training.job import worker
 from ..transport.listener import Listener
 from ..transport.loop import new_event_loop
@@ -57,6 +58,16 @@ HEARTBEAT_S = 1.0
 
 def key(*parts: Any) -> str:
     return ROOT + "/".join(str(p) for p in parts)
+
+
+def run_key(jid: int, attempt: int, *parts: Any) -> str:
+    """A key of one attempt of a job (its acks and its ranks' outcomes)."""
+    return key("jobs", jid, f"a{attempt}", *parts)
+
+
+def job_name(jid: int, attempt: int) -> str:
+    """The job's name in the store for one attempt (PSRING_JOB): every attempt meets afresh."""
+    return f"job{jid}" if attempt == 0 else f"job{jid}.r{attempt}"
 
 
 class JobError(PsringError):
@@ -240,18 +251,18 @@ class WorkerDaemon(_Daemon):
             print(f"psring worker {self.id}: stopped after {self.jobs_run} job(s)", flush=True)
 
     async def _run_job(self, assignment: dict[str, Any]) -> None:
-        jid, rank = int(assignment["job"]), int(assignment["rank"])
+        jid, rank, attempt = int(assignment["job"]), int(assignment["rank"]), int(assignment.get("attempt", 0))
         raw = await self.store.get(key("jobs", jid, "spec"))
-        if raw is None:
-            logger.warning("worker %s: job %s has no spec; ignored", self.id, jid)
+        spec = json.loads(raw) if raw is not None else None
+        if spec is None or spec.get("attempt", 0) != attempt:
+            logger.warning("worker %s: job %s attempt %s is not current; ignored", self.id, jid, attempt)
             return
-        spec = json.loads(raw)
         self.state, self.job = "busy", jid
         await self._publish()
-        await self.store.set(key("jobs", jid, "ack", rank), self.id)
+        await self.store.set(run_key(jid, attempt, "ack", rank), self.id)
         outcome: dict[str, Any] = {"ok": False, "worker": self.id}
         body = asyncio.create_task(self._job_body(spec, rank))
-        watch = asyncio.create_task(self._watch(jid))
+        watch = asyncio.create_task(self._watch(jid, attempt))
         stop = asyncio.create_task(self.stopping.wait())
         t0 = time.monotonic()
         try:
@@ -274,6 +285,7 @@ class WorkerDaemon(_Daemon):
                 with contextlib.suppress(BaseException):
                     await body
                 outcome["error"] = why
+                outcome["stopped"] = stop not in done  # stopped because the job ended elsewhere
         except Exception as exc:
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -281,7 +293,8 @@ class WorkerDaemon(_Daemon):
                 t.cancel()
             outcome["seconds"] = time.monotonic() - t0
             with contextlib.suppress(PsringError, OSError):
-                await self.store.set(key("jobs", jid, "rank", rank), json.dumps(outcome, default=str))
+                await self.store.set(run_key(jid, attempt, "rank", rank), json.dumps(outcome, default=str))
+                await self._settle(spec, rank, outcome)
             if self.metrics is not None:
                 self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
             self.jobs_run += 1
@@ -292,17 +305,39 @@ class WorkerDaemon(_Daemon):
                 await self.store.delete(key("claim", self.id))
                 await self._publish()
 
-    async def _watch(self, jid: int) -> str:
-        """Returns when the job is failed or cancelled elsewhere (so this rank stops at once)."""
+    async def _settle(self, spec: dict[str, Any], rank: int, outcome: dict[str, Any]) -> None:
+        """Keep the job's state true without a submitter watching: a rank that failed of itself
+        fails the job (with its reason); the last rank to finish well marks it done."""
+        jid = spec["id"]
+        state_key = key("jobs", jid, "state")
+        if not outcome["ok"]:
+            if outcome.get("stopped"):
+                return  # it was told to stop: whoever failed the job gave the reason
+            reason = f"job {jid} failed: rank {rank} on worker {self.id}: {outcome.get('error')}"
+            ok, _ = await self.store.compare_set(state_key, b"running", b"failed")
+            if ok:
+                await self.store.set(key("jobs", jid, "reason"), reason)
+            return
+        for r in range(len(spec["workers"])):
+            raw = await self.store.get(run_key(jid, spec["attempt"], "rank", r))
+            if raw is None or not json.loads(raw).get("ok"):
+                return
+        await self.store.compare_set(state_key, b"running", b"done")
+
+    async def _watch(self, jid: int, attempt: int) -> str:
+        """Returns when the job is failed, cancelled or restarted elsewhere (so this rank stops at once)."""
         while True:
             state = await self.store.get(key("jobs", jid, "state"))
-            if state in (b"failed", b"cancelled"):
+            if state in (b"failed", b"cancelled", b"restarting"):
                 return state.decode()
+            spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+            if spec.get("attempt", attempt) != attempt:
+                return "restarted"
             await asyncio.sleep(0.5)
 
     async def _job_body(self, spec: dict[str, Any], rank: int) -> Any:
-        jid = spec["id"]
-        job = f"job{jid}"
+        jid, attempt = spec["id"], spec.get("attempt", 0)
+        job = job_name(jid, attempt)
         world = len(spec["workers"])
         await self._close_port()  # the job's group listens on this daemon's declared port now
         env = {
@@ -355,7 +390,8 @@ class WorkerDaemon(_Daemon):
                 asyncio.get_running_loop().create_task(self.store.set(key("jobs", jid, "progress"), json.dumps(record)))
 
         train_spec = {**spec["train"], "timeout": spec.get("timeout", 300.0)}
-        summary = await worker(train_spec, progress=progress)
+        checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))
+        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints)
         if self.metrics is not None and summary is not None:
             self.metrics.steps.labels("worker").inc(summary["steps"])
         return summary
@@ -391,7 +427,13 @@ class WorkerDaemon(_Daemon):
 
 
 class ServerDaemon(_Daemon):
-    """``psring server --cluster``: hosts the shards of ps jobs the submitters give it."""
+    """``psring server --cluster``: hosts the shards of ps jobs the submitters give it.
+
+    With ``--checkpoint-dir`` (a volume that outlives the process) it keeps its identity there
+    and records each job it hosts in the store, so that, restarted after a crash (a restart
+    policy brings the container back), it resumes the shards of those jobs from their
+    checkpoints on its declared port; the workers reconnect and re-send the step in flight.
+    """
 
     kind = "servers"
 
@@ -399,6 +441,23 @@ class ServerDaemon(_Daemon):
         super().__init__(store, **kwargs)
         self.checkpoint_dir = checkpoint_dir
         self.host: ShardHost | None = None
+        if checkpoint_dir is not None:
+            self.id = self._persistent_id(checkpoint_dir, explicit=kwargs.get("name") is not None)
+
+    def _persistent_id(self, directory: str, explicit: bool) -> str:
+        """The id kept in the checkpoint directory: the same daemon after a restart (a --name given
+        is kept there too, so a restart without it is still the same daemon)."""
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "daemon-id")
+        if not explicit:
+            with contextlib.suppress(FileNotFoundError), open(path) as fh:
+                kept = fh.read().strip()
+                if kept:
+                    return kept
+        with open(f"{path}.tmp", "w") as fh:
+            fh.write(self.id)
+        os.replace(f"{path}.tmp", path)
+        return self.id
 
     async def _open_port(self) -> None:
         """One port for the daemon's whole life: doctor's probes while idle, every job's shards while busy."""
@@ -412,14 +471,50 @@ class ServerDaemon(_Daemon):
             await self.host.close()
             self.host = None
 
+    async def _serve_order(self, order: dict[str, Any], restore: bool) -> Any:
+        jid, attempt = int(order["job"]), int(order.get("attempt", 0))
+        directory = os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None
+        return await start_servers(
+            await self._new_store(),
+            order["num_shards"],
+            job=job_name(jid, attempt),
+            secret=self.secret,
+            advertise=self.advertise,
+            shard_ids=order["shards"],
+            checkpoint_dir=directory,
+            restore=restore and directory is not None,
+            checkpoint_name=f"job{jid}",  # one name for every attempt: a restart resumes from it
+            shard_host=self.host,
+        )
+
+    async def _resume(self, running: dict[int, tuple[int, Any]]) -> None:
+        """After a restart: the shards of the jobs this daemon hosted that still run, from their checkpoints."""
+        for k in await self.store.list(key("hosting", self.id) + "/"):
+            order = json.loads(await self.store.get(k) or b"{}")
+            jid = int(order.get("job", -1))
+            state = await self.store.get(key("jobs", jid, "state"))
+            spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+            if state != b"running" or spec.get("attempt") != order.get("attempt"):
+                await self.store.delete(k)
+                continue
+            running[jid] = (order.get("attempt", 0), await self._serve_order(order, restore=True))
+            print(
+                f"psring server {self.id}: resumed shards {order['shards']} of job {jid} from their checkpoints",
+                flush=True,
+            )
+
     async def serve(self) -> None:
         await self.start()
+        running: dict[int, tuple[int, Any]] = {}  # job -> (attempt, its shards)
+        await self._resume(running)
+        if running:
+            self.state, self.job = "busy", max(running)
+            await self._publish()
         print(
             f"psring server {self.id}: ready for ps jobs on {self.advertise}:{self.port}, store {self.store_spec}",
             flush=True,
         )
         beat = self._start_heartbeat()
-        running: dict[int, Any] = {}
         try:
             while not self.stopping.is_set():
                 raw = await self.store.get(key("serve", self.id), timeout=1.0)
@@ -427,29 +522,26 @@ class ServerDaemon(_Daemon):
                     await self.store.delete(key("serve", self.id))
                     order = json.loads(raw)
                     jid = int(order["job"])
-                    running[jid] = await start_servers(
-                        await self._new_store(),
-                        order["num_shards"],
-                        job=f"job{jid}",
-                        secret=self.secret,
-                        advertise=self.advertise,
-                        shard_ids=order["shards"],
-                        checkpoint_dir=os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None,
-                        shard_host=self.host,
+                    if jid in running:  # a restart of the job replaces its earlier attempt
+                        await running.pop(jid)[1].close()
+                    await self.store.set(key("hosting", self.id, jid), raw)  # outlives this process
+                    running[jid] = (
+                        order.get("attempt", 0),
+                        await self._serve_order(order, restore=order.get("attempt", 0) > 0),
                     )
                     self.state, self.job = "busy", jid
                 for jid in list(running):
                     state = await self.store.get(key("jobs", jid, "state"))
                     if state in (b"done", b"failed", b"cancelled"):
-                        srv = running.pop(jid)
-                        await srv.close()
+                        await running.pop(jid)[1].close()
+                        await self.store.delete(key("hosting", self.id, jid))
                         self.jobs_run += 1
                 if not running and self.state == "busy":
                     self.state, self.job = "idle", None
         finally:
             self.stopping.set()
             self._stop_heartbeat(beat)
-            for srv in running.values():
+            for _attempt, srv in running.values():
                 with contextlib.suppress(Exception):
                     await srv.close()
             await self.stop()

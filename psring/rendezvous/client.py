@@ -92,9 +92,15 @@ class StoreClient:
 
     async def get(self, key: str, timeout: float | None = None) -> bytes | None:
         """The value, waiting up to ``timeout`` seconds for the key to appear (None: don't wait)."""
-        wait = timeout or 0
-        header, payload = await self._call("get", key=key, timeout=wait)
-        return bytes(payload) if header.get("found") else None
+        return (await self.get_aged(key, timeout))[0]
+
+    async def get_aged(self, key: str, timeout: float | None = None) -> tuple[bytes | None, float | None]:
+        """The value and how many seconds ago it was written, by the store's clock."""
+        header, payload = await self._call("get", key=key, timeout=timeout or 0)
+        if not header.get("found"):
+            return None, None
+        age = header.get("age")
+        return bytes(payload), float(age) if isinstance(age, (int, float)) else None
 
     async def add(self, key: str, amount: int = 1) -> int:
         header, _ = await self._call("add", key=key, amount=amount)
@@ -242,6 +248,14 @@ class FileStoreClient:
                 raise StoreError(f"timed out after {timeout:g}s waiting for store keys {[key]} in {self.directory}")
 
     barrier = StoreClient.barrier
+
+    async def get_aged(self, key: str, timeout: float | None = None) -> tuple[bytes | None, float | None]:
+        value = await self.get(key, timeout)
+        if value is None:
+            return None, None
+        with contextlib.suppress(OSError):
+            return value, max(time.time() - os.stat(self._path(key)).st_mtime, 0.0)
+        return value, None
 
     async def close(self) -> None:
         pass

@@ -46,6 +46,7 @@ class StoreServer:
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret
         self._data: dict[str, bytes] = {}
+        self._written: dict[str, float] = {}  # key -> when it was last set (monotonic)
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._listener: Listener | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -103,6 +104,7 @@ class StoreServer:
             raise StoreError(f"store is full ({STORE_MAX_BYTES} bytes of values); {key!r} not set")
         self._bytes = grown
         self._data[key] = value
+        self._written[key] = time.monotonic()
         for fut in self._waiters.pop(key, ()):
             if not fut.done():
                 fut.set_result(None)
@@ -147,7 +149,8 @@ class StoreServer:
             value = self._data.get(key)
             if value is None:
                 return {"found": False}, b""
-            return {"found": True}, value
+            # how long ago it was written, by the store's clock (liveness without trusting clients' clocks)
+            return {"found": True, "age": time.monotonic() - self._written.get(key, 0.0)}, value
         if op == "add":
             key = _key(req)
             amount = req.get("amount", 1)
@@ -171,6 +174,7 @@ class StoreServer:
         if op == "delete":
             key = _key(req)
             old = self._data.pop(key, None)
+            self._written.pop(key, None)
             self._bytes -= len(old or b"")
             existed = old is not None
             return {"deleted": existed}, b""

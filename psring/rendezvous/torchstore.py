@@ -56,6 +56,9 @@ class TorchStoreClient:
             return None
         return bytes(await self._call(self._store.get, key))
 
+    async def get_aged(self, key: str, timeout: float | None = None) -> tuple[bytes | None, float | None]:
+        return await self.get(key, timeout), None  # torch's store keeps no write times
+
     async def add(self, key: str, amount: int = 1) -> int:
         return int(await self._call(self._store.add, key, amount))
 

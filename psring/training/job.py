@@ -58,11 +58,34 @@ class _Run:
             compression=spec.get("compression"),
         )
         self.comm = self.compute = 0.0
-        self.steps = 0
+        self.steps = 0  # batches done (with accumulate=k, k per optimizer step), resumed runs included
         self.history: list[dict[str, Any]] = []
         per_rank = math.ceil(len(self.xtr) / group.world_size)
-        self.total_steps = math.ceil(per_rank / spec["batch_size"]) * spec["epochs"]
+        self.per_epoch = math.ceil(per_rank / spec["batch_size"])
+        self.total_steps = self.per_epoch * spec["epochs"]
         self.t_start = time.perf_counter()
+        self.checkpoints: Any = None
+        self.resumed_at: int | None = None  # the batch this run resumed from (None: a fresh start)
+
+    async def start(self, checkpoints: Any = None) -> None:
+        """Agree on the starting parameters: rank 0's, or a checkpoint's (every rank loads the
+        same), or what a restored parameter server holds; then continue from that step."""
+        self.checkpoints = checkpoints
+        saved = await checkpoints.load() if checkpoints is not None else None
+        if saved is not None:
+            self.opt.load_state_dict(saved["sgd"])
+            self.history = list(saved.get("history", []))
+        self.params = await self.opt.start()
+        self.steps = self.opt.step_count * self.opt.accumulate
+        if saved is not None or self.steps:
+            self.resumed_at = self.steps
+            # epochs after the checkpoint's last one are run again: their records come again too
+            self.history = [h for h in self.history if h["step"] <= self.steps]
+
+    async def save(self) -> None:
+        """Rank 0 writes a checkpoint (between optimizer steps)."""
+        if self.checkpoints is not None and self.group.rank == 0:
+            await self.checkpoints.save({"sgd": await self.opt.state_dict(), "history": self.history})
 
     def _progress(self, epoch: int, loss: float, **extra: Any) -> None:
         if self.group.rank == 0:
@@ -79,10 +102,12 @@ class _Run:
             )
 
     async def epoch(self, epoch: int) -> None:
+        """The epoch's batches from where the run stands (a resumed run starts mid-epoch)."""
         group, spec, batch_size = self.group, self.spec, self.spec["batch_size"]
         idx = shard_indices(len(self.xtr), epoch, spec["seed"], group.rank, group.world_size)
+        every = int(spec.get("checkpoint_every") or 0)
         losses = []
-        for start in range(0, len(idx), batch_size):
+        for start in range((self.steps - epoch * self.per_epoch) * batch_size, len(idx), batch_size):
             batch = self.xp.asarray(idx[start : start + batch_size])
             t0 = time.perf_counter()
             loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
@@ -94,10 +119,14 @@ class _Run:
             self.steps += 1
             if self.steps % 10 == 0 or start + batch_size >= len(idx):
                 self._progress(epoch, float(np.mean(losses[-10:])))
+            if every and self.steps % (every * self.opt.accumulate) == 0 and start + batch_size < len(idx):
+                await self.save()
         mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
         acc = accuracy(self.params, self.xte, self.yte)
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
+        if every and self.steps % self.opt.accumulate == 0:
+            await self.save()
 
     async def summary(self) -> dict[str, Any] | None:
         """Rank 0's summary (None elsewhere). Every rank must hold identical parameters: this
@@ -117,7 +146,7 @@ class _Run:
             servers = [[int(r), int(s)] for s, r in total]
         if group.rank != 0:
             return None
-        spec, steps = self.spec, max(self.steps, 1)
+        spec, steps = self.spec, max(self.steps - (self.resumed_at or 0), 1)  # timed here, this run
         return {
             "topology": group.topology,
             "workers": group.world_size,
@@ -129,6 +158,7 @@ class _Run:
             "final_loss": self.history[-1]["loss"],
             "wall_s": wall,
             "steps": self.steps,
+            "resumed_at": self.resumed_at,
             "ms_per_step_compute": 1e3 * self.compute / steps,
             "ms_per_step_comm": 1e3 * self.comm / steps,
             "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
@@ -140,11 +170,16 @@ class _Run:
 
 
 async def worker(
-    spec: dict[str, Any], progress: Callable[[dict[str, Any]], None] | None = None
+    spec: dict[str, Any],
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    checkpoints: Any = None,
 ) -> dict[str, Any] | None:
     """One rank of the main job; rank 0 returns (and writes to spec["out"], if set) the summary.
 
     ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines).
+    ``checkpoints`` (psring.training.checkpoint): where rank 0 saves one every
+    ``spec["checkpoint_every"]`` optimizer steps and at each epoch's end, and where the run
+    resumes from when one is there.
     """
 
     def emit(record: dict[str, Any]) -> None:
@@ -156,8 +191,8 @@ async def worker(
     group = await init_group(timeout=spec["timeout"])
     try:
         run = _Run(group, spec, emit)
-        run.params = await run.opt.start()
-        for epoch in range(spec["epochs"]):
+        await run.start(checkpoints)
+        for epoch in range(run.steps // run.per_epoch, spec["epochs"]):
             await run.epoch(epoch)
         summary = await run.summary()
         if summary is not None and spec.get("out"):

@@ -121,6 +121,7 @@ class ParamStore:
         self.shard = shard
         self.buckets: dict[int, Bucket] = {}
         self.checkpoint_dir: str | None = None
+        self.checkpoint_name: str | None = None  # default: the job's name
         self.checkpoint_every = 1
         self.checkpoints_written = 0
         self.updates_applied = 0
@@ -130,7 +131,9 @@ class ParamStore:
     def path(self) -> str:
         assert self.checkpoint_dir is not None
         s = self.shard
-        return os.path.join(self.checkpoint_dir, f"psring-{s.job}-shard{s.index}-of{s.shards}.npz")
+        return os.path.join(
+            self.checkpoint_dir, f"psring-{self.checkpoint_name or s.job}-shard{s.index}-of{s.shards}.npz"
+        )
 
     def save(self) -> None:
         if self.checkpoint_dir is None or not self.buckets:
@@ -456,7 +459,11 @@ def handle_param(shard: Any, conn: Connection, header: dict[str, Any], payload: 
     param_store(shard).handle(conn, header, payload)
 
 
-def configure_checkpoints(server: Any, directory: str | None, every: int, restore: bool) -> None:
+def configure_checkpoints(
+    server: Any, directory: str | None, every: int, restore: bool, name: str | None = None
+) -> None:
+    """Checkpoint every shard of a server to ``directory`` every ``every`` steps (files named by
+    ``name``, default the job's), restoring from there first when ``restore``."""
     if every < 1:
         raise ValueError(f"--checkpoint-every must be at least 1, got {every}")
     if restore and directory is None:
@@ -466,6 +473,7 @@ def configure_checkpoints(server: Any, directory: str | None, every: int, restor
     for shard in server.shards.values():
         store = param_store(shard)
         store.checkpoint_dir = directory
+        store.checkpoint_name = name
         store.checkpoint_every = every
         if restore:
             store.restore()

@@ -249,6 +249,7 @@ async def start_servers(
     restore: bool = False,
     settings: Settings | None = None,
     shard_host: ShardHost | None = None,
+    checkpoint_name: str | None = None,
 ) -> ShardServer:
     """Start shards (all of them, or shard_ids) in this event loop and register them in store:
     on a port of their own (host, port), or on ``shard_host``'s port."""
@@ -260,7 +261,7 @@ async def start_servers(
             raise ValueError(f"shard {i} is out of range for {num_shards} shards")
     server = ShardServer(ids, num_shards, job=job, secret=secret, settings=settings)
     if checkpoint_dir is not None or restore:
-        configure_checkpoints(server, checkpoint_dir, checkpoint_every, restore)
+        configure_checkpoints(server, checkpoint_dir, checkpoint_every, restore, name=checkpoint_name)
     advertise = advertise or ("127.0.0.1" if host in ("127.0.0.1", "0.0.0.0") else host)
     if shard_host is not None:
         server.serve_on(shard_host, advertise)
