@@ -103,10 +103,14 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    # psring's launcher owns MASTER_PORT (its store): gloo meets through a file instead
+    # under psring launch MASTER_PORT is psring's store: gloo meets through a file there; elsewhere
+    # (one rank per container, say) through MASTER_ADDR/MASTER_PORT
     launcher = settings_mod.scheduler_env()
     dist.init_process_group(
-        "gloo", init_method=spec["gloo_init"], rank=int(launcher["RANK"]), world_size=int(launcher["WORLD_SIZE"])
+        "gloo",
+        init_method=spec.get("gloo_init") or "env://",
+        rank=int(launcher["RANK"]),
+        world_size=int(launcher["WORLD_SIZE"]),
     )
     rank = dist.get_rank()
     dtype = np.dtype(spec["dtype"])
