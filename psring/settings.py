@@ -118,6 +118,13 @@ class Settings:
         "PSRING_SECRET_FILE", None, parse_text, "a file holding the secret (a Docker or Kubernetes secret)"
     )
     timeout: float = _var("PSRING_TIMEOUT", 300.0, parse_seconds, "seconds any one collective may take")
+    stall: float = _var(
+        "PSRING_STALL_S",
+        5.0,
+        parse_seconds,
+        "seconds a call waits before the ranks compare what they called: a mismatch is raised at once, "
+        "a late rank warned about every this many seconds (inf: never)",
+    )
     servers: int | None = _var("PSRING_SERVERS", None, parse_count, "ps: server shards (unset: one per worker)")
     ps_colocate: bool = _var(
         "PSRING_PS_COLOCATE", False, parse_switch, "ps: every worker process hosts its share of the shards"

@@ -465,3 +465,33 @@ def test_status_tells_lost_daemons_and_why_a_job_failed(cluster) -> None:
             run_tree([sys.executable, "-m", "psring", "status", "--store", c.address, "--json"], timeout=60).stdout
         )
         assert {w["id"]: w["state"] for w in js["workers"]} == lost
+
+
+def test_doctor_job_shows_what_a_stuck_cluster_job_waits_in(cluster, tmp_path) -> None:
+    """psring doctor --job ID on a running job: rank 0 waits in an all_reduce, rank 1 is elsewhere;
+    once rank 1 comes, the job finishes and doctor says nothing is stuck."""
+    c = cluster()
+    c.env["PSRING_STALL_S"] = "0.5"
+    c.worker("s0")
+    c.worker("s1")
+    flag = tmp_path / "go"
+
+    def doctor(job: int) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "psring", "doctor", "--store", c.address, "--job", str(job)]
+        return run_tree(cmd, timeout=60)
+
+    with c.client() as client:
+        job = client.submit("ring", 2, entrypoint="tests.jobs.stuck_job:main", args={"flag": str(flag)})
+        deadline = time.monotonic() + 30
+        report = doctor(job.id)
+        while "waits" not in report.stdout and time.monotonic() < deadline:
+            time.sleep(0.2)
+            report = doctor(job.id)
+        assert report.returncode == 1, report.stdout + report.stderr
+        assert f"job job{job.id}: stall seen by rank" in report.stdout, report.stdout
+        assert re.search(r"waits [\d.]+s in all_reduce\(sum\) #\d+ for rank\(s\) \d", report.stdout), report.stdout
+        assert "not in a psring call" in report.stdout, report.stdout
+        flag.write_text("go")
+        assert job.wait(timeout=60)["sum"] == 2.0
+        after = doctor(job.id)
+        assert after.returncode == 0 and "nothing is stuck" in after.stdout, after.stdout

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..cluster.client import Client
 from ..cluster.daemons import ServerDaemon, WorkerDaemon, _Daemon
-from ..cluster.doctor import doctor
+from ..cluster.doctor import doctor, job_report
 from ..cluster.trace import read_events, to_chrome_trace
 from ..errors import PsringError
 from ..settings import Settings
@@ -141,6 +141,11 @@ def cli_status(args: Any) -> int:
 
 
 def cli_doctor(args: Any) -> int:
+    if args.job is not None:
+        lines, stuck = _run(job_report(args.store, args.job, args.secret, timeout=args.timeout))
+        for line in lines:
+            print(line, flush=True)
+        return 1 if stuck else 0
     problems = _run(doctor(args.store, args.secret, timeout=args.timeout))
     for p in problems:
         print(f"problem: {p}", flush=True)
@@ -214,9 +219,16 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cli_status)
 
-    p = sub.add_parser("doctor", help="pre-flight checks of a cluster", formatter_class=fmt)
+    p = sub.add_parser(
+        "doctor", help="pre-flight checks of a cluster; --job: what a running job's ranks wait in", formatter_class=fmt
+    )
     common(p)
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument(
+        "--job",
+        default=None,
+        help="a cluster job's id, or a job's name (PSRING_JOB): print what its ranks wait in (exit 1 if stuck)",
+    )
     p.set_defaults(func=cli_doctor)
 
     p = sub.add_parser("trace", help="turn event logs into a Chrome trace", formatter_class=fmt)

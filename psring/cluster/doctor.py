@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from ..core import wire
 from ..errors import AuthError, PsringError
+from ..topology.stall import format_picture
 from ..transport.listener import open_connection
 from ..transport.mailbox import Mailbox
 from ..version import __version__
 from .client import AsyncClient
-from .daemons import HEARTBEAT_S
+from .daemons import HEARTBEAT_S, job_name
 
 #: doctor reports a daemon whose clock is further off this one than this (heartbeat age allowed for)
 CLOCK_SKEW_S = 30.0
@@ -65,6 +67,39 @@ async def doctor(store: str, secret: str | bytes | None = None, timeout: float =
     finally:
         await client.close()
     return problems
+
+
+async def job_report(
+    store: str, job: str, secret: str | bytes | None = None, timeout: float = 5.0
+) -> tuple[list[str], bool]:
+    """What the ranks of a job wait in, as its stall inspector last saw it: (lines, stuck).
+
+    ``job`` is a cluster job's id (its current attempt is looked up) or any job's name (PSRING_JOB).
+    The ranks write the picture when a call has waited PSRING_STALL_S (psring.topology.stall) and
+    take it back when the call completes; nothing is written while nothing stalls.
+    """
+    client = AsyncClient(store, secret, timeout)
+    try:
+        await client.connect()
+    except (PsringError, OSError) as exc:
+        return [f"the store at {store} is unreachable or refused this client ({exc})"], True
+    try:
+        name = job
+        if job.isdigit():
+            for rec in (await client.status())["jobs"]:
+                if str(rec.get("id")) == job:
+                    name = job_name(int(job), int(rec.get("attempt") or 0))
+                    break
+        raw = await client.store.get(f"psring/{name}/stall")
+    finally:
+        await client.close()
+    if raw is None:
+        return [f"job {name}: no call has waited a stall threshold (PSRING_STALL_S): nothing is stuck"], False
+    try:
+        picture = json.loads(raw)
+    except ValueError:
+        return [f"job {name}: an unreadable stall report in the store"], True
+    return [f"job {name}: " + line if i == 0 else line for i, line in enumerate(format_picture(picture))], True
 
 
 async def _probe(who: str, rec: dict[str, Any], secret: bytes | None, timeout: float) -> list[str]:

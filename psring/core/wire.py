@@ -24,7 +24,7 @@ from ..settings import Settings
 from .arrays import DTYPES, byte_view, dtype_name, prod
 
 #: bump when the frame layout or the meaning of a field changes
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 #: every message kind a frame may carry
 KINDS = frozenset(
@@ -42,6 +42,7 @@ KINDS = frozenset(
         # group layer
         "data",
         "abort",
+        "stall",
         # store
         "store_req",
         "store_resp",

@@ -12,6 +12,7 @@ from .group import Group
 from .ps.client import PsGroup
 from .recorder import process_recorder
 from .ring.group import RingGroup
+from .stall import install_dump_signal
 
 #: the topologies psring ships (each registers itself in Group.registry when defined)
 TOPOLOGIES = {"ring": RingGroup, "ps": PsGroup}
@@ -40,4 +41,5 @@ async def init_group(
     group = await cls.create(settings, **options)  # type: ignore[attr-defined]
     if settings.tuning.trace_dir:
         process_recorder(settings.tuning.trace_dir, settings.job)
+    install_dump_signal()  # SIGUSR1 prints what this process's groups wait in
     return group  # type: ignore[no-any-return]

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..transport.loop import Portal
 from .api import init_group
+from .stall import install_dump_signal
 
 
 class Handle:
@@ -154,6 +155,7 @@ def init(
     except BaseException:
         portal.stop()
         raise
+    install_dump_signal()  # here, in the caller's thread: the loop thread cannot take signals
     return BlockingGroup(group, portal, owns_portal=True)
 
 

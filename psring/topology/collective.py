@@ -29,8 +29,10 @@ class Collective:
         "kind",
         "report_grace",
         "seq",
+        "stalled",
         "started",
         "task",
+        "timer",
         "waiting_on",
     )
 
@@ -41,6 +43,8 @@ class Collective:
         self.kind = desc[0]
         self.started = time.monotonic()
         self.deadline = self.started + timeout
+        self.timer: asyncio.TimerHandle | None = None  # the next stall check, or the deadline
+        self.stalled = 0  # stall thresholds passed so far (the inspector ran that often)
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
         #: its data comes over links other than the control connections (the ring's data plane),
@@ -92,21 +96,36 @@ def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, 
     mine = dict(zip(_FIELDS, desc, strict=True))
     if theirs["kind"] != mine["kind"]:
         return (
-            f"rank {src} called {theirs['kind']} as collective #{seq}, rank {rank} called "
-            f"{mine['kind']}: every rank must call the same collectives in the same order"
+            f"rank {src} called {describe(call)} #{seq}, rank {rank} called {describe(desc)} #{seq}: "
+            "every rank must make the same calls, with the same arguments, in the same order"
         )
     diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
     field = diffs[0] if diffs else "call"
+    if field in ("op", "root"):
+        fix = "pass the same op on every rank" if field == "op" else "pass the same src/dst on every rank"
+        return f"rank {src} called {describe(call)} #{seq}, rank {rank} called {describe(desc)} #{seq}: {fix}"
     fix = {
         "dtype": "cast to one dtype on every rank",
         "shape": "pass arrays of one shape on every rank",
-        "op": "pass the same op on every rank",
-        "root": "pass the same src/dst on every rank",
     }.get(field, "")
     return (
         f"rank {src} sent {field} {_show(theirs.get(field))} for {mine['kind']} #{seq}, "
         f"rank {rank} expected {_show(mine.get(field))}" + (f" ({fix})" if fix else "")
     )
+
+
+def describe(desc: Any, detail: bool = False) -> str:
+    """A call as a user wrote it: ``all_reduce(sum)``, ``broadcast(src=0)``, ``reduce(sum, dst=0)``;
+    with ``detail``, the array too (``all_reduce(sum, float32[10])``)."""
+    if not isinstance(desc, (list, tuple)) or len(desc) != len(_FIELDS):
+        return repr(desc)
+    kind, dtype, shape, op, root = desc
+    args = [str(op)] if op is not None else []
+    if root is not None:
+        args.append(f"{'src' if kind in ('broadcast', 'scatter') else 'dst'}={root}")
+    if detail and dtype is not None:
+        args.append(f"{dtype}{list(shape) if shape is not None else ''}")
+    return f"{kind}({', '.join(args)})" if args else str(kind)
 
 
 def _failure(coll: Collective) -> BaseException:

@@ -28,11 +28,18 @@ from ..core import gpu, wire
 from ..core.arrays import array_module, check_array, cupy_module, is_cupy
 from ..core.compress import check_codec, codec_op, scale_exponent
 from ..core.fold import check_op
-from ..errors import CollectiveTimeoutError, GroupClosedError, PeerLostError, ProtocolError, PsringError
+from ..errors import (
+    CollectiveTimeoutError,
+    GroupClosedError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    PsringError,
+)
 from ..settings import Settings
 from ..transport.mailbox import Mailbox
 from .collective import Collective
-from .runtime import CollectiveRuntime
+from .runtime import RECENT, CollectiveRuntime, RecvWait
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,7 @@ class Group(CollectiveRuntime, abc.ABC):
 
     topology: ClassVar[str] = ""
     registry: ClassVar[dict[str, type[Group]]] = {}
+    members: list[int]  #: the world ranks of this group's ranks, in its rank order
 
     def __init__(
         self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, tuning: Settings
@@ -79,6 +87,10 @@ class Group(CollectiveRuntime, abc.ABC):
         self._departed_at: dict[int, int | None] = {}  # ... and the first seq they did not finish
         self._closed = False
         self._subgroups = 0
+        #: the flight recorder: the last RECENT calls that ended, at seq % RECENT (see runtime)
+        self._recent: list[tuple[int, tuple[Any, ...], bool, float] | None] = [None] * RECENT  # Recent's fields
+        self._late_error: MismatchError | None = None  # raised by the next collective (runtime._found_late)
+        self._recv_waits: dict[tuple[int, int], RecvWait] = {}  # recvs in progress, by (src, n)
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
         self.bytes_sent = 0
 
@@ -277,7 +289,12 @@ class Group(CollectiveRuntime, abc.ABC):
         self._check_usable(peer=src, receiving=True)
         n = self._p2p_recv.get(src, 0)
         self._p2p_recv[src] = n + 1
-        y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
+        try:
+            y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
+        except MismatchError:
+            if self._p2p_recv.get(src) == n + 1:  # nothing was taken: the next recv waits for the same send
+                self._p2p_recv[src] = n
+            raise
         return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
 
     async def new_group(self, ranks: Sequence[int]) -> Group | None:
@@ -340,11 +357,14 @@ class Group(CollectiveRuntime, abc.ABC):
         tag = (self.gid, "p2p", src, n)
         fut = self.mailbox.expect(tag)
         deadline = time.monotonic() + timeout
+        wait = self._recv_waits[(src, n)] = RecvWait()
         try:
             while True:
                 if fut.done():  # it arrived before anything went wrong: deliver it
                     _conn, hdr, payload = fut.result()
                     break
+                if wait.error is not None:  # the stall inspector found this recv deadlocked
+                    raise wait.error
                 self._check_usable(peer=src, receiving=True)
                 if src in self._departed:  # it left, and everything it sent has arrived
                     raise PeerLostError(f"recv from rank {src}: {self._departed[src]}", rank=src)
@@ -353,10 +373,16 @@ class Group(CollectiveRuntime, abc.ABC):
                     raise CollectiveTimeoutError(
                         f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
                     )
+                if time.monotonic() - wait.started >= self.tuning.stall * (wait.stalled + 1):
+                    wait.stalled += 1
+                    self._layer().stalls.stalled(self, recv=(src, n, wait))
                 with contextlib.suppress(asyncio.TimeoutError):
                     _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
                     break
         finally:
+            del self._recv_waits[(src, n)]
+            if wait.stalled:
+                self._layer().stalls.resolved(self, None, wait.error)
             self.mailbox.unpost(tag)
             if not fut.done():
                 fut.cancel()
@@ -379,10 +405,19 @@ class Group(CollectiveRuntime, abc.ABC):
         layer.stopped_at[self.gid] = self.stopped_at()
         self._closed = True
         layer.groups.pop(self.gid, None)
+        if self._late_error is not None:
+            logger.error("%r closes without having raised: %s", self, self._late_error)
         for coll in list(self._active.values()):
             coll.fail(PeerLostError(f"{self!r} was closed while {coll.label} was pending"))
         if self.gid == "0":
             await asyncio.shield(layer.close())
+
+    def fail_recv(self, src: int, err: PsringError) -> None:
+        """End the recvs from world rank src in progress with err (the stall inspector's verdict)."""
+        local = self.members.index(src) if src in self.members else None
+        for (s, _n), wait in self._recv_waits.items():
+            if s == local:
+                wait.error = err
 
     def stats(self) -> dict[str, int]:
         """Bytes and frames this rank's connections sent and received."""

@@ -10,16 +10,40 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..core.arrays import DTYPES, dtype_name
 from ..errors import CollectiveTimeoutError, GroupClosedError, MismatchError, PeerLostError, PsringError
-from .collective import Collective, _absorb_cancel, _failure, mismatch_message
+from .collective import Collective, _absorb_cancel, _failure, describe, mismatch_message
 from .recorder import OBSERVERS
 
 logger = logging.getLogger(__name__)
+
+#: calls each group remembers after they end (a power of two): the in-memory flight recorder the
+#: stall inspector, ``psring doctor --job`` and SIGUSR1 read, and what late frames are checked against
+RECENT = 64
+
+
+class Recent(NamedTuple):
+    """One finished call, as the flight recorder keeps it."""
+
+    seq: int
+    desc: tuple[Any, ...]
+    ok: bool  # it returned here (False: it failed, or a mismatch found later was already reported)
+    ended: float  # time.monotonic()
+
+
+class RecvWait:
+    """A recv in progress: since when, and an error the stall inspector set to end it."""
+
+    __slots__ = ("error", "stalled", "started")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.stalled = 0
+        self.error: PsringError | None = None
 
 
 class CollectiveRuntime:
@@ -76,6 +100,10 @@ class CollectiveRuntime:
             self._check_usable()
             seq = self._seq
             self._seq += 1
+            if self._late_error is not None:  # see on_abort: this call is abandoned everywhere
+                err, self._late_error = self._late_error, None
+                self._send_abort(seq, err, "mismatch")
+                raise err
         else:
             self._reserved.discard(seq)
             self._check_usable(seq=seq)
@@ -90,10 +118,15 @@ class CollectiveRuntime:
         self.mailbox.inspect((self.gid, seq), coll.inspect)
         return coll
 
-    def _end(self, coll: Collective) -> None:
+    def _end(self, coll: Collective, ok: bool) -> None:
         self._active.pop(coll.seq, None)
-        failed = coll.done.cancelled() or coll.done.exception() is not None
-        self.mailbox.forget((self.gid, coll.seq), drop_queued=failed)
+        self._recent[coll.seq & (RECENT - 1)] = (coll.seq, coll.desc, ok, time.monotonic())  # a Recent's fields
+        self.mailbox.forget((self.gid, coll.seq), drop_queued=not ok)
+
+    def recent(self, seq: int) -> Recent | None:
+        """What this rank called as collective seq, if it has ended and is still remembered."""
+        rec = self._recent[seq & (RECENT - 1)]
+        return Recent(*rec) if rec is not None and rec[0] == seq else None
 
     async def _run(self, coll: Collective, body: Any) -> Any:
         """Run a collective's body under its deadline; on any failure abandon it cleanly.
@@ -106,9 +139,15 @@ class CollectiveRuntime:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         coll.task = task
-        timer = loop.call_later(max(coll.deadline - time.monotonic(), 0.0), self._deadline_passed, coll)
+        # one timer: the stall threshold first (see _waited), the deadline when it comes sooner
+        wait = coll.deadline - time.monotonic()
+        stall = self.tuning.stall
+        coll.timer = loop.call_later(stall if stall < wait else wait if wait > 0.0 else 0.0, self._waited, coll)
         error: BaseException | None = None
         try:
+            if coll.done.done():  # failed before it ran (a frame already queued named a mismatch)
+                body.close()
+                raise _failure(coll)
             result = await body
             if coll.interrupted:  # failed from elsewhere after the body's last await
                 await _absorb_cancel(task)
@@ -124,13 +163,17 @@ class CollectiveRuntime:
             error = exc
             raise
         finally:
-            timer.cancel()
+            if coll.timer is not None:
+                coll.timer.cancel()
             coll.task = None
+            coll.input_wait = None
             if not coll.done.done():
                 coll.done.cancel()
             elif not coll.done.cancelled():
                 coll.done.exception()  # mark retrieved
-            self._end(coll)
+            self._end(coll, error is None)
+            if coll.stalled:
+                self._layer().stalls.resolved(self, coll, error)
             if OBSERVERS:
                 self._observe(coll, error)
 
@@ -163,6 +206,18 @@ class CollectiveRuntime:
                 observer(record)
             except Exception:  # an observer must never break a collective
                 logger.exception("psring observer %r failed", observer)
+
+    def _waited(self, coll: Collective) -> None:
+        """The timer of a call in flight: the deadline, or another stall threshold passed."""
+        if coll.done.done():
+            return
+        left = coll.deadline - time.monotonic()
+        if left <= 0.001:
+            self._deadline_passed(coll)
+            return
+        coll.stalled += 1
+        self._layer().stalls.stalled(self, coll)
+        coll.timer = asyncio.get_running_loop().call_later(min(self.tuning.stall, left), self._waited, coll)
 
     def _deadline_passed(self, coll: Collective) -> None:
         if coll.done.done():
@@ -201,11 +256,56 @@ class CollectiveRuntime:
         coll = self._active.get(seq)
         if coll is not None:
             coll.fail(err)
-        elif seq >= self._seq:
+        elif seq >= self._seq or seq in self._reserved:
             self._aborted[seq] = err
             if len(self._aborted) > 10_000:  # a runaway peer: keep memory bounded
                 self._aborted.pop(min(self._aborted))
+        elif reason == "mismatch":
+            self._found_late(seq, message)
         self.mailbox.forget((self.gid, seq), drop_queued=True)
+
+    def _found_late(self, seq: int, message: str) -> None:
+        """A mismatch in collective seq, which this rank had already returned from (a broadcast's
+        root, a reduce's other ranks: their part needs nothing back). It raises the error in the
+        next collective it is in or begins, and every rank abandons that one too, so all ranks
+        stay on the same sequence numbers."""
+        rec = self.recent(seq)
+        if rec is None or not rec.ok:
+            return  # failed here already, or reported already, or too long ago to matter
+        self._recent[seq & (RECENT - 1)] = (seq, rec.desc, False, rec.ended)
+        err = MismatchError(
+            f"{message} [rank {self.rank} had returned from its {describe(rec.desc)} #{seq} before the "
+            f"mismatch was found: its next collective is abandoned on every rank]"
+        )
+        later = sorted(s for s in self._active if s > seq)
+        if not later:
+            self._late_error = err
+            return
+        for s in later:
+            self._active[s].fail(err)
+            self._send_abort(s, err, "mismatch")
+
+    def on_stray(self, seq: int, call: Any, src: Any) -> bool:
+        """A frame for collective seq arrived while this rank is not in it: keep it (False: drop it).
+
+        Frames for collectives not begun yet wait for them. Frames for one this rank has ended are
+        leftovers, unless they name another call than this rank made: then the two ranks made
+        different calls and this rank already returned from its own (a silent wrong answer until
+        now) -- a mismatch, reported to every rank.
+        """
+        if seq >= self._seq or seq in self._reserved:
+            return True
+        rec = self.recent(seq)
+        if rec is not None and rec.ok and call is not None and tuple(call) != rec.desc:
+            message = mismatch_message(seq, src, call, self.rank, rec.desc)
+            self._send_abort(seq, MismatchError(message), "mismatch")
+            self._found_late(seq, message)
+        return False
+
+    def mismatch_found(self, seq: int, message: str) -> None:
+        """The stall inspector found collective seq mismatched: abandon it here and everywhere."""
+        self._send_abort(seq, MismatchError(message), "mismatch")
+        self.on_abort(seq, "mismatch", message)
 
     def on_peer_lost(self, err: PeerLostError) -> None:
         """A peer this group needs is gone: fail everything in flight, refuse new calls."""

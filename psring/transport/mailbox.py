@@ -41,6 +41,8 @@ class Mailbox:
         self._inspectors: dict[tuple[Any, ...], Callable[[Connection, dict[str, Any]], bool]] = {}
         self.on_lost: Callable[[Connection, PeerLostError | None], None] | None = None
         self.on_control: Callable[[Connection, dict[str, Any], Any], bool] | None = None
+        #: frames no inspector claims: called with (conn, header); False drops the frame
+        self.on_stray: Callable[[Connection, dict[str, Any]], bool] | None = None
         self.unexpected_bytes = 0
 
     # Router protocol
@@ -56,7 +58,10 @@ class Mailbox:
         if not isinstance(tag, tuple) or len(tag) < 2:
             raise ProtocolError(f"{header['kind']!r} frame from {conn.peername} has no valid 'tag'")
         inspector = self._inspectors.get(tag[:2])
-        if inspector is not None and not inspector(conn, header):
+        if inspector is not None:
+            if not inspector(conn, header):
+                return
+        elif self.on_stray is not None and not self.on_stray(conn, header):
             return
         posted = self._posted.pop(tag, None)
         if posted is None:

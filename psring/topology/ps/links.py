@@ -17,6 +17,7 @@ from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key
 from ...transport.shmpool import ShmPool
 from ..group import farewell
+from ..stall import StallInspector
 from .server import ShardServer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ServerLinks:
         self.pool: ShmPool | None = None  # pushes to shards on this host (psring.transport.shmpool)
         self._pool_failed = False
         self._pool_checked: set[int] = set()  # ids of the shard connections offered it (or not able to)
+        self.stalls = StallInspector(self, self._stall_send)
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -208,8 +210,18 @@ class ServerLinks:
             else:
                 group.on_server_error(err)
 
+    async def _stall_send(self, ranks: list[int], frame: dict[str, Any]) -> None:
+        """A stall frame to other workers: through the first shard, which relays it to each of ranks."""
+        conn = next((c for c in self.shards if c.is_open), None)
+        if conn is not None:
+            with contextlib.suppress(PsringError):
+                conn.send_frame({**frame, "to": ranks})
+
     def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
         kind = header["kind"]
+        if kind == "stall":
+            self.stalls.on_frame(conn, header)
+            return True
         if kind == "reject":
             self._break(ProtocolError(str(header.get("reason", "the server rejected this worker"))[:2000]))
             return True
@@ -254,6 +266,7 @@ class ServerLinks:
 
     async def close(self) -> None:
         self._closing = True
+        await self.stalls.close()
         goodbye = farewell(self.groups, self.stopped_at)
         await asyncio.gather(*(c.close(farewell=goodbye) for c in self.shards), return_exceptions=True)
         if self.own_servers is not None:

@@ -181,6 +181,8 @@ class Shard(Folding):
                 self._on_abort(conn, header)
             elif kind == "ps_param":
                 handle_param(self, conn, header, payload)
+            elif kind == "stall":
+                self._relay_stall(header)
             else:
                 raise ProtocolError(f"a {kind!r} frame means nothing to a parameter server")
         except ProtocolError as exc:
@@ -359,6 +361,17 @@ class Shard(Folding):
             for box in pending.inbox.values():
                 absent |= set(range(pending.size)) - set(box)
         return sorted(absent)
+
+    def _relay_stall(self, header: dict[str, Any]) -> None:
+        """The workers' stall inspector talks through the shards: its frames go to the ranks in ``to``."""
+        to = header.get("to")
+        if not isinstance(to, tuple) or not all(type(r) is int for r in to):
+            raise ProtocolError(f"stall frame to a malformed list of ranks {to!r}")
+        for r in to:
+            target = self.by_rank.get(r)
+            if target is not None and target.is_open:
+                with contextlib.suppress(PsringError):
+                    target.send_frame(dict(header))
 
     # ------------------------------------------------------------- p2p
     def _relay_p2p(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:

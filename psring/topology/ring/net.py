@@ -22,6 +22,7 @@ from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key, same_host_paths
 from ...transport.unixnet import UnixMesh
 from ..group import farewell
+from ..stall import StallInspector
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
 from .plane import PlaneLinks
 
@@ -83,6 +84,8 @@ class PeerNet(PlaneLinks):
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
         if world_size > 1 and mesh_possible(self.tuning):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
+        self.mailbox.on_stray = self._on_stray
+        self.stalls = StallInspector(self, self._stall_send)
         PeerNet.live += 1
         self._counted = True
 
@@ -310,7 +313,28 @@ class PeerNet(PlaneLinks):
                 with contextlib.suppress(PsringError):
                     conn.send_frame(dict(header))
 
+    async def _stall_send(self, ranks: list[int], frame: dict[str, Any]) -> None:
+        """A stall frame to each of ranks, on a link of its own (dialed now if there is none)."""
+
+        async def one(rank: int) -> None:
+            with contextlib.suppress(PsringError, OSError):
+                conn = await self.link(rank, min(self.settings.timeout, 5.0))
+                conn.send_frame(dict(frame))
+
+        await asyncio.gather(*(one(r) for r in ranks))
+
+    def _on_stray(self, conn: Connection, header: dict[str, Any]) -> bool:
+        """A data frame for a collective this rank is not in (see Group.on_stray)."""
+        tag = header["tag"]
+        group = self.groups.get(tag[0])
+        if group is None or type(tag[1]) is not int:
+            return True
+        return bool(group.on_stray(tag[1], header.get("call"), header.get("src")))
+
     def _on_control(self, conn: Connection, header: dict[str, Any], payload: Any) -> bool:
+        if header["kind"] == "stall":
+            self.stalls.on_frame(conn, header)
+            return True
         if header["kind"] != "abort":
             return False
         tag = header.get("tag")
@@ -334,6 +358,7 @@ class PeerNet(PlaneLinks):
 
     async def close(self) -> None:
         self._closing = True
+        await self.stalls.close()
         if self._counted:
             self._counted = False
             PeerNet.live -= 1

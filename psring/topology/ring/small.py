@@ -61,8 +61,8 @@ class SmallPaths:
             return
         coll = self._active.get(seq)
         if coll is None:
-            if seq < self.stopped_at():
-                return  # a collective this rank finished or gave up on: a leftover
+            if not self.on_stray(seq, call, src):
+                return  # a collective this rank ended: a leftover (or a mismatch, now reported)
             # else one not begun yet (its number may be reserved already: fp16's scale agreement)
         elif call != coll.desc:  # a different call (whose messages this one will never ask for)
             if not coll.done.done():
@@ -109,8 +109,8 @@ class SmallPaths:
                 coll = slot.coll
                 coll.fail(PeerLostError(f"{gone} (while {coll.label} was pending on rank {self.rank})", rank=gone.rank))
 
-    def _end(self, coll: Collective) -> None:
-        super()._end(coll)
+    def _end(self, coll: Collective, ok: bool) -> None:
+        super()._end(coll, ok)
         if self._mesh_early:
             self._forget_early(coll.seq)
 
