@@ -205,3 +205,41 @@ async def test_a_shard_keeps_nothing_of_strangers_that_left(store) -> None:
     finally:
         await server.close()
         await client.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_frames_a_server_sends_right_after_its_welcome_wait_for_the_dialer_and_arrive() -> None:
+    """A server is done with the handshake once it sent welcome, and may send at once (a rank that
+    accepted a link and has a message for the dialer): those frames can reach the dialer in the same
+    read as the welcome, before its handshake coroutine has run. They must arrive, not break the link."""
+    from psring.core import wire
+
+    payload = np.arange(5, dtype=np.float64)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        unpacker = msgpack.Unpacker()
+        while True:
+            unpacker.feed(await reader.read(4096))
+            hello = next(iter(unpacker), None)
+            if hello is not None:
+                break
+        challenge = {"kind": "challenge", "auth": False, "role": "rank", "rank": 1, "nbytes": 0}
+        head, body = wire.encode_tensor({"kind": "data", "tag": ("g", 0)}, payload)
+        writer.write(msgpack.packb(challenge) + msgpack.packb({"kind": "welcome", "nbytes": 0}) + head + bytes(body))
+        await writer.drain()
+        await reader.read()  # until the dialer closes
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    box = Mailbox()
+    conn = await open_connection("127.0.0.1", port, secret=None, hello={"role": "rank", "rank": 0}, router=box)
+    try:
+        _conn, header, got = await asyncio.wait_for(box.expect(("g", 0)), 5)
+        assert np.array_equal(wire.decode_tensor(header, got), payload)
+        assert conn.is_open
+    finally:
+        conn.abort(ConnectionResetError("done"))
+        server.close()
+        await server.wait_closed()

@@ -58,7 +58,7 @@ class Held:
         """rank -> (pid, MASTER_PORT), waiting until every rank is ready."""
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            ready = sorted(self.flags.glob("ready-[0-9]*"))
+            ready = sorted(p for p in self.flags.glob("ready-[0-9]*") if not p.name.endswith(".tmp"))
             if len(ready) == self.world:
                 out = {}
                 for path in ready:

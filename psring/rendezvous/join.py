@@ -45,6 +45,8 @@ def local_bind_address(host: str) -> str | None:
 async def open_store_for(settings: GroupSettings, rank: int | None) -> tuple[Any, StoreServer | None]:
     """Connect to the store; rank 0 serves it first when none answers at its address and that
     address is this machine's (like TCPStore's is_master)."""
+    if settings.client is not None:
+        return settings.client, None
     address = settings.store
     if address.scheme == "torch":
         return await _open_torch_store(settings, rank), None

@@ -16,6 +16,7 @@ import socket
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .. import settings as settings_mod
 from ..settings import Settings
@@ -172,6 +173,9 @@ class GroupSettings:
     tuning: Settings
     #: the launcher's variables this was resolved from (RANK, MASTER_ADDR, TORCHELASTIC_*, SLURM_*, ...)
     launcher: Mapping[str, str] = field(default_factory=dict)
+    #: an open store client to meet through instead of connecting to ``store`` (torch's backend
+    #: hands its c10d store this way); ``store`` then only says where the ranks route to
+    client: Any = None
 
 
 def resolve_settings(

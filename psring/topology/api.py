@@ -5,6 +5,7 @@ Importing the topologies here registers them (Group.registry: "ring", "ps").
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..rendezvous.scheduler import resolve_settings
@@ -23,7 +24,7 @@ async def init_group(
     topology: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    store: str | None = None,
+    store: Any = None,
     secret: str | bytes | None = None,
     timeout: float = 300.0,
     **options: Any,
@@ -32,11 +33,18 @@ async def init_group(
 
     Arguments default from the environment (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT,
     PSRING_TOPOLOGY, PSRING_SECRET); a rank that is not given one gets one from the store.
+    ``store`` is an address (``host:port``, ``tcp://``, ``env://``, ``torch://``, ``file://``) or
+    an open store client with an ``address`` (e.g. a TorchStoreClient over torch's c10d store).
     """
+    client = None
+    if store is not None and not isinstance(store, str):
+        client, store = store, store.address
 
     settings = resolve_settings(
         topology=topology, rank=rank, world_size=world_size, store=store, secret=secret, timeout=timeout
     )
+    if client is not None:
+        settings = dataclasses.replace(settings, client=client)
     cls = Group.registry[settings.topology]
     group = await cls.create(settings, **options)  # type: ignore[attr-defined]
     if settings.tuning.trace_dir:

@@ -133,7 +133,7 @@ def init(
     topology: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    store: str | None = None,
+    store: Any = None,
     secret: str | bytes | None = None,
     timeout: float = 300.0,
     **options: Any,

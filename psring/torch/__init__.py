@@ -38,6 +38,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without torch
 BUCKET_BYTES = 25 << 20
 
 
+from . import backend as backend  # noqa: E402 - torch must import first
+from .backend import BackendError, ProcessGroupPsring  # noqa: E402
+
+backend.register()  # dist.init_process_group("psring") from now on
+
+
 # ------------------------------------------------------------------ tensors
 def to_array(t: torch.Tensor) -> Any:
     """A numpy (CPU) or cupy (CUDA) array sharing ``t``'s memory (DLPack, no copy)."""
@@ -330,7 +336,9 @@ class DistributedOptimizer:
 
 
 __all__ = [
+    "BackendError",
     "DistributedOptimizer",
+    "ProcessGroupPsring",
     "all_gather",
     "all_reduce",
     "broadcast",

@@ -121,6 +121,8 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         self._closed = asyncio.get_running_loop().create_future()
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+        #: welcomed, but the handshake coroutine has not run yet: what follows waits unparsed
+        self._held = False
         self._checksum = settings.checksum
         self._init_heartbeats(
             heartbeat_interval or settings.heartbeat_interval, heartbeat_timeout or settings.heartbeat_timeout
@@ -199,7 +201,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
 
     def _process_staging(self) -> None:
         stage = self._stage
-        while self._start < self._end:
+        while self._start < self._end and not self._held:
             if self._dest is None:
                 header, used = self._decoder.feed(stage[self._start : self._end])
                 self._start += used
@@ -276,12 +278,19 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             if self._handshake_frames.qsize() >= 4:  # a handshake is 2-3 frames, one at a time
                 raise ProtocolError(f"{self.peername} sent a stream of frames before the handshake completed")
             self._handshake_frames.put_nowait(header)
+            if kind == "welcome":
+                # the server is done and may send at once; its frames wait for the handshake to end
+                self._held = True
+                if self.transport is not None:
+                    self.transport.pause_reading()
             return
         if kind == "pool":
             self._on_pool(header)
             return
         if kind == "free":
             return
+        if kind == "reject":  # welcomed, then turned away (wrong job, rank, world size)
+            raise ProtocolError(f"{self.peername} refused this connection: {str(header.get('reason'))[:2000]}")
         if self.router is None:
             raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
         if "sum" in header:

@@ -91,9 +91,11 @@ class PsGroup(ParameterMode, Group):
             if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
                 count = servers or settings.servers or world
                 hosted = [i for i in range(count) if i % world == rank] or None
-            elif rank == 0 and (servers is not None or embedded is not None or settings.store.scheme == "torch"):
+            elif rank == 0 and (
+                servers is not None or embedded is not None or settings.store.scheme == "torch" or settings.client
+            ):
                 # asked to, or nobody else can have started servers (this process serves the store,
-                # or the store is torch's: torchrun starts only the ranks): every shard here
+                # or the store is torch's: torchrun and init_process_group start only the ranks): every shard here
                 count = servers or settings.servers or 1
                 hosted = list(range(count))
             if hosted is not None:

@@ -1,0 +1,163 @@
+"""One DDP training step, three backends: gloo, psring over the ring, psring over the parameter server.
+
+    python benchmarks/torch_backend.py [--workers 2,4] [--params 12.6M] [--steps 10] [--rounds 3]
+
+The script each rank runs is the same for every variant, an unmodified DDP loop
+(``dist.init_process_group(BACKEND)``, ``DistributedDataParallel(model)``, SGD with momentum), but
+for the backend name; psring's topology comes from PSRING_TOPOLOGY. One process per rank on this
+machine, started like torch's env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one torch thread
+each. Rounds alternate the variants so that they share the machine's conditions. Reported: the
+median step time (forward + backward with DDP's bucketed all-reduce + optimizer step; the slowest
+rank's time of each step) and its ratio to gloo's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+VARIANTS = {"gloo": ("gloo", None), "ring": ("psring", "ring"), "ps": ("psring", "ps")}
+
+
+def build(params: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    w = 256  # 4 square layers of w x w plus in/out layers of w x 256
+    while 4 * w * w + 2 * 256 * w < params:
+        w += 64
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(256, w), torch.nn.ReLU()]
+    for _ in range(4):
+        layers += [torch.nn.Linear(w, w), torch.nn.ReLU()]
+    layers += [torch.nn.Linear(w, 256)]
+    return torch.nn.Sequential(*layers)
+
+
+def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import psring.torch  # noqa: F401 - registers "psring"
+
+    torch.set_num_threads(1)
+    dist.init_process_group(spec["backend"])
+    rank = dist.get_rank()
+    model = build(spec["params"])
+    n_params = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    torch.manual_seed(rank)
+    x, y = torch.randn(spec["batch"], 256), torch.randn(spec["batch"], 256)
+    times = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    worst = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        with open(spec["out"], "w") as fh:
+            json.dump({"step_s": worst.tolist(), "params": n_params}, fh)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variant(variant: str, workers: int, spec: dict) -> dict:  # type: ignore[type-arg]
+    backend, topology = VARIANTS[variant]
+    with tempfile.TemporaryDirectory(prefix="psring-torch-backend-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        payload = json.dumps({**spec, "backend": backend, "out": out})
+        me = [sys.executable, os.path.abspath(__file__), "--rank-main", payload]
+        port = free_port()
+        procs = []
+        for r in range(workers):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(workers), LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if topology:
+                env["PSRING_TOPOLOGY"] = topology
+            procs.append(subprocess.Popen(me, env=env))
+        try:
+            codes = [p.wait(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise SystemExit(f"{variant}: ranks failed with exit codes {codes}")
+        with open(out) as fh:
+            return json.load(fh)  # type: ignore[no-any-return]
+
+
+def parse_count(text: str) -> int:
+    t = text.upper()
+    for suffix, mult in (("M", 10**6), ("K", 10**3)):
+        if t.endswith(suffix):
+            return int(float(t[:-1]) * mult)
+    return int(t)
+
+
+def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--rank-main":
+        rank_main(json.loads(sys.argv[2]))
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", default="2,4", help="comma-separated world sizes")
+    p.add_argument("--params", default="12.6M", help="about this many parameters (K, M suffixes)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", default="gloo,ring,ps")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    spec = {"params": parse_count(args.params), "batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    rows = []
+    for workers in [int(w) for w in args.workers.split(",")]:
+        samples: dict[str, list[float]] = {v: [] for v in variants}
+        n_params = 0
+        for _ in range(args.rounds):
+            for v in variants:
+                r = run_variant(v, workers, spec)
+                samples[v] += r["step_s"]
+                n_params = r["params"]
+        med = {v: float(np.median(s)) * 1e3 for v, s in samples.items()}
+        rows.append({"workers": workers, "params": n_params, "median_step_ms": med})
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for row in rows:
+        med = row["median_step_ms"]
+        print(f"# DDP, {row['params'] / 1e6:.1f}M-parameter MLP, batch {args.batch}/rank, {row['workers']} ranks")
+        print(f"{'backend':>12} {'ms/step':>9} {'vs gloo':>8}")
+        for v in variants:
+            ratio = f"{med[v] / med['gloo']:.2f}x" if "gloo" in med else "-"
+            name = v if v == "gloo" else f"psring {v}"
+            print(f"{name:>12} {med[v]:>9.1f} {ratio:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

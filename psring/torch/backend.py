@@ -1,0 +1,600 @@
+"""psring as a torch.distributed backend: ``dist.init_process_group("psring")``.
+
+``import psring.torch`` registers the backend. An unmodified script then runs over the ring or
+the parameter server (``PSRING_TOPOLOGY=ring|ps``, or ``pg_options={"topology": "ps"}``):
+
+    dist.init_process_group("psring")                  # env://, tcp://, file://, torchrun
+    model = DistributedDataParallel(model)             # buckets all-reduced by psring
+
+How it fits torch: the backend is a Python ``dist.ProcessGroup`` whose methods (``allreduce``,
+``broadcast``, ``all_gather_single``, ``send``, ...) start the psring collective on the group's
+event-loop thread and return a :class:`Work` at once. torch's collectives work in place, psring's
+return new arrays: when the call finishes, one completion thread per process copies the result
+into the caller's tensors and completes the Work's future (so DDP's hooks never run on the event
+loop). The world group meets through the c10d store torch hands the backend (torchrun's, a
+``tcp://`` or ``file://`` init method's) unless ``PSRING_STORE`` names a psring store (where
+running ``psring server`` shards are registered); ``new_group(ranks)`` is a psring subgroup over
+the world's links, made by its members only, as torch asks. A ps job hosts its shards in rank 0
+(``PSRING_SERVERS`` of them, or one per rank with ``PSRING_PS_COLOCATE``): the ranks are all
+the processes it needs.
+
+dtypes: every CPU dtype numpy can view, bool to float64, and complex (as its real pairs: sum and
+avg); bfloat16 moves as its 16 bits, and is reduced in float32 then rounded once (gloo rounds at
+every step: exact values agree, others may differ in the last bit). torch's point-to-point tags
+are accepted; messages between two ranks arrive in the order they were sent, whatever the tag.
+Errors of a collective (a mismatch, a lost rank, a timeout) complete the Work with
+:class:`BackendError`, a ``torch.distributed.DistBackendError`` carrying psring's message (which
+names the rank) and the psring error as ``psring_error``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..core.arrays import cupy_module
+from ..errors import PsringError
+from ..rendezvous.torchstore import TorchStoreClient
+from ..settings import current as current_settings
+from ..topology.blocking import BlockingGroup, init
+
+NAME = "psring"
+
+_REDUCE_OPS: dict[Any, str] = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.PRODUCT: "prod",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+}
+
+
+class BackendError(dist.DistBackendError):
+    """A psring collective failed under torch.distributed; ``psring_error`` is psring's own error."""
+
+    def __init__(self, message: str, psring_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.psring_error = psring_error
+
+
+def _as_torch_error(exc: BaseException) -> BaseException:
+    if isinstance(exc, dist.DistError):
+        return exc
+    if isinstance(exc, PsringError):
+        err = BackendError(f"psring {type(exc).__name__}: {exc}", exc)
+        err.__cause__ = exc
+        return err
+    return exc  # bad arguments and the like keep their own type (ValueError, TypeError)
+
+
+# ------------------------------------------------------------------ tensors
+def _view(t: torch.Tensor) -> Any:
+    """A numpy (CPU) or cupy (CUDA) array sharing contiguous tensor ``t``'s memory."""
+    if t.device.type == "cpu":
+        return np.from_dlpack(t.detach())
+    if t.device.type == "cuda":
+        cp = cupy_module()
+        if cp is None:
+            raise RuntimeError("a CUDA tensor needs cupy to travel through psring (pip install psring[gpu])")
+        return cp.from_dlpack(t.detach())
+    raise TypeError(f"psring: tensors on {t.device} are not supported (cpu or cuda)")
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor whose bits psring can move unchanged (bfloat16 as int16, complex as pairs)."""
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    if t.is_complex():
+        return torch.view_as_real(t.resolve_conj())
+    return t
+
+
+def _reducible(t: torch.Tensor, op: str) -> tuple[torch.Tensor, bool]:
+    """``t`` in a dtype psring reduces (bfloat16 in float32), and whether that is a copy."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.float(), True
+    if t.is_complex():
+        if op not in ("sum", "avg"):
+            raise ValueError(f"psring: {op} of complex tensors is not defined (sum and avg are)")
+        return torch.view_as_real(t.resolve_conj()), False
+    return (t, False) if t.is_contiguous() else (t.contiguous(), True)
+
+
+def _from(a: Any) -> torch.Tensor:
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        a = a.copy()
+    return torch.from_dlpack(a)
+
+
+def _store_into(dst: torch.Tensor, a: Any) -> None:
+    """Copy psring's result ``a`` into tensor ``dst`` (the dtype and layout torch asked for)."""
+    src = _from(a)
+    if dst.dtype == torch.bfloat16 and src.dtype == torch.int16:
+        src = src.view(torch.bfloat16)
+    elif dst.is_complex() and not src.is_complex():
+        src = torch.view_as_complex(src.reshape(*dst.shape, 2).contiguous())
+    if src.numel() != dst.numel():
+        raise BackendError(
+            f"psring: received {src.numel()} elements for a tensor of {dst.numel()} ({tuple(dst.shape)}): "
+            "the sender's tensor and this one differ in size"
+        )
+    with torch.no_grad():
+        dst.copy_(src.reshape(dst.shape))
+
+
+def _reduce_op(opts: Any) -> str:
+    op = opts.reduceOp
+    for known, name in _REDUCE_OPS.items():
+        if op == known:
+            return name
+    name = str(getattr(op, "op", op)).rsplit(".", 1)[-1]
+    raise ValueError(f"psring: reduce op {name} is not supported (SUM, AVG, PRODUCT, MIN, MAX)")
+
+
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"psring: {what} takes one tensor per process, got {len(tensors)}")
+    return tensors[0]
+
+
+# ---------------------------------------------------------------- the Work
+class Work(dist._Work):
+    """A started psring call: ``wait()``, ``is_completed()``, ``get_future()``, ``exception()``.
+
+    Two futures: psring completes ``_done`` (its value the output tensors, or the error), and
+    ``get_future()`` hands torch a future chained on it. A Python future can only hold an error as
+    a value that raises when Python unwraps it; C++ callers (DDP's reducer) would read that value as
+    tensors. Raising in the chained callback gives the future they see a real error instead,
+    which DDP raises from ``backward()`` as a RuntimeError carrying psring's message. ``wait()``
+    raises the :class:`BackendError` itself.
+    """
+
+    def __init__(self, done: torch.futures.Future) -> None:  # type: ignore[type-arg]
+        super().__init__()
+        self._done = done
+        self._future = done.then(_unwrap)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        self._done.wait()  # raises the collective's error
+        self._future.wait()  # and returns once the callbacks chained on it ran
+        return True
+
+    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._done.done())
+
+    def is_success(self) -> bool:
+        return self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if not self._done.done():
+            return None
+        try:
+            self._done.value()
+        except BaseException as exc:
+            return exc
+        return None
+
+    def result(self) -> Any:
+        return self._done.value()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _unwrap(done: torch.futures.Future) -> Any:  # type: ignore[type-arg]
+    return done.value()  # raises the error, which marks the chained future failed
+
+
+class _Completer:
+    """One thread per process that finishes Works: copies results into tensors, completes futures.
+
+    psring completes its calls on the event-loop thread; the copying, and the callbacks torch
+    chains on a Work's future (DDP's gradient division and bucket rebuilding), run here instead.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, item: Any) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="psring-torch-done", daemon=True)
+                    self._thread.start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while True:
+            cf, finish, future = self._queue.get()
+            try:
+                value = finish(cf.result())
+            except BaseException as exc:
+                future.set_exception(_as_torch_error(exc))
+            else:
+                future.set_result(value)
+
+
+_completer = _Completer()
+
+
+# ----------------------------------------------------------- the ProcessGroup
+class ProcessGroupPsring(dist.ProcessGroup):
+    """A torch ProcessGroup over a psring group (ring or ps); made by ``init_process_group("psring")``."""
+
+    def __init__(self, group: BlockingGroup, rank: int, size: int, *, world: bool) -> None:
+        super().__init__(rank, size)
+        self.psring_group = group
+        self._world = world
+        self._closed = False
+
+    # ------------------------------------------------------------ plumbing
+    def getBackendName(self) -> str:
+        return NAME
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupPsring(rank={self.rank()}, size={self.size()}, {self.psring_group!r})"
+
+    def _start(self, coro: Any, finish: Callable[[Any], Any]) -> Work:
+        if self._closed:
+            raise BackendError("psring: this process group was shut down (destroy_process_group)")
+        future: torch.futures.Future = torch.futures.Future()  # type: ignore[type-arg]
+        cf = self.psring_group.portal.submit(coro)
+        cf.add_done_callback(lambda cf: _completer.put((cf, finish, future)))
+        return Work(future)
+
+    @property
+    def _g(self) -> Any:
+        return self.psring_group.group
+
+    # --------------------------------------------------------- collectives
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        op = _reduce_op(opts)
+        if len(tensors) != 1:
+            return self.allreduce_coalesced(tensors, opts)
+        t = tensors[0]
+        x, _ = _reducible(t, op)
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+            return tensors
+
+        return self._start(self._g.all_reduce(_view(x), op), finish)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        op = _reduce_op(opts if opts is not None else dist.AllreduceCoalescedOptions())
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise ValueError(f"psring: allreduce_coalesced needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+        flat = torch.cat([_reducible(t, op)[0].reshape(-1) for t in tensors])
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            res, off = _from(out), 0
+            for t in tensors:
+                view = torch.view_as_real(t) if t.is_complex() else t
+                with torch.no_grad():
+                    view.copy_(res[off : off + view.numel()].reshape(view.shape))
+                off += view.numel()
+            return tensors
+
+        return self._start(self._g.all_reduce(_view(flat), op), finish)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        t = _one(tensors, "broadcast")
+        root = int(opts.rootRank)
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            if self.rank() != root:
+                _store_into(t, out)
+            return tensors
+
+        return self._start(self._g.broadcast(_view(_wire(t)), root), finish)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        t = _one(tensors, "reduce")
+        op, root = _reduce_op(opts), int(opts.rootRank)
+        x, _ = _reducible(t, op)
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            if out is not None:
+                _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+            return tensors
+
+        return self._start(self._g.reduce(_view(x), root, op), finish)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        t = _one(inputs, "allgather")
+        outs = _one(outputs, "allgather")  # type: ignore[arg-type]
+        self._check_list(outs, "all_gather's tensor_list")
+
+        def finish(parts: list[Any]) -> list[list[torch.Tensor]]:
+            for dst, part in zip(outs, parts, strict=True):  # type: ignore[arg-type]
+                _store_into(dst, part)
+            return outputs
+
+        return self._start(self._g.all_gather(_view(_wire(t))), finish)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        n = input.numel()
+        if output.numel() != n * self.size():
+            raise ValueError(
+                f"psring: all_gather_into_tensor needs an output of {self.size()} x {n} elements, got {output.numel()}"
+            )
+
+        def finish(parts: list[Any]) -> list[torch.Tensor]:
+            flat = output.view(-1) if output.is_contiguous() else None
+            for r, part in enumerate(parts):
+                if flat is not None:
+                    _store_into(flat[r * n : (r + 1) * n], part)
+                else:
+                    _store_into(output.reshape(self.size(), n)[r], part)
+            return [output]
+
+        return self._start(self._g.all_gather(_view(_wire(input))), finish)
+
+    _allgather_base = all_gather_single
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.GatherOptions()
+        t, root = _one(inputs, "gather"), int(opts.rootRank)
+        if self.rank() == root:
+            self._check_list(_one(outputs, "gather"), "gather's gather_list")  # type: ignore[arg-type]
+
+        def finish(parts: list[Any] | None) -> list[list[torch.Tensor]]:
+            if parts is not None:
+                for dst, part in zip(outputs[0], parts, strict=True):
+                    _store_into(dst, part)
+            return outputs
+
+        return self._start(self._g.gather(_view(_wire(t)), root), finish)
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        t, root = _one(outputs, "scatter"), int(opts.rootRank)
+        xs = None
+        if self.rank() == root:
+            parts = _one(inputs, "scatter")  # type: ignore[arg-type]
+            self._check_list(parts, "scatter's scatter_list")  # type: ignore[arg-type]
+            xs = [_view(_wire(p)) for p in parts]  # type: ignore[union-attr]
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            _store_into(t, out)
+            return outputs
+
+        return self._start(self._g.scatter(xs, root), finish)
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        t, parts = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")  # type: ignore[arg-type]
+        self._check_list(parts, "reduce_scatter's input_list")  # type: ignore[arg-type]
+        for i, p in enumerate(parts):  # type: ignore[union-attr]
+            if p.numel() != t.numel() or p.dtype != t.dtype:
+                raise ValueError(
+                    f"psring: reduce_scatter's input_list[{i}] has {p.numel()} {p.dtype} elements, "
+                    f"the output {t.numel()} {t.dtype} (every part must match the output)"
+                )
+        op = _reduce_op(opts)
+        flat = torch.cat([_reducible(p, op)[0].reshape(-1) for p in parts])  # type: ignore[union-attr]
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+            return outputs
+
+        return self._start(self._g.reduce_scatter(_view(flat), op), finish)
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        if input.numel() != output.numel() * self.size():
+            raise ValueError(
+                f"psring: reduce_scatter_tensor needs an input of {self.size()} x {output.numel()} elements, "
+                f"got {input.numel()}"
+            )
+        op = _reduce_op(opts)
+        x, _ = _reducible(input, op)
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            _store_into(output if not output.is_complex() else torch.view_as_real(output), out)
+            return [output]
+
+        return self._start(self._g.reduce_scatter(_view(x.reshape(-1)), op), finish)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: Any = None,
+    ) -> Work:
+        ins = self._splits(input, input_splits, "input")
+        outs = self._splits(output, output_splits, "output")
+        return self._all_to_all(outs, ins, [output])
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        self._check_list(outputs, "all_to_all's output_tensor_list")
+        self._check_list(inputs, "all_to_all's input_tensor_list")
+        return self._all_to_all(outputs, inputs, outputs)
+
+    def _all_to_all(self, outs: list[torch.Tensor], ins: list[torch.Tensor], result: list[torch.Tensor]) -> Work:
+        g, me = self._g, self.rank()
+        arrays = [_view(_wire(x)) for x in ins]
+
+        async def exchange() -> list[Any]:
+            import asyncio
+
+            # every send and recv starts now, in rank order: the same order on every rank
+            sends = [asyncio.ensure_future(g.send(arrays[r], r)) for r in range(self.size()) if r != me]
+            recvs = {r: asyncio.ensure_future(g.recv(r)) for r in range(self.size()) if r != me}
+            await asyncio.gather(*sends, *recvs.values())
+            return [arrays[r] if r == me else recvs[r].result() for r in range(self.size())]
+
+        def finish(parts: list[Any]) -> list[torch.Tensor]:
+            for dst, part in zip(outs, parts, strict=True):
+                _store_into(dst, part)
+            return result
+
+        return self._start(exchange(), finish)
+
+    def _splits(self, t: torch.Tensor, splits: list[int], what: str) -> list[torch.Tensor]:
+        n = self.size()
+        if not splits:
+            if t.shape[0] % n:
+                raise ValueError(f"psring: all_to_all_single's {what} has {t.shape[0]} rows, not divisible by {n}")
+            splits = [t.shape[0] // n] * n
+        if len(splits) != n or sum(splits) != t.shape[0]:
+            raise ValueError(
+                f"psring: all_to_all_single's {what}_split_sizes {splits} must be {n} sizes summing to {t.shape[0]}"
+            )
+        return list(torch.split(t, list(splits)))
+
+    def barrier(self, opts: Any = None) -> Work:
+        return self._start(self._g.barrier(), lambda _: [])
+
+    # ---------------------------------------------------------- point to point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        t = _one(tensors, "send")
+        return self._start(self._g.send(_view(_wire(t)), dst), lambda _: tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        t = _one(tensors, "recv")
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            _store_into(t, out)
+            return tensors
+
+        return self._start(self._g.recv(src), finish)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
+        raise ValueError("psring: recv needs its src (a receive from any source is not supported)")
+
+    # ------------------------------------------------------------- helpers
+    def _check_list(self, xs: Sequence[torch.Tensor], what: str) -> None:
+        if len(xs) != self.size():
+            raise ValueError(f"psring: {what} has {len(xs)} tensors, the group has {self.size()} ranks")
+
+    def shutdown(self) -> None:
+        """Leave the psring group (destroy_process_group calls this)."""
+        if self._closed:
+            return
+        self._closed = True
+        _groups.pop(id(self), None)
+        if self._world:
+            _state.world = None
+            for sub in list(_groups.values()):
+                sub._closed = True
+            _groups.clear()
+            self.psring_group.close()
+        else:
+            portal = self.psring_group.portal
+            if not portal.loop.is_closed():
+                portal.call(self._g.close(), timeout=10)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+class _State:
+    world: ProcessGroupPsring | None = None
+
+
+_state = _State()
+_groups: dict[int, ProcessGroupPsring] = {}
+
+
+# ---------------------------------------------------------------- the creator
+def _store_address(store: Any) -> str:
+    """Where torch's store is, as psring's address (for the address the ranks advertise)."""
+    s = store
+    while isinstance(s, dist.PrefixStore):
+        s = s.underlying_store
+    host = getattr(s, "host", None)
+    port = getattr(s, "port", None)
+    if host and port:
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return f"torch://{host}:{port}"
+    path = getattr(s, "path", None) or "/"
+    return f"file://{path}"  # a FileStore: the ranks may be on hosts sharing its directory
+
+
+def _options(pg_options: Any) -> dict[str, Any]:
+    if pg_options is None:
+        return {}
+    if isinstance(pg_options, dict):
+        opts = dict(pg_options)
+    else:
+        opts = {k: getattr(pg_options, k) for k in ("topology", "servers", "colocate") if hasattr(pg_options, k)}
+    unknown = sorted(set(opts) - {"topology", "servers", "colocate"})
+    if unknown:
+        raise ValueError(f"psring backend: unknown pg_options {unknown} (topology, servers, colocate)")
+    return opts
+
+
+def create(backend_opts: Any, pg_options: Any = None) -> ProcessGroupPsring:
+    """torch's backend creator (extended API): the world group first, subgroups over its links."""
+    rank, size = int(backend_opts.group_rank), int(backend_opts.group_size)
+    timeout = backend_opts.timeout.total_seconds() if backend_opts.timeout else 1800.0
+    world = _state.world
+    if world is None or not dist.is_initialized():
+        opts = _options(pg_options)
+        settings = current_settings()
+        store: Any
+        if settings.store:  # a psring store (where running `psring server` shards registered)
+            store = settings.store
+        else:
+            store = TorchStoreClient(backend_opts.store, _store_address(backend_opts.store))
+        group = init(
+            topology=opts.pop("topology", None),
+            rank=rank,
+            world_size=size,
+            store=store,
+            timeout=timeout,
+            **opts,
+        )
+        pg = ProcessGroupPsring(group, rank, size, world=True)
+        _state.world = pg
+        return pg
+    if pg_options is not None:
+        raise ValueError("psring backend: pg_options are taken by init_process_group only (new_group uses the world's)")
+    ranks = [int(r) for r in backend_opts.global_ranks_in_group] or list(range(size))
+    bg = world.psring_group
+
+    async def make() -> Any:
+        return bg.group._make_subgroup(f"{bg.group.gid}.t{backend_opts.group_id}", ranks)
+
+    sub = BlockingGroup(bg.portal.call(make()), bg.portal, owns_portal=False)
+    pg = ProcessGroupPsring(sub, rank, size, world=False)
+    _groups[id(pg)] = pg
+    return pg
+
+
+def register() -> None:
+    """Register the backend "psring" with torch.distributed (done by ``import psring.torch``)."""
+    if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    devices = ["cpu", "cuda"] if cupy_module() is not None else ["cpu"]
+    dist.Backend.register_backend(NAME, create, extended_api=True, devices=devices)
+
+
+__all__ = ["BackendError", "ProcessGroupPsring", "Work", "create", "register"]
