@@ -101,6 +101,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.n < 1:
         print(f"psring launch: -n must be at least 1, got {args.n}", file=sys.stderr)
         return 2
+    if args.max_restarts < 0:
+        print(f"psring launch: --max-restarts must be 0 or more, got {args.max_restarts}", file=sys.stderr)
+        return 2
     env = settings_mod.process_env()
     if args.servers is not None:
         env["PSRING_SERVERS"] = str(args.servers)
@@ -117,6 +120,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                 node_rank=args.node_rank,
                 master_addr=args.master_addr,
                 master_port=args.master_port,
+                max_restarts=args.max_restarts,
             )
         )
     except KeyboardInterrupt:
@@ -164,6 +168,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
         "--colocate",
         action="store_true",
         help="ps: the ranks host the shards in their own processes, no server processes (PSRING_PS_COLOCATE=1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="on a rank's failure stop every rank and start the job again, up to K times (torchrun's meaning)",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     p.set_defaults(func=_cmd_launch)

@@ -73,6 +73,8 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             "seed": args.seed,
             "timeout": args.timeout,
             "out": os.path.join(tmp, "summary.json"),
+            "checkpoint_dir": args.checkpoint_dir,
+            "checkpoint_every": args.checkpoint_every if args.checkpoint_dir else 0,
         }
         env = settings_mod.process_env()
         if topology == "ps":
@@ -82,7 +84,15 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
         loop = new_event_loop()
         try:
             code = loop.run_until_complete(
-                launch(args.workers, cmd, topology=topology, env=env, prefix_output=False, on_line=progress)
+                launch(
+                    args.workers,
+                    cmd,
+                    topology=topology,
+                    env=env,
+                    prefix_output=False,
+                    on_line=progress,
+                    max_restarts=args.max_restarts,
+                )
             )
         finally:
             loop.close()
@@ -178,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
         return bad("--epochs, --batch-size and --lr must be positive")
     if args.accumulate < 1:
         return bad(f"--accumulate must be at least 1, got {args.accumulate}")
+    if args.max_restarts < 0 or args.checkpoint_every < 1:
+        return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
+    if args.compare and args.checkpoint_dir:
+        return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")
@@ -230,4 +244,16 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--compare", action="store_true", help="train over ring and ps with the same seed, side by side")
     p.add_argument("--plot", default=None, help="write a PNG of loss and accuracy against step")
     p.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save a checkpoint here (rank 0) every --checkpoint-every steps and each epoch; resume from it",
+    )
+    p.add_argument("--checkpoint-every", type=int, default=10, help="optimizer steps between checkpoints")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="when a worker fails, restart every worker up to K times; they resume from --checkpoint-dir",
+    )
     p.set_defaults(func=run)

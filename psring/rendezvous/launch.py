@@ -86,7 +86,8 @@ class _Node:
     def __init__(self, n: int, nnodes: int, node_rank: int, tuning: Settings, prefix_output: bool) -> None:
         self.n, self.nnodes, self.node_rank, self.tuning = n, nnodes, node_rank, tuning
         self.prefix_output = prefix_output
-        self.key = f"psring-launch/{tuning.job}/"
+        self.base_key = f"psring-launch/{tuning.job}/"
+        self.key = self.base_key  # this attempt's keys (a restart gets its own)
         self.store: Any = None
         self.ranks: list[asyncio.subprocess.Process] = []
         self.servers: list[asyncio.subprocess.Process] = []
@@ -97,7 +98,7 @@ class _Node:
         """Register this node and wait for the others (torchrun's rendezvous, static)."""
         self.store = await connect_store(address, secret=self.tuning.secret_bytes, timeout=self.tuning.timeout)
         me = f"{socket.gethostname()} (pid {os.getpid()})"
-        ok, holder = await self.store.compare_set(f"{self.key}node/{self.node_rank}", None, me.encode())
+        ok, holder = await self.store.compare_set(f"{self.base_key}node/{self.node_rank}", None, me.encode())
         if not ok:
             raise StoreError(
                 f"node rank {self.node_rank} already joined this job from {(holder or b'?').decode()}: "
@@ -107,11 +108,20 @@ class _Node:
             try:
                 await self.store.barrier(f"{self.key}nodes", self.nnodes, self.tuning.timeout)
             except StoreError:
-                present = [i for i in range(self.nnodes) if await self.store.get(f"{self.key}node/{i}") is not None]
+                present = [
+                    i for i in range(self.nnodes) if await self.store.get(f"{self.base_key}node/{i}") is not None
+                ]
                 missing = sorted(set(range(self.nnodes)) - set(present))
                 raise StoreError(
                     f"node(s) {missing} of {self.nnodes} did not join at {address} within {self.tuning.timeout:g}s"
                 ) from None
+
+    async def next_attempt(self, attempt: int) -> None:
+        """A new rendezvous round: keys of its own; every node's ranks of the last one are gone."""
+        self.key = f"{self.base_key}attempt{attempt}/"
+        self.ranks, self.servers, self.pumps = [], [], []
+        if self.nnodes > 1:
+            await self.store.barrier(f"{self.key}nodes", self.nnodes, self.tuning.timeout)
 
     async def fail(self, why: str) -> None:
         """Tell every node the job failed (the first reason wins)."""
@@ -136,7 +146,7 @@ class _Node:
     def _label(self, what: str) -> str:
         return f"[{what}] " if self.prefix_output else ""
 
-    async def start_servers(self, address: StoreAddress, env: dict[str, str]) -> None:
+    async def start_servers(self, address: StoreAddress, env: dict[str, str], job: str) -> None:
         """This node's share of the ps shards (shard i runs on node i % nnodes), one process each."""
         count = self.tuning.servers or self.n * self.nnodes
         if count < 1:
@@ -146,7 +156,7 @@ class _Node:
             cmd = [
                 sys.executable, "-m", "psring", "server", "--store", str(address), "--shard", str(i),
                 "--num-shards", str(count), "--host", self.tuning.bind_host or bind_host_for(advertise),
-                "--advertise", advertise, "--job", self.tuning.job,
+                "--advertise", advertise, "--job", job,
             ]  # fmt: skip
             if self.tuning.checkpoint_dir:
                 cmd += ["--checkpoint-dir", self.tuning.checkpoint_dir]
@@ -240,9 +250,17 @@ async def launch(
     node_rank: int = 0,
     master_addr: str | None = None,
     master_port: int | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run cmd as this node's n ranks of an nnodes-node job; return 0 if every rank on every node
-    succeeded, else the exit code of the failure (1 for a failure on another node)."""
+    succeeded, else the exit code of the failure (1 for a failure on another node).
+
+    ``max_restarts`` (torchrun's meaning): when a rank fails, every rank on every node is stopped
+    and the job starts again, up to that many times, in a new rendezvous round (its ranks meet as
+    job ``<PSRING_JOB>.restart<k>``; TORCHELASTIC_RESTART_COUNT=k, as torchrun sets it). Resuming
+    is the program's part: ``psring train --checkpoint-dir`` does it from its latest checkpoint."""
+    if type(max_restarts) is not int or max_restarts < 0:
+        raise ValueError(f"--max-restarts must be a whole number, got {max_restarts!r}")
     if n < 1:
         raise ValueError(f"-n must be at least 1, got {n}")
     if not cmd:
@@ -269,11 +287,21 @@ async def launch(
     base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), PSRING_TOPOLOGY=topology)
     try:
         await node.join(address)
-        if topology == "ps" and not tuning.ps_colocate:  # colocated: the ranks host the shards
-            await node.start_servers(address, base)
-        await node.start_ranks(cmd, base, extra_env, on_line)
-        code = await node.supervise()
-        await node.stop()
+        attempt = 0
+        while True:
+            job = tuning.job if attempt == 0 else f"{tuning.job}.restart{attempt}"
+            env_now = {**base, "PSRING_JOB": job}
+            env_now.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
+            if topology == "ps" and not tuning.ps_colocate:  # colocated: the ranks host the shards
+                await node.start_servers(address, env_now, job)
+            await node.start_ranks(cmd, env_now, extra_env, on_line)
+            code = await node.supervise()
+            await node.stop()
+            if code == 0 or attempt >= max_restarts:
+                break
+            attempt += 1
+            sys.stderr.write(f"psring launch: restarting every rank ({attempt} of {max_restarts})\n")
+            await node.next_attempt(attempt)
         if code == 0:
             with contextlib.suppress(PsringError, OSError):
                 await node.store.set(f"{node.key}done/{node_rank}", b"1")

@@ -4,10 +4,13 @@ import json
 import sys
 
 from ..transport.loop import new_event_loop
+from .checkpoint import DirCheckpoints
 from .job import worker
 
+spec = json.loads(sys.argv[1])
+checkpoints = DirCheckpoints(spec["checkpoint_dir"]) if spec.get("checkpoint_dir") else None
 loop = new_event_loop()
 try:
-    loop.run_until_complete(worker(json.loads(sys.argv[1])))
+    loop.run_until_complete(worker(spec, checkpoints=checkpoints))
 finally:
     loop.close()
