@@ -16,29 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
+from torch_ddp import build, free_port, parse_count  # the same model and helpers as the optimizer benchmark
 
 VARIANTS = {"gloo": ("gloo", None), "ring": ("psring", "ring"), "ps": ("psring", "ps")}
-
-
-def build(params: int):  # type: ignore[no-untyped-def]
-    import torch
-
-    w = 256  # 4 square layers of w x w plus in/out layers of w x 256
-    while 4 * w * w + 2 * 256 * w < params:
-        w += 64
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(256, w), torch.nn.ReLU()]
-    for _ in range(4):
-        layers += [torch.nn.Linear(w, w), torch.nn.ReLU()]
-    layers += [torch.nn.Linear(w, 256)]
-    return torch.nn.Sequential(*layers)
 
 
 def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
@@ -74,12 +60,6 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_variant(variant: str, workers: int, spec: dict) -> dict:  # type: ignore[type-arg]
     backend, topology = VARIANTS[variant]
     with tempfile.TemporaryDirectory(prefix="psring-torch-backend-") as tmp:
@@ -105,14 +85,6 @@ def run_variant(variant: str, workers: int, spec: dict) -> dict:  # type: ignore
             raise SystemExit(f"{variant}: ranks failed with exit codes {codes}")
         with open(out) as fh:
             return json.load(fh)  # type: ignore[no-any-return]
-
-
-def parse_count(text: str) -> int:
-    t = text.upper()
-    for suffix, mult in (("M", 10**6), ("K", 10**3)):
-        if t.endswith(suffix):
-            return int(float(t[:-1]) * mult)
-    return int(t)
 
 
 def main() -> int:
