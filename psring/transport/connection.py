@@ -123,6 +123,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
         #: welcomed, but the handshake coroutine has not run yet: what follows waits unparsed
         self._held = False
+        self._replaying = False  # parsing what was held, from the handshake's end
         self._checksum = settings.checksum
         self._init_heartbeats(
             heartbeat_interval or settings.heartbeat_interval, heartbeat_timeout or settings.heartbeat_timeout
@@ -289,7 +290,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             return
         if kind == "free":
             return
-        if kind == "reject":  # welcomed, then turned away (wrong job, rank, world size)
+        if kind == "reject" and self._replaying:  # welcomed, then turned away at once (wrong job, rank, ...)
             raise ProtocolError(f"{self.peername} refused this connection: {str(header.get('reason'))[:2000]}")
         if self.router is None:
             raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")

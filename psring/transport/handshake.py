@@ -151,15 +151,17 @@ class Handshake:
         self._staging, self._stage = staging, memoryview(staging)
         self._start, self._end = 0, n
         self._schedule_heartbeat()
-        if self._held:  # frames the server sent right after its welcome
-            self._held = False
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
+        if self._held:  # frames the server sent right after its welcome: parsed now, in order
+            self._held, self._replaying = False, True
             try:
                 self._process_staging()
             except Exception as exc:  # a refusal or a bad frame ends the connection, and the dial
                 self.abort(exc)
                 raise
+            finally:
+                self._replaying = False
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
 
     # ---------------------------------------------------------- who the peer is
     @property
