@@ -75,6 +75,7 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             "out": os.path.join(tmp, "summary.json"),
             "checkpoint_dir": args.checkpoint_dir,
             "checkpoint_every": args.checkpoint_every if args.checkpoint_dir else 0,
+            "elastic": args.elastic,
         }
         env = settings_mod.process_env()
         if topology == "ps":
@@ -92,6 +93,7 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
                     prefix_output=False,
                     on_line=progress,
                     max_restarts=args.max_restarts,
+                    elastic=args.elastic,
                 )
             )
         finally:
@@ -122,6 +124,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
         print(f"  server shard {i}     sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
     print(f"  ranks bit-identical {summary['ranks_agree']}")
+    if (summary.get("elastic") or {}).get("departed"):
+        print(
+            f"  elastic            worker(s) {summary['elastic']['departed']} left; the others finished "
+            "(the result depends on who was there when)"
+        )
 
 
 def print_compare(results: dict[str, dict[str, Any]]) -> None:
@@ -190,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         return bad(f"--accumulate must be at least 1, got {args.accumulate}")
     if args.max_restarts < 0 or args.checkpoint_every < 1:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
+    if args.elastic and (args.topology != "ps" or args.compare):
+        return bad("--elastic needs --topology ps (the shards hold the model; a worker is a source of gradients)")
+    if args.elastic and (args.checkpoint_dir or args.max_restarts or args.accumulate > 1 or args.compression != "none"):
+        return bad("--elastic goes on without a lost worker: not with --checkpoint-dir, --max-restarts, "
+                   "--accumulate or --compression")  # fmt: skip
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
     if args.device == "cuda":
@@ -250,6 +262,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
         help="save a checkpoint here (rank 0) every --checkpoint-every steps and each epoch; resume from it",
     )
     p.add_argument("--checkpoint-every", type=int, default=10, help="optimizer steps between checkpoints")
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="ps: a lost worker costs a step, not the job: the others go on (results then depend on membership)",
+    )
     p.add_argument(
         "--max-restarts",
         type=int,

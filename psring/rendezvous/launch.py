@@ -199,19 +199,26 @@ class _Node:
                 asyncio.ensure_future(_pump(proc.stdout, self._label(f"rank {rank}"), sys.stdout, False, on_line))
             )
 
-    async def supervise(self) -> int:
-        """Wait for this node's ranks; end them all when one fails here or a node fails elsewhere."""
+    async def supervise(self, elastic: bool = False) -> int:
+        """Wait for this node's ranks; end them all when one fails here or a node fails elsewhere.
+        ``elastic``: a failed rank is reported and the others go on (the job decides); the result
+        is the first failure's code only when no rank succeeded."""
         waits = {
             asyncio.ensure_future(p.wait()): f"rank {self.node_rank * self.n + r}" for r, p in enumerate(self.ranks)
         }
         waits.update({asyncio.ensure_future(p.wait()): f"server process {i}" for i, p in enumerate(self.servers)})
         ranks_left = set(list(waits)[: len(self.ranks)])
+        failed: list[int] = []
         try:
             while ranks_left:
                 done, _ = await asyncio.wait(set(waits), timeout=WATCH_S, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     code, who = task.result(), waits.pop(task)
                     ranks_left.discard(task)
+                    if code != 0 and elastic and who.startswith("rank"):
+                        sys.stderr.write(f"psring launch: {who} exited with code {code}; elastic: the others go on\n")
+                        failed.append(code)
+                        continue
                     if code != 0 or who.startswith("server"):
                         where = f" on node {self.node_rank}" if self.nnodes > 1 else ""
                         why = f"{who}{where} exited with code {code}"
@@ -223,7 +230,7 @@ class _Node:
                     if elsewhere is not None:
                         sys.stderr.write(f"psring launch: {elsewhere}; stopping node {self.node_rank}'s ranks\n")
                         return 1
-            return 0
+            return _exit_code(failed[0]) if failed and len(failed) == len(self.ranks) else 0
         except (PsringError, OSError) as exc:  # the store went away: node 0's launcher is gone
             sys.stderr.write(f"psring launch: lost the job's store ({exc}); stopping node {self.node_rank}'s ranks\n")
             return 1
@@ -251,6 +258,7 @@ async def launch(
     master_addr: str | None = None,
     master_port: int | None = None,
     max_restarts: int = 0,
+    elastic: bool = False,
 ) -> int:
     """Run cmd as this node's n ranks of an nnodes-node job; return 0 if every rank on every node
     succeeded, else the exit code of the failure (1 for a failure on another node).
@@ -258,7 +266,8 @@ async def launch(
     ``max_restarts`` (torchrun's meaning): when a rank fails, every rank on every node is stopped
     and the job starts again, up to that many times, in a new rendezvous round (its ranks meet as
     job ``<PSRING_JOB>.restart<k>``; TORCHELASTIC_RESTART_COUNT=k, as torchrun sets it). Resuming
-    is the program's part: ``psring train --checkpoint-dir`` does it from its latest checkpoint."""
+    is the program's part: ``psring train --checkpoint-dir`` does it from its latest checkpoint.
+    ``elastic``: a failed rank does not stop the others (an elastic ps job goes on without it)."""
     if type(max_restarts) is not int or max_restarts < 0:
         raise ValueError(f"--max-restarts must be a whole number, got {max_restarts!r}")
     if n < 1:
@@ -295,7 +304,7 @@ async def launch(
             if topology == "ps" and not tuning.ps_colocate:  # colocated: the ranks host the shards
                 await node.start_servers(address, env_now, job)
             await node.start_ranks(cmd, env_now, extra_env, on_line)
-            code = await node.supervise()
+            code = await node.supervise(elastic)
             await node.stop()
             if code == 0 or attempt >= max_restarts:
                 break

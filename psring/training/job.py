@@ -56,6 +56,7 @@ class _Run:
             make_optimizer(spec),
             accumulate=spec.get("accumulate", 1),
             compression=spec.get("compression"),
+            elastic=bool(spec.get("elastic")),
         )
         self.comm = self.compute = 0.0
         self.steps = 0  # batches done (with accumulate=k, k per optimizer step), resumed runs included
@@ -97,17 +98,21 @@ class _Run:
                     "loss": loss,
                     **extra,
                     "elapsed": time.perf_counter() - self.t_start,
-                    "mb": sum(self.group.stats().values()) / 1e6,
+                    "mb": sum(v for k, v in self.group.stats().items() if k.startswith("bytes_")) / 1e6,
                 }
             )
 
     async def epoch(self, epoch: int) -> None:
         """The epoch's batches from where the run stands (a resumed run starts mid-epoch)."""
-        group, spec, batch_size = self.group, self.spec, self.spec["batch_size"]
+        spec, batch_size = self.spec, self.spec["batch_size"]
+        # elastic: the workers still there share the epoch out (a worker lost mid-epoch takes the
+        # rest of its share of that epoch with it)
+        group = self.opt.live_group() if self.opt.elastic else self.group
         idx = shard_indices(len(self.xtr), epoch, spec["seed"], group.rank, group.world_size)
         every = int(spec.get("checkpoint_every") or 0)
         losses = []
-        for start in range((self.steps - epoch * self.per_epoch) * batch_size, len(idx), batch_size):
+        first = 0 if self.opt.elastic else (self.steps - epoch * self.per_epoch) * batch_size
+        for start in range(first, len(idx), batch_size):
             batch = self.xp.asarray(idx[start : start + batch_size])
             t0 = time.perf_counter()
             loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
@@ -121,6 +126,8 @@ class _Run:
                 self._progress(epoch, float(np.mean(losses[-10:])))
             if every and self.steps % (every * self.opt.accumulate) == 0 and start + batch_size < len(idx):
                 await self.save()
+        if self.opt.elastic:
+            group = self.opt.live_group()  # every survivor has had the same results: the same group
         mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
         acc = accuracy(self.params, self.xte, self.yte)
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
@@ -131,7 +138,7 @@ class _Run:
     async def summary(self) -> dict[str, Any] | None:
         """Rank 0's summary (None elsewhere). Every rank must hold identical parameters: this
         checks it rather than assumes it."""
-        group = self.group
+        group = self.opt.live_group() if self.opt.elastic else self.group
         host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
         digest = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
         digest = int((digest * (np.arange(digest.size) % 251 + 1)).sum())
@@ -164,6 +171,11 @@ class _Run:
             "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
             "bytes_per_server": servers,
             "ranks_agree": len({int(d[0]) for d in digests}) == 1,
+            "elastic": (
+                {"departed": sorted(set(range(self.group.world_size)) - set(self.opt.members))}
+                if self.opt.elastic
+                else None
+            ),
             "param_digest": digest,
             "history": self.history,
         }

@@ -84,9 +84,20 @@ class SyncSGD:
         bucket_bytes: int = BUCKET_BYTES,
         accumulate: int = 1,
         compression: str | None = None,
+        elastic: bool = False,
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
+        if elastic:
+            if str(group.topology) != "ps":
+                raise ValueError(
+                    "elastic=True needs the ps topology: there the shards hold the model and a worker is only "
+                    "a source of gradients (a ring would have to re-form; use psring launch --max-restarts)"
+                )
+            if compression is not None or accumulate != 1:
+                raise ValueError("elastic=True takes no compression or accumulate (both agree over every worker)")
+            group.elastic = True
+        self.elastic = elastic
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
         if compression is not None:
@@ -144,6 +155,21 @@ class SyncSGD:
     @property
     def topology(self) -> str:
         return str(self.group.topology)
+
+    @property
+    def members(self) -> list[int]:
+        """The ranks whose gradients the last step averaged (elastic: the workers still there)."""
+        return list(getattr(self.group, "live_members", range(self.group.world_size)))
+
+    def live_group(self) -> Any:
+        """A group of the workers still there (elastic; the group itself while nobody left), for
+        the loop's own collectives. Every survivor makes the same one at the same step."""
+        live = self.members
+        if live == list(range(self.group.world_size)):
+            return self.group
+        gid = "0.live." + ".".join(map(str, live))
+        group = self.group.links.groups.get(gid)
+        return group if group is not None else self.group._make_subgroup(gid, live)
 
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
@@ -338,6 +364,10 @@ class BlockingSyncSGD:
     @property
     def step_count(self) -> int:
         return self._inner.step_count
+
+    @property
+    def members(self) -> list[int]:
+        return self._inner.members
 
     def start(self) -> dict[str, Any]:
         return self._portal.call(self._inner.start())  # type: ignore[no-any-return]

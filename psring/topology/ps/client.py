@@ -57,6 +57,11 @@ class PsGroup(ParameterMode, Group):
         self._broken_waiters: set[asyncio.Future[None]] = set()
         self.members = members
         self._owns_resources = gid == "0"
+        #: SyncSGD(elastic=True): a lost worker does not break this group; parameter steps go on
+        #: with the workers in ``live_members`` (what the shards last averaged over)
+        self.elastic = False
+        self.live_members = list(members)
+        self.departed_workers: dict[int, str] = {}
         links.groups[gid] = self
 
     @property
@@ -174,7 +179,11 @@ class PsGroup(ParameterMode, Group):
         )
 
     def stats(self) -> dict[str, int]:
-        return self.links.stats()
+        out = self.links.stats()
+        if self.elastic:  # results of an elastic job depend on who was there: say so
+            out["elastic_workers"] = len(self.live_members)
+            out["elastic_departed"] = len(self.members) - len(self.live_members)
+        return out
 
     def _layer(self) -> Any:
         return self.links
@@ -374,6 +383,15 @@ class PsGroup(ParameterMode, Group):
     # Used by SyncSGD: the shards hold the parameters and the optimizer state.
 
     def on_peer_lost(self, err: PeerLostError) -> None:
+        me = self.members[self.rank]
+        if self.elastic and type(err.rank) is int and err.rank in self.members and err.rank != me:
+            # a worker, not a shard: collectives that needed it fail, the group and its steps go on
+            if err.rank not in self.departed_workers:
+                self.departed_workers[err.rank] = str(err)
+                logger.warning("%r: elastic: %s; the others go on", self, err)
+            for coll in list(self._active.values()):
+                coll.fail(PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank))
+            return
         super().on_peer_lost(err)
         for fut in list(self._broken_waiters):
             if not fut.done():

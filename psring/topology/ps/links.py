@@ -233,7 +233,9 @@ class ServerLinks:
         message = str(header.get("message", ""))[:2000]
         if reason == "lost":
             lost = header.get("lost")
-            for fut in list(self._loss_waiters):
+            main = self.groups.get("0")
+            elastic = type(lost) is int and getattr(main, "elastic", False)  # a worker of an elastic job
+            for fut in [] if elastic else list(self._loss_waiters):
                 if not fut.done():
                     fut.set_exception(PeerLostError(message, rank=lost if type(lost) is int else None))
                     fut.exception()

@@ -58,6 +58,7 @@ class ParameterMode:
                         "dtype": wire.tensor_fields(flat)["dtype"],
                         "size": self.world_size,
                         "optimizer": optimizer,
+                        "elastic": self.elastic,
                     }
                     if step is not None and state is not None:
                         base.update(step=step, state_keys=sorted(state[b]))
@@ -188,6 +189,8 @@ class ParameterMode:
                     self.mailbox.unpost(tag)
                     fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
                     fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
+                    if self.elastic:
+                        fut.add_done_callback(self._note_members)
                     futs.append(fut)
                     piece = sent[pa:pb]
                     shared = piece.nbytes >= self.links.tuning.ps_shm_min and conn.peer_maps_pool
@@ -195,6 +198,22 @@ class ParameterMode:
                         await self.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
+
+    def _note_members(self, fut: asyncio.Future[Any]) -> None:
+        """Elastic: the workers a shard averaged a piece over; the live workers are those every
+        piece of the step was averaged over (every worker sees the same results, so the same set)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        members = fut.result()[1].get("members")
+        if isinstance(members, (list, tuple)):  # msgpack gives tuples
+            live = set(members) & set(self.live_members)
+            if live != set(self.live_members):
+                gone = sorted(set(self.live_members) - live)
+                logger.warning(
+                    "%r: elastic: worker(s) %s left; %d go on (results now depend on membership)",
+                    self, gone, len(live),
+                )  # fmt: skip
+                self.live_members = sorted(live)
 
     async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:
         lost = self.links.loss_future()

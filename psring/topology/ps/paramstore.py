@@ -74,6 +74,9 @@ class Bucket:
         self.conns: dict[int, Connection] = {}
         self.held: list[tuple[int, np.ndarray]] = []  # results waiting for the checkpoint
         self.waiting_pulls: list[Connection] = []
+        #: elastic (SyncSGD(elastic=True)): a lost worker leaves ``members``; steps go on without it
+        self.elastic = False
+        self.members: set[int] = set(range(size))
 
     def piece_view(self, j: int) -> tuple[int, int, np.ndarray]:
         pa, pb = self.pieces[j]
@@ -246,6 +249,7 @@ class ParamStore:
                 )
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"bucket {b}: bad optimizer config {config!r}: {exc}") from None
+            bucket.elastic = bool(header.get("elastic"))
             self.buckets[b] = bucket
         elif (bucket.n, bucket.dtype_name, bucket.size) != (n, dtype, size):
             raise ProtocolError(
@@ -341,6 +345,10 @@ class ParamStore:
         t, j = tag[2], tag[3]
         if type(src) is not int or not 0 <= src < bucket.size:
             raise ProtocolError(f"push from rank {src!r}, outside 0..{bucket.size - 1}")
+        if src not in bucket.members:
+            raise ProtocolError(
+                f"rank {src} pushed to bucket {b} of an elastic job it left (members now {sorted(bucket.members)})"
+            )
         if not bucket.ready:
             raise ProtocolError(f"push to bucket {b} before its initial parameters arrived")
         if t < bucket.step or (t == bucket.step and j in bucket.applied):
@@ -352,7 +360,7 @@ class ParamStore:
                 f"rank {src} pushed step {t} of bucket {b}, but this shard is at step {bucket.step} "
                 f"(restored from an older checkpoint: steps {bucket.step}..{t - 1} were lost)"
             )
-        pa, pb, view = bucket.piece_view(j)
+        pa, pb, _view = bucket.piece_view(j)
         scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.core.compress)
         if scale is not None:
             if bucket.dtype != np.float32:
@@ -378,10 +386,16 @@ class ParamStore:
         box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
         if "pool" in header:  # it stays in the worker's shared memory until folded
             bucket.slots.setdefault(j, []).append((conn, conn.hold_slot()))
-        if len(box) < bucket.size:
+        if len(box) < len(bucket.members):
             return
+        self._apply(bucket, t, j)
+
+    def _apply(self, bucket: Bucket, t: int, j: int) -> None:
+        """Every member pushed piece j of step t: average in the canonical order, update, answer."""
+        pa, pb, view = bucket.piece_view(j)
+        box, scale = bucket.inbox[j], bucket.inbox_scale[j]
         grad = np.empty(pb - pa, bucket.dtype)
-        parts = [box[r] for r in range(bucket.size)]
+        parts = [box[r] for r in sorted(bucket.members)]
         if scale is not None:
             dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
         else:
@@ -401,6 +415,27 @@ class ParamStore:
             self._send_result(bucket, t, j)
         if len(bucket.applied) == len(bucket.pieces):
             self._step_done(bucket, t)
+
+    def on_worker_lost(self, rank: int, lost: bool = True) -> None:
+        """Elastic buckets go on without a lost worker: its pushes of the step in flight are dropped
+        (every piece of a step then averages over the same workers) and pieces that the others all
+        pushed are applied now."""
+        for bucket in self.buckets.values():
+            if not (bucket.elastic and rank in bucket.members):
+                continue
+            bucket.members.discard(rank)
+            bucket.conns.pop(rank, None)
+            (logger.warning if lost else logger.info)(
+                "%r: rank %d %s elastic bucket %d at step %d; %d worker(s) go on (results now depend on "
+                "membership)", self.shard, rank, "was lost from" if lost else "left", bucket.b, bucket.step,
+                len(bucket.members),
+            )  # fmt: skip
+            t = bucket.step
+            for j in sorted(bucket.inbox):
+                box = bucket.inbox[j]
+                box.pop(rank, None)
+                if bucket.members and bucket.members.issubset(box):
+                    self._apply(bucket, t, j)
 
     def _step_done(self, bucket: Bucket, t: int) -> None:
         bucket.step = t + 1
@@ -424,7 +459,9 @@ class ParamStore:
             "tag": ("param", bucket.b, t, "r", self.shard.index, j),
             "step": t + 1,
         }
-        conns = [conn] if conn is not None else [bucket.conns[r] for r in range(bucket.size) if r in bucket.conns]
+        conns = [conn] if conn is not None else [bucket.conns[r] for r in sorted(bucket.members) if r in bucket.conns]
+        if bucket.elastic:
+            header["members"] = sorted(bucket.members)
         send_once(conns, header, view, stable=False, shm_min=self.shard.settings.ps_shm_min)
 
     def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:

@@ -1,0 +1,37 @@
+"""An elastic SyncSGD job over ps: rank LEAVE_RANK exits (os._exit, like a crash) before step
+LEAVE_AT; the others go on. Every rank pushes gradient rank+1, so each step's result says whose
+gradients it averaged. Prints one JSON line per step, then the live group's all_reduce."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+
+import psring
+from psring.core.optim import SGD
+from psring.training.sgd import SyncSGD
+
+
+async def main() -> None:
+    leave_rank, leave_at = int(os.environ["LEAVE_RANK"]), int(os.environ["LEAVE_AT"])
+    g = await psring.init_group(timeout=60)
+    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
+    await opt.start()
+    for t in range(int(os.environ.get("STEPS", "8"))):
+        if g.rank == leave_rank and t == leave_at:
+            os._exit(9)
+        params = await opt.step({"w": np.full(3, g.rank + 1.0, np.float32)})
+        row = {"rank": g.rank, "step": t, "members": opt.members, "w": float(params["w"][0])}
+        print(json.dumps(row), flush=True)
+    live = opt.live_group()
+    total = await live.all_reduce(np.array([1.0]))
+    stats = g.stats()
+    print(json.dumps({"rank": g.rank, "live_size": live.world_size, "sum": float(total[0]),
+                      "elastic_workers": stats.get("elastic_workers")}), flush=True)  # fmt: skip
+    await g.close()
+
+
+asyncio.run(main())

@@ -1,0 +1,116 @@
+"""Elastic training over ps: a lost worker costs a step, not the job (real processes, a worker that
+dies like a crash or is SIGKILLed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_tree
+
+pytestmark = pytest.mark.timeout(240)
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = str(ROOT / "tests" / "jobs" / "elastic_job.py")
+
+
+def env(**extra: str) -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
+    e.update(PYTHONPATH=str(ROOT), **extra)
+    return e
+
+
+def launch_elastic(n: int, leave_rank: int, leave_at: int) -> tuple[int, list[dict], str]:  # type: ignore[type-arg]
+    code = (
+        "import sys, asyncio\n"
+        "from psring.rendezvous.launch import launch\n"
+        "from psring.transport.loop import new_event_loop\n"
+        f"sys.exit(new_event_loop().run_until_complete(launch({n}, [sys.executable, {JOB!r}], topology='ps',"
+        " elastic=True)))\n"
+    )
+    extra = env(LEAVE_RANK=str(leave_rank), LEAVE_AT=str(leave_at))
+    res = run_tree([sys.executable, "-c", code], timeout=120, env=extra)
+    rows = [json.loads(m) for m in re.findall(r"^\[rank \d+\] (\{.*\})$", res.stdout, re.M)]
+    return res.returncode, rows, res.stdout + res.stderr
+
+
+def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3)
+    assert code == 0, out
+    assert "rank 2 exited with code 9; elastic: the others go on" in out
+    steps = sorted((r for r in rows if "step" in r), key=lambda r: (r["step"], r["rank"]))
+    # lr 1, gradients rank+1: steps 0-2 average 1,2,3 (= 2); from step 3 ranks 0 and 1 (= 1.5)
+    for r in steps:
+        t = r["step"]
+        want = -2.0 * min(t + 1, 3) - 1.5 * max(t + 1 - 3, 0)
+        assert r["w"] == pytest.approx(want), r
+        assert r["members"] == ([0, 1, 2] if t < 3 else [0, 1]), r
+    assert {r["rank"] for r in steps if r["step"] == 7} == {0, 1}
+    ends = [r for r in rows if "live_size" in r]
+    assert sorted(r["rank"] for r in ends) == [0, 1], out
+    assert all(r["live_size"] == 2 and r["sum"] == 2.0 and r["elastic_workers"] == 2 for r in ends), ends
+
+
+def test_losing_rank_zero_is_no_different() -> None:
+    code, rows, out = launch_elastic(3, leave_rank=0, leave_at=2)
+    assert code == 0, out
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == [1, 2] and all(r["members"] == [1, 2] for r in last), out
+    assert all(r["w"] == pytest.approx(-2.0 * 2 - 2.5 * 6) for r in last), last
+
+
+def test_elastic_needs_ps() -> None:
+    import numpy as np
+
+    import psring
+    from psring.training.sgd import SyncSGD
+
+    class Ring:
+        topology, world_size = "ring", 2
+
+    with pytest.raises(ValueError, match="elastic=True needs the ps topology"):
+        SyncSGD(Ring(), {"w": np.zeros(2, np.float32)}, elastic=True)
+    assert psring  # the package imports
+
+
+def test_the_main_job_loses_a_sigkilled_worker_and_finishes() -> None:
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--epochs", "30",
+           "--elastic", "--json"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    killed = None
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if killed is None and re.match(r"\[ps\] epoch 5 ", line):
+                for task in Path(f"/proc/{proc.pid}/task").iterdir():
+                    for child in (task / "children").read_text().split():
+                        environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                        if b"RANK=2" in environ:
+                            os.kill(int(child), signal.SIGKILL)
+                            killed = int(child)
+        rest, err = proc.communicate(timeout=120)  # and closes the pipes
+        lines += rest.splitlines(keepends=True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    out = "".join(lines)
+    assert killed is not None, out
+    assert proc.returncode == 0, out + err
+    summary = json.loads(lines[-1])
+    assert summary["elastic"] == {"departed": [2]} and summary["workers"] == 3, summary
+    assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
+    # epochs after the loss are shared by 3 workers: more steps each than before
+    hist = summary["history"]
+    assert hist[-1]["step"] - hist[-2]["step"] > hist[1]["step"] - hist[0]["step"], hist
+    assert "elastic" in out and "worker(s) [2] left" in out
