@@ -114,3 +114,16 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes() -> None:
     hist = summary["history"]
     assert hist[-1]["step"] - hist[-2]["step"] > hist[1]["step"] - hist[0]["step"], hist
     assert "elastic" in out and "worker(s) [2] left" in out
+
+
+def test_chaos_short_form_loses_no_job() -> None:
+    res = run_tree(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--elastic", "--trials", "1", "--kills", "2",
+         "--steps", "120", "--json"],
+        timeout=180,
+        env=env(),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["kills"] == 2 and summary["lost_jobs"] == 0, summary
+    assert summary["recover_ms_max"] < 5000, summary  # a step without them came (not a timeout's worth later)
