@@ -108,7 +108,7 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes() -> None:
     assert killed is not None, out
     assert proc.returncode == 0, out + err
     summary = json.loads(lines[-1])
-    assert summary["elastic"] == {"departed": [2]} and summary["workers"] == 3, summary
+    assert summary["elastic"] == {"departed": [2], "joined": []} and summary["workers"] == 3, summary
     assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
     # epochs after the loss are shared by 3 workers: more steps each than before
     hist = summary["history"]
@@ -127,3 +127,96 @@ def test_chaos_short_form_loses_no_job() -> None:
     summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
     assert summary["kills"] == 2 and summary["lost_jobs"] == 0, summary
     assert summary["recover_ms_max"] < 5000, summary  # a step without them came (not a timeout's worth later)
+
+
+# ------------------------------------------------------------------------- grow
+def _env_of_rank(launcher: int, rank: str) -> dict[str, str]:
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            raw = Path(f"/proc/{child}/environ").read_bytes().decode().split("\0")
+            e = dict(x.split("=", 1) for x in raw if "=" in x)
+            if e.get("RANK") == rank:
+                e["_PID"] = child
+                return e
+    raise AssertionError(f"no rank {rank} under {launcher}")
+
+
+def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
+    job = str(ROOT / "tests" / "jobs" / "elastic_grow_job.py")
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    joiner = None
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if joiner is None and '"step": 2,' in line:
+                e = _env_of_rank(proc.pid, "0")
+                extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+                joiner = subprocess.Popen([sys.executable, job], env=env(JOIN="1", PSRING_TOPOLOGY="ps", **extra),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        rest, _ = proc.communicate(timeout=120)
+        lines.append(rest)
+        assert joiner is not None
+        jout, _ = joiner.communicate(timeout=60)
+    finally:
+        for p in (proc, joiner):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.communicate(timeout=30)
+    out = "".join(lines)
+    assert proc.returncode == 0 and joiner.returncode == 0, out + jout
+    rows = [json.loads(m) for m in re.findall(r"^\[rank \d\] (\{.*\})$", out, re.M)]
+    rows += [json.loads(x) for x in jout.splitlines() if x.startswith("{")]
+    admitted = {r["rank"]: r["at"] for r in rows if "admitted" in r}
+    assert set(admitted) == {0, 1} and len(set(admitted.values())) == 1, rows  # both, at one boundary
+    at = admitted[0]
+    first = next(r for r in rows if r["rank"] == 2 and "start" in r)
+    assert first["start"] == at and first["joined_with"] == {"t": at} and first["members"] == [0, 1, 2]
+    w = 0.0
+    for t in range(1, 61):  # lr 1: each step subtracts the mean of the members' rank+1
+        w -= 1.5 if t <= at else 2.0
+        got = {r["rank"]: r for r in rows if r.get("step") == t}
+        assert set(got) == ({0, 1} if t <= at else {0, 1, 2}), (t, got)
+        assert all(r["w"] == pytest.approx(w) for r in got.values()), (t, got)
+    ends = [r for r in rows if "live" in r]
+    assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["live"] == 3 and r["sum"] == 3.0 for r in ends)
+
+
+def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "3", "--epochs", "40",
+           "--elastic", "--json"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    joiner = None
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if joiner is None and re.match(r"\[ps\] epoch 3 ", line):
+                e = _env_of_rank(proc.pid, "0")
+                argv = Path(f"/proc/{e['_PID']}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+                spec = json.loads(argv[-1])
+                spec.update(join=True, out=None)  # the same job's spec, as a new worker
+                extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "PSRING_JOB")}
+                joiner = subprocess.Popen([sys.executable, "-m", "psring.training", json.dumps(spec)],
+                                          env=env(PSRING_TOPOLOGY="ps", **extra), stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        rest, err = proc.communicate(timeout=120)
+        lines += rest.splitlines(keepends=True)
+        assert joiner is not None
+        jout, _ = joiner.communicate(timeout=60)
+    finally:
+        for p in (proc, joiner):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.communicate(timeout=30)
+    assert proc.returncode == 0 and joiner.returncode == 0, "".join(lines) + err + jout
+    summary = json.loads(lines[-1])
+    assert summary["elastic"] == {"departed": [], "joined": [3]} and summary["workers"] == 4, summary
+    assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
+    per_epoch = [b["step"] - a["step"] for a, b in zip(summary["history"], summary["history"][1:], strict=False)]
+    assert per_epoch[0] == 15 and per_epoch[-1] == 12, per_epoch  # 1437 samples / 32: 3 workers, then 4

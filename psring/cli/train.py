@@ -124,9 +124,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
         print(f"  server shard {i}     sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
     print(f"  ranks bit-identical {summary['ranks_agree']}")
-    if (summary.get("elastic") or {}).get("departed"):
+    elastic = summary.get("elastic") or {}
+    if elastic.get("departed") or elastic.get("joined"):
         print(
-            f"  elastic            worker(s) {summary['elastic']['departed']} left; the others finished "
+            f"  elastic            worker(s) {elastic.get('departed', [])} left, {elastic.get('joined', [])} joined "
             "(the result depends on who was there when)"
         )
 

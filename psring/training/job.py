@@ -78,6 +78,11 @@ class _Run:
             self.history = list(saved.get("history", []))
         self.params = await self.opt.start()
         self.steps = self.opt.step_count * self.opt.accumulate
+        #: elastic: the epoch this worker starts with (a worker that joined a running job: the one
+        #: the boundary that admitted it named)
+        self.first_epoch = int((self.opt.joined_with or {}).get("epoch", 0))
+        if self.opt.joined_with is not None:
+            return  # a new worker: the shards' parameters of the step it was admitted at
         if saved is not None or self.steps:
             self.resumed_at = self.steps
             # epochs after the checkpoint's last one are run again: their records come again too
@@ -89,7 +94,7 @@ class _Run:
             await self.checkpoints.save({"sgd": await self.opt.state_dict(), "history": self.history})
 
     def _progress(self, epoch: int, loss: float, **extra: Any) -> None:
-        if self.group.rank == 0:
+        if (self.opt.live_group() if self.opt.elastic else self.group).rank == 0:
             self.emit(
                 {
                     "step": self.steps,
@@ -132,6 +137,8 @@ class _Run:
         acc = accuracy(self.params, self.xte, self.yte)
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
+        if self.opt.elastic and epoch + 1 < spec["epochs"]:  # new workers join at epoch boundaries
+            await self.opt.admit_waiting({"epoch": epoch + 1})
         if every and self.steps % self.opt.accumulate == 0:
             await self.save()
 
@@ -171,13 +178,19 @@ class _Run:
             "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
             "bytes_per_server": servers,
             "ranks_agree": len({int(d[0]) for d in digests}) == 1,
-            "elastic": (
-                {"departed": sorted(set(range(self.group.world_size)) - set(self.opt.members))}
-                if self.opt.elastic
-                else None
-            ),
+            "elastic": self._elastic_record(),
             "param_digest": digest,
             "history": self.history,
+        }
+
+
+    def _elastic_record(self) -> dict[str, Any] | None:
+        if not self.opt.elastic:
+            return None
+        world, members = self.group.links.world_size, self.opt.members
+        return {
+            "departed": sorted(set(range(world)) - set(members)),
+            "joined": sorted(r for r in members if r >= world),
         }
 
 
@@ -200,11 +213,13 @@ async def worker(
         else:
             print(PROGRESS + json.dumps(record), flush=True)
 
-    group = await init_group(timeout=spec["timeout"])
+    options = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
+    group = await init_group(timeout=spec["timeout"], **options)
     try:
         run = _Run(group, spec, emit)
         await run.start(checkpoints)
-        for epoch in range(run.steps // run.per_epoch, spec["epochs"]):
+        first = run.first_epoch if run.opt.elastic else run.steps // run.per_epoch
+        for epoch in range(first, spec["epochs"]):
             await run.epoch(epoch)
         summary = await run.summary()
         if summary is not None and spec.get("out"):

@@ -98,6 +98,8 @@ class SyncSGD:
                 raise ValueError("elastic=True takes no compression or accumulate (both agree over every worker)")
             group.elastic = True
         self.elastic = elastic
+        #: a worker that joined a running elastic job: what the admitting loop told it (else None)
+        self.joined_with: dict[str, Any] | None = None
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
         if compression is not None:
@@ -162,14 +164,21 @@ class SyncSGD:
         return list(getattr(self.group, "live_members", range(self.group.world_size)))
 
     def live_group(self) -> Any:
-        """A group of the workers still there (elastic; the group itself while nobody left), for
-        the loop's own collectives. Every survivor makes the same one at the same step."""
-        live = self.members
-        if live == list(range(self.group.world_size)):
-            return self.group
-        gid = "0.live." + ".".join(map(str, live))
-        group = self.group.links.groups.get(gid)
-        return group if group is not None else self.group._make_subgroup(gid, live)
+        """A group of the workers there now (elastic; the group itself while nobody left or joined),
+        for the loop's own collectives. Every worker makes the same one at the same step."""
+        return self.group._live_subgroup() if self.elastic else self.group
+
+    async def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
+        """Elastic: at a boundary of the loop's choosing (between steps; every live worker calls it),
+        admit the workers waiting to join (``init_group(topology="ps", join=True)``): from the next
+        step on they push too, and ``members`` has them. ``extra`` reaches the new workers
+        (``joined_with``): the loop's position, e.g. the epoch they start. Returns the new ranks."""
+        if not self.elastic:
+            raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
+        if not self.started:
+            await self.start()
+        host = [_to_host(f) for f in self._flat]
+        return await self.group.param_admit(self.step_count, host, extra)  # type: ignore[no-any-return]
 
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
@@ -178,6 +187,15 @@ class SyncSGD:
         first gradients so that they are taken at the agreed parameters.
         """
         if self.started:
+            return self.params
+        if getattr(self.group, "joining", False):  # a new worker of a running elastic job
+            if not self.elastic:
+                raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
+            outs, step, self.joined_with = await self.group.param_join([_to_host(f) for f in self._flat])
+            self._flat = [_like(self.xp, o) for o in outs]
+            self.step_count = step
+            self.started = True
+            self.params = self._views()
             return self.params
         await self._check_setup()
         loaded, self._loaded = self._loaded, None

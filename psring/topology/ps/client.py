@@ -29,7 +29,7 @@ from ...core import wire
 from ...core.arrays import byte_view, result_empty
 from ...core.compress import dequantize, quantize
 from ...core.fold import pieces, ring_chunk_bounds
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
 from ...rendezvous.join import assign_rank, open_store_for
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
@@ -60,6 +60,7 @@ class PsGroup(ParameterMode, Group):
         #: SyncSGD(elastic=True): a lost worker does not break this group; parameter steps go on
         #: with the workers in ``live_members`` (what the shards last averaged over)
         self.elastic = False
+        self.joining = False  # a worker that joined a running elastic job and waits to be admitted
         self.live_members = list(members)
         self.departed_workers: dict[int, str] = {}
         links.groups[gid] = self
@@ -72,6 +73,9 @@ class PsGroup(ParameterMode, Group):
     async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
         servers = options.pop("servers", None)
         colocate = options.pop("colocate", None)
+        join = options.pop("join", False)
+        if join:
+            return await cls._join_running(settings, options)
         if colocate is None:
             colocate = settings.tuning.ps_colocate
         elif not isinstance(colocate, bool):
@@ -129,6 +133,43 @@ class PsGroup(ParameterMode, Group):
                     await store.close()
                 if embedded is not None:
                     await embedded.close()
+            raise
+
+    @classmethod
+    async def _join_running(cls, settings: GroupSettings, options: dict[str, Any]) -> PsGroup:
+        """A new worker for a running elastic job (SyncSGD(elastic=True)): it takes the next free
+        rank past the job's world size and waits in SyncSGD.start until a boundary admits it."""
+        if options:
+            raise TypeError(f"init_group(topology='ps', join=True) got unexpected options {sorted(options)}")
+        if settings.rank is not None:
+            raise ValueError("join=True takes its rank from the store: leave RANK unset (rank= None)")
+        assert settings.world_size is not None
+        prefix = f"psring/{settings.job}"
+        store, _embedded = await open_store_for(settings, None)
+        links: ServerLinks | None = None
+        try:
+            if await store.get(f"{prefix}/elastic", settings.timeout) is None:
+                raise StoreError(
+                    f"job {settings.job!r} at {store.address} runs no elastic SyncSGD (SyncSGD(elastic=True) on ps "
+                    f"marks it) within {settings.timeout:g}s: nothing to join"
+                )
+            rank = settings.world_size + await store.add(f"{prefix}/joiners", 1) - 1
+            links = ServerLinks(rank, settings.world_size, settings, store, prefix)  # outside the world: no member
+            links.reconnect_servers = True
+            await links.resolve(settings.timeout)
+            await links.connect(settings.timeout)
+            group = cls(links, rank, rank + 1, list(range(rank + 1)), "0", settings.timeout)
+            group.joining = True
+            group.elastic = True
+            await store.set(f"{prefix}/join/{rank}", b"waiting")
+            logger.info("%r joins running elastic job %r as rank %d", group, settings.job, rank)
+            return group
+        except (Exception, asyncio.CancelledError):
+            if links is not None:
+                await links.close()
+            else:
+                with contextlib.suppress(Exception):
+                    await store.close()
             raise
 
     # ---------------------------------------------------------------- plumbing

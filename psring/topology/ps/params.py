@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any
@@ -71,6 +72,15 @@ class ParameterMode:
                             for j, (pa, pb) in enumerate(parts):
                                 header = {"kind": "ps_param", "op": "init_state", "tag": ("param", b, "init_state", j)}
                                 conn.send_tensor({**header, "key": key}, state[b][key][pa:pb])
+        if self.elastic and self.rank == 0:  # new workers may join it (init_group(join=True))
+            await self.links.store.set(f"{self.links.prefix}/elastic", b"1")
+        outs, steps = await self._pull_all(buckets, "pulling the initial parameters")
+        if len(set(steps)) > 1:
+            raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
+        return outs, (steps[0] if steps else 0)
+
+    async def _pull_all(self, buckets: list[np.ndarray], what: str) -> tuple[list[np.ndarray], list[int]]:
+        """What the shards hold of every bucket, and the step of each (shard, bucket) with a slice."""
         outs = [np.empty_like(flat) for flat in buckets]
         steps: list[int] = []
 
@@ -88,15 +98,85 @@ class ParameterMode:
                 if payload is not None and hdr["nbytes"] and not _same(payload, outs[b]):
                     raise ProtocolError("parameter piece did not land in place")
             _c, hdr, _p = await marker
-            steps.append(int(hdr["step"]))
+            if parts:
+                steps.append(int(hdr["step"]))
 
         jobs = [
             pull(b, shard, parts) for b, flat in enumerate(buckets) for shard, _a, parts in self._param_layout(b, flat)
         ]
-        await self._param_wait(asyncio.gather(*jobs), "pulling the initial parameters")
-        if len(set(steps)) > 1:
-            raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
-        return outs, (steps[0] if steps else 0)
+        await self._param_wait(asyncio.gather(*jobs), what)
+        return outs, steps
+
+    async def param_join(self, buckets: list[np.ndarray]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+        """A joining worker (init_group(join=True)): wait until a boundary of the running job admits
+        it, then take the shards' parameters of that step. Returns them, the step, and what the
+        admitting loop said (``extra``: e.g. the epoch it starts)."""
+        store, key = self.links.store, f"{self.links.prefix}/join/{self.rank}/admitted"
+        raw = await store.get(key, self.timeout)
+        if raw is None:
+            raise CollectiveTimeoutError(
+                f"rank {self.rank} was not admitted to the running elastic job within {self.timeout:g}s (its loop "
+                "admits new workers at its boundaries: SyncSGD.admit_waiting)"
+            )
+        admitted = json.loads(raw)
+        at, members = int(admitted["step"]), [int(r) for r in admitted["members"]]
+        outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
+        if any(s != at for s in steps):
+            raise PsringError(
+                f"rank {self.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
+            )
+        self.live_members = members
+        self.joining = False
+        return outs, at, dict(admitted.get("extra") or {})
+
+    async def param_admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
+        """At a boundary (between steps; called by every live worker with the same arguments): admit
+        the workers waiting to join. The live rank 0 finds them in the store and tells the others,
+        the shards (before its own pushes of ``step``) and the new workers. Returns the new ranks."""
+        live = self.live_members
+        me = self.members[self.rank]
+        found = np.zeros(64, np.int64) - 1
+        if me == live[0]:
+            count = int(await self.links.store.add(f"{self.links.prefix}/joiners", 0))
+            first = self.links.world_size
+            waiting = [
+                r for r in range(first, first + count)
+                if r not in live and await self.links.store.get(f"{self.links.prefix}/join/{r}") == b"waiting"
+            ][: found.size]  # fmt: skip
+            found[: len(waiting)] = waiting
+        found = await self._live_subgroup().broadcast(found, src=0)
+        new = [int(r) for r in found if r >= 0]
+        if not new:
+            return []
+        members = sorted(set(live) | set(new))
+        if me == live[0]:
+            for b, flat in enumerate(buckets):  # every shard that holds a slice of it
+                for shard, _a, _parts in self._param_layout(b, flat):
+                    self.links.shards[shard].send_frame(
+                        {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
+                    )
+            for r in new:
+                await self.links.store.set(f"{self.links.prefix}/join/{r}", b"admitted")
+                value = json.dumps({"step": step, "members": members, "extra": extra or {}})
+                await self.links.store.set(f"{self.links.prefix}/join/{r}/admitted", value.encode())
+        logger.warning(
+            "%r: elastic: worker(s) %s join at step %d; %d workers (results now depend on membership)",
+            self, new, step, len(members),
+        )  # fmt: skip
+        self.live_members = members
+        return new
+
+    def _live_subgroup(self) -> Any:
+        """A group of the live workers (this group while they are its members, in order)."""
+        live = self.live_members
+        if live == self.members == list(range(self.links.world_size)):  # the job's own world, as it began
+            return self
+        gid = "0.live." + ".".join(map(str, live))
+        group = self.links.groups.get(gid)
+        if group is None:
+            me = live.index(self.members[self.rank])
+            group = type(self)(self.links, me, len(live), list(live), gid, self.timeout)
+        return group
 
     async def param_state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state the shards hold (``keys`` of it, per bucket, as flat arrays shaped

@@ -215,6 +215,8 @@ class ParamStore:
                 early.append(conn)
         elif op == "push":
             self._push(conn, b, header, payload)
+        elif op == "admit":
+            self._admit(b, header)
         else:
             raise ProtocolError(f"parameter frame with unknown op {op!r}")
 
@@ -343,7 +345,7 @@ class ParamStore:
         if len(tag) != 4 or type(tag[2]) is not int or type(tag[3]) is not int or not 0 <= tag[3] < len(bucket.pieces):
             raise ProtocolError(f"push with a malformed tag {tag!r}")
         t, j = tag[2], tag[3]
-        if type(src) is not int or not 0 <= src < bucket.size:
+        if type(src) is not int or not (0 <= src < bucket.size or (bucket.elastic and src in bucket.members)):
             raise ProtocolError(f"push from rank {src!r}, outside 0..{bucket.size - 1}")
         if src not in bucket.members:
             raise ProtocolError(
@@ -415,6 +417,21 @@ class ParamStore:
             self._send_result(bucket, t, j)
         if len(bucket.applied) == len(bucket.pieces):
             self._step_done(bucket, t)
+
+    def _admit(self, b: int, header: dict[str, Any]) -> None:
+        """New workers take part from step ``at`` (a loop's boundary: no piece of it applied yet).
+        Sent by the live rank 0 before its own pushes of that step, so no piece of it can complete
+        without them."""
+        bucket = self._bucket(b)
+        ranks, at = header.get("ranks"), header.get("at")
+        if not bucket.elastic:
+            raise ProtocolError(f"admit to bucket {b}, which is not elastic")
+        if not (isinstance(ranks, (list, tuple)) and all(type(r) is int and r >= 0 for r in ranks)):
+            raise ProtocolError(f"admit with ranks {ranks!r}")
+        if bucket.pieces and (at != bucket.step or bucket.applied):
+            raise ProtocolError(f"admit at step {at!r} to bucket {b}, which is at step {bucket.step}")
+        bucket.members.update(ranks)
+        logger.info("%r: rank(s) %s join elastic bucket %d at step %d", self.shard, sorted(ranks), b, at)
 
     def on_worker_lost(self, rank: int, lost: bool = True) -> None:
         """Elastic buckets go on without a lost worker: its pushes of the step in flight are dropped

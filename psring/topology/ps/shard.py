@@ -110,7 +110,7 @@ class Shard(Folding):
             del self.by_rank[rank]
         if not self.conns:
             self.idle.set()
-        if member and self.params is not None:  # elastic parameter buckets go on without it
+        if attached and self.params is not None:  # elastic parameter buckets go on without it (joiners too)
             self.params.on_worker_lost(rank, lost=error is not None)
         dropped = error is not None and isinstance(error.__cause__, ProtocolError)  # our own doing
         # a worker that said goodbye reports, per group, the first collective it did not
