@@ -373,6 +373,7 @@ class BlockingSyncSGD:
 
     def __init__(self, group: Any, params: Mapping[str, Any], optimizer: Optimizer | None = None, **kwargs: Any):
         self._portal = group.portal
+        self._group = group
         self._inner = SyncSGD(group.group, params, optimizer, **kwargs)
 
     @property
@@ -386,6 +387,17 @@ class BlockingSyncSGD:
     @property
     def members(self) -> list[int]:
         return self._inner.members
+
+    @property
+    def joined_with(self) -> dict[str, Any] | None:
+        return self._inner.joined_with
+
+    def live_group(self) -> BlockingGroup:
+        group = self._inner.live_group()
+        return self._group if group is self._group.group else BlockingGroup(group, self._portal, owns_portal=False)
+
+    def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
+        return self._portal.call(self._inner.admit_waiting(extra))  # type: ignore[no-any-return]
 
     def start(self) -> dict[str, Any]:
         return self._portal.call(self._inner.start())  # type: ignore[no-any-return]
