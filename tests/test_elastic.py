@@ -220,3 +220,33 @@ def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
     assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
     per_epoch = [b["step"] - a["step"] for a, b in zip(summary["history"], summary["history"][1:], strict=False)]
     assert per_epoch[0] == 15 and per_epoch[-1] == 12, per_epoch  # 1437 samples / 32: 3 workers, then 4
+
+
+BLOCKING_JOB = """
+import os, json, numpy as np, psring
+from psring.core.optim import SGD
+g = psring.init(topology="ps", timeout=30)
+opt = psring.SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
+opt.start()
+for t in range(6):
+    if g.rank == 2 and t == 2:
+        os._exit(9)
+    p = opt.step({"w": np.full(3, g.rank + 1.0, np.float32)})
+row = {"rank": g.rank, "members": opt.members, "w": float(p["w"][0]), "new": opt.admit_waiting(),
+       "live": opt.live_group().world_size}
+print(json.dumps(row), flush=True)
+g.close()
+"""
+
+
+def test_the_blocking_facade_is_elastic_too() -> None:
+    cmd = [sys.executable, "-c", "import sys\nfrom psring.rendezvous.launch import launch\n"
+           "from psring.transport.loop import new_event_loop\n"
+           "sys.exit(new_event_loop().run_until_complete(launch(3, [sys.executable, '-c', sys.argv[1]], "
+           "topology='ps', elastic=True)))", BLOCKING_JOB]  # fmt: skip
+    res = run_tree(cmd, timeout=120, env=env())
+    assert res.returncode == 0, res.stdout + res.stderr
+    found = re.findall(r"^\[rank \d\] (\{.*\})$", res.stdout, re.M)
+    rows = sorted((json.loads(m) for m in found), key=lambda r: r["rank"])
+    # steps 0-1 average 1,2,3 (2 each), steps 2-5 ranks 0 and 1 (1.5 each)
+    assert rows == [{"rank": r, "members": [0, 1], "w": -10.0, "new": [], "live": 2} for r in (0, 1)], res.stdout
