@@ -58,6 +58,10 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
         with open(spec["out"], "w") as fh:
             json.dump({"step_s": worst.tolist(), "params": n_params}, fh)
     dist.destroy_process_group()
+    # gloo's worker threads can still hold work at interpreter exit and abort the process
+    # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def run_variant(variant: str, workers: int, spec: dict) -> dict:  # type: ignore[type-arg]

@@ -95,6 +95,10 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
         import torch.distributed as dist
 
         dist.destroy_process_group()
+        # gloo's worker threads can still hold work at interpreter exit and abort the process
+        # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
+        sys.stdout.flush()
+        os._exit(0)
     else:
         g.close()
 

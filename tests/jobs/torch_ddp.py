@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import torch
@@ -63,6 +64,8 @@ def main() -> None:
     print(json.dumps(row), flush=True)
     if error is None:
         dist.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)  # not through interpreter exit, where gloo's threads can abort it (pytorch/pytorch#179291)
     else:
         time.sleep(0.2)
         os._exit(1)

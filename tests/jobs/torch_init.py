@@ -9,6 +9,7 @@ torch.distributed.DistBackendError, its message).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -38,6 +39,10 @@ def main() -> None:
     out["took"] = time.monotonic() - t0
     print(json.dumps(out), flush=True)
     dist.destroy_process_group()
+    # gloo's worker threads can still hold work at interpreter exit and abort the process
+    # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

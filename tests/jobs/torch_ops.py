@@ -265,6 +265,10 @@ def main(backend: str, out_dir: str) -> None:
 
     torch.save(res, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
+    # gloo's worker threads can still hold work at interpreter exit and abort the process
+    # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
