@@ -103,3 +103,26 @@ def test_collectives_benchmark_times_each_collective_on_both_topologies() -> Non
         assert row["ring_ms"] > 0 and row["ps_ms"] > 0
         assert row["ps_vs_ring"] == pytest.approx(row["ps_ms"] / row["ring_ms"])
         assert [len(r["rounds"][t]) for t in ("ring", "ps")] == [1, 1]
+
+
+def test_bench_scale_reports_set_up_cost_beside_gloo() -> None:
+    variants = "ring,ps,gloo"
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        variants = "ring,ps"  # gloo comes with torch
+    proc = run_tree(
+        [sys.executable, "-m", "psring", "bench", "scale", "--worlds", "2,3", "--variants", variants, "--iters", "3",
+         "--json"],
+        capture_output=True, text=True, timeout=170, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [(r["world"], r["variant"]) for r in rows] == [(n, v) for n in (2, 3) for v in variants.split(",")]
+    for r in rows:
+        assert r["init_s"] > 0 and r["t4_s"] > 0 and r["t1m_s"] > 0, r
+        assert r["fds"] >= r["sockets"] >= r["world"] - 1, r  # at least a link to each other rank or shard
+    ring = {r["world"]: r for r in rows if r["variant"] == "ring"}
+    assert ring[3]["sockets"] >= ring[2]["sockets"]
+    bad = run_tree([sys.executable, "-m", "psring", "bench", "scale", "--variants", "mpi"], timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "--variants among ring, ps, gloo" in bad.stderr

@@ -58,8 +58,10 @@ def run_allreduce(
     servers: int | None = None,
     quiet: bool = True,
     colocate: bool = False,
+    scale: bool = False,
 ) -> list[dict[str, Any]]:
-    """Spawn the ranks, time every size, return one row per size."""
+    """Spawn the ranks, time every size, return one row per size (``scale``: each row also has
+    the worst rank's set-up figures under "setup")."""
 
     with tempfile.TemporaryDirectory(prefix="psring-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
@@ -72,6 +74,7 @@ def run_allreduce(
             "backend": backend,
             "gloo_init": "file://" + os.path.join(tmp, "gloo-rendezvous"),
             "small_iters": max(iters, 200),
+            "scale": scale,
         }
         env = settings_mod.process_env()
         if servers is not None:
@@ -87,8 +90,11 @@ def run_allreduce(
         if code != 0:
             raise RuntimeError(f"benchmark ranks failed (exit code {code})")
         with open(out) as fh:
-            rows = json.load(fh)["results"]
+            result = json.load(fh)
+        rows = result["results"]
     for row in rows:
+        if "setup" in result:
+            row["setup"] = result["setup"]
         t = row["time_s"]
         row["algbw_GBps"] = row["size"] / t / 1e9 if t > 0 else 0.0
         row["busbw_GBps"] = row["algbw_GBps"] * 2 * (workers - 1) / workers
@@ -136,6 +142,57 @@ def run_sgd(
     med = np.median(steps_s, axis=0)
     result.update(step_ms=1e3 * med[0], exchange_ms=1e3 * med[1], update_ms=1e3 * med[2])
     return result
+
+
+def run_scale(worlds: list[int], variants: list[str], iters: int = 20) -> list[dict[str, Any]]:
+    """For each world size and variant (ring, ps, gloo): the worst rank's set-up cost (time to
+    init, file descriptors, sockets, threads) and 4-byte and 1 MiB all_reduce times."""
+    rows = []
+    for n in worlds:
+        for variant in variants:
+            backend = "gloo" if variant == "gloo" else "psring"
+            topology = "ring" if variant == "gloo" else variant
+            got = run_allreduce(
+                topology=topology, workers=n, sizes=[4, 1 << 20], iters=iters, warmup=2, backend=backend, scale=True
+            )
+            small, large = got
+            rows.append(
+                {"world": n, "variant": variant, **small["setup"], "t4_s": small["time_s"], "t1m_s": large["time_s"]}
+            )
+    return rows
+
+
+def format_scale(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "# the worst rank of each run; processes share this machine's cores (oversubscribed past 2)",
+        f"{'N':>3} {'variant':>7} {'init ms':>8} {'fds':>5} {'sockets':>8} {'threads':>8} "
+        f"{'4 B us':>9} {'1 MiB ms':>9}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['world']:>3} {r['variant']:>7} {r['init_s'] * 1e3:>8.1f} {r['fds']:>5} {r['sockets']:>8} "
+            f"{r['threads']:>8} {r['t4_s'] * 1e6:>9.1f} {r['t1m_s'] * 1e3:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def cli_scale(args: argparse.Namespace) -> int:
+    try:
+        worlds = [int(w) for w in args.worlds.split(",") if w]
+    except ValueError:
+        raise SystemExit(f"psring bench scale: --worlds {args.worlds!r} must be comma-separated integers") from None
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in ("ring", "ps", "gloo")]
+    if bad or not variants or any(w < 1 for w in worlds) or not worlds:
+        raise SystemExit("psring bench scale: --worlds are positive integers, --variants among ring, ps, gloo")
+    if "gloo" in variants:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            raise SystemExit("psring bench scale: the gloo variant needs torch (pip install torch)") from None
+    rows = run_scale(worlds, variants, args.iters)
+    print(json.dumps(rows) if args.json else format_scale(rows))
+    return 0
 
 
 def cli_sgd(args: argparse.Namespace) -> int:
@@ -265,3 +322,13 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cli_sgd)
+    b = bsub.add_parser(
+        "scale",
+        help="how set-up cost and small-message time grow with the world size, beside gloo",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    b.add_argument("--worlds", default="2,4,8,16,32", help="comma-separated world sizes")
+    b.add_argument("--variants", default="ring,ps,gloo", help="among ring, ps, gloo (gloo needs torch)")
+    b.add_argument("--iters", type=int, default=20, help="timed 1 MiB all_reduces (4 B: at least 200)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(func=cli_scale)

@@ -59,10 +59,41 @@ def _warmup_for(spec: dict[str, Any], size: int) -> int:
     return max(int(spec["warmup"]), 20) if size <= (64 << 10) else int(spec["warmup"])
 
 
+def _resources() -> list[int]:
+    """This process's open file descriptors, sockets among them, and threads."""
+    fds = os.listdir("/proc/self/fd")
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass  # the listing's own descriptor, gone already
+    return [len(fds), sockets, len(os.listdir("/proc/self/task"))]
+
+
+def _scale_record(rows: np.ndarray) -> dict[str, Any]:
+    """Per-rank set-up figures (init microseconds, fds, sockets, threads), the worst rank's."""
+    return {
+        "init_s": float(rows[:, 0].max()) / 1e6,
+        "fds": int(rows[:, 1].max()),
+        "sockets": int(rows[:, 2].max()),
+        "threads": int(rows[:, 3].max()),
+    }
+
+
 async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    t0 = time.perf_counter()
     group = await init_group(timeout=spec.get("timeout", 300.0))
+    init_us = int((time.perf_counter() - t0) * 1e6)
     try:
-        return await _time_sizes(group, spec)
+        setup = None
+        if spec.get("scale"):  # psring bench scale: what joining cost, per rank
+            rows = await group.all_gather(np.array([init_us, *_resources()], np.int64))
+            setup = _scale_record(np.array([r for r in rows]))
+        out = await _time_sizes(group, spec)
+        if out is not None and setup is not None:
+            out["setup"] = setup
+        return out
     finally:
         await group.close()
 
@@ -106,16 +137,24 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     # under psring launch MASTER_PORT is psring's store: gloo meets through a file there; elsewhere
     # (one rank per container, say) through MASTER_ADDR/MASTER_PORT
     launcher = settings_mod.scheduler_env()
+    t0 = time.perf_counter()
     dist.init_process_group(
         "gloo",
         init_method=spec.get("gloo_init") or "env://",
         rank=int(launcher["RANK"]),
         world_size=int(launcher["WORLD_SIZE"]),
     )
+    init_us = int((time.perf_counter() - t0) * 1e6)
     rank = dist.get_rank()
     dtype = np.dtype(spec["dtype"])
     results = []
+    setup = None
     try:
+        if spec.get("scale"):
+            mine = torch.tensor([init_us, *_resources()], dtype=torch.int64)
+            rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+            setup = _scale_record(torch.stack(rows).numpy())
         for size in spec["sizes"]:
             count = max(1, size // dtype.itemsize)
             rng = np.random.default_rng(rank)
@@ -136,7 +175,9 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
             results.append({"size": count * dtype.itemsize, "count": count, "time_s": float(np.median(t.numpy()))})
     finally:
         dist.destroy_process_group()
-    return {"results": results} if rank == 0 else None
+    if rank != 0:
+        return None
+    return {"results": results, "setup": setup} if setup is not None else {"results": results}
 
 
 def synthetic_model(total: int, tensors: int, seed: int = 0) -> dict[str, np.ndarray]:
