@@ -250,7 +250,10 @@ class AsyncClient:
             # give the other ranks a moment to report: the rank whose own error started it all
             # usually reports a little after the peers that merely lost it
             first = beats.setdefault("\0failed", (0, now))[1]  # type: ignore[arg-type]
-            if now - first < 2.0:
+            # when every failure only lost someone (a server shard that lived in a silent rank's
+            # process, say), wait until that rank's daemon is known dead and name it instead
+            only_lost = all("PeerLostError" in str(o.get("error")) for o in failed.values())
+            if now - first < (dead_after + 1.0 if only_lost else 2.0):
                 return None
         if failed:
             error = _blame(jid, chosen, failed)

@@ -11,6 +11,7 @@ bit-identical parameters, which the job checks rather than assumes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -20,10 +21,13 @@ import numpy as np
 
 from ..core.arrays import cupy_module
 from ..core.optim import SGD, Adam
+from ..errors import PeerLostError
 from ..topology.api import init_group
 from .data import load_digits_split, shard_indices
 from .model import accuracy, forward_backward, init_params
 from .sgd import SyncSGD
+
+logger = logging.getLogger(__name__)
 
 
 def make_optimizer(spec: dict[str, Any]) -> Any:
@@ -133,7 +137,18 @@ class _Run:
                 await self.save()
         if self.opt.elastic:
             group = self.opt.live_group()  # every survivor has had the same results: the same group
-        mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
+        try:
+            mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
+        except PeerLostError as exc:
+            links = getattr(group, "links", None)
+            if exc.rank is not None or links is None or not links.reconnect_servers:
+                raise
+            # a server shard went away during this report-only all_reduce (every worker's copy of
+            # it failed or finished as one collective, so the next is numbered alike everywhere):
+            # report this worker's own mean; the next step reconnects and re-sends
+            logger.warning("%r: epoch %d's loss all_reduce lost a server (%s); reporting the local mean", group,
+                           epoch + 1, exc)  # fmt: skip
+            mean_loss = float(np.mean(losses))
         acc = accuracy(self.params, self.xte, self.yte)
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
@@ -182,7 +197,6 @@ class _Run:
             "param_digest": digest,
             "history": self.history,
         }
-
 
     def _elastic_record(self) -> dict[str, Any] | None:
         if not self.opt.elastic:

@@ -180,26 +180,51 @@ class ParameterMode:
 
     async def param_state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state the shards hold (``keys`` of it, per bucket, as flat arrays shaped
-        like the buckets), and their step: what a worker-side checkpoint of a ps run needs."""
-        self._check_usable()
+        like the buckets), and their step: what a worker-side checkpoint of a ps run needs. Asks
+        again after a server restart, as a step re-sends."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                lost = self.links.lost
+                if isinstance(lost, PeerLostError) and lost.rank is None:
+                    raise lost  # a server went away: reconnect first
+                self._check_usable()
+                return await self._param_state_once(buckets, keys)
+            except PeerLostError as exc:
+                if exc.rank is not None or not self.links.reconnect_servers:
+                    raise
+                logger.warning("%r: %s; reconnecting to read the optimizer state again", self, exc)
+                await self.links.reconnect(deadline)
+                self._broken = None
+
+    async def _param_state_once(
+        self, buckets: list[np.ndarray], keys: list[str]
+    ) -> tuple[list[dict[str, np.ndarray]], int]:
         outs = [{k: np.empty_like(flat) for k in keys} for flat in buckets]
         steps: list[int] = []
+        # each request is numbered and the shards echo the number in their answers' tags, so an
+        # answer to a try cut short by a server restart can never pass for one to this try
+        self._state_requests = req = getattr(self, "_state_requests", 0) + 1
 
         async def fetch(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
-            futs = [
-                self.mailbox.expect(
-                    ("param", b, "state", shard, k, j), byte_view(outs[b][k][pa:pb]) if pb > pa else None
-                )
+            tags = [
+                (("param", b, "state", shard, k, j, req), outs[b][k][pa:pb])
                 for k in keys
                 for j, (pa, pb) in enumerate(parts)
             ]
-            marker = self.mailbox.expect(("param", b, "stated", shard))
+            futs = [self.mailbox.expect(tag, byte_view(dest) if dest.size else None) for tag, dest in tags]
+            marker = self.mailbox.expect(("param", b, "stated", shard, req))
             self.links.shards[shard].send_frame(
-                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.rank}
+                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.rank, "req": req}
             )
-            for fut in futs:
-                await fut
-            _c, hdr, _p = await marker
+            try:
+                for fut in futs:
+                    await fut
+                _c, hdr, _p = await marker
+            finally:  # cut short (a server lost): nothing stays posted for answers that will not come
+                for tag, _dest in tags:
+                    self.mailbox.unpost(tag)
+                self.mailbox.unpost(("param", b, "stated", shard, req))
             if sorted(hdr.get("keys") or []) != sorted(keys):
                 raise ProtocolError(f"server shard {shard} holds optimizer state {hdr.get('keys')}, expected {keys}")
             steps.append(int(hdr["step"]))

@@ -203,7 +203,8 @@ class ParamStore:
         elif op == "init_state":
             self._init_state(b, header, payload)
         elif op == "state":
-            self._send_state(conn, self._bucket(b))
+            req = header.get("req")  # echoed in the answer's tags: a retried request gets only its own
+            self._send_state(conn, self._bucket(b), (req,) if type(req) is int else ())
         elif op == "pull":
             bucket = self.buckets.get(b)
             if bucket is not None and bucket.ready:
@@ -313,7 +314,7 @@ class ParamStore:
                 if waiter.is_open:
                     self._send_params(waiter, bucket, "pull")
 
-    def _send_state(self, conn: Connection, bucket: Bucket) -> None:
+    def _send_state(self, conn: Connection, bucket: Bucket, req: tuple[int, ...] = ()) -> None:
         """This shard's slice of a bucket's optimizer state, piece by piece, then its step."""
         if not bucket.ready:
             raise ProtocolError(f"optimizer state of bucket {bucket.b} asked for before it was initialised")
@@ -323,7 +324,7 @@ class ParamStore:
                 header = {
                     "kind": "ps_param",
                     "op": "state",
-                    "tag": ("param", bucket.b, "state", self.shard.index, key, j),
+                    "tag": ("param", bucket.b, "state", self.shard.index, key, j, *req),
                 }
                 send_once(
                     [conn], header, bucket.state_view(key, j), stable=False, shm_min=self.shard.settings.ps_shm_min
@@ -333,7 +334,7 @@ class ParamStore:
                 {
                     "kind": "ps_param",
                     "op": "state",
-                    "tag": ("param", bucket.b, "stated", self.shard.index),
+                    "tag": ("param", bucket.b, "stated", self.shard.index, *req),
                     "step": bucket.step,
                     "keys": keys,
                 }
