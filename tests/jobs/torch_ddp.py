@@ -61,7 +61,8 @@ def main() -> None:
     if args.save and rank == 0:
         torch.save(model.state_dict(), args.save)
     row = {"rank": rank, "digest": h.hexdigest(), "error": error, "backend": dist.get_backend()}
-    print(json.dumps(row), flush=True)
+    sys.stdout.write(json.dumps(row) + "\n")  # one write: ranks that share a stdout (torchrun) never split a line
+    sys.stdout.flush()
     if error is None:
         dist.destroy_process_group()
         sys.stdout.flush()

@@ -37,7 +37,8 @@ def main() -> None:
     except Exception as exc:
         out["error"] = {"type": type(exc).__name__, "dist": isinstance(exc, dist.DistBackendError), "message": str(exc)}
     out["took"] = time.monotonic() - t0
-    print(json.dumps(out), flush=True)
+    sys.stdout.write(json.dumps(out) + "\n")  # one write: ranks that share a stdout never split a line
+    sys.stdout.flush()
     dist.destroy_process_group()
     # gloo's worker threads can still hold work at interpreter exit and abort the process
     # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
