@@ -158,6 +158,20 @@ class Settings:
         lambda raw: True if raw.strip().lower() == "auto" else parse_switch(raw),
         "shared memory and Unix links between processes on one host: auto (on) or off",
     )
+    hierarchical: str = _var(
+        "PSRING_HIERARCHICAL",
+        "auto",
+        choice(
+            "auto", "on", "off", aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"}
+        ),
+        "ring all_reduce across hosts: reduce within each host, then across hosts (auto: when ranks share hosts)",
+    )
+    host_id: str | None = _var(
+        "PSRING_HOST_ID",
+        None,
+        parse_text,
+        "which host a rank counts as for hierarchical all_reduce (unset: the kernel, network and pid namespaces)",
+    )
     checksum: str | None = _var(
         "PSRING_CHECKSUM",
         None,

@@ -5,6 +5,14 @@ left fold over ranks starting at the rank c whose chunk holds i:
 ((x_c op x_c+1) op ...) op x_c-1, ranks mod N (avg: that sum divided by N). The ring
 computes this naturally; parameter-server shards and the one-hop small-message paths
 fold in the same order, so every path and topology returns the same bits.
+
+Across hosts (several hosts, several ranks on each) all_reduce follows a second, two-level
+order instead, the one a hierarchical all-reduce computes with the fewest bytes between
+hosts: element i is the left fold over hosts (in the order of their lowest rank) of each
+host's left fold over its own ranks (in rank order): (P_0 op P_1) op ..., P_h =
+(x_h0 op x_h1) op .... The ring's hierarchical path, its small-message path and the
+parameter server's shards all fold in it when the ranks' layout (:func:`host_layout`) calls
+for it. Unlike the flat order it does not depend on where chunk boundaries fall.
 """
 
 from __future__ import annotations
@@ -24,12 +32,66 @@ def ring_chunk_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
     return [(c * n // world_size, (c + 1) * n // world_size) for c in range(world_size)]
 
 
+#: ranks grouped by host: hosts in the order of their lowest rank, each host's ranks ascending
+Layout = tuple[tuple[int, ...], ...]
+
+
+def host_layout(keys: Sequence[str | None]) -> Layout | None:
+    """The hosts of ranks 0..N-1 from their host keys, when the two-level order applies: every rank
+    told its host, there are two hosts or more, and each holds the same number of ranks, two or more.
+    Else None (the flat order)."""
+    if not keys or any(k is None for k in keys):
+        return None
+    groups: dict[str, list[int]] = {}
+    for r, key in enumerate(keys):
+        assert key is not None
+        groups.setdefault(key, []).append(r)
+    hosts = tuple(tuple(g) for g in groups.values())  # in order of each host's lowest rank already
+    sizes = {len(h) for h in hosts}
+    if len(hosts) < 2 or len(sizes) != 1 or min(sizes) < 2:
+        return None
+    return hosts
+
+
+def two_level_fold(parts: Sequence[np.ndarray], op: str, out: np.ndarray, hosts: Layout) -> np.ndarray:
+    """Reduce parts[0..N-1] into out in the two-level order (see the module's docstring)."""
+    ufunc = reduce_op(op)
+    partial: np.ndarray | None = None
+    for k, host in enumerate(hosts):
+        if k == 0:
+            acc = out
+        else:
+            partial = acc = np.empty_like(out) if partial is None else partial
+        fold_rows([parts[r] for r in host], ufunc, acc)
+        if k:
+            ufunc(out, acc, out=out)
+    if op == "avg":
+        finish_avg(out, sum(len(h) for h in hosts))
+    return out
+
+
+def fold_rows(rows: Sequence[np.ndarray], ufunc: np.ufunc, out: np.ndarray) -> np.ndarray:
+    """The left fold of rows into out: ((rows[0] op rows[1]) op ...)."""
+    if len(rows) == 1:
+        out[...] = rows[0]
+        return out
+    ufunc(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        ufunc(out, row, out=out)
+    return out
+
+
 def reduce_op(op: str) -> np.ufunc:
     return _UFUNCS[op]
 
 
 def canonical_fold(
-    parts: Sequence[np.ndarray], op: str, out: np.ndarray, offset: int = 0, total: int | None = None
+    parts: Sequence[np.ndarray],
+    op: str,
+    out: np.ndarray,
+    offset: int = 0,
+    total: int | None = None,
+    hosts: Layout | None = None,
 ) -> np.ndarray:
     """Reduce flat arrays parts[0..N-1] into out in the canonical order.
 
@@ -37,7 +99,10 @@ def canonical_fold(
     avg the sum is then divided by N. Every topology reproduces exactly this. The
     arrays may hold a window [offset, offset + out.size) of a flat tensor of ``total``
     elements (a parameter-server slice): the ring chunks are those of the whole tensor.
+    With ``hosts`` (a :func:`host_layout`), the two-level order instead.
     """
+    if hosts is not None:
+        return two_level_fold(parts, op, out, hosts)
     n_ranks = len(parts)
     ufunc = reduce_op(op)
     if (

@@ -47,7 +47,8 @@ class Folding:
         if pending.codec:
             fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
         else:
-            canonical_fold(parts, pending.op, out, pa, pending.n)
+            hosts = self.layout_of(range(pending.size)) if pending.kind == "all_reduce" and pending.gid == "0" else None
+            canonical_fold(parts, pending.op, out, pa, pending.n, hosts)
         del pending.inbox[j]
         release_held(pending.held.pop(j, ()))  # handed back with the result frames below
         for src, conn in pending.conns.items():

@@ -128,6 +128,8 @@ class ServerLinks:
             "job": self.settings.job,
             "shard": i,
             "host": host_key(),
+            # which host this rank counts as for all_reduce's two-level order, and whether that order is on
+            "where": [self.tuning.host_id or host_key(), self.tuning.hierarchical],
         }
 
     def share_memory_pending(self) -> bool:

@@ -402,7 +402,8 @@ class ParamStore:
         if scale is not None:
             dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
         else:
-            canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n)
+            hosts = self.shard.layout_of(sorted(bucket.members))
+            canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n, hosts=hosts)
         del bucket.inbox[j]
         del bucket.inbox_scale[j]
         release_held(bucket.slots.pop(j, ()))

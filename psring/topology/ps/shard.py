@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from ... import settings as settings_mod
 from ...core import wire
 from ...core.arrays import dtype_name, pooled_bytes
+from ...core.fold import Layout, host_layout
 from ...errors import PeerLostError, ProtocolError, PsringError
 from ...settings import Settings
 from ...transport.connection import Connection
@@ -73,9 +75,29 @@ class Shard(Folding):
         self.params: Any = None  # ParamStore, created on first use
         self.idle = asyncio.Event()
         self.idle.set()
+        self._layouts: dict[tuple[int, ...], Layout | None] = {}
 
     def __repr__(self) -> str:
         return f"Shard({self.index}/{self.shards}, job={self.job})"
+
+    def layout_of(self, ranks: Sequence[int]) -> Layout | None:
+        """The two-level order's hosts for a fold over these ranks' parts (by position), as the ring
+        would fold them: only when every one of them told its host and none turned the order off."""
+        key = tuple(ranks)
+        if key not in self._layouts:
+            hosts: list[str | None] = []
+            for r in key:
+                conn = self.by_rank.get(r)
+                where = conn.peer.get("where") if conn is not None else None
+                ok = (
+                    isinstance(where, (list, tuple))
+                    and len(where) == 2
+                    and isinstance(where[0], str)
+                    and where[1] != "off"
+                )
+                hosts.append(where[0] if ok else None)  # type: ignore[index]
+            self._layouts[key] = host_layout(hosts)
+        return self._layouts[key]
 
     # ---------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
@@ -95,6 +117,7 @@ class Shard(Folding):
         if old is not None and old.is_open and old is not conn:
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
         self.by_rank[rank] = conn
+        self._layouts.clear()
         self.gone.pop(rank, None)
         self.gone_at.pop(rank, None)
         self.conns.add(conn)

@@ -19,3 +19,8 @@ MESH_EARLY_MAX = 100_000
 
 #: seconds a broken data link waits for the control plane to report the same loss (with its reason)
 PLANE_GRACE = 1.0
+
+#: hierarchical all_reduce (ring.hier): phases HIER + 4·block + step; bytes per block; blocks in flight
+HIER = 16
+HIER_BLOCK = 4 << 20
+HIER_DEPTH = 4

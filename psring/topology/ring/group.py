@@ -32,6 +32,7 @@ from ..collective import Collective
 from ..group import SMALL_BYTES, Group
 from .constants import SCATTER
 from .fp16 import Fp16Ring
+from .hier import Hierarchical
 from .net import PeerNet
 from .pipeline import Pipeline
 from .plane import PlaneDriver
@@ -40,7 +41,7 @@ from .small import SmallPaths, _MeshSlot
 logger = logging.getLogger(__name__)
 
 
-class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Group):
+class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
     """Collectives over a ring of peer links.
 
     This module holds what every path shares (set-up, links, subgroups) and which path a
@@ -140,6 +141,13 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Group):
             await conn.flush()
 
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        hosts = self._hier_hosts()
+        if hosts is not None:  # ranks on several hosts: the two-level order, whatever the size
+            if coll.input_wait is not None:
+                coll.input_wait(0, x.size)
+            if x.nbytes <= SMALL_BYTES:
+                return await self._gather_and_fold(coll, x, op, hosts=hosts)  # type: ignore[no-any-return]
+            return await self._hier_all_reduce(coll, x, op, hosts)
         plane = self._plane_for(x.nbytes)
         if plane is not None:
             return await self._plane_all_reduce(coll, x, op, plane)

@@ -4,6 +4,7 @@ happens when a rank is lost."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -11,6 +12,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from ...core.fold import Layout, host_layout
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
@@ -84,6 +86,8 @@ class PeerNet(PlaneLinks):
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
         if world_size > 1 and mesh_possible(self.tuning):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
+        #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
+        self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray
         self.stalls = StallInspector(self, self._stall_send)
         PeerNet.live += 1
@@ -112,6 +116,8 @@ class PeerNet(PlaneLinks):
                 logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
                 self.mesh = None
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
+        where = [self.tuning.host_id or host_key(), self.tuning.hierarchical]
+        await self.store.set(f"{self.prefix}/host/{self.rank}", msgpack.packb(where))
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
 
@@ -149,6 +155,7 @@ class PeerNet(PlaneLinks):
             else:  # the same threshold on every rank, or they would take different paths
                 self.plane_min = max(o[0] for o in offers)
                 shm_min = max(o[1] for o in offers)
+        await self._agree_hierarchy()
         if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
             peers: dict[int, dict[str, Any]] = {}
             mine = host_key()
@@ -169,6 +176,32 @@ class PeerNet(PlaneLinks):
                 logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
                 self.mesh.close()
                 self.mesh = None
+
+    async def _agree_hierarchy(self) -> None:
+        """Whether all_reduce goes hierarchical, the same answer on every rank: only if no rank turned
+        it off and the ranks' hosts make a layout for it (several hosts, as many ranks on each)."""
+        keys: list[str | None] = []
+        modes: set[str] = set()
+        for r in range(self.world_size):
+            try:
+                key, mode = msgpack.unpackb(await self.store.get(f"{self.prefix}/host/{r}") or b"\xc0")
+            except (TypeError, ValueError):
+                key, mode = None, "off"  # a rank of another version: it folds in the flat order only
+            keys.append(key if isinstance(key, str) else None)
+            modes.add(str(mode))
+        layout = host_layout(keys)
+        if "off" in modes:
+            if layout is not None and self.rank == 0:
+                logger.info("ranks on %d hosts, but PSRING_HIERARCHICAL=off: all_reduce stays a flat ring", len(layout))
+            return
+        if layout is None and "on" in modes and self.rank == 0 and self.world_size > 1:
+            counts = sorted(collections.Counter(keys).values())
+            logger.warning(
+                "PSRING_HIERARCHICAL=on, but the ranks' hosts hold %s ranks: hierarchical all_reduce needs two "
+                "hosts or more with the same number (two or more) on each; all_reduce stays a flat ring",
+                counts,
+            )
+        self.hosts = layout
 
     async def open_mesh(self, timeout: float) -> None:
         """Open the same-host links to every other rank (each checked by its pid)."""

@@ -28,7 +28,13 @@ class PlaneDriver:
 
     def _plane_for(self, nbytes: int) -> DataPlane | None:
         plane = self.net.plane
-        if plane is not None and self.gid == "0" and plane.ready and nbytes >= self.net.plane_min:
+        if (
+            plane is not None
+            and self.gid == "0"
+            and plane.ready
+            and nbytes >= self.net.plane_min
+            and not self.net.hosts
+        ):
             return plane
         return None
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from ...core import wire
 from ...core.arrays import DTYPES, byte_view, dtype_name, prod
-from ...core.fold import canonical_fold
+from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -43,7 +43,7 @@ class SmallPaths:
             and (op, x.dtype) in _VALID_OPS
         ):
             coll = self._begin("all_reduce", x, op)
-            out = await self._run(coll, self._gather_and_fold(coll, x.reshape(-1), op))
+            out = await self._run(coll, self._gather_and_fold(coll, x.reshape(-1), op, hosts=self._hier_hosts()))
             return out.reshape(x.shape)
         out = await super().all_reduce(x, op, compression)
         if type(x) is np.ndarray:
@@ -261,11 +261,14 @@ class SmallPaths:
                 await conn.flush()
 
     # -------------------------------------------------------------- collectives
-    async def _gather_and_fold(self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None) -> Any:
-        """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order."""
+    async def _gather_and_fold(
+        self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None, hosts: Layout | None = None
+    ) -> Any:
+        """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order
+        (with ``hosts``, all_reduce across hosts: the two-level order)."""
         n_ranks, me = self.world_size, self.rank
         if dst is None and n_ranks >= self.net.rooted_min:
-            return await self._rooted(coll, x, lambda bufs: canonical_fold(bufs, op, np.empty_like(x)))
+            return await self._rooted(coll, x, lambda bufs: canonical_fold(bufs, op, np.empty_like(x), hosts=hosts))
         ranks = list(range(n_ranks))
         receives = dst is None or me == dst
         bufs = np.empty((n_ranks, x.size), x.dtype) if receives else None
@@ -275,7 +278,7 @@ class SmallPaths:
             await self._direct_exchange(
                 coll, x, DIRECT, bufs, ranks if receives else [], ranks if dst is None else [dst]
             )
-        return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x))
+        return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x), hosts=hosts)
 
     async def _rooted(self, coll: Collective, x: np.ndarray, fold: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """Small all_reduce through one root (``seq % N``): it gathers every rank's x (rows in

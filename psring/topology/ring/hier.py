@@ -1,0 +1,166 @@
+"""The ring's hierarchical all_reduce: for ranks on several hosts, several on each.
+
+A flat ring sends 2(N-1)/N of the tensor over every link, the slow ones between hosts
+included. Here each host first reduces within itself, and only partial sums cross hosts:
+
+1. within each host, local rank j collects slice j (of R) from the host's other ranks and
+   folds the host's ranks in rank order: P_h;
+2. across hosts, among the ranks with the same local index, host k's rank collects
+   sub-chunk k (of H) of the slice from every host and folds the hosts in order;
+3. it hands the finished sub-chunk to its counterparts on the other hosts;
+4. and each rank hands its finished slice to the other ranks of its host.
+
+Between hosts, each host sends 2(H-1)/H of the tensor (the least a reduction can), against
+2(N-1)/N·(ranks whose ring links leave the host) for the flat ring: at 2 hosts of 2 ranks, S
+against 1.5 S. The tensor goes through in blocks (``HIER_BLOCK``), several in flight, so
+the steps of one block overlap those of the next. The result is the two-level order of
+:mod:`psring.core.fold`, which does not depend on slice or block boundaries: the small
+path and parameter-server shards fold the same bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import byte_view
+from ...core.fold import Layout, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
+from ...errors import ProtocolError
+from ...transport.connection import Connection
+from ..collective import Collective
+from .constants import HIER, HIER_BLOCK, HIER_DEPTH
+
+
+class Hierarchical:
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce in two levels across hosts."""
+
+    def _hier_hosts(self) -> Layout | None:
+        """The hosts, when this group's all_reduces go hierarchical (the whole job's group only)."""
+        return self.net.hosts if self.gid == "0" else None  # type: ignore[attr-defined,no-any-return]
+
+    async def _hier_all_reduce(self, coll: Collective, x: np.ndarray, op: str, hosts: Layout) -> np.ndarray:
+        me: int = self.rank  # type: ignore[attr-defined]
+        home = next(h for h in hosts if me in h)
+        local = home.index(me)
+        cross = [h[local] for h in hosts]  # this rank's counterparts, one per host, in host order
+        peers = sorted({*home, *cross} - {me})
+        conns = dict(zip(peers, await self._links(peers), strict=True))  # type: ignore[attr-defined]
+        out = np.empty_like(x)
+        ufunc = reduce_op(op)
+        per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
+        blocks = [(a, min(a + per_block, x.size)) for a in range(0, x.size, per_block)]
+        room = asyncio.Semaphore(HIER_DEPTH)
+        owed: dict[int, int] = {}  # frames still expected, by sender (they make coll.waiting_on)
+
+        async def block(b: int, a0: int, a1: int) -> None:
+            async with room:
+                await self._hier_block(coll, x[a0:a1], out[a0:a1], ufunc, op, b, home, cross, conns, owed)
+
+        tasks = [asyncio.ensure_future(block(b, a0, a1)) for b, (a0, a1) in enumerate(blocks)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        return out
+
+    async def _hier_block(
+        self,
+        coll: Collective,
+        x: np.ndarray,
+        out: np.ndarray,
+        ufunc: np.ufunc,
+        op: str,
+        b: int,
+        home: tuple[int, ...],
+        cross: list[int],
+        conns: dict[int, Connection],
+        owed: dict[int, int],
+    ) -> None:
+        me: int = self.rank  # type: ignore[attr-defined]
+        n_hosts, local = len(cross), home.index(me)
+        here = cross.index(me)  # this rank's host, by number
+        slices = ring_chunk_bounds(x.size, len(home))
+        s, e = slices[local]
+        subs = [(s + c, s + d) for c, d in ring_chunk_bounds(e - s, n_hosts)]
+        cs, ce = subs[here]
+        phase = HIER + 4 * b
+        # every receive is posted first, so payloads land in place
+        gathered = {q: np.empty(e - s, x.dtype) for q in home if q != me}
+        partials = {k: np.empty(ce - cs, x.dtype) for k, r in enumerate(cross) if r != me}
+        post = functools.partial(self._hier_post, coll, owed=owed)
+        step1 = post(phase, gathered)
+        step2 = post(phase + 1, {cross[k]: buf for k, buf in partials.items()})
+        step3 = post(phase + 2, {r: out[a:z] for r, (a, z) in zip(cross, subs, strict=True) if r != me})
+        step4 = post(phase + 3, {q: out[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me})
+        # 1: slice j of this host's ranks to local rank j; fold them in rank order
+        await self._hier_send(
+            coll, phase, conns, {q: x[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me}
+        )
+        await step1
+        host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, np.empty(e - s, x.dtype))
+        del gathered
+        # 2: sub-chunk k of it to host k's rank; fold the hosts in order
+        await self._hier_send(
+            coll,
+            phase + 1,
+            conns,
+            {r: host_sum[a - s : z - s] for r, (a, z) in zip(cross, subs, strict=True) if r != me},
+        )
+        await step2
+        mine = fold_rows(
+            [host_sum[cs - s : ce - s] if k == here else partials[k] for k in range(n_hosts)], ufunc, out[cs:ce]
+        )
+        if op == "avg":
+            finish_avg(mine, len(home) * n_hosts)
+        # 3: the finished sub-chunk to the other hosts; 4: the finished slice to this host's ranks
+        await self._hier_send(coll, phase + 2, conns, {r: mine for r in cross if r != me})
+        await step3
+        await self._hier_send(coll, phase + 3, conns, {q: out[s:e] for q in home if q != me})
+        await step4
+
+    def _hier_post(
+        self, coll: Collective, phase: int, into: dict[int, np.ndarray], owed: dict[int, int]
+    ) -> asyncio.Future[None]:
+        """Post one receive per sender, straight into its buffer; the future is done when all are in."""
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        left = len(into)
+        if not left:
+            done.set_result(None)
+            return done
+        gid, seq = self.gid, coll.seq  # type: ignore[attr-defined]
+        for src in into:
+            owed[src] = owed.get(src, 0) + 1
+            coll.waiting_on.add(src)
+
+        def arrived(conn: Connection, header: dict[str, Any], payload: Any) -> None:
+            nonlocal left
+            src = header["tag"][3]
+            want = into[src].nbytes
+            if header["nbytes"] != want:
+                coll.fail(ProtocolError(f"rank {src} sent {header['nbytes']} bytes for {coll.label}, expected {want}"))
+                return
+            owed[src] -= 1
+            if not owed[src]:
+                coll.waiting_on.discard(src)  # all of its frames so far are in: its leaving costs nothing now
+            left -= 1
+            if left == 0 and not done.done():
+                done.set_result(None)
+
+        post = self.mailbox.post  # type: ignore[attr-defined]
+        for src, buf in into.items():
+            post((gid, seq, phase, src), byte_view(buf) if buf.nbytes else None, arrived)
+        return done
+
+    async def _hier_send(
+        self, coll: Collective, phase: int, conns: dict[int, Connection], parts: dict[int, np.ndarray]
+    ) -> None:
+        me, gid = self.rank, self.gid  # type: ignore[attr-defined]
+        for dst, part in parts.items():
+            header = {"kind": "data", "tag": (gid, coll.seq, phase, me), "call": coll.desc, "src": me}
+            conns[dst].send_frame(header, byte_view(part) if part.nbytes else None)
+        for dst in parts:
+            await conns[dst].flush()

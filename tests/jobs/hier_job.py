@@ -1,0 +1,47 @@
+"""A job whose ranks say which "host" they are on (PSRING_HOST_ID, from HIER_HOSTS: 'block' puts
+ranks r // per on one host, 'interleave' r % per), as ranks in separate containers or machines
+would be. Each rank all_reduces tensors of every path's size with every op, compares the result
+with the two-level and the flat canonical orders computed here from all ranks' inputs, runs a
+few SyncSGD steps, and prints one line: 'HIER <rank> <two-level matches> <flat matches> <total>
+<params digest>'.
+"""
+
+import hashlib
+import os
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+mode, per = os.environ.get("HIER_HOSTS", "block:2").split(":")
+
+
+def host(r: int) -> str:
+    return f"host{r % int(per)}" if mode == "interleave" else f"host{r // int(per)}"
+
+
+os.environ["PSRING_HOST_ID"] = host(rank)
+
+import numpy as np  # noqa: E402
+
+import psring  # noqa: E402
+from psring.core.fold import canonical_fold, host_layout  # noqa: E402
+
+hosts = host_layout([host(r) for r in range(world)])  # None (uneven hosts): the flat order is expected
+g = psring.init(timeout=60.0)
+two = flat = total = 0
+# 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
+for size in (1, 7, 1000, 100_003, 1_500_001):
+    for op in ("sum", "avg", "prod", "max"):
+        xs = np.stack(
+            [np.random.default_rng(size * 31 + r).standard_normal(size).astype(np.float32) for r in range(world)]
+        )
+        y = g.all_reduce(xs[rank], op=op)
+        two += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32), hosts=hosts)))
+        flat += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32))))
+        total += 1
+params = {"w": np.zeros(600_001, np.float32), "b": np.zeros(5, np.float32)}
+opt = psring.SyncSGD(g, params, optimizer=psring.optim.SGD(lr=0.1, momentum=0.9))
+for step in range(3):
+    rng = np.random.default_rng(1000 * step + rank)
+    params = opt.step({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()})
+digest = hashlib.sha256(b"".join(np.ascontiguousarray(params[k]).tobytes() for k in sorted(params))).hexdigest()[:16]
+print(f"HIER {g.rank} {two} {flat} {total} {digest}", flush=True)
+g.close()
