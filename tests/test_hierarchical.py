@@ -17,7 +17,8 @@ import pytest
 
 from psring.core.fold import canonical_fold, host_layout, two_level_fold
 from psring.settings import load
-from tests.conftest import run_tree
+from tests.conftest import end, run_tree, spawn
+from tests.test_store import free_port
 
 JOB = str(Path(__file__).parent / "jobs" / "hier_job.py")
 
@@ -101,3 +102,23 @@ def test_on_with_uneven_hosts_says_why_it_stays_flat() -> None:
     rows, output = _run("ring", 3, "block:2", hierarchical="on")  # hosts of 2 and 1 ranks
     assert all(flat == total for _r, _two, flat, total, _d in rows), rows
     assert "PSRING_HIERARCHICAL=on, but the ranks' hosts hold [1, 2] ranks" in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_mid_hierarchical_all_reduce_is_named_on_every_other_rank() -> None:
+    port = free_port()
+    procs = []
+    try:
+        for r in range(4):
+            env = {"RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(spawn([JOB], {**env, "HIER_HOSTS": "block:2", "HIER_CRASH": "2"}))
+        outs = [proc.communicate(timeout=60)[0] for proc in procs]
+        assert procs[2].returncode == 9, outs[2]
+    finally:
+        for proc in procs:
+            end(proc)
+    died = float(next(x for x in outs[2].splitlines() if x.startswith("DIED ")).split()[1])
+    for r in (0, 1, 3):
+        line = next((x for x in outs[r].splitlines() if x.startswith("LOST ")), None)
+        assert line is not None and "rank 2" in line and "none" not in line, outs[r][-2000:]
+        assert float(line.split()[2]) - died < 10.0, line

@@ -26,6 +26,21 @@ from psring.core.fold import canonical_fold, host_layout  # noqa: E402
 
 hosts = host_layout([host(r) for r in range(world)])  # None (uneven hosts): the flat order is expected
 g = psring.init(timeout=60.0)
+crash = os.environ.get("HIER_CRASH")
+if crash is not None:  # rank HIER_CRASH dies (SIGKILL-like) in its third large all_reduce's turn; the rest report
+    import time
+
+    x = np.ones(4_000_000, np.float32)
+    try:
+        for i in range(50):
+            if i == 2 and rank == int(crash):
+                print(f"DIED {time.monotonic():.3f}", flush=True)
+                os._exit(9)
+            g.all_reduce(x)
+        print(f"LOST {rank} none", flush=True)
+    except psring.PeerLostError as exc:
+        print(f"LOST {rank} {time.monotonic():.3f} {exc}", flush=True)
+    os._exit(0)
 two = flat = total = 0
 # 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
 for size in (1, 7, 1000, 100_003, 1_500_001):
