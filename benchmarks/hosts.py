@@ -1,0 +1,240 @@
+"""Several hosts on one machine: all_reduce over rate-limited links, flat ring vs hierarchical vs ps vs gloo.
+
+H "hosts" are network namespaces on one bridge, R ranks in each; the link between each host and
+the bridge is shaped with tc tbf (both directions) at each ``--rates`` value (this kernel has no
+netem, so no delay). Inside a namespace ranks talk over its loopback; between namespaces only
+over the shaped links. For every rate the variants run in alternating rounds, so drift on a noisy
+machine hits them alike:
+
+  flat  psring ring, PSRING_HIERARCHICAL=off (every ring link carries 2(N-1)/N of the tensor)
+  hier  psring ring, PSRING_HIERARCHICAL=on (reduce within hosts, then across; psring.topology.ring.hier)
+  ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N)
+  gloo  torch.distributed gloo (needs torch), meeting through a file, GLOO_SOCKET_IFNAME=eth0
+
+Needs root (network namespaces, tc). Prints one table per rate (median time of the slowest rank,
+busbw = size/time·2(N-1)/N) and the ratios; ``--json FILE`` writes the rows.
+
+    sudo python benchmarks/hosts.py --hosts 2 --ranks 2 --rates 1gbit,10gbit --sizes 4,64M --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from psring.cli.bench import human, parse_size  # noqa: E402
+from tests.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
+
+VARIANTS = ("flat", "hier", "ps", "gloo")
+
+
+def shape(cluster: NetnsCluster, host: str, rate: str) -> None:
+    """tbf at ``rate`` on both ends of a host's link, with a burst the rate can refill in 4 ms
+    (a fixed 64 KiB burst caps a 10 Gbit/s tbf well below its rate)."""
+    rate_bytes = _rate_bytes(rate)
+    burst = max(64 << 10, rate_bytes // 250)
+    bridge_ns, bridge_dev = cluster.link(host)
+    for ns, dev in ((cluster.hosts[host], "eth0"), (bridge_ns, bridge_dev)):
+        sh(
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            rate,
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        )
+
+
+def _rate_bytes(rate: str) -> int:
+    text = rate.lower().removesuffix("bit").removesuffix("bps")
+    unit = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:], 1.0)
+    number = float(text[:-1] if text[-1:] in "kmg" else text)
+    return int(number * unit / 8)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_variant(
+    cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: list[int], iters: int, timeout: float
+) -> list[dict[str, Any]]:
+    """Start every rank in its namespace, wait for all, return rank 0's rows (one per size)."""
+    world = hosts * ranks
+    names = list(cluster.hosts)
+    with tempfile.TemporaryDirectory(prefix="psring-hosts-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        spec = {
+            "sizes": sizes,
+            "dtype": "float32",
+            "iters": iters,
+            "warmup": 1,
+            "small_iters": 200,
+            "out": out,
+            "backend": "gloo" if variant == "gloo" else "psring",
+            "gloo_init": "file://" + os.path.join(tmp, "gloo-rendezvous"),
+            "timeout": timeout,
+        }
+        port, job = _free_port(), f"hosts-{variant}-{uuid.uuid4().hex[:6]}"
+        procs = []
+        for r in range(world):
+            host = names[r // ranks]
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "PYTHONPATH": str(ROOT),
+                "PYTHONUNBUFFERED": "1",
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r % ranks),
+                "LOCAL_WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": cluster.addresses[names[0]],
+                "MASTER_PORT": str(port),
+                "PSRING_JOB": job,
+                "PSRING_TOPOLOGY": "ps" if variant == "ps" else "ring",
+                "PSRING_HIERARCHICAL": "on" if variant == "hier" else "off",
+                "GLOO_SOCKET_IFNAME": "eth0",
+                "OMP_NUM_THREADS": "1",
+            }
+            if variant == "ps":
+                env["PSRING_PS_COLOCATE"] = "1"
+            cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+            procs.append(cluster.run(host, cmd, env))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        failed = []
+        for r, proc in enumerate(procs):  # ended by PID, whatever happened
+            late = proc.poll() is None
+            if late:
+                proc.kill()
+            said = proc.communicate(timeout=30)[0] or ""
+            if late or proc.returncode != 0:
+                what = f"did not finish within {timeout:g}s" if late else f"exited {proc.returncode}"
+                failed.append(f"rank {r} {what}: {said[-1500:]}")
+        cluster.procs = [p for p in cluster.procs if p not in procs]
+        if failed:
+            raise RuntimeError(f"{variant}: " + "; ".join(failed))
+        with open(out) as fh:
+            rows: list[dict[str, Any]] = json.load(fh)["results"]
+    for row in rows:
+        row["busbw_GBps"] = row["size"] / row["time_s"] / 1e9 * 2 * (world - 1) / world
+    return rows
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    why = netns_available()
+    if why is not None:
+        raise SystemExit(f"hosts.py: {why} (run as root)")
+    if "gloo" in args.variants:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise SystemExit("hosts.py: the gloo variant needs torch (pip install torch), or leave it out") from None
+    cluster = NetnsCluster(uuid.uuid4().hex[:6])
+    results: list[dict[str, Any]] = []
+    try:
+        for h in range(args.hosts):
+            cluster.host(f"host{h}")
+        for rate in args.rates:
+            for h in range(args.hosts):
+                shape(cluster, f"host{h}", rate)
+            runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in args.variants}
+            for _ in range(args.rounds):
+                for variant in args.variants:
+                    runs[variant].append(
+                        run_variant(cluster, variant, args.hosts, args.ranks, args.sizes, args.iters, args.timeout)
+                    )
+            for variant, per_round in runs.items():
+                for per_size in zip(*per_round, strict=True):
+                    row = dict(per_size[0])
+                    row["time_s"] = statistics.median(r["time_s"] for r in per_size)
+                    row["busbw_GBps"] = statistics.median(r["busbw_GBps"] for r in per_size)
+                    row.update(variant=variant, rate=rate, hosts=args.hosts, ranks=args.ranks, rounds=args.rounds)
+                    results.append(row)
+    finally:
+        cluster.close()
+    return results
+
+
+def report(results: list[dict[str, Any]], variants: list[str]) -> str:
+    lines = []
+    for rate in dict.fromkeys(r["rate"] for r in results):
+        rows = {(r["variant"], r["size"]): r for r in results if r["rate"] == rate}
+        first = next(r for r in results if r["rate"] == rate)
+        lines.append(f"# {first['hosts']} hosts x {first['ranks']} ranks, links shaped to {rate} (tbf, both ways)")
+        lines.append(f"{'size':>8} " + " ".join(f"{v + ' ms':>10} {v + ' GB/s':>10}" for v in variants))
+        for size in dict.fromkeys(r["size"] for r in results):
+            cells = []
+            for v in variants:
+                row = rows[(v, size)]
+                cells.append(f"{row['time_s'] * 1e3:>10.3f} {row['busbw_GBps']:>10.3f}")
+            lines.append(f"{human(size):>8} " + " ".join(cells))
+        for size in dict.fromkeys(r["size"] for r in results):
+            ratios = []
+            for v in variants:
+                for base in ("flat", "gloo"):
+                    if v != base and base in variants and v != "gloo":
+                        ratio = rows[(base, size)]["time_s"] / rows[(v, size)]["time_s"]
+                        ratios.append(f"{v}/{base} busbw {ratio:.2f}x")
+            lines.append(f"{human(size):>8} " + ", ".join(ratios))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per host")
+    parser.add_argument("--rates", default="1gbit,10gbit", help="tc rates, comma-separated (as tc writes them)")
+    parser.add_argument("--sizes", default="4,64M", help="all_reduce sizes in bytes (4, 1M, 64M)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds one variant may take")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    args.rates = [r for r in args.rates.split(",") if r]
+    args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown or args.hosts < 1 or args.ranks < 1 or not args.rates:
+        parser.error(f"variants are {', '.join(VARIANTS)} (not {unknown}); --hosts, --ranks and --rates need values")
+    if shutil.which("tc") is None:
+        raise SystemExit("hosts.py: tc (iproute2) is not installed")
+    results = bench(args)
+    print(report(results, args.variants))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

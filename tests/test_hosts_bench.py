@@ -1,0 +1,44 @@
+"""The multi-host test bed (benchmarks/hosts.py), short form: two namespaces of two ranks over a shaped link.
+
+Asserts that every variant ran across the namespaces and reported a time; how fast is the benchmark's
+to say (run it long: ``python benchmarks/hosts.py --rates 1gbit,10gbit --sizes 4,64M --rounds 2``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tree
+from tests.harness.netns import netns_available
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(400)
+def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> None:
+    why = netns_available()
+    if why is not None:
+        pytest.skip(f"needs network namespaces: {why}")
+    if shutil.which("tc") is None:
+        pytest.skip("needs tc (iproute2)")
+    variants = ["flat", "hier", "ps"]
+    try:
+        import torch  # noqa: F401
+
+        variants.append("gloo")
+    except ImportError:
+        pass
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "hosts.py"), "--rates", "400mbit", "--sizes", "4,2M"]
+    cmd += ["--iters", "1", "--rounds", "1", "--variants", ",".join(variants), "--timeout", "120", "--json", str(out)]
+    proc = run_tree(cmd, timeout=380, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert sorted((r["variant"], r["size"]) for r in rows) == sorted((v, s) for v in variants for s in (4, 2 << 20))
+    assert all(r["time_s"] > 0 and r["hosts"] == 2 and r["ranks"] == 2 for r in rows), rows
+    assert "hier/flat busbw" in proc.stdout, proc.stdout
