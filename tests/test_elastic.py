@@ -27,7 +27,7 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-def launch_elastic(n: int, leave_rank: int, leave_at: int) -> tuple[int, list[dict], str]:  # type: ignore[type-arg]
+def launch_elastic(n: int, leave_rank: int, leave_at: int, **extra_env: str) -> tuple[int, list[dict], str]:  # type: ignore[type-arg]
     code = (
         "import sys, asyncio\n"
         "from psring.rendezvous.launch import launch\n"
@@ -35,10 +35,21 @@ def launch_elastic(n: int, leave_rank: int, leave_at: int) -> tuple[int, list[di
         f"sys.exit(new_event_loop().run_until_complete(launch({n}, [sys.executable, {JOB!r}], topology='ps',"
         " elastic=True)))\n"
     )
-    extra = env(LEAVE_RANK=str(leave_rank), LEAVE_AT=str(leave_at))
+    extra = env(LEAVE_RANK=str(leave_rank), LEAVE_AT=str(leave_at), **extra_env)
     res = run_tree([sys.executable, "-c", code], timeout=120, env=extra)
     rows = [json.loads(m) for m in re.findall(r"^\[rank \d+\] (\{.*\})$", res.stdout, re.M)]
     return res.returncode, rows, res.stdout + res.stderr
+
+
+def test_a_worker_lost_while_the_others_admit_joiners_costs_no_one_else() -> None:
+    """The loss lands in admit_waiting's broadcast (between steps, not in one): the survivors admit
+    nobody at that boundary and go on, as after a loss mid-step (found as a flaky main-job test)."""
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, LEAVE_IN="admit")
+    assert code == 0, out
+    assert sorted((r["rank"], r["admitted"]) for r in rows if "admitted" in r) == [(0, []), (1, [])], out
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == [0, 1] and all(r["members"] == [0, 1] for r in last), out
+    assert all(r["w"] == pytest.approx(-2.0 * 3 - 1.5 * 5) for r in last), last
 
 
 def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:

@@ -141,13 +141,15 @@ class _Run:
             mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
         except PeerLostError as exc:
             links = getattr(group, "links", None)
-            if exc.rank is not None or links is None or not links.reconnect_servers:
+            server_lost = exc.rank is None and links is not None and links.reconnect_servers
+            worker_lost = self.opt.elastic and exc.rank is not None  # elastic: the next step goes on without it
+            if not (server_lost or worker_lost):
                 raise
-            # a server shard went away during this report-only all_reduce (every worker's copy of
-            # it failed or finished as one collective, so the next is numbered alike everywhere):
-            # report this worker's own mean; the next step reconnects and re-sends
-            logger.warning("%r: epoch %d's loss all_reduce lost a server (%s); reporting the local mean", group,
-                           epoch + 1, exc)  # fmt: skip
+            # a server shard or (elastic) a worker went away during this report-only all_reduce (every
+            # worker's copy of it failed or finished as one collective, so the next is numbered alike
+            # everywhere): report this worker's own mean; the next step reconnects, or drops the worker
+            logger.warning("%r: epoch %d's loss all_reduce lost a %s (%s); reporting the local mean", group,
+                           epoch + 1, "worker" if worker_lost else "server", exc)  # fmt: skip
             mean_loss = float(np.mean(losses))
         acc = accuracy(self.params, self.xte, self.yte)
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})

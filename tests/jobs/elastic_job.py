@@ -1,6 +1,8 @@
 """An elastic SyncSGD job over ps: rank LEAVE_RANK exits (os._exit, like a crash) before step
-LEAVE_AT; the others go on. Every rank pushes gradient rank+1, so each step's result says whose
-gradients it averaged. Prints one JSON line per step, then the live group's all_reduce."""
+LEAVE_AT (with LEAVE_IN=admit: at the boundary before step LEAVE_AT, where every other rank calls
+admit_waiting, so the loss lands in that call's broadcast); the others go on. Every rank pushes
+gradient rank+1, so each step's result says whose gradients it averaged. Prints one JSON line per
+step, then the live group's all_reduce."""
 
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ async def main() -> None:
     g = await psring.init_group(timeout=60)
     opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
     await opt.start()
+    at_admit = os.environ.get("LEAVE_IN") == "admit"
     for t in range(int(os.environ.get("STEPS", "8"))):
         if g.rank == leave_rank and t == leave_at:
             os._exit(9)
+        if at_admit and t == leave_at:
+            print(json.dumps({"rank": g.rank, "admitted": await opt.admit_waiting()}), flush=True)
         params = await opt.step({"w": np.full(3, g.rank + 1.0, np.float32)})
         row = {"rank": g.rank, "step": t, "members": opt.members, "w": float(params["w"][0])}
         print(json.dumps(row), flush=True)

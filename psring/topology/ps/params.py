@@ -144,7 +144,15 @@ class ParameterMode:
                 if r not in live and await self.links.store.get(f"{self.links.prefix}/join/{r}") == b"waiting"
             ][: found.size]  # fmt: skip
             found[: len(waiting)] = waiting
-        found = await self._live_subgroup().broadcast(found, src=0)
+        try:
+            found = await self._live_subgroup().broadcast(found, src=0)
+        except PeerLostError as exc:
+            if type(exc.rank) is not int:
+                raise  # a server: not this boundary's to absorb
+            # a worker was lost during the broadcast: the shard ended it alike for every survivor (or
+            # it finished for all), so all of them take this branch; the joiners wait for the next boundary
+            logger.warning("%r: elastic: %s; nobody joins at step %d", self, exc, step)
+            return []
         new = [int(r) for r in found if r >= 0]
         if not new:
             return []
