@@ -292,18 +292,20 @@ class WorkerDaemon(_Daemon):
             for t in (watch, stop):
                 t.cancel()
             outcome["seconds"] = time.monotonic() - t0
-            with contextlib.suppress(PsringError, OSError):
-                await self.store.set(run_key(jid, attempt, "rank", rank), json.dumps(outcome, default=str))
-                await self._settle(spec, rank, outcome)
             if self.metrics is not None:
                 self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
             self.jobs_run += 1
             self.state, self.job = "idle", None
             if not self.stopping.is_set():
                 await self._open_port()
+            # idle is published before this rank's outcome, so whoever sees the job's ranks finished (a
+            # submitter's wait) or the job done (the last rank marks it) sees its workers idle again
             with contextlib.suppress(PsringError, OSError):
                 await self.store.delete(key("claim", self.id))
                 await self._publish()
+            with contextlib.suppress(PsringError, OSError):
+                await self.store.set(run_key(jid, attempt, "rank", rank), json.dumps(outcome, default=str))
+                await self._settle(spec, rank, outcome)
 
     async def _settle(self, spec: dict[str, Any], rank: int, outcome: dict[str, Any]) -> None:
         """Keep the job's state true without a submitter watching: a rank that failed of itself
