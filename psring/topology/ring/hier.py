@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import byte_view
+from ...core.arrays import byte_view, pooled_bytes, result_empty
 from ...core.fold import Layout, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
@@ -48,7 +48,7 @@ class Hierarchical:
         cross = [h[local] for h in hosts]  # this rank's counterparts, one per host, in host order
         peers = sorted({*home, *cross} - {me})
         conns = dict(zip(peers, await self._links(peers), strict=True))  # type: ignore[attr-defined]
-        out = np.empty_like(x)
+        out = result_empty(x)  # recycled when large, as the flat ring's: no page faults per call
         ufunc = reduce_op(op)
         per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
         blocks = [(a, min(a + per_block, x.size)) for a in range(0, x.size, per_block)]
@@ -89,8 +89,8 @@ class Hierarchical:
         cs, ce = subs[here]
         phase = HIER + 4 * b
         # every receive is posted first, so payloads land in place
-        gathered = {q: np.empty(e - s, x.dtype) for q in home if q != me}
-        partials = {k: np.empty(ce - cs, x.dtype) for k, r in enumerate(cross) if r != me}
+        gathered = {q: _scratch(e - s, x.dtype) for q in home if q != me}
+        partials = {k: _scratch(ce - cs, x.dtype) for k, r in enumerate(cross) if r != me}
         post = functools.partial(self._hier_post, coll, owed=owed)
         step1 = post(phase, gathered)
         step2 = post(phase + 1, {cross[k]: buf for k, buf in partials.items()})
@@ -101,7 +101,7 @@ class Hierarchical:
             coll, phase, conns, {q: x[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me}
         )
         await step1
-        host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, np.empty(e - s, x.dtype))
+        host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, _scratch(e - s, x.dtype))
         del gathered
         # 2: sub-chunk k of it to host k's rank; fold the hosts in order
         await self._hier_send(
@@ -164,3 +164,8 @@ class Hierarchical:
             conns[dst].send_frame(header, byte_view(part) if part.nbytes else None)
         for dst in parts:
             await conns[dst].flush()
+
+
+def _scratch(count: int, dtype: np.dtype) -> np.ndarray:
+    """A block's receive or fold buffer, pooled when large (a fresh MiB costs its page faults each time)."""
+    return pooled_bytes(count * dtype.itemsize).view(dtype)
