@@ -9,6 +9,7 @@ a host name, an IPv6 literal). Under torchrun the store is torch's (see ``torchs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import socket
@@ -40,6 +41,15 @@ def local_bind_address(host: str) -> str | None:
             return ip
         return "::" if family == socket.AF_INET6 else "0.0.0.0"
     return None
+
+
+async def release_store(store: Any, embedded: StoreServer | None) -> None:
+    """After a group's set-up failed before its links owned them: close the store client (quietly)
+    and the store this rank served, if it served one."""
+    with contextlib.suppress(Exception):
+        await store.close()
+    if embedded is not None:
+        await embedded.close()
 
 
 async def open_store_for(settings: GroupSettings, rank: int | None) -> tuple[Any, StoreServer | None]:

@@ -30,7 +30,7 @@ from ...core.arrays import byte_view, result_empty
 from ...core.compress import dequantize, quantize
 from ...core.fold import pieces, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
-from ...rendezvous.join import assign_rank, open_store_for
+from ...rendezvous.join import assign_rank, open_store_for, release_store
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -129,10 +129,7 @@ class PsGroup(ParameterMode, Group):
             if links is not None:
                 await links.close()
             else:
-                with contextlib.suppress(Exception):
-                    await store.close()
-                if embedded is not None:
-                    await embedded.close()
+                await release_store(store, embedded)
             raise
 
     @classmethod
@@ -145,7 +142,7 @@ class PsGroup(ParameterMode, Group):
             raise ValueError("join=True takes its rank from the store: leave RANK unset (rank= None)")
         assert settings.world_size is not None
         prefix = f"psring/{settings.job}"
-        store, _embedded = await open_store_for(settings, None)
+        store, embedded = await open_store_for(settings, None)
         links: ServerLinks | None = None
         try:
             if await store.get(f"{prefix}/elastic", settings.timeout) is None:
@@ -168,8 +165,7 @@ class PsGroup(ParameterMode, Group):
             if links is not None:
                 await links.close()
             else:
-                with contextlib.suppress(Exception):
-                    await store.close()
+                await release_store(store, embedded)
             raise
 
     # ---------------------------------------------------------------- plumbing

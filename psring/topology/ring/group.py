@@ -16,7 +16,6 @@ A rank listens on one port (PSRING_PORT, or an ephemeral one); peers and its dat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
@@ -25,7 +24,7 @@ import numpy as np
 from ...core import wire
 from ...core.fold import ring_chunk_bounds
 from ...errors import PeerLostError, ProtocolError, PsringError
-from ...rendezvous.join import assign_rank, open_store_for
+from ...rendezvous.join import assign_rank, open_store_for, release_store
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -93,10 +92,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
             if net is not None:
                 await net.close()
             else:
-                with contextlib.suppress(Exception):
-                    await store.close()
-                if embedded is not None:
-                    await embedded.close()
+                await release_store(store, embedded)
             raise
 
     # ---------------------------------------------------------------- plumbing
