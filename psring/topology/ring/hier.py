@@ -90,10 +90,10 @@ class Hierarchical:
         phase = HIER + 4 * b
         # every receive is posted first, so payloads land in place
         gathered = {q: _scratch(e - s, x.dtype) for q in home if q != me}
-        partials = {k: _scratch(ce - cs, x.dtype) for k, r in enumerate(cross) if r != me}
+        partials = {r: _scratch(ce - cs, x.dtype) for r in cross if r != me}
         post = functools.partial(self._hier_post, coll, owed=owed)
         step1 = post(phase, gathered)
-        step2 = post(phase + 1, {cross[k]: buf for k, buf in partials.items()})
+        step2 = post(phase + 1, partials)
         step3 = post(phase + 2, {r: out[a:z] for r, (a, z) in zip(cross, subs, strict=True) if r != me})
         step4 = post(phase + 3, {q: out[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me})
         # 1: slice j of this host's ranks to local rank j; fold them in rank order
@@ -111,9 +111,7 @@ class Hierarchical:
             {r: host_sum[a - s : z - s] for r, (a, z) in zip(cross, subs, strict=True) if r != me},
         )
         await step2
-        mine = fold_rows(
-            [host_sum[cs - s : ce - s] if k == here else partials[k] for k in range(n_hosts)], ufunc, out[cs:ce]
-        )
+        mine = fold_rows([host_sum[cs - s : ce - s] if r == me else partials[r] for r in cross], ufunc, out[cs:ce])
         if op == "avg":
             finish_avg(mine, len(home) * n_hosts)
         # 3: the finished sub-chunk to the other hosts; 4: the finished slice to this host's ranks
@@ -158,10 +156,9 @@ class Hierarchical:
     async def _hier_send(
         self, coll: Collective, phase: int, conns: dict[int, Connection], parts: dict[int, np.ndarray]
     ) -> None:
-        me, gid = self.rank, self.gid  # type: ignore[attr-defined]
-        for dst, part in parts.items():
-            header = {"kind": "data", "tag": (gid, coll.seq, phase, me), "call": coll.desc, "src": me}
-            conns[dst].send_frame(header, byte_view(part) if part.nbytes else None)
+        me = self.rank  # type: ignore[attr-defined]
+        for dst, part in parts.items():  # a header each: send_frame writes its size into it
+            conns[dst].send_frame(self._header(coll, phase, me), byte_view(part) if part.nbytes else None)  # type: ignore[attr-defined]
         for dst in parts:
             await conns[dst].flush()
 
