@@ -43,9 +43,12 @@ def local_bind_address(host: str) -> str | None:
     return None
 
 
-async def release_store(store: Any, embedded: StoreServer | None) -> None:
-    """After a group's set-up failed before its links owned them: close the store client (quietly)
-    and the store this rank served, if it served one."""
+async def release_store(owner: Any, store: Any, embedded: StoreServer | None) -> None:
+    """After a group's set-up failed: close the links layer that owns the store by then (``owner``,
+    which closes it too), or else the store client (quietly) and the store this rank served."""
+    if owner is not None:
+        await owner.close()
+        return
     with contextlib.suppress(Exception):
         await store.close()
     if embedded is not None:

@@ -126,10 +126,7 @@ class PsGroup(ParameterMode, Group):
             logger.info("%r ready with %d server shard(s)", group, len(links.shards))
             return group
         except (Exception, asyncio.CancelledError):
-            if links is not None:
-                await links.close()
-            else:
-                await release_store(store, embedded)
+            await release_store(links, store, embedded)
             raise
 
     @classmethod
@@ -162,10 +159,7 @@ class PsGroup(ParameterMode, Group):
             logger.info("%r joins running elastic job %r as rank %d", group, settings.job, rank)
             return group
         except (Exception, asyncio.CancelledError):
-            if links is not None:
-                await links.close()
-            else:
-                await release_store(store, embedded)
+            await release_store(links, store, embedded)
             raise
 
     # ---------------------------------------------------------------- plumbing

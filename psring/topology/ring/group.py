@@ -89,10 +89,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
             logger.info("%r ready (store %s)", group, store.address)
             return group
         except (Exception, asyncio.CancelledError):
-            if net is not None:
-                await net.close()
-            else:
-                await release_store(store, embedded)
+            await release_store(net, store, embedded)
             raise
 
     # ---------------------------------------------------------------- plumbing
