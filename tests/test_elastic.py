@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -152,10 +153,13 @@ def _env_of_rank(launcher: int, rank: str) -> dict[str, str]:
     raise AssertionError(f"no rank {rank} under {launcher}")
 
 
-def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
-    job = str(ROOT / "tests" / "jobs" / "elastic_grow_job.py")
-    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def _run_with_joiner(
+    cmd: list[str], trigger: str, joiner_for: Callable[[int], tuple[list[str], dict[str, str]]]
+) -> tuple[int, list[str], str, int, str]:
+    """Run cmd (its own session); at the first stdout line matching ``trigger`` start the joiner that
+    ``joiner_for(cmd's pid)`` gives as (argv, env). Returns (rc, stdout lines, stderr, joiner rc, joiner output);
+    both are ended by PID whatever happens."""
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     joiner = None
     lines: list[str] = []
@@ -163,22 +167,33 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if joiner is None and '"step": 2,' in line:
-                e = _env_of_rank(proc.pid, "0")
-                extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-                joiner = subprocess.Popen([sys.executable, job], env=env(JOIN="1", PSRING_TOPOLOGY="ps", **extra),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        rest, _ = proc.communicate(timeout=120)
-        lines.append(rest)
-        assert joiner is not None
+            if joiner is None and re.search(trigger, line):
+                argv, jenv = joiner_for(proc.pid)
+                joiner = subprocess.Popen(argv, env=jenv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        rest, err = proc.communicate(timeout=120)
+        lines += rest.splitlines(keepends=True)
+        assert joiner is not None, "".join(lines) + err
         jout, _ = joiner.communicate(timeout=60)
     finally:
         for p in (proc, joiner):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
                 p.communicate(timeout=30)
+    return proc.returncode, lines, err, joiner.returncode, jout
+
+
+def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
+    job = str(ROOT / "tests" / "jobs" / "elastic_grow_job.py")
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
+
+    def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
+        e = _env_of_rank(launcher, "0")
+        extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY="ps", **extra)
+
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, r'"step": 2,', joiner_for)
     out = "".join(lines)
-    assert proc.returncode == 0 and joiner.returncode == 0, out + jout
+    assert code == 0 and jcode == 0, out + err + jout
     rows = [json.loads(m) for m in re.findall(r"^\[rank \d\] (\{.*\})$", out, re.M)]
     rows += [json.loads(x) for x in jout.splitlines() if x.startswith("{")]
     admitted = {r["rank"]: r["at"] for r in rows if "admitted" in r}
@@ -199,33 +214,17 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
 def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
     cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "3", "--epochs", "40",
            "--elastic", "--json"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    joiner = None
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if joiner is None and re.match(r"\[ps\] epoch 3 ", line):
-                e = _env_of_rank(proc.pid, "0")
-                argv = Path(f"/proc/{e['_PID']}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
-                spec = json.loads(argv[-1])
-                spec.update(join=True, out=None)  # the same job's spec, as a new worker
-                extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "PSRING_JOB")}
-                joiner = subprocess.Popen([sys.executable, "-m", "psring.training", json.dumps(spec)],
-                                          env=env(PSRING_TOPOLOGY="ps", **extra), stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        rest, err = proc.communicate(timeout=120)
-        lines += rest.splitlines(keepends=True)
-        assert joiner is not None
-        jout, _ = joiner.communicate(timeout=60)
-    finally:
-        for p in (proc, joiner):
-            if p is not None and p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
-                p.communicate(timeout=30)
-    assert proc.returncode == 0 and joiner.returncode == 0, "".join(lines) + err + jout
+
+    def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
+        e = _env_of_rank(launcher, "0")
+        argv = Path(f"/proc/{e['_PID']}/cmdline").read_bytes().decode().rstrip("\0").split("\0")
+        spec = json.loads(argv[-1])
+        spec.update(join=True, out=None)  # the same job's spec, as a new worker
+        extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "PSRING_JOB")}
+        return [sys.executable, "-m", "psring.training", json.dumps(spec)], env(PSRING_TOPOLOGY="ps", **extra)
+
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, r"^\[ps\] epoch 3 ", joiner_for)
+    assert code == 0 and jcode == 0, "".join(lines) + err + jout
     summary = json.loads(lines[-1])
     assert summary["elastic"] == {"departed": [], "joined": [3]} and summary["workers"] == 4, summary
     assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
