@@ -12,6 +12,7 @@ process SIGKILLed restarts the job (--max-restarts). Where no engine answers, it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -79,7 +80,7 @@ class Compose:
         )
 
     def status(self) -> dict:
-        return json.loads(self.psring("status", "--store", "store:29500", "--json").stdout.strip().splitlines()[-1])
+        return _summary(self.psring("status", "--store", "store:29500", "--json").stdout)
 
     def pid(self, container: str) -> int:
         out = subprocess.run(
@@ -129,7 +130,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
 
 
 def _summary(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
+    """The job's JSON summary: the last output line that is a JSON object (whatever docker compose or
+    the client's log lines put after it, the test still sees the summary, or the output it got)."""
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                summary = json.loads(line)
+                if isinstance(summary, dict):
+                    return summary
+    raise AssertionError("no JSON summary in the output; its end:\n" + out[-4000:])
 
 
 def _submit(cluster: Compose, topology: str, epochs: int, *extra: str) -> dict:

@@ -105,9 +105,9 @@ def cli_submit(args: Any) -> int:
     if args.entrypoint is None and isinstance(result, dict) and "test_accuracy" in result:
         print_summary(result)
     else:
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps(result), flush=True)
     return 0
 
 
