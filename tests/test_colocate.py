@@ -179,3 +179,47 @@ async def test_mailbox_is_what_workers_use_on_local_links() -> None:
     _conn, header, payload = await asyncio.wait_for(fut, 5)
     assert header["dtype"] == "float32" and np.frombuffer(payload, np.float32).tolist() == [0, 1, 2, 3]
     await a.close()
+
+
+async def test_colocated_ps_over_tcp_no_copy_paths_survive_a_caller_that_overwrites_at_once(
+    make_groups, monkeypatch
+) -> None:
+    """Over TCP a rank's own shard folds its slice straight out of that rank's input and into that
+    rank's result (no copies), and sends the others the result from that memory. A caller that
+    overwrites its input and its result the moment all_reduce returns must change nothing any
+    rank gets: the rank gets its last piece only once those sends left its memory."""
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    monkeypatch.setenv("PSRING_PS_PIECE", "4M")  # pieces larger than a socket takes at once
+    world = 3
+    ring = await make_groups(world, "ring")
+    ps = await make_groups(world, "ps", colocate=True)
+    rng = np.random.default_rng(11)
+
+    async def scribbling(g: psring.Group, x: np.ndarray, op: str) -> np.ndarray:
+        y = await g.all_reduce(x, op)
+        shards = g.links.own_servers.shards.values()  # type: ignore[attr-defined]
+        unsent = [c.transport.get_write_buffer_size() for sh in shards for c in sh.conns if c.transport is not None]
+        assert not any(unsent), f"rank {g.rank} got its result while its shard still sends it: {unsent}"
+        got = y.copy()
+        y[...] = np.nan
+        x[...] = np.nan
+        return got
+
+    for size in (1_500_001, 12_000_000):
+        for op in ("sum", "avg", "max"):
+            xs = [rng.standard_normal(size).astype(np.float32) for _ in range(world)]
+            want = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(ring, xs, strict=True)))
+            got = await asyncio.gather(*(scribbling(g, x.copy(), op) for g, x in zip(ps, xs, strict=True)))
+            for r, (w, y) in enumerate(zip(want, got, strict=True)):
+                assert y.tobytes() == w.tobytes(), f"rank {r}, {size} elements, {op}"
+    # rank 2 stops reading what shard 0 (in rank 0) sends it for a while: rank 0's result waits for it
+    slow = ps[2].links.shards[0].transport  # type: ignore[attr-defined]
+    slow.pause_reading()
+    asyncio.get_running_loop().call_later(0.5, slow.resume_reading)
+    xs = [rng.standard_normal(30_000_000).astype(np.float32) for _ in range(world)]  # more than sockets hold
+    want = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(ring, xs, strict=True)))
+    got = await asyncio.gather(*(scribbling(g, x.copy(), "sum") for g, x in zip(ps, xs, strict=True)))
+    assert all(y.tobytes() == w.tobytes() for w, y in zip(want, got, strict=True))
+    for g in ps:
+        local = g.links.shards[g.rank]  # type: ignore[attr-defined]
+        assert isinstance(local, LocalConnection) and local.bytes_sent > 12_000_000 * 4 // world

@@ -73,7 +73,15 @@ class LocalConnection(Connection):
     ) -> None:
         self._queue(header, payload, None)
 
-    def _queue(self, header: dict[str, Any], payload: Any, taken: Callable[[], None] | None) -> None:
+    def lend_tensor(self, header: dict[str, Any], x: np.ndarray) -> None:
+        """Like send_tensor, but the partner takes ``x``'s memory itself rather than a copy of it: only
+        for a payload the sender will not change until the partner is done with it (the receiver's
+        reply to this very frame is what the sender waits for)."""
+        self._queue({**header, **wire.tensor_fields(x)}, wire.byte_view(x), None, lent=True)
+
+    def _queue(
+        self, header: dict[str, Any], payload: Any, taken: Callable[[], None] | None, lent: bool = False
+    ) -> None:
         partner = self._partner
         if self._transport_gone() or partner is None:
             raise self._lost or self._lost_error(f"connection to {self.peer_label} ({self.peername}) is closed")
@@ -85,7 +93,7 @@ class LocalConnection(Connection):
         self.frames_sent += 1
         self._last_sent = time.monotonic()
         self._in_flight += 1
-        asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload, taken)
+        asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload, taken, lent)
 
     def send_slot(self, header: dict[str, Any], pool: ShmPool, k: int, x: np.ndarray) -> None:
         """In process: the slot stays lent until the partner has copied the payload out."""
@@ -96,11 +104,13 @@ class LocalConnection(Connection):
             pool.give_back(k)
             raise
 
-    def _hand_over(self, partner: LocalConnection, head: bytes, payload: Any, taken: Callable[[], None] | None) -> None:
+    def _hand_over(
+        self, partner: LocalConnection, head: bytes, payload: Any, taken: Callable[[], None] | None, lent: bool
+    ) -> None:
         try:
             if not partner._transport_gone():
                 try:
-                    partner._take(head, payload)  # the payload is copied out here, so flush may return after
+                    partner._take(head, payload, lent)  # the payload is copied out here, so flush may return after
                 except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
                     partner.abort(exc)
         finally:
@@ -110,25 +120,41 @@ class LocalConnection(Connection):
         if self._in_flight == 0:
             self._wake_flushers(None)
 
-    def _take(self, head: bytes, payload: Any) -> None:
+    def _take(self, head: bytes, payload: Any, lent: bool = False) -> None:
         header = wire.decode_header(head, self._limits)
         nbytes = header["nbytes"]
         self.bytes_received += len(head) + nbytes
         self.last_heard = time.monotonic()
         dest: Any = None
-        if nbytes and self.router is not None and header["kind"] not in ("ping", "bye"):
+        if lent and nbytes:
+            dest = np.frombuffer(payload, np.uint8, nbytes)
+        elif nbytes and self.router is not None and header["kind"] not in ("ping", "bye"):
             dest = self.router.buffer_for(self, header)
             if dest is not None and len(dest) != nbytes:
                 dest = None
-        if nbytes:
+        if nbytes and not lent:
             src = np.frombuffer(payload, np.uint8, nbytes)
             if dest is None:
                 dest = pooled_bytes(nbytes)
                 np.copyto(dest, src)
             else:
-                np.copyto(np.frombuffer(dest, np.uint8, nbytes), src)
+                into = np.frombuffer(dest, np.uint8, nbytes)
+                if into.ctypes.data != src.ctypes.data:  # else the sender wrote it in place (peer_buffer)
+                    np.copyto(into, src)
         self._header, self._dest_obj = header, dest
         self._finish_frame()
+
+    def peer_buffer(self, header: dict[str, Any]) -> memoryview | None:
+        """Where the partner would receive a frame with this header (its posted buffer), or None.
+
+        A sender that builds the payload there itself saves the copy: sent from that memory,
+        the frame is taken without one. The partner may use the buffer the moment the frame
+        arrives, so the sender must be done with it (every other send of it flushed) first.
+        """
+        partner = self._partner
+        if partner is None or partner.router is None or partner._transport_gone() or self._transport_gone():
+            return None
+        return partner.router.buffer_for(partner, header)
 
     async def flush(self) -> None:
         if self._in_flight == 0 or self._transport_gone():

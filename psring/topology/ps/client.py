@@ -280,6 +280,9 @@ class PsGroup(ParameterMode, Group):
         if large and self.links.share_memory_pending():
             await self.links.share_memory()
         shared = push and large
+        # an all_reduce is done only when every piece pushed has come back folded: the shard in this
+        # process may fold straight out of x (no copy of the pieces it owns)
+        lend = coll.kind == "all_reduce"
         used = []
         owner = (gid, seq)
         for shard, a, b in layout:
@@ -287,6 +290,9 @@ class PsGroup(ParameterMode, Group):
             conn.send_frame(self._join(coll))
             if push and x is not None:
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
+                    if lend and conn.is_local:
+                        conn.lend_tensor(self._push(coll, j), x[pa:pb])  # type: ignore[attr-defined]
+                        continue
                     if shared and conn.peer_maps_pool:
                         await self.links.slot_for(owner)
                     conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared, owner=owner)

@@ -4,6 +4,7 @@ and pacing the workers (backpressure on pushes, a bound on unread results).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import Any
@@ -39,10 +40,20 @@ class Folding:
             else None
         )
         slot = pool.take() if pool is not None else None
+        header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
+        local, out = None, None
         if slot is not None:
             assert pool is not None
             out = pool.view(slot, (pb - pa) * dtype.itemsize).view(dtype)
-        else:
+        elif not pending.codec:
+            # the worker in this process wants the piece: fold straight into its result (no copy)
+            local = next((c for c in targets if c.is_local), None)
+            dest = local.peer_buffer(header) if local is not None else None  # type: ignore[attr-defined]
+            if dest is not None and len(dest) == (pb - pa) * dtype.itemsize:
+                out = np.frombuffer(dest, dtype)
+            else:
+                local = None
+        if out is None:
             out = np.empty(pb - pa, dtype) if pending.codec else _piece_empty(pb - pa, dtype)
         if pending.codec:
             fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
@@ -54,9 +65,10 @@ class Folding:
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
         self.bytes_folded += out.nbytes * pending.size
-        header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
         try:
             for conn in targets:
+                if conn is local:
+                    continue
                 if slot is not None:
                     assert pool is not None
                     with contextlib.suppress(PsringError):  # its loss is reported through detach
@@ -67,8 +79,28 @@ class Folding:
             if slot is not None:
                 assert pool is not None
                 pool.give_back(slot)
+        if local is not None:
+            self._hand_over_in_place(local, header, out, [c for c in targets if c is not local])
         pending.done_pieces += 1
         self._maybe_finish(pending)
+
+    def _hand_over_in_place(self, local: Connection, header: dict[str, Any], out: np.ndarray, sent: list[Any]) -> None:
+        """Give the in-process worker the piece folded into its result, once the sockets that send
+        it to the others no longer read that memory (the worker may hand the result to its caller)."""
+        unsent = [c for c in sent if c.transport is not None and c.transport.get_write_buffer_size()]
+        if not unsent:
+            self._send(local, header, out)
+            return
+
+        async def later() -> None:
+            for conn in unsent:
+                with contextlib.suppress(PsringError):
+                    await conn.flush()
+            self._send(local, header, out)
+
+        task = asyncio.get_running_loop().create_task(later())
+        self._handing.add(task)
+        task.add_done_callback(self._handing.discard)
 
     def _forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
         out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}

@@ -76,6 +76,7 @@ class Shard(Folding):
         self.idle = asyncio.Event()
         self.idle.set()
         self._layouts: dict[tuple[int, ...], Layout | None] = {}
+        self._handing: set[asyncio.Task[None]] = set()  # in-place results waiting for their sockets to drain
 
     def __repr__(self) -> str:
         return f"Shard({self.index}/{self.shards}, job={self.job})"
