@@ -52,7 +52,8 @@ class LocalConnection(Connection):
     """One end of a connection between two parts of one process (a worker and a shard it hosts).
 
     Frames keep their wire semantics -- the header goes through msgpack and validation, the
-    payload is copied once, into the receiver's posted buffer when it has one -- but no socket,
+    payload is copied once, into the receiver's posted buffer when it has one (not at all when
+    lent, or when the sender built it in that buffer: :meth:`peer_buffer`) -- but no socket,
     kernel copy or handshake is involved. Delivery is on the next loop iteration, in order;
     :meth:`flush` returns once the peer has taken every frame, which is when the sender may
     reuse its payload's memory, as with a socket.
@@ -110,7 +111,7 @@ class LocalConnection(Connection):
         try:
             if not partner._transport_gone():
                 try:
-                    partner._take(head, payload, lent)  # the payload is copied out here, so flush may return after
+                    partner._take(head, payload, lent)  # copied out here (unless lent), so flush may return after
                 except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
                     partner.abort(exc)
         finally:

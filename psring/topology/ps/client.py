@@ -33,6 +33,7 @@ from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, Psri
 from ...rendezvous.join import assign_rank, open_store_for, release_store
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
+from ...transport.local import LocalConnection
 from ..collective import Collective
 from ..group import Group
 from .links import ServerLinks
@@ -290,8 +291,8 @@ class PsGroup(ParameterMode, Group):
             conn.send_frame(self._join(coll))
             if push and x is not None:
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
-                    if lend and conn.is_local:
-                        conn.lend_tensor(self._push(coll, j), x[pa:pb])  # type: ignore[attr-defined]
+                    if lend and isinstance(conn, LocalConnection):
+                        conn.lend_tensor(self._push(coll, j), x[pa:pb])
                         continue
                     if shared and conn.peer_maps_pool:
                         await self.links.slot_for(owner)

@@ -17,6 +17,7 @@ from ...core.compress import fold_fp16
 from ...core.fold import canonical_fold
 from ...errors import PeerLostError, ProtocolError, PsringError
 from ...transport.connection import Connection
+from ...transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
 from .relay import release_held, send_once
 
@@ -47,8 +48,8 @@ class Folding:
             out = pool.view(slot, (pb - pa) * dtype.itemsize).view(dtype)
         elif not pending.codec:
             # the worker in this process wants the piece: fold straight into its result (no copy)
-            local = next((c for c in targets if c.is_local), None)
-            dest = local.peer_buffer(header) if local is not None else None  # type: ignore[attr-defined]
+            local = next((c for c in targets if isinstance(c, LocalConnection)), None)
+            dest = local.peer_buffer(header) if local is not None else None
             if dest is not None and len(dest) == (pb - pa) * dtype.itemsize:
                 out = np.frombuffer(dest, dtype)
             else:
@@ -84,7 +85,9 @@ class Folding:
         pending.done_pieces += 1
         self._maybe_finish(pending)
 
-    def _hand_over_in_place(self, local: Connection, header: dict[str, Any], out: np.ndarray, sent: list[Any]) -> None:
+    def _hand_over_in_place(
+        self, local: LocalConnection, header: dict[str, Any], out: np.ndarray, sent: list[Connection]
+    ) -> None:
         """Give the in-process worker the piece folded into its result, once the sockets that send
         it to the others no longer read that memory (the worker may hand the result to its caller)."""
         unsent = [c for c in sent if c.transport is not None and c.transport.get_write_buffer_size()]
