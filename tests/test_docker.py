@@ -204,6 +204,7 @@ def test_a_killed_server_daemon_resumes_the_job(cluster: Compose) -> None:
             proc.kill()
     steps = [(line, int(m[1])) for line in out.splitlines() if (m := re.search(r"step (\d+)/", line))]
     assert steps and steps[-1][1] > at, out
+    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}"
     summary = _summary(out)
     assert summary["param_digest"] == reference["param_digest"], (summary["param_digest"], reference["param_digest"])
     assert summary["resumed_at"] is None  # the workers never stopped: they re-sent the step in flight
