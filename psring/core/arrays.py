@@ -219,6 +219,11 @@ def pooled_bytes(nbytes: int) -> np.ndarray:
     return np.asarray(_Owner(_POOL.take(nbytes)))
 
 
+def pooled_empty(count: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized flat array of ``count`` elements: :func:`pooled_bytes` viewed as ``dtype``."""
+    return pooled_bytes(count * dtype.itemsize).view(dtype)
+
+
 def result_empty(like: np.ndarray) -> np.ndarray:
     """An uninitialized array shaped like ``like`` (flat, C order), recycled when large.
 

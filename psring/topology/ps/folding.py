@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ...core import wire
-from ...core.arrays import pooled_bytes
+from ...core.arrays import pooled_empty
 from ...core.compress import fold_fp16
 from ...core.fold import canonical_fold
 from ...errors import PeerLostError, ProtocolError, PsringError
@@ -47,15 +47,9 @@ class Folding:
             assert pool is not None
             out = pool.view(slot, (pb - pa) * dtype.itemsize).view(dtype)
         elif not pending.codec:
-            # the worker in this process wants the piece: fold straight into its result (no copy)
-            local = next((c for c in targets if isinstance(c, LocalConnection)), None)
-            dest = local.peer_buffer(header) if local is not None else None
-            if dest is not None and len(dest) == (pb - pa) * dtype.itemsize:
-                out = np.frombuffer(dest, dtype)
-            else:
-                local = None
+            local, out = _in_place(targets, header, pb - pa, dtype)
         if out is None:
-            out = np.empty(pb - pa, dtype) if pending.codec else _piece_empty(pb - pa, dtype)
+            out = np.empty(pb - pa, dtype) if pending.codec else pooled_empty(pb - pa, dtype)
         if pending.codec:
             fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
         else:
@@ -66,10 +60,9 @@ class Folding:
         for src, conn in pending.conns.items():
             self._account(conn, -box[src].nbytes)
         self.bytes_folded += out.nbytes * pending.size
+        others = [c for c in targets if c is not local]
         try:
-            for conn in targets:
-                if conn is local:
-                    continue
+            for conn in others:
                 if slot is not None:
                     assert pool is not None
                     with contextlib.suppress(PsringError):  # its loss is reported through detach
@@ -81,7 +74,7 @@ class Folding:
                 assert pool is not None
                 pool.give_back(slot)
         if local is not None:
-            self._hand_over_in_place(local, header, out, [c for c in targets if c is not local])
+            self._hand_over_in_place(local, header, out, others)
         pending.done_pieces += 1
         self._maybe_finish(pending)
 
@@ -184,5 +177,13 @@ class Folding:
             self._finish((pending.gid, pending.seq), "done")
 
 
-def _piece_empty(count: int, dtype: np.dtype) -> np.ndarray:
-    return pooled_bytes(count * dtype.itemsize).view(dtype)
+def _in_place(
+    targets: list[Connection], header: dict[str, Any], count: int, dtype: np.dtype
+) -> tuple[LocalConnection | None, np.ndarray | None]:
+    """The worker in this process among the targets, and the result it posted for this piece to fold
+    straight into (no copy); (None, None) when there is none of either."""
+    local = next((c for c in targets if isinstance(c, LocalConnection)), None)
+    dest = local.peer_buffer(header) if local is not None else None
+    if local is None or dest is None or len(dest) != count * dtype.itemsize:
+        return None, None
+    return local, np.frombuffer(dest, dtype)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import byte_view, pooled_bytes, result_empty
+from ...core.arrays import byte_view, pooled_empty, result_empty
 from ...core.fold import Layout, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
@@ -89,8 +89,8 @@ class Hierarchical:
         cs, ce = subs[here]
         phase = HIER + 4 * b
         # every receive is posted first, so payloads land in place
-        gathered = {q: _scratch(e - s, x.dtype) for q in home if q != me}
-        partials = {r: _scratch(ce - cs, x.dtype) for r in cross if r != me}
+        gathered = {q: pooled_empty(e - s, x.dtype) for q in home if q != me}
+        partials = {r: pooled_empty(ce - cs, x.dtype) for r in cross if r != me}
         post = functools.partial(self._hier_post, coll, owed=owed)
         step1 = post(phase, gathered)
         step2 = post(phase + 1, partials)
@@ -101,7 +101,7 @@ class Hierarchical:
             coll, phase, conns, {q: x[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me}
         )
         await step1
-        host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, _scratch(e - s, x.dtype))
+        host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, pooled_empty(e - s, x.dtype))
         del gathered
         # 2: sub-chunk k of it to host k's rank; fold the hosts in order
         await self._hier_send(
@@ -161,8 +161,3 @@ class Hierarchical:
             conns[dst].send_frame(self._header(coll, phase, me), byte_view(part) if part.nbytes else None)  # type: ignore[attr-defined]
         for dst in parts:
             await conns[dst].flush()
-
-
-def _scratch(count: int, dtype: np.dtype) -> np.ndarray:
-    """A block's receive or fold buffer, pooled when large (a fresh MiB costs its page faults each time)."""
-    return pooled_bytes(count * dtype.itemsize).view(dtype)
