@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 import psring
-from psring.cluster.client import Client
+from psring.cluster.client import Client, _blame
 from psring.cluster.daemons import JobError, key
 from psring.rendezvous.scheduler import resolve_settings
 
@@ -100,6 +100,19 @@ def cluster(tmp_path):
 
 
 TRAIN = {"epochs": 3, "batch_size": 32}
+
+
+def test_blame_names_the_lost_daemon_not_a_rank_stopped_after_it() -> None:
+    """Rank 0 lost rank 3 and failed the job; rank 2 was then stopped ("failed elsewhere"). The blame
+    goes to rank 3's daemon whichever outcomes the submitter read first (a docker CI run once blamed
+    rank 2)."""
+    chosen = ["w0", "w1", "w2", "w3"]
+    lost = {"ok": False, "worker": "w0", "error": "PeerLostError: rank 3 was lost", "lost_rank": 3}
+    stopped = {"ok": False, "worker": "w2", "error": "job 6 was failed elsewhere", "stopped": True}
+    assert _blame(6, chosen, {0: lost, 2: stopped}).startswith("job 6 failed: worker daemon w3 (rank 3) was lost")
+    assert "rank 2" not in _blame(6, chosen, {0: {**lost, "lost_rank": None}, 2: stopped})
+    own = {"ok": False, "worker": "w1", "error": "ValueError: bad batch"}
+    assert _blame(6, chosen, {1: own, 2: stopped}) == "job 6 failed: rank 1 on worker w1: ValueError: bad batch"
 
 
 def test_two_jobs_in_a_row_over_both_topologies(cluster) -> None:

@@ -250,9 +250,10 @@ class AsyncClient:
             # give the other ranks a moment to report: the rank whose own error started it all
             # usually reports a little after the peers that merely lost it
             first = beats.setdefault("\0failed", (0, now))[1]  # type: ignore[arg-type]
-            # when every failure only lost someone (a server shard that lived in a silent rank's
-            # process, say), wait until that rank's daemon is known dead and name it instead
-            only_lost = all("PeerLostError" in str(o.get("error")) for o in failed.values())
+            # when every failure only followed another (a rank lost a peer, a server shard that lived in
+            # a silent rank's process, say, or was stopped for it), wait until that rank's daemon is
+            # known dead and name it instead
+            only_lost = all(_consequence(o) for o in failed.values())
             if now - first < (dead_after + 1.0 if only_lost else 2.0):
                 return None
         if failed:
@@ -316,10 +317,16 @@ def _liveness(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "state": "lost"} if _lost(record) else record
 
 
+def _consequence(outcome: dict[str, Any]) -> bool:
+    """A rank's failure that followed another's: it lost a peer, or it was stopped because the job had
+    already failed elsewhere."""
+    return bool(outcome.get("stopped")) or "lost_rank" in outcome or "PeerLostError" in str(outcome.get("error"))
+
+
 def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> str:
     """Which rank's failure started it: one that failed of its own accord, else the rank the
     others lost, else the first to fail."""
-    causes = {r: o for r, o in failed.items() if "lost_rank" not in o and "PeerLostError" not in str(o.get("error"))}
+    causes = {r: o for r, o in failed.items() if not _consequence(o)}
     if causes:
         r = min(causes)
         return f"job {jid} failed: rank {r} on worker {causes[r].get('worker')}: {causes[r].get('error')}"
@@ -329,7 +336,7 @@ def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> st
         r = lost[0]
         first = next(o for o in failed.values() if o.get("lost_rank") == r)
         return f"job {jid} failed: worker daemon {chosen[r]} (rank {r}) was lost mid-job ({first.get('error')})"
-    r = min(failed)
+    r = min((r for r, o in failed.items() if not o.get("stopped")), default=min(failed))
     return f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}"
 
 
