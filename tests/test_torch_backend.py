@@ -232,17 +232,30 @@ def run_tutorial(program: str, backend: str, tmp: Path) -> list[str]:
     """The program as written, but the backend name (and a free port for MASTER_PORT)."""
     text = (TUTORIAL / program).read_text()
     assert text.count('backend="psring"') == 1 and text.count('"29500"') == 1
-    text = text.replace('backend="psring"', f'backend="{backend}"').replace('"29500"', f'"{free_port()}"')
     script = tmp / f"{backend}-{program}"
-    script.write_text(text)
     env = env_for(0, 1, 0)
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k)
-    res = run_tree([sys.executable, str(script)], timeout=150, env=env, cwd=tmp)
+
+    def run() -> subprocess.CompletedProcess[str]:
+        named = text.replace('backend="psring"', f'backend="{backend}"')
+        script.write_text(named.replace('"29500"', f'"{free_port()}"'))
+        return run_tree([sys.executable, str(script)], timeout=150, env=env, cwd=tmp)
+
+    res = run()
+    if backend == "gloo" and res.returncode != 0 and _gloo_exit_abort(res.stderr):
+        # the reference, not psring: gloo's threads can abort a finished process at interpreter exit
+        # (pytorch/pytorch#179291; the tutorial exits normally, as written): once more
+        res = run()
     assert res.returncode == 0, res.stdout + res.stderr
     lines = sorted(line for line in res.stdout.splitlines() if line.strip())
     assert lines, res.stderr
     return lines
+
+
+def _gloo_exit_abort(stderr: str) -> bool:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return bool(lines) and all(line == "terminate called without an active exception" for line in lines)
 
 
 @pytest.mark.parametrize("program", TUTORIAL_PROGRAMS)
