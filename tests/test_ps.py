@@ -143,3 +143,28 @@ async def test_workers_and_servers_with_different_piece_sizes_get_a_named_error(
     finally:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         end(server)
+
+
+@pytest.mark.asyncio
+async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_turning_it_away(store) -> None:
+    """What a restarted server daemon does: its port is bound at once, but a worker that reconnects
+    before the daemon has resumed its shards waits in the backlog and is then served, not rejected
+    with 'serves no shards of job'."""
+    from psring.topology.ps.server import ShardHost
+
+    host = await ShardHost(secret=None, name="resuming host").start("127.0.0.1", 0, serving=False)
+    try:
+        assert host.port != 0
+        hello = {"role": "rank", "rank": 0, "world_size": 1, "job": "resumed", "shard": 0}
+        dial = asyncio.ensure_future(open_connection("127.0.0.1", host.port, secret=None, hello=hello, timeout=10))
+        await asyncio.sleep(0.3)
+        assert not dial.done(), "a port that is not serving yet answered the handshake"
+        client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=5)
+        servers = await start_servers(client, 1, job="resumed", secret=None, shard_host=host)
+        await host.start_serving()
+        conn = await asyncio.wait_for(dial, 10)
+        assert list(conn.peer["shards"]) == [0] and conn.peer["job"] == "resumed"
+        await conn.close()
+        await servers.close()
+    finally:
+        await host.close()

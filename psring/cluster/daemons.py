@@ -462,10 +462,12 @@ class ServerDaemon(_Daemon):
         return self.id
 
     async def _open_port(self) -> None:
-        """One port for the daemon's whole life: doctor's probes while idle, every job's shards while busy."""
+        """One port for the daemon's whole life: doctor's probes while idle, every job's shards while
+        busy. Bound here but accepting only once :meth:`serve` has resumed the shards it hosted before
+        a restart: a worker reconnecting at once waits in the backlog instead of being turned away."""
         if self.host is None:
             self.host = ShardHost(secret=self.secret, name=f"psring server {self.id}")
-            await self.host.start(self.bind_host, self.port)
+            await self.host.start(self.bind_host, self.port, serving=False)
             self.port = self.host.port
 
     async def _close_port(self) -> None:
@@ -509,6 +511,8 @@ class ServerDaemon(_Daemon):
         await self.start()
         running: dict[int, tuple[int, Any]] = {}  # job -> (attempt, its shards)
         await self._resume(running)
+        assert self.host is not None
+        await self.host.start_serving()
         if running:
             self.state, self.job = "busy", max(running)
             await self._publish()

@@ -133,10 +133,14 @@ class Listener:
         self._warn_window = 0.0
         self._warned = self._quiet = 0
 
-    async def start(self, host: str, port: int) -> Listener:
+    async def start(self, host: str, port: int, *, serving: bool = True) -> Listener:
+        """Bind host:port and accept connections; with ``serving=False`` only bind (the port is
+        taken and known, connections wait in the kernel's backlog) until :meth:`start_serving`."""
         loop = asyncio.get_running_loop()
         ctx = make_ssl_context(True, self.settings)
-        self._server = await loop.create_server(self._make_protocol, host, port, ssl=ctx, reuse_address=True)
+        self._server = await loop.create_server(
+            self._make_protocol, host, port, ssl=ctx, reuse_address=True, start_serving=serving
+        )
         sock = self._server.sockets[0]
         self.host, self.port = host, sock.getsockname()[1]
         if self._secret is None and not _is_loopback(host) and host not in _warned_open_listen:
@@ -149,6 +153,11 @@ class Listener:
             )
         logger.debug("%s listening on %s:%d", self.name, host, self.port)
         return self
+
+    async def start_serving(self) -> None:
+        """Begin accepting on a port bound with ``start(..., serving=False)``."""
+        if self._server is not None:
+            await self._server.start_serving()
 
     def _make_protocol(self) -> Connection:
         conn = Connection(secret=self._secret, name=self.name, limits=self._limits, settings=self.settings)

@@ -169,7 +169,8 @@ class ShardHost:
     def port(self) -> int:
         return self.listener.port if self.listener is not None else 0
 
-    async def start(self, host: str, port: int) -> ShardHost:
+    async def start(self, host: str, port: int, *, serving: bool = True) -> ShardHost:
+        """Listen on host:port; ``serving=False`` binds only, until :meth:`start_serving`."""
         self.listener = Listener(
             self._accepted,
             secret=self.secret,
@@ -178,8 +179,12 @@ class ShardHost:
             name=self.name,
             settings=self.settings,
         )
-        await self.listener.start(host, port)
+        await self.listener.start(host, port, serving=serving)
         return self
+
+    async def start_serving(self) -> None:
+        if self.listener is not None:
+            await self.listener.start_serving()
 
     def add(self, server: ShardServer) -> None:
         if server.job in self.servers:
