@@ -153,10 +153,11 @@ async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_
     from psring.topology.ps.server import ShardHost
 
     host = await ShardHost(secret=None, name="resuming host").start("127.0.0.1", 0, serving=False)
+    hello = {"role": "rank", "rank": 0, "world_size": 1, "job": "resumed", "shard": 0}
+    dial = asyncio.ensure_future(open_connection("127.0.0.1", host.port, secret=None, hello=hello, timeout=10))
+    servers = None
     try:
         assert host.port != 0
-        hello = {"role": "rank", "rank": 0, "world_size": 1, "job": "resumed", "shard": 0}
-        dial = asyncio.ensure_future(open_connection("127.0.0.1", host.port, secret=None, hello=hello, timeout=10))
         await asyncio.sleep(0.3)
         assert not dial.done(), "a port that is not serving yet answered the handshake"
         client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=5)
@@ -165,6 +166,8 @@ async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_
         conn = await asyncio.wait_for(dial, 10)
         assert list(conn.peer["shards"]) == [0] and conn.peer["job"] == "resumed"
         await conn.close()
-        await servers.close()
     finally:
+        dial.cancel()  # a no-op once it was answered; ends the dial when an assertion above failed
+        if servers is not None:
+            await servers.close()
         await host.close()
