@@ -1,4 +1,7 @@
-"""The ``psring`` command line: each command's flags default to its PSRING_* variable.
+"""The ``psring`` command line: a flag whose help names a PSRING_* variable defaults to it.
+
+Exit codes: 0 done, 1 a failure while running (a PsringError, a job that failed), 2 bad
+arguments or a bad PSRING_* value (named in one line, no traceback).
 
 Commands: store, server, launch (``serve``); train (``train``); bench (``bench``);
 worker, submit, status, doctor, trace (``cluster``). ``psring --help-env`` lists every
@@ -13,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import settings as settings_mod
+from ..errors import PsringError
 from . import bench, cluster, serve, train
 
 
@@ -51,7 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
+    except PsringError as exc:  # a failure while running (ProtocolError, MismatchError are ValueErrors too)
+        print(f"psring {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as exc:  # what the command was given
         print(f"psring {args.command}: {exc}", file=sys.stderr)
         return 2
 

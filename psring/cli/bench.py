@@ -294,11 +294,14 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
         help="time all_reduce over N local processes",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
     b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     b.add_argument(
-        "--colocate", action="store_true", help="ps: each worker process hosts its shards (PSRING_PS_COLOCATE=1)"
+        "--colocate",
+        action="store_true",
+        default=env.ps_colocate,
+        help="ps: each worker process hosts its shards (PSRING_PS_COLOCATE=1)"
     )
     b.add_argument("--sizes", default="4,1M,16M,64M", help="comma-separated byte sizes (K, M, G suffixes)")
     b.add_argument("--dtype", default="float32")
@@ -314,9 +317,9 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     )
     b.add_argument("--params", default="25M", help="total float32 parameters (K, M suffixes: decimal)")
     b.add_argument("--tensors", type=int, default=160, help="how many tensors they are split into")
-    b.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    b.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
     b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    b.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     b.add_argument("--steps", type=int, default=5)
     b.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients as float16")
     b.add_argument("--warmup", type=int, default=1)

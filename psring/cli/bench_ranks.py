@@ -83,7 +83,7 @@ def _scale_record(rows: np.ndarray) -> dict[str, Any]:
 
 async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     t0 = time.perf_counter()
-    group = await init_group(timeout=spec.get("timeout", 300.0))
+    group = await init_group(timeout=spec.get("timeout"))
     init_us = int((time.perf_counter() - t0) * 1e6)
     try:
         setup = None
@@ -199,7 +199,7 @@ def synthetic_model(total: int, tensors: int, seed: int = 0) -> dict[str, np.nda
 
 
 async def _sgd_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
-    group = await init_group(timeout=spec.get("timeout", 300.0))
+    group = await init_group(timeout=spec.get("timeout"))
     try:
         params = synthetic_model(spec["params"], spec["tensors"])
         opt = SyncSGD(group, params, SGD(lr=0.01, momentum=0.9), compression=spec.get("compression"))

@@ -97,9 +97,12 @@ def cli_submit(args: Any) -> int:
                 text += f" acc {rec['acc']:.4f}"
             print(f"[job {job.id}] {text}", flush=True)
         result = job.wait()
-    except (PsringError, ValueError) as exc:
+    except PsringError as exc:
         print(f"psring submit: {exc}", flush=True)
         return 1
+    except ValueError as exc:  # the job's arguments (Client.submit checks them before anything runs)
+        print(f"psring submit: {exc}", flush=True)
+        return 2
     finally:
         client.close()
     if args.entrypoint is None and isinstance(result, dict) and "test_accuracy" in result:
@@ -142,11 +145,11 @@ def cli_status(args: Any) -> int:
 
 def cli_doctor(args: Any) -> int:
     if args.job is not None:
-        lines, stuck = _run(job_report(args.store, args.job, args.secret, timeout=args.timeout))
+        lines, stuck = _run(job_report(args.store, args.job, args.secret, timeout=args.check_timeout))
         for line in lines:
             print(line, flush=True)
         return 1 if stuck else 0
-    problems = _run(doctor(args.store, args.secret, timeout=args.timeout))
+    problems = _run(doctor(args.store, args.secret, timeout=args.check_timeout))
     for p in problems:
         print(f"problem: {p}", flush=True)
     if not problems:
@@ -186,9 +189,9 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
 
     p = sub.add_parser("submit", help="run a training job on a running cluster", formatter_class=fmt)
     common(p)
-    p.add_argument("--topology", choices=("ring", "ps"), default="ring")
+    p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps)")
+    p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument("--model", choices=("mlp",), default="mlp")
     p.add_argument("--dataset", choices=("digits",), default="digits")
     p.add_argument("--epochs", type=int, default=20)
@@ -201,7 +204,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--entrypoint", default=None, help="package.module:function run on every worker with a Group")
     p.add_argument("--args", default=None, help="JSON keyword arguments for the entrypoint")
     p.add_argument("--no-wait", action="store_true", help="fail at once if not enough idle daemons")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds for any one collective")
+    p.add_argument("--timeout", type=float, default=env.timeout, help="seconds for any one collective (PSRING_TIMEOUT)")
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -223,7 +226,9 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
         "doctor", help="pre-flight checks of a cluster; --job: what a running job's ranks wait in", formatter_class=fmt
     )
     common(p)
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument(
+        "--timeout", dest="check_timeout", type=float, default=5.0, help="seconds each check may take"
+    )
     p.add_argument(
         "--job",
         default=None,

@@ -52,7 +52,7 @@ async def _serve_shards(args: argparse.Namespace) -> int:
         num, ids = args.shards, None
     if num is None or num < 1:
         raise ValueError(f"--shards must be at least 1, got {num}")
-    store = await connect_store(address, secret=secret, timeout=args.timeout, role="server")
+    store = await connect_store(address, secret=secret, timeout=args.store_timeout, role="server")
     advertise = args.advertise or (
         routable_host_towards(address.host) if address.scheme == "tcp" else default_route_host()
     )
@@ -136,7 +136,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.set_defaults(func=_cmd_store)
 
     p = sub.add_parser("server", help="run parameter-server shard(s) for the ps topology", formatter_class=fmt)
-    p.add_argument("--store", required=True, help="the store, HOST:PORT (or tcp://, file://)")
+    p.add_argument(
+        "--store",
+        default=env.store,
+        required=env.store is None,
+        help="the store, HOST:PORT (or tcp://, file://; PSRING_STORE)",
+    )
     p.add_argument("--shards", type=int, default=1, help="shards this process hosts (all of them)")
     p.add_argument("--shard", type=int, default=None, help="host only shard i (with --num-shards)")
     p.add_argument("--num-shards", type=int, default=None, help="total shards when --shard is given")
@@ -144,8 +149,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--port", type=int, default=env.port, help="port (PSRING_PORT)")
     p.add_argument("--job", default=env.job, help="job name (PSRING_JOB)")
     p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to reach the store")
-    p.add_argument("--checkpoint-dir", default=None, help="write parameter-mode checkpoints here")
+    p.add_argument("--timeout", dest="store_timeout", type=float, default=60.0, help="seconds to reach the store")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=env.checkpoint_dir,
+        help="write parameter-mode checkpoints here (PSRING_CHECKPOINT_DIR)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps (and on SIGTERM)")
     p.add_argument("--restore", action="store_true", help="resume from the checkpoints in --checkpoint-dir")
     p.add_argument("--cluster", action="store_true", help="a server daemon: host the shards of submitted ps jobs")
@@ -163,10 +172,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--master-addr", default=None, help="node 0's address, as the other nodes reach it")
     p.add_argument("--master-port", type=int, default=None, help="the store's port on node 0 (one node: ephemeral)")
     p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY for the ranks")
-    p.add_argument("--servers", type=int, default=None, help="parameter-server shards (ps; PSRING_SERVERS)")
+    p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument(
         "--colocate",
         action="store_true",
+        default=env.ps_colocate,
         help="ps: the ranks host the shards in their own processes, no server processes (PSRING_PS_COLOCATE=1)",
     )
     p.add_argument(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from .. import settings as settings_mod
 from ..rendezvous.client import connect_store, parse_store_address
 from ..transport.loop import Portal
 from .daemons import HEARTBEAT_S, JobError, _secret_bytes, key, run_key
@@ -71,7 +72,7 @@ class AsyncClient:
 
     async def submit(
         self,
-        topology: str = "ring",
+        topology: str | None = None,
         workers: int = 2,
         *,
         servers: int | None = None,
@@ -80,7 +81,7 @@ class AsyncClient:
         train: dict[str, Any] | None = None,
         wait_for_workers: bool = True,
         place_timeout: float = 600.0,
-        timeout: float = 300.0,
+        timeout: float | None = None,
         max_restarts: int = 0,
     ) -> int:
         """Place a job on ``workers`` idle daemons; returns its id once every rank took it.
@@ -88,7 +89,15 @@ class AsyncClient:
         ``max_restarts``: when a rank fails (a daemon lost, a rank raising), every rank is
         stopped and the job placed again on the daemons idle then, up to this many times, as
         long as someone waits on it; the main job resumes from its latest checkpoint.
+        ``topology`` and ``timeout`` (seconds for any one collective of the job): ``None`` means this
+        process's PSRING_TOPOLOGY and PSRING_TIMEOUT.
         """
+        tuning = settings_mod.current()
+        topology = topology or tuning.topology
+        if timeout is None:
+            timeout = tuning.timeout
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
         if topology not in ("ring", "ps"):
             raise ValueError(f"topology={topology!r} is not ring or ps")
         if type(workers) is not int or workers < 1:
@@ -409,7 +418,7 @@ class Client:
             self._portal.stop()
             raise
 
-    def submit(self, topology: str = "ring", workers: int = 2, **kwargs: Any) -> Job:
+    def submit(self, topology: str | None = None, workers: int = 2, **kwargs: Any) -> Job:
         return Job(self, self._portal.call(self._inner.submit(topology, workers, **kwargs)))
 
     def status(self) -> dict[str, Any]:

@@ -391,7 +391,7 @@ class WorkerDaemon(_Daemon):
                 last[0] = now
                 asyncio.get_running_loop().create_task(self.store.set(key("jobs", jid, "progress"), json.dumps(record)))
 
-        train_spec = {**spec["train"], "timeout": spec.get("timeout", 300.0)}
+        train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))
         summary = await worker(train_spec, progress=progress, checkpoints=checkpoints)
         if self.metrics is not None and summary is not None:
@@ -405,7 +405,7 @@ class WorkerDaemon(_Daemon):
         except (ImportError, AttributeError) as exc:
             raise JobError(f"entrypoint {spec['entrypoint']!r} cannot be loaded on worker {self.id}: {exc}") from exc
         kwargs = spec.get("args") or {}
-        timeout = spec.get("timeout", 300.0)
+        timeout = spec.get("timeout")
         if inspect.iscoroutinefunction(fn):
             group = await init_group(timeout=timeout)
             try:

@@ -144,10 +144,16 @@ class _BufferPool:
     MIN_BYTES = 1 << 20
 
     def __init__(self) -> None:
-        self.cap = settings.current().buffer_pool
+        self._cap: int | None = None  # resolved on first use: importing psring never reads PSRING_*
         self.free: dict[int, list[np.ndarray]] = {}
         self.held = 0
         self.lock = threading.Lock()
+
+    @property
+    def cap(self) -> int:
+        if self._cap is None:
+            self._cap = settings.current().buffer_pool
+        return self._cap
 
     def take(self, nbytes: int) -> np.ndarray:
         with self.lock:

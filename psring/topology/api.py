@@ -26,13 +26,14 @@ async def init_group(
     world_size: int | None = None,
     store: Any = None,
     secret: str | bytes | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = None,
     **options: Any,
 ) -> Group:
     """Join (or form) a group of ``world_size`` ranks over ``topology`` ("ring" or "ps").
 
     Arguments default from the environment (RANK, WORLD_SIZE, MASTER_ADDR/MASTER_PORT,
-    PSRING_TOPOLOGY, PSRING_SECRET); a rank that is not given one gets one from the store.
+    PSRING_TOPOLOGY, PSRING_SECRET, PSRING_TIMEOUT): ``None`` always means "the setting". A rank
+    that is not given one gets one from the store.
     ``store`` is an address (``host:port``, ``tcp://``, ``env://``, ``torch://``, ``file://``) or
     an open store client with an ``address`` (e.g. a TorchStoreClient over torch's c10d store).
     """

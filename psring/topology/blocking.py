@@ -135,7 +135,7 @@ def init(
     world_size: int | None = None,
     store: Any = None,
     secret: str | bytes | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = None,
     **options: Any,
 ) -> BlockingGroup:
     """Blocking ``init_group``: same arguments; returns a :class:`BlockingGroup`."""
