@@ -24,6 +24,8 @@ import psring
 from psring import settings as settings_mod
 from psring.cli import build_parser
 
+from .conftest import end, run_tree, spawn
+
 FIELDS = {f.name: f for f in settings_mod.variables()}
 BY_VARIABLE = {f.metadata["env"]: f for f in settings_mod.variables()}
 
@@ -167,11 +169,11 @@ def test_psring_timeout_is_the_deadline_of_a_launched_job(tmp_path: Path) -> Non
     job = tmp_path / "job.py"
     job.write_text(JOB)
     start = time.monotonic()
-    run = _psring(
-        "launch", "-n", "2", "--", sys.executable, str(job), "8",
-        env={"PSRING_TIMEOUT": "1.5", "PSRING_STALL_S": "inf"},
+    run = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", "2", "--", sys.executable, str(job), "8"],
+        env={**os.environ, "PSRING_TIMEOUT": "1.5", "PSRING_STALL_S": "inf"},
         timeout=80,
-    )  # fmt: skip
+    )
     found = re.search(r"rank 0: CollectiveTimeoutError after ([\d.]+)s", run.stdout)
     assert found, (run.returncode, run.stdout, run.stderr)
     assert float(found.group(1)) < 5.0, run.stdout
@@ -213,3 +215,71 @@ def test_a_psring_error_that_is_a_value_error_exits_1(monkeypatch: pytest.Monkey
     monkeypatch.setattr(cluster, "cli_status", mismatched)
     assert cli.main(["status", "--store", "127.0.0.1:1"]) == 1
     assert "rank 1 called broadcast" in capsys.readouterr().err
+
+
+RANK_JOB = textwrap.dedent(
+    """
+    import time
+    import numpy as np
+    import psring
+
+    start = time.monotonic()
+    try:
+        g = psring.init(topology="ring")
+    except psring.MismatchError as exc:
+        print(f"MismatchError at set-up: {exc}", flush=True)
+        raise SystemExit(4)
+    for _ in range(3):
+        y = g.all_reduce(np.full(4, g.rank + 1, np.float32))
+    print(f"rank {g.rank}: {y.tolist()} after {time.monotonic() - start:.1f}s", flush=True)
+    g.close()
+    """
+)
+
+
+def _ranks(store_port: int, per_rank: list[dict[str, str]]) -> list[str]:
+    """Start one process per rank, each with its own PSRING_* overrides; their outputs (all ended by PID)."""
+    n = len(per_rank)
+    procs = [
+        spawn(
+            ["-c", RANK_JOB],
+            {
+                "RANK": str(r), "WORLD_SIZE": str(n), "PSRING_STORE": f"127.0.0.1:{store_port}",
+                "PSRING_JOB": "paths", "PSRING_TIMEOUT": "20", "PSRING_STALL_S": "inf", **extra,
+            },
+        )
+        for r, extra in enumerate(per_rank)
+    ]
+    try:
+        for proc in procs:
+            proc.wait(timeout=60)
+    finally:
+        outputs = [end(proc) for proc in procs]
+    return outputs
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.asyncio
+async def test_ranks_with_different_rooted_thresholds_agree_on_one_path(store: psring.StoreServer) -> None:
+    import asyncio
+
+    # rank 0 would send a small all_reduce straight to everyone, ranks 1 and 2 through a root
+    outputs = await asyncio.to_thread(_ranks, store.port, [{"PSRING_RING_ROOTED_MIN": "0"}, {}, {}])
+    for r, out in enumerate(outputs):
+        found = re.search(rf"rank {r}: \[6.0, 6.0, 6.0, 6.0\] after ([\d.]+)s", out)
+        assert found, out
+        assert float(found.group(1)) < 15, out  # not the 20 s timeout
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.asyncio
+async def test_a_piece_size_that_differs_is_named_at_set_up(store: psring.StoreServer) -> None:
+    import asyncio
+
+    outputs = await asyncio.to_thread(_ranks, store.port, [{}, {"PSRING_RING_PIECE": "64K"}])
+    for out in outputs:
+        assert re.search(
+            r"MismatchError at set-up: rank \d: PSRING_RING_PIECE differs across the ranks of job 'paths': "
+            r"rank \d has \d+, rank \d has \d+; set it to the same value for every rank",
+            out,
+        ), out

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from ...core.fold import Layout, host_layout
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
+from ...errors import CollectiveTimeoutError, MismatchError, PeerLostError, ProtocolError, PsringError, StoreError
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
@@ -116,10 +116,44 @@ class PeerNet(PlaneLinks):
                 logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
                 self.mesh = None
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
+        await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(self.path_settings()))
         where = [self.tuning.host_id or host_key(), self.tuning.hierarchical]
         await self.store.set(f"{self.prefix}/host/{self.rank}", msgpack.packb(where))
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
+
+    def path_settings(self) -> dict[str, int]:
+        """This rank's settings that decide which path a call takes or how it is cut into frames:
+        ranks that differ would wait on frames the others never send (agreed in resolve)."""
+        return {
+            "PSRING_RING_ROOTED_MIN": self.tuning.ring_rooted_min,
+            "PSRING_RING_PIECE": self.tuning.ring_piece,
+            "PSRING_RING_PLANE_PIECE": self.tuning.ring_plane_piece,
+        }
+
+    async def _agree_paths(self) -> None:
+        """The same path on every rank: thresholds are agreed (the largest, so a path is taken only
+        when every rank would take it); a piece size that differs is named, since no value is right."""
+        offers: dict[int, dict[str, int]] = {}
+        for r in range(self.world_size):
+            raw = await self.store.get(f"{self.prefix}/paths/{r}")
+            try:
+                offer = msgpack.unpackb(raw) if raw else None
+            except (TypeError, ValueError):
+                offer = None
+            if isinstance(offer, dict):
+                offers[r] = offer
+        rooted = [o.get("PSRING_RING_ROOTED_MIN") or 1 << 30 for o in offers.values()]
+        self.rooted_min = max([*rooted, self.rooted_min])
+        for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
+            values = {r: o.get(name) for r, o in offers.items()}
+            if len(set(values.values())) > 1:
+                mine = values.get(self.rank)
+                others = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()) if v != mine)
+                raise MismatchError(
+                    f"rank {self.rank}: {name} differs across the ranks of job {self.settings.job!r}: "
+                    f"rank {self.rank} has {mine}, {others}; set it to the same value for every rank"
+                )
 
     async def resolve(self, timeout: float) -> None:
         keys = [f"{self.prefix}/addr/{r}" for r in range(self.world_size)]
@@ -138,6 +172,7 @@ class PeerNet(PlaneLinks):
             assert raw is not None
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
+        await self._agree_paths()
         shm_min = 1 << 62
         if self.plane is not None:  # every rank must take the same path: the plane only if all can
             offers: list[tuple[int, int]] = []
