@@ -246,3 +246,20 @@ async def test_closed_group_refuses_calls(make_groups, topology: str) -> None:
     await groups[0].close()  # idempotent
     with pytest.raises(psring.GroupClosedError, match=r"is closed$"):
         await groups[0].all_reduce(np.zeros(1))
+
+
+async def test_a_receive_callback_that_raises_fails_its_collective_not_the_link(make_groups, topology: str) -> None:
+    """Any exception in a receive callback (a bug, say) fails that one collective on both topologies;
+    it must not escape into the link's receive loop, which would treat the peer as broken (#35)."""
+    groups = await make_groups(2, topology)
+
+    def boom(conn: object, header: dict, payload: object) -> None:
+        raise KeyError("nbytes")
+
+    for g in groups:
+        coll = g._begin("all_reduce", np.ones(4, np.float32), "sum")
+        g._guard(coll, boom)(None, {}, None)  # must not raise
+        assert isinstance(coll.done.exception(), KeyError)
+        g._end(coll, False)
+    ys = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0, np.float32)) for g in groups))
+    assert all(np.array_equal(y, np.full(4, 3.0, np.float32)) for y in ys)

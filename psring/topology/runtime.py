@@ -9,7 +9,7 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -117,6 +117,21 @@ class CollectiveRuntime:
         self._active[seq] = coll
         self.mailbox.inspect((self.gid, seq), coll.inspect)
         return coll
+
+    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a receive callback: any error in it fails this collective, never the link it came on
+        (a link's receive loop treats an escaping exception as a broken peer). Both topologies."""
+
+        def callback(*args: Any) -> None:
+            try:
+                fn(*args)
+            except PsringError as exc:
+                coll.fail(exc)
+            except Exception as exc:  # a bug: surface it on the collective, with its traceback in the log
+                logger.exception("%r: receive callback of %s failed", self, coll.label)
+                coll.fail(exc)
+
+        return callback
 
     def _end(self, coll: Collective, ok: bool) -> None:
         self._active.pop(coll.seq, None)

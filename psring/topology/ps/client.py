@@ -302,14 +302,6 @@ class PsGroup(ParameterMode, Group):
         for conn in used:
             await conn.flush()
 
-    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
-        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
-            try:
-                fn(conn, header, payload)
-            except PsringError as exc:
-                coll.fail(exc)
-
-        return callback
 
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...core.arrays import byte_view, result_empty
 from ...core.fold import finish_avg, pieces, reduce_op, ring_chunk_bounds
-from ...errors import ProtocolError, PsringError
+from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import SMALL_BYTES
@@ -39,19 +39,6 @@ class Pipeline:
             done.set_result(None)
         return done, one_done
 
-    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
-        """Wrap a receive callback: any error in it fails the collective, not the connection."""
-
-        def callback(conn: Connection, header: dict[str, Any], payload: Any) -> None:
-            try:
-                fn(conn, header, payload)
-            except PsringError as exc:
-                coll.fail(exc)
-            except Exception as exc:  # pragma: no cover - a bug; surface it on the collective
-                logger.exception("%r: receive callback failed", self)
-                coll.fail(exc)
-
-        return callback
 
     async def _ring_reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
         """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
