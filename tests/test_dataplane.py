@@ -9,6 +9,7 @@ that cannot run the plane must make everyone fall back together.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import threading
 import time
@@ -233,7 +234,7 @@ async def test_input_wait_is_honoured_off_the_plane_too(make_groups) -> None:
     groups = await make_groups(2)
     n = 40_000  # 160 KB: the loop path (plane threshold raised below)
     for g in groups:
-        g.net.plane_min = 1 << 40  # type: ignore[attr-defined]
+        g.net.paths = dataclasses.replace(g.net.paths, plane_min=1 << 40)  # type: ignore[attr-defined]
     xs = [np.arange(n, dtype=np.float64) * (r + 1) for r in range(2)]
 
     async def rank(g: psring.Group) -> np.ndarray:

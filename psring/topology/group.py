@@ -43,8 +43,6 @@ from .runtime import RECENT, CollectiveRuntime, RecvWait
 
 logger = logging.getLogger(__name__)
 
-#: tensors up to this many bytes use the one-hop paths (all ranks exchange whole tensors)
-SMALL_BYTES = 64 << 10
 #: with PSRING_GPU_OVERLAP=1, cupy all_reduces of at least this many bytes copy their input off
 #: the device range by range while the network already moves the first ranges (where the
 #: implementation can: the ring's data plane). Off by default: with 4 ranks sharing one GPU it

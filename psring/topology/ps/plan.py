@@ -6,7 +6,8 @@ neither has to tell the other.
 
 from __future__ import annotations
 
-from ..group import SMALL_BYTES
+#: tensors up to this many bytes go whole to one shard (seq mod shards); larger ones are split over all
+WHOLE_MAX_BYTES = 64 << 10
 
 FOLD_KINDS = ("all_reduce", "reduce", "reduce_scatter")
 RELAY_KINDS = ("broadcast", "all_gather", "gather")
@@ -19,7 +20,7 @@ SHARED_KINDS = (*FOLD_KINDS, *RELAY_KINDS)
 def plan(kind: str, n: int, itemsize: int, shards: int, seq: int) -> list[tuple[int, int, int]]:
     """Which shards take part in collective #seq, and the slice [a, b) of the flat tensor each owns.
 
-    Tensors above SMALL_BYTES are split into ``shards`` contiguous slices of equal
+    Tensors above WHOLE_MAX_BYTES are split into ``shards`` contiguous slices of equal
     size (balanced by bytes), so one huge tensor spreads over every server. Smaller
     ones, barriers and empty tensors go whole to one shard, ``seq % shards``, so
     consecutive small collectives spread over the servers too. Scatter involves
@@ -30,7 +31,7 @@ def plan(kind: str, n: int, itemsize: int, shards: int, seq: int) -> list[tuple[
         return [(s, 0, 0) for s in range(shards)]
     if kind == "barrier":
         return [(seq % shards, 0, 0)]
-    if n * itemsize <= SMALL_BYTES or n < shards:
+    if n * itemsize <= WHOLE_MAX_BYTES or n < shards:
         return [(seq % shards, 0, n)]
     return [(s, s * n // shards, (s + 1) * n // shards) for s in range(shards)]
 

@@ -5,6 +5,8 @@ The tunable sizes and thresholds are settings (psring.settings: PSRING_RING_*).
 
 from __future__ import annotations
 
+from .paths import SMALL_BYTES
+
 # phases in data tags: (gid, seq, phase, ...)
 RS, AG, DIRECT, BCAST, GATHER_RING, TO_ROOT, SCATTER, RESULT = range(8)
 
@@ -12,8 +14,9 @@ RS, AG, DIRECT, BCAST, GATHER_RING, TO_ROOT, SCATTER, RESULT = range(8)
 #: rank before its own timeout names the root
 ROOT_REPORT_GRACE = 1.0
 
-#: the largest payload that takes the same-host links (the rest of a message is its header)
-MESH_MAX_BYTES = 64 << 10
+#: the largest payload that takes the same-host links (the rest of a message is its header): what the
+#: one-hop paths send (ring.paths.SMALL_BYTES), one number under the name each side reads it by
+MESH_MAX_BYTES = SMALL_BYTES
 #: messages that may wait for a collective (or subgroup) this rank has not reached yet
 MESH_EARLY_MAX = 100_000
 

@@ -14,8 +14,8 @@ from ...core.fold import finish_avg, pieces, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from ..group import SMALL_BYTES
 from .constants import AG, DIRECT, RS
+from .paths import Path
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,10 @@ class Fp16Ring:
     async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
         n_ranks = self.world_size
         q = quantize(x, e)
-        if x.nbytes <= SMALL_BYTES and n_ranks >= self.net.rooted_min:  # the result travels as float16 too
+        path = self._all_reduce_path(x.nbytes, fp16=True)
+        if path is Path.ROOTED:  # the result travels as float16 too
             return dequantize(await self._rooted(coll, q, lambda b: fold_fp16(b, op, e, np.empty_like(q))), e)
-        if n_ranks == 1 or x.nbytes <= SMALL_BYTES:
+        if path is Path.DIRECT:
             bufs = np.empty((n_ranks, x.size), np.float16)
             bufs[self.rank] = q
             if n_ranks > 1:

@@ -28,11 +28,12 @@ from ...rendezvous.join import assign_rank, open_store_for, release_store
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
-from ..group import SMALL_BYTES, Group
+from ..group import Group
 from .constants import SCATTER
 from .fp16 import Fp16Ring
 from .hier import Hierarchical
 from .net import PeerNet
+from .paths import Path, choose_all_reduce, choose_reduce
 from .pipeline import Pipeline
 from .plane import PlaneDriver
 from .small import SmallPaths, _MeshSlot
@@ -85,6 +86,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
                 await net.open_plane(settings.timeout)
             if net.mesh is not None:
                 await net.open_mesh(settings.timeout)
+            net.freeze_paths()
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group
@@ -133,34 +135,45 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
         for conn in conns:
             await conn.flush()
 
+    def _all_reduce_path(self, nbytes: int, fp16: bool = False) -> Path:
+        """This call's path: ring.paths decides, from what every rank agreed (see choose_all_reduce)."""
+        plane = self.net.plane
+        return choose_all_reduce(
+            nbytes,
+            self.world_size,
+            self.net.paths,
+            world=self.gid == "0",
+            fp16=fp16,
+            plane_up=plane is not None and plane.ready,
+        )
+
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        hosts = self._hier_hosts()
-        if hosts is not None:  # ranks on several hosts: the two-level order, whatever the size
-            if coll.input_wait is not None:
-                coll.input_wait(0, x.size)
-            if x.nbytes <= SMALL_BYTES:
-                return await self._gather_and_fold(coll, x, op, hosts=hosts)  # type: ignore[no-any-return]
-            return await self._hier_all_reduce(coll, x, op, hosts)
-        plane = self._plane_for(x.nbytes)
-        if plane is not None:
-            return await self._plane_all_reduce(coll, x, op, plane)
-        if coll.input_wait is not None:  # the input is still coming off the device: this path needs all of it
+        path = self._all_reduce_path(x.nbytes)
+        if path is Path.PLANE:  # reads its input range by range (coll.input_wait): see _input_order
+            assert self.net.plane is not None
+            return await self._plane_all_reduce(coll, x, op, self.net.plane)
+        if coll.input_wait is not None:  # the input is still coming off the device: the others need all of it
             coll.input_wait(0, x.size)
-        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
-            return await self._gather_and_fold(coll, x, op)  # type: ignore[no-any-return]
-        return await self._ring_reduce(coll, x, op, mode="all")
+        if path is Path.HIERARCHICAL:
+            assert self.net.hosts is not None
+            return await self._hier_all_reduce(coll, x, op, self.net.hosts)
+        if path is Path.RING:
+            return await self._ring_reduce(coll, x, op, mode="all")
+        return await self._gather_and_fold(coll, x, op, hosts=self._hier_hosts(), path=path)  # type: ignore[no-any-return]
 
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
-        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
-            out = await self._gather_and_fold(coll, x, op)
-        else:
+        path = choose_reduce(x.nbytes, self.world_size, self.net.paths, to_all=True)
+        if path is Path.RING:
             out = await self._ring_reduce(coll, x, op, mode="scatter")
+        else:
+            out = await self._gather_and_fold(coll, x, op, path=path)
         return out[a:b].copy()  # type: ignore[no-any-return]
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
-        if self.world_size == 1 or x.nbytes <= SMALL_BYTES:
-            return await self._gather_and_fold(coll, x, op, dst)  # type: ignore[no-any-return]
+        path = choose_reduce(x.nbytes, self.world_size, self.net.paths, to_all=False)
+        if path is not Path.RING:
+            return await self._gather_and_fold(coll, x, op, dst, path=path)  # type: ignore[no-any-return]
         out = await self._ring_reduce(coll, x, op, mode="reduce", dst=dst)
         return out if self.rank == dst else None
 

@@ -26,6 +26,7 @@ from ...transport.unixnet import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
+from .paths import NEVER, RingPaths
 from .plane import PlaneLinks
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class PeerNet(PlaneLinks):
         self.settings = settings
         self.tuning = settings.tuning
         #: from this world size on, small calls go through a rotating root (PSRING_RING_ROOTED_MIN)
-        self.rooted_min = settings.tuning.ring_rooted_min or 1 << 30
+        self.rooted_min = settings.tuning.ring_rooted_min or NEVER
+        #: what every rank decides paths by (ring.paths), frozen once set-up agreed it (freeze_paths)
+        self.paths = RingPaths(rooted_min=self.rooted_min)
         self.store = store
         self.prefix = prefix
         self._counted = False
@@ -74,7 +77,7 @@ class PeerNet(PlaneLinks):
         self.listener: Listener | None = None
         self.embedded_store: StoreServer | None = None
         self.plane: DataPlane | None = None
-        self.plane_min = 1 << 62  # all_reduces of this many bytes or more take the plane (agreed in resolve)
+        self.plane_min = NEVER  # all_reduces of this many bytes or more take the plane (agreed in resolve)
         self.plane_offer = max(self.tuning.ring_plane_min, 1)  # this rank's own threshold, published for that
         self.plane_shm_offer = max(min(self.tuning.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
         if world_size > 1 and plane_possible(self.tuning):
@@ -143,7 +146,7 @@ class PeerNet(PlaneLinks):
                 offer = None
             if isinstance(offer, dict):
                 offers[r] = offer
-        rooted = [o.get("PSRING_RING_ROOTED_MIN") or 1 << 30 for o in offers.values()]
+        rooted = [o.get("PSRING_RING_ROOTED_MIN") or NEVER for o in offers.values()]
         self.rooted_min = max([*rooted, self.rooted_min])
         for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
             values = {r: o.get(name) for r, o in offers.items()}
@@ -154,6 +157,14 @@ class PeerNet(PlaneLinks):
                     f"rank {self.rank}: {name} differs across the ranks of job {self.settings.job!r}: "
                     f"rank {self.rank} has {mine}, {others}; set it to the same value for every rank"
                 )
+
+    def freeze_paths(self) -> None:
+        """Fix the thresholds the ranks agreed (resolve) and the links they opened as this job's RingPaths."""
+        self.paths = RingPaths(
+            rooted_min=self.rooted_min,
+            plane_min=self.plane_min if self.plane is not None else NEVER,
+            hierarchical=self.hosts is not None,
+        )
 
     async def resolve(self, timeout: float) -> None:
         keys = [f"{self.prefix}/addr/{r}" for r in range(self.world_size)]
@@ -173,7 +184,7 @@ class PeerNet(PlaneLinks):
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
         await self._agree_paths()
-        shm_min = 1 << 62
+        shm_min = NEVER
         if self.plane is not None:  # every rank must take the same path: the plane only if all can
             offers: list[tuple[int, int]] = []
             for r in range(self.world_size):

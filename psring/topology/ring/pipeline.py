@@ -16,8 +16,8 @@ from ...core.fold import finish_avg, pieces, reduce_op, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from ..group import SMALL_BYTES
 from .constants import AG, BCAST, DIRECT, GATHER_RING, RS
+from .paths import SMALL_BYTES
 
 logger = logging.getLogger(__name__)
 

@@ -19,6 +19,7 @@ from ...transport.dataplane import DataPlane, PlaneLinkError, PlaneMismatch, Shm
 from ...transport.listener import open_connection
 from ..collective import Collective
 from .constants import PLANE_GRACE
+from .paths import Path
 
 logger = logging.getLogger(__name__)
 
@@ -26,22 +27,10 @@ logger = logging.getLogger(__name__)
 class PlaneDriver:
     """Part of :class:`~psring.topology.ring.group.RingGroup`: large all_reduces on the data plane."""
 
-    def _plane_for(self, nbytes: int) -> DataPlane | None:
-        plane = self.net.plane
-        if (
-            plane is not None
-            and self.gid == "0"
-            and plane.ready
-            and nbytes >= self.net.plane_min
-            and not self.net.hosts
-        ):
-            return plane
-        return None
-
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         """On the data plane this rank reads its input chunk by chunk: its own chunk first
         (sent as is), then the chunks it folds, in ring order."""
-        if self.world_size == 1 or self._plane_for(nbytes) is None:
+        if self._all_reduce_path(nbytes) is not Path.PLANE:
             return None
         n_ranks, me = self.world_size, self.rank
         bounds = ring_chunk_bounds(count, n_ranks)

@@ -19,9 +19,9 @@ from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from ..group import SMALL_BYTES
 from .constants import DIRECT, MESH_EARLY_MAX, MESH_MAX_BYTES, RESULT, ROOT_REPORT_GRACE, TO_ROOT
 from .net import PeerNet
+from .paths import SMALL_BYTES, Path
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,12 @@ class SmallPaths:
             and x.nbytes <= SMALL_BYTES
             and x.flags.c_contiguous
             and (op, x.dtype) in _VALID_OPS
+            and (path := self._all_reduce_path(x.nbytes)) in (Path.DIRECT, Path.ROOTED)
         ):
             coll = self._begin("all_reduce", x, op)
-            out = await self._run(coll, self._gather_and_fold(coll, x.reshape(-1), op, hosts=self._hier_hosts()))
+            out = await self._run(
+                coll, self._gather_and_fold(coll, x.reshape(-1), op, hosts=self._hier_hosts(), path=path)
+            )
             return out.reshape(x.shape)
         out = await super().all_reduce(x, op, compression)
         if type(x) is np.ndarray:
@@ -262,12 +265,19 @@ class SmallPaths:
 
     # -------------------------------------------------------------- collectives
     async def _gather_and_fold(
-        self, coll: Collective, x: np.ndarray, op: str, dst: int | None = None, hosts: Layout | None = None
+        self,
+        coll: Collective,
+        x: np.ndarray,
+        op: str,
+        dst: int | None = None,
+        hosts: Layout | None = None,
+        path: Path = Path.DIRECT,
     ) -> Any:
-        """One-hop path: every rank's x goes to dst (None: to every rank), folded there in canonical order
-        (with ``hosts``, all_reduce across hosts: the two-level order)."""
+        """One-hop path (``path``, chosen by ring.paths: DIRECT or, to every rank, ROOTED): every rank's x
+        goes to dst (None: to every rank), folded there in canonical order (with ``hosts``, all_reduce
+        across hosts: the two-level order)."""
         n_ranks, me = self.world_size, self.rank
-        if dst is None and n_ranks >= self.net.rooted_min:
+        if dst is None and path is Path.ROOTED:
             return await self._rooted(coll, x, lambda bufs: canonical_fold(bufs, op, np.empty_like(x), hosts=hosts))
         ranks = list(range(n_ranks))
         receives = dst is None or me == dst
@@ -302,7 +312,7 @@ class SmallPaths:
     async def _barrier(self, coll: Collective) -> None:
         n_ranks, me = self.world_size, self.rank
         ranks = list(range(n_ranks))
-        if n_ranks >= self.net.rooted_min:  # through a rotating root, as a small all_reduce: 2(N-1) frames
+        if self.net.paths.one_hop(n_ranks) is Path.ROOTED:  # through a rotating root, as a small all_reduce
             root = coll.seq % n_ranks
             if me == root:
                 await self._direct_exchange(coll, None, DIRECT, None, ranks, [])

@@ -1,0 +1,95 @@
+"""Which path a ring reduction takes: one pure decision over thresholds every rank agreed.
+
+Every rank of a call must take the same path, or each waits on frames the others never
+send. So the decision depends only on what is the same everywhere: the call (its size,
+the group's size, whether it is the job's whole group, compression) and a frozen
+:class:`RingPaths` built once at set-up from the agreed settings (PeerNet.resolve agrees
+PSRING_RING_ROOTED_MIN, the data plane's thresholds and the host layout). Nothing here
+sees a socket; ``tests/test_ring_paths.py`` checks the table alone, and docs/design.md
+prints it (:func:`describe`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: tensors up to this many bytes take a one-hop path (every rank's tensor goes where it is folded)
+#: instead of the pipelined ring; also the largest payload the same-host Unix links carry
+SMALL_BYTES = 64 << 10
+
+#: "never": a threshold no tensor reaches
+NEVER = 1 << 62
+
+
+class Path(enum.Enum):
+    """The ways the ring reduces a tensor (all give the canonical fold's bits)."""
+
+    #: every rank sends its whole tensor to every rank (or to dst) and folds: one hop, N(N-1) frames
+    DIRECT = "direct"
+    #: every rank sends to the call's root (seq mod N), which folds and sends the result back: 2(N-1) frames
+    ROOTED = "rooted"
+    #: pipelined reduce-scatter then all-gather over the ring links, on the event loop
+    RING = "ring"
+    #: the same schedule on the threaded data plane (its own sockets or shared memory)
+    PLANE = "plane"
+    #: reduce within each host, ring across hosts, spread within the host again
+    HIERARCHICAL = "hierarchical"
+
+
+@dataclass(frozen=True)
+class RingPaths:
+    """The agreed thresholds a job's ranks decide paths by (the same object on every rank)."""
+
+    #: group size from which small calls go through a root (PSRING_RING_ROOTED_MIN, agreed: the largest)
+    rooted_min: int = NEVER
+    #: all_reduces of the job's group from this many bytes take the data plane (NEVER: no plane)
+    plane_min: int = NEVER
+    #: the job's group reduces in two levels (the ranks' hosts make a layout, nobody turned it off)
+    hierarchical: bool = False
+    small_bytes: int = SMALL_BYTES
+
+    def small(self, nbytes: int, n_ranks: int) -> bool:
+        return n_ranks == 1 or nbytes <= self.small_bytes
+
+    def one_hop(self, n_ranks: int, *, to_all: bool = True) -> Path:
+        """The one-hop path of a small reduction: ROOTED when its result goes to every rank and the
+        group is large enough, else DIRECT."""
+        return Path.ROOTED if to_all and n_ranks >= self.rooted_min else Path.DIRECT
+
+
+def choose_all_reduce(
+    nbytes: int, n_ranks: int, paths: RingPaths, *, world: bool = True, fp16: bool = False, plane_up: bool = True
+) -> Path:
+    """The path of an all_reduce of ``nbytes`` over ``n_ranks`` ranks.
+
+    ``world``: the call is on the job's whole group (subgroups have no plane and no host layout).
+    ``fp16``: float16 on the wire (the compressed ring: never the plane or the two levels).
+    ``plane_up``: this rank's data plane is running (it is on every rank once set up; a closed one
+    means the group is broken anyway).
+    """
+    if fp16:
+        return paths.one_hop(n_ranks) if paths.small(nbytes, n_ranks) else Path.RING
+    if world and paths.hierarchical and n_ranks > 1:
+        return paths.one_hop(n_ranks) if nbytes <= paths.small_bytes else Path.HIERARCHICAL
+    if world and plane_up and n_ranks > 1 and nbytes >= paths.plane_min:
+        return Path.PLANE
+    return paths.one_hop(n_ranks) if paths.small(nbytes, n_ranks) else Path.RING
+
+
+def choose_reduce(nbytes: int, n_ranks: int, paths: RingPaths, *, to_all: bool) -> Path:
+    """The path of a reduce_scatter (``to_all``: every rank gets its slice of the fold) or a reduce to one
+    rank: a one-hop path when small, else the pipelined ring."""
+    return paths.one_hop(n_ranks, to_all=to_all) if paths.small(nbytes, n_ranks) else Path.RING
+
+
+def describe(paths: RingPaths) -> list[str]:
+    """The decision as lines a person reads (docs/design.md, ``psring advise``)."""
+    rooted = "never" if paths.rooted_min >= NEVER else f"from {paths.rooted_min} ranks"
+    plane = "off" if paths.plane_min >= NEVER else f"from {paths.plane_min} bytes"
+    return [
+        f"all_reduce up to {paths.small_bytes} bytes: one hop (through a rotating root {rooted}, else direct)",
+        "all_reduce of the job's group across hosts: hierarchical" if paths.hierarchical else "hosts: one level",
+        f"all_reduce of the job's group on the threaded data plane {plane}",
+        "every other all_reduce: the pipelined ring on the event loop; float16 on the wire: never the plane",
+    ]
