@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 import psring
 from psring.core import wire
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.group import SMALL_BYTES
-from psring.topology.ps.plan import plan
+from psring.topology.ps.plan import WHOLE_MAX_BYTES, plan
 from psring.topology.ps.server import start_servers
 from psring.transport.listener import open_connection
 from psring.transport.mailbox import Mailbox
@@ -40,7 +39,7 @@ def test_partition_owns_every_element_once_balanced_and_deterministic(n, itemsiz
         assert a == pos
         pos = b
     assert pos == n
-    if n * itemsize > SMALL_BYTES and n >= shards:
+    if n * itemsize > WHOLE_MAX_BYTES and n >= shards:
         sizes = [b - a for _, a, b in layout]
         assert len(layout) == shards  # a large tensor spreads over every shard
         assert max(sizes) - min(sizes) <= 1  # balanced by bytes
@@ -95,7 +94,7 @@ async def test_shard_drops_a_malformed_client_and_serves_the_others(store, make_
 async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> None:
     groups = await make_groups(2, "ps", servers_n=1)
     conn = groups[1].links.shards[0]
-    x = np.ones(100_000, np.float32)  # > SMALL_BYTES: pieces are checked against the plan
+    x = np.ones(100_000, np.float32)  # > WHOLE_MAX_BYTES: pieces are checked against the plan
     coll_desc = ("all_reduce", "float32", (100_000,), "sum", None)
     # rank 1 joins, then pushes a piece of the wrong length by hand
     conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": coll_desc, "src": 1, "size": 2})
