@@ -24,6 +24,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the topologies psring ships, in the order commands list them (topology.Group.registry holds their classes)
+TOPOLOGY_NAMES = ("ring", "ps")
+
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -108,7 +111,9 @@ class Settings:
     """Every PSRING_* setting, resolved (see the module docstring)."""
 
     # ------------------------------------------------------------ the job
-    topology: str = _var("PSRING_TOPOLOGY", "ring", choice("ring", "ps"), "topology when none is given: ring or ps")
+    topology: str = _var(
+        "PSRING_TOPOLOGY", "ring", choice(*TOPOLOGY_NAMES), "topology when none is given: ring or ps"
+    )
     store: str | None = _var(
         "PSRING_STORE", None, parse_text, "the store: host:port, tcp://, env:// (MASTER_ADDR/MASTER_PORT) or file://dir"
     )
@@ -476,6 +481,7 @@ def markdown() -> str:
 
 
 __all__ = [
+    "TOPOLOGY_NAMES",
     "Settings",
     "current",
     "help_text",

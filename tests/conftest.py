@@ -18,9 +18,10 @@ import uvloop
 import psring
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.rendezvous.store import StoreServer, start_store
+from psring.settings import TOPOLOGY_NAMES
 from psring.topology.ps.server import ShardServer, start_servers
 
-TOPOLOGIES = ["ring", "ps"]
+TOPOLOGIES = list(TOPOLOGY_NAMES)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:

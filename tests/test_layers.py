@@ -179,3 +179,18 @@ def test_every_link_in_the_docs_resolves() -> None:
             if path.startswith("..") and not (page.parent / path).resolve().is_relative_to(root):
                 broken.append(f"{page.relative_to(root)}: {target} is outside the repository")
     assert not broken, "\n".join(broken)
+
+
+def test_the_topology_names_are_the_registry() -> None:
+    """One list of topology names (settings.TOPOLOGY_NAMES): every CLI choice and check reads it, and it
+    names exactly the Group classes that registered themselves."""
+    from psring.settings import TOPOLOGY_NAMES
+    from psring.topology.group import Group
+
+    assert set(Group.registry) == set(TOPOLOGY_NAMES)
+    spelled_out = [
+        str(path.relative_to(PKG.parent))
+        for path in sorted(PKG.rglob("*.py"))
+        if '("ring", "ps")' in path.read_text() or '["ring", "ps"]' in path.read_text()
+    ]
+    assert spelled_out == ["psring/settings.py"], spelled_out

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import settings as settings_mod
 from ..rendezvous.launch import launch
-from ..settings import Settings
+from ..settings import TOPOLOGY_NAMES, Settings
 from ..transport.loop import new_event_loop
 
 _SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -294,7 +294,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
         help="time all_reduce over N local processes",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    b.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
+    b.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY")
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     b.add_argument(
@@ -317,7 +317,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     )
     b.add_argument("--params", default="25M", help="total float32 parameters (K, M suffixes: decimal)")
     b.add_argument("--tensors", type=int, default=160, help="how many tensors they are split into")
-    b.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
+    b.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY")
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     b.add_argument("--steps", type=int, default=5)

@@ -11,9 +11,9 @@ from ..cluster.daemons import ServerDaemon, WorkerDaemon, _Daemon
 from ..cluster.doctor import doctor, job_report
 from ..cluster.trace import read_events, to_chrome_trace
 from ..errors import PsringError
-from ..settings import Settings
+from ..settings import TOPOLOGY_NAMES, Settings
 from ..transport.loop import new_event_loop
-from .train import print_summary
+from .train import add_train_flags, print_summary, train_settings
 
 
 # ------------------------------------------------------------------------ CLI
@@ -55,16 +55,7 @@ def cli_server_daemon(args: Any) -> int:
 
 
 def cli_submit(args: Any) -> int:
-    train = {
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "momentum": args.momentum,
-        "optimizer": args.optimizer,
-        "compression": None if args.compression == "none" else args.compression,
-        "seed": args.seed,
-        "checkpoint_every": args.checkpoint_every,
-    }
+    train = train_settings(args)
     try:
         extra = json.loads(args.args) if args.args else {}
     except ValueError as exc:
@@ -189,18 +180,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
 
     p = sub.add_parser("submit", help="run a training job on a running cluster", formatter_class=fmt)
     common(p)
-    p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY")
+    p.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument("--model", choices=("mlp",), default="mlp")
     p.add_argument("--dataset", choices=("digits",), default="digits")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--compression", choices=("none", "fp16"), default="none")
-    p.add_argument("--seed", type=int, default=0)
+    add_train_flags(p)
     p.add_argument("--entrypoint", default=None, help="package.module:function run on every worker with a Group")
     p.add_argument("--args", default=None, help="JSON keyword arguments for the entrypoint")
     p.add_argument("--no-wait", action="store_true", help="fail at once if not enough idle daemons")

@@ -12,7 +12,7 @@ from ..rendezvous.client import connect_store, parse_store_address
 from ..rendezvous.launch import launch
 from ..rendezvous.scheduler import default_route_host, routable_host_towards
 from ..rendezvous.store import start_store
-from ..settings import Settings
+from ..settings import TOPOLOGY_NAMES, Settings
 from ..topology.ps.server import serve_forever, start_servers
 from ..transport.loop import new_event_loop
 from .cluster import cli_server_daemon
@@ -171,7 +171,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (node 0 serves the store)")
     p.add_argument("--master-addr", default=None, help="node 0's address, as the other nodes reach it")
     p.add_argument("--master-port", type=int, default=None, help="the store's port on node 0 (one node: ephemeral)")
-    p.add_argument("--topology", choices=("ring", "ps"), default=env.topology, help="PSRING_TOPOLOGY for the ranks")
+    p.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY for the ranks")
     p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     p.add_argument(
         "--colocate",

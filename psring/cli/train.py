@@ -12,8 +12,8 @@ from typing import Any
 from .. import settings as settings_mod
 from ..core import gpu
 from ..rendezvous.launch import launch
-from ..settings import Settings
-from ..training.job import PROGRESS
+from ..settings import TOPOLOGY_NAMES, Settings
+from ..training.job import PROGRESS, TRAIN_DEFAULTS, train_spec
 from ..transport.loop import new_event_loop
 
 
@@ -58,10 +58,26 @@ class _Progress:
             self.bar.close()
 
 
-def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> dict[str, Any] | None:
+def add_train_flags(p: argparse.ArgumentParser) -> None:
+    """The main job's flags, shared by ``psring train`` and ``psring submit`` (defaults: TRAIN_DEFAULTS)."""
+    d = TRAIN_DEFAULTS
+    p.add_argument("--epochs", type=int, default=d["epochs"])
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="samples per worker per step")
+    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--momentum", type=float, default=d["momentum"])
+    p.add_argument(
+        "--optimizer", choices=("sgd", "adam"), default=d["optimizer"], help="sgd (with --momentum) or adam"
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), default=d["device"])
+    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
+    p.add_argument("--accumulate", type=int, default=d["accumulate"], help="micro-batches per optimizer step")
+    p.add_argument("--seed", type=int, default=d["seed"])
 
-    with tempfile.TemporaryDirectory(prefix="psring-train-") as tmp:
-        spec = {
+
+def train_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The main job's settings from the flags add_train_flags added (and --checkpoint-every)."""
+    return train_spec(
+        {
             "epochs": args.epochs,
             "batch_size": args.batch_size,
             "lr": args.lr,
@@ -71,6 +87,16 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             "accumulate": args.accumulate,
             "device": args.device,
             "seed": args.seed,
+            "checkpoint_every": args.checkpoint_every,
+        }
+    )
+
+
+def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> dict[str, Any] | None:
+
+    with tempfile.TemporaryDirectory(prefix="psring-train-") as tmp:
+        spec = {
+            **train_settings(args),
             "timeout": args.timeout,
             "out": os.path.join(tmp, "summary.json"),
             "checkpoint_dir": args.checkpoint_dir,
@@ -184,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"psring train: {reason}", file=sys.stderr)
         return 2
 
-    if args.topology not in ("ring", "ps"):
+    if args.topology not in TOPOLOGY_NAMES:
         return bad(f"unknown topology {args.topology!r} (ring or ps)")
     if args.workers < 1:
         return bad(f"--workers must be at least 1, got {args.workers}")
@@ -208,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")
-    topologies = ["ring", "ps"] if args.compare else [args.topology]
+    topologies = list(TOPOLOGY_NAMES) if args.compare else [args.topology]
     results: dict[str, dict[str, Any]] = {}
     for topology in topologies:
         print(
@@ -244,15 +270,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: i
     p.add_argument("--topology", default=env.topology, help="ring or ps (PSRING_TOPOLOGY)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps only; PSRING_SERVERS)")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=32, help="samples per worker per step")
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd (with --momentum) or adam")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
-    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--seed", type=int, default=0)
+    add_train_flags(p)
     p.add_argument("--timeout", type=float, default=env.timeout, help="seconds for any one collective (PSRING_TIMEOUT)")
     p.add_argument("--compare", action="store_true", help="train over ring and ps with the same seed, side by side")
     p.add_argument("--plot", default=None, help="write a PNG of loss and accuracy against step")

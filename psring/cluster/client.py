@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import settings as settings_mod
 from ..rendezvous.client import connect_store, parse_store_address
+from ..training.job import train_spec
 from ..transport.loop import Portal
 from .daemons import HEARTBEAT_S, JobError, _secret_bytes, key, run_key
 
@@ -98,8 +99,8 @@ class AsyncClient:
             timeout = tuning.timeout
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-        if topology not in ("ring", "ps"):
-            raise ValueError(f"topology={topology!r} is not ring or ps")
+        if topology not in settings_mod.TOPOLOGY_NAMES:
+            raise ValueError(f"topology={topology!r} is not one of {', '.join(settings_mod.TOPOLOGY_NAMES)}")
         if type(workers) is not int or workers < 1:
             raise ValueError(f"workers={workers!r} must be a positive integer")
         if servers is not None and (topology != "ps" or servers < 1):
@@ -116,7 +117,7 @@ class AsyncClient:
             "kind": "entrypoint" if entrypoint else "train",
             "entrypoint": entrypoint,
             "args": args or {},
-            "train": _train_spec(train or {}),
+            "train": train_spec(train or {}),
             "timeout": timeout,
             "workers": [],
             "attempt": 0,
@@ -347,27 +348,6 @@ def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> st
         return f"job {jid} failed: worker daemon {chosen[r]} (rank {r}) was lost mid-job ({first.get('error')})"
     r = min((r for r, o in failed.items() if not o.get("stopped")), default=min(failed))
     return f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}"
-
-
-def _train_spec(overrides: dict[str, Any]) -> dict[str, Any]:
-    spec = {
-        "epochs": 20,
-        "batch_size": 32,
-        "lr": 0.1,
-        "momentum": 0.9,
-        "optimizer": "sgd",
-        "compression": None,
-        "accumulate": 1,
-        "device": "cpu",
-        "seed": 0,
-        "out": None,
-        "checkpoint_every": 10,
-    }
-    unknown = set(overrides) - set(spec)
-    if unknown:
-        raise ValueError(f"unknown train settings {sorted(unknown)} (known: {sorted(spec)})")
-    spec.update(overrides)
-    return spec
 
 
 class Job:

@@ -118,11 +118,6 @@ def byte_view(x: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def empty_host(dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-    """Allocate an uninitialised host array (the receive destination)."""
-    return np.empty(shape, dtype=dtype)
-
-
 def prod(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

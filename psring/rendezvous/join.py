@@ -13,6 +13,8 @@ import contextlib
 import errno
 import ipaddress
 import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError
@@ -41,6 +43,29 @@ def local_bind_address(host: str) -> str | None:
             return ip
         return "::" if family == socket.AF_INET6 else "0.0.0.0"
     return None
+
+
+@dataclass
+class SetUp:
+    """A group's set-up in progress: the store it meets through, the store this rank serves (if any),
+    and, once made, the links layer that owns both (``owner``: closing it closes them)."""
+
+    store: Any
+    embedded: StoreServer | None
+    owner: Any = None
+
+
+@contextlib.asynccontextmanager
+async def group_set_up(settings: GroupSettings, rank: int | None) -> AsyncIterator[SetUp]:
+    """The scaffold every topology's set-up runs in: open the store (rank 0 may serve it, see
+    open_store_for); if anything inside fails or is cancelled, release what was opened, once."""
+    store, embedded = await open_store_for(settings, rank)
+    setup = SetUp(store, embedded)
+    try:
+        yield setup
+    except (Exception, asyncio.CancelledError):
+        await release_store(setup.owner, store, embedded)
+        raise
 
 
 async def release_store(owner: Any, store: Any, embedded: StoreServer | None) -> None:

@@ -19,10 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import settings as settings_mod
-from ..settings import Settings
+from ..settings import TOPOLOGY_NAMES, Settings
 from .client import StoreAddress, parse_store_address
-
-TOPOLOGIES = ("ring", "ps")
 
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:
@@ -193,8 +191,8 @@ def resolve_settings(
     tuning = settings_mod.current() if env is None else settings_mod.load(env)
     env = settings_mod.scheduler_env() if env is None else env
     topology = topology or tuning.topology
-    if topology not in TOPOLOGIES:
-        raise ValueError(f"topology={topology!r} is not one of {', '.join(TOPOLOGIES)}")
+    if topology not in TOPOLOGY_NAMES:
+        raise ValueError(f"topology={topology!r} is not one of {', '.join(TOPOLOGY_NAMES)}")
     rank, world_size = resolve_rank_world(rank, world_size, env)
     if world_size is not None and world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")

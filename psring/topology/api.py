@@ -15,8 +15,9 @@ from .recorder import process_recorder
 from .ring.group import RingGroup
 from .stall import install_dump_signal
 
-#: the topologies psring ships (each registers itself in Group.registry when defined)
-TOPOLOGIES = {"ring": RingGroup, "ps": PsGroup}
+#: the topologies psring ships, by the names settings.TOPOLOGY_NAMES lists (each class registers
+#: itself in Group.registry when it is defined; importing them here is what defines them)
+_SHIPPED = (RingGroup, PsGroup)
 
 
 # ---------------------------------------------------------------- init_group

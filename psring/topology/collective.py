@@ -70,10 +70,6 @@ class Collective:
                 self.interrupted = True
                 task.cancel()  # Group._run turns this back into exc
 
-    def succeed(self, value: Any = None) -> None:
-        if not self.done.done():
-            self.done.set_result(value)
-
     def inspect(self, conn: Connection, header: dict[str, Any]) -> bool:
         """Check a frame of this collective against our own call; False drops it."""
         call = header.get("call")

@@ -29,6 +29,30 @@ from .sgd import SyncSGD
 
 logger = logging.getLogger(__name__)
 
+#: the main job's settings and their defaults: what ``psring train`` and ``psring submit`` (and
+#: Client.submit's ``train=``) accept, one table for all three
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "epochs": 20,
+    "batch_size": 32,
+    "lr": 0.1,
+    "momentum": 0.9,
+    "optimizer": "sgd",
+    "compression": None,
+    "accumulate": 1,
+    "device": "cpu",
+    "seed": 0,
+    "out": None,
+    "checkpoint_every": 10,
+}
+
+
+def train_spec(overrides: dict[str, Any]) -> dict[str, Any]:
+    """TRAIN_DEFAULTS with ``overrides``; an unknown name is a ValueError naming the known ones."""
+    unknown = set(overrides) - set(TRAIN_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown train settings {sorted(unknown)} (known: {sorted(TRAIN_DEFAULTS)})")
+    return {**TRAIN_DEFAULTS, **overrides}
+
 
 def make_optimizer(spec: dict[str, Any]) -> Any:
 

@@ -147,8 +147,3 @@ class Mailbox:
             for tag in [t for t in self._unexpected if t[:2] == prefix]:
                 self.unexpected_bytes -= sum(i[1]["nbytes"] for i in self._unexpected.pop(tag))
 
-    def drop_where(self, predicate: Callable[[tuple[Any, ...]], bool]) -> None:
-        for tag in [t for t in self._unexpected if predicate(t)]:
-            self.unexpected_bytes -= sum(i[1]["nbytes"] for i in self._unexpected.pop(tag))
-        for tag in [t for t in self._posted if predicate(t)]:
-            del self._posted[tag]

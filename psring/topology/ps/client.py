@@ -30,7 +30,7 @@ from ...core.arrays import byte_view, result_empty
 from ...core.compress import dequantize, quantize
 from ...core.fold import pieces, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError, StoreError
-from ...rendezvous.join import assign_rank, open_store_for, release_store
+from ...rendezvous.join import assign_rank, group_set_up
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ...transport.local import LocalConnection
@@ -88,11 +88,10 @@ class PsGroup(ParameterMode, Group):
         assert settings.world_size is not None
         world = settings.world_size
         prefix = f"psring/{settings.job}"
-        store, embedded = await open_store_for(settings, settings.rank)
-        links: ServerLinks | None = None
-        try:
+        async with group_set_up(settings, settings.rank) as setup:
+            store, embedded = setup.store, setup.embedded
             rank = await assign_rank(store, prefix, settings.rank, world)
-            links = ServerLinks(rank, world, settings, store, prefix)
+            links = setup.owner = ServerLinks(rank, world, settings, store, prefix)
             links.embedded_store = embedded
             # a colocated shard dies with its rank and never comes back: no waiting to re-send to it
             links.colocated = colocate
@@ -126,9 +125,6 @@ class PsGroup(ParameterMode, Group):
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready with %d server shard(s)", group, len(links.shards))
             return group
-        except (Exception, asyncio.CancelledError):
-            await release_store(links, store, embedded)
-            raise
 
     @classmethod
     async def _join_running(cls, settings: GroupSettings, options: dict[str, Any]) -> PsGroup:
@@ -140,16 +136,15 @@ class PsGroup(ParameterMode, Group):
             raise ValueError("join=True takes its rank from the store: leave RANK unset (rank= None)")
         assert settings.world_size is not None
         prefix = f"psring/{settings.job}"
-        store, embedded = await open_store_for(settings, None)
-        links: ServerLinks | None = None
-        try:
+        async with group_set_up(settings, None) as setup:
+            store = setup.store
             if await store.get(f"{prefix}/elastic", settings.timeout) is None:
                 raise StoreError(
                     f"job {settings.job!r} at {store.address} runs no elastic SyncSGD (SyncSGD(elastic=True) on ps "
                     f"marks it) within {settings.timeout:g}s: nothing to join"
                 )
             rank = settings.world_size + await store.add(f"{prefix}/joiners", 1) - 1
-            links = ServerLinks(rank, settings.world_size, settings, store, prefix)  # outside the world: no member
+            links = setup.owner = ServerLinks(rank, settings.world_size, settings, store, prefix)  # not a member
             links.reconnect_servers = True
             await links.resolve(settings.timeout)
             await links.connect(settings.timeout)
@@ -159,9 +154,6 @@ class PsGroup(ParameterMode, Group):
             await store.set(f"{prefix}/join/{rank}", b"waiting")
             logger.info("%r joins running elastic job %r as rank %d", group, settings.job, rank)
             return group
-        except (Exception, asyncio.CancelledError):
-            await release_store(links, store, embedded)
-            raise
 
     # ---------------------------------------------------------------- plumbing
     def local_rank(self, global_rank: Any) -> int | None:

@@ -24,7 +24,7 @@ import numpy as np
 from ...core import wire
 from ...core.fold import ring_chunk_bounds
 from ...errors import PeerLostError, ProtocolError, PsringError
-from ...rendezvous.join import assign_rank, open_store_for, release_store
+from ...rendezvous.join import assign_rank, group_set_up
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -71,12 +71,11 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
         assert settings.world_size is not None
         world = settings.world_size
         prefix = f"psring/{settings.job}"
-        store, embedded = await open_store_for(settings, settings.rank)
-        net: PeerNet | None = None
-        try:
+        async with group_set_up(settings, settings.rank) as setup:
+            store = setup.store
             rank = await assign_rank(store, prefix, settings.rank, world)
-            net = PeerNet(rank, world, settings, store, prefix)
-            net.embedded_store = embedded
+            net = setup.owner = PeerNet(rank, world, settings, store, prefix)
+            net.embedded_store = setup.embedded
             await net.start()
             await net.resolve(settings.timeout)
             group = cls(net, rank, world, list(range(world)), "0", settings.timeout)
@@ -90,9 +89,6 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group
-        except (Exception, asyncio.CancelledError):
-            await release_store(net, store, embedded)
-            raise
 
     # ---------------------------------------------------------------- plumbing
     async def _link(self, local_rank: int) -> Connection:

@@ -155,20 +155,6 @@ class Pipeline:
             await right.flush()
         return out
 
-    async def _recv_into(self, coll: Collective, tag: tuple[Any, ...], out: np.ndarray, src: int) -> None:
-        done, one_done = self._wait_piece(coll, 1)
-        coll.waiting_on = {src}
-
-        def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
-            if hdr["nbytes"] != out.nbytes:
-                raise ProtocolError(f"rank {src} sent {hdr['nbytes']} bytes, expected {out.nbytes}")
-            if payload is not None and out.nbytes and not _same_memory(payload, out):
-                out.reshape(-1).view(np.uint8)[:] = np.frombuffer(payload, np.uint8)
-            one_done()
-
-        self.mailbox.post(tag, byte_view(out) if out.nbytes else None, self._guard(coll, cb))
-        await done
-
     async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
         n_ranks, me = self.world_size, self.rank
         out = np.empty((n_ranks, x.size), x.dtype)
