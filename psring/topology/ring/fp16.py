@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import byte_view
 from ...core.compress import dequantize, fold_fp16, quantize
 from ...core.fold import finish_avg, pieces, ring_chunk_bounds
 from ...errors import ProtocolError
@@ -48,11 +47,7 @@ class Fp16Ring:
         rs16, ag16 = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
         final_chunk = right_rank
         right = await self._link(right_rank)
-        coll.waiting_on = {left_rank}
         ag_chunks = [c for c in range(n_ranks) if c != final_chunk]
-        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
-        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
-        done, one_done = self._wait_piece(coll, needed)
         header = self._header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
@@ -69,7 +64,6 @@ class Fp16Ring:
                         finish_avg(seg, n_ranks)
                     dequantize(quantize(seg, e, out=ag16[a:b]), e, out=seg)
                     right.send_tensor(header(coll, AG, c, j), ag16[a:b])
-                one_done()
 
             return cb
 
@@ -82,20 +76,8 @@ class Fp16Ring:
                 dequantize(ag16[a:b], e, out=out[a:b])
                 if forward:
                     right.send_tensor(header(coll, AG, c, j), ag16[a:b])
-                one_done()
 
             return cb
 
-        post, gid, seq = self.mailbox.post, self.gid, coll.seq
-        for c in range(n_ranks):
-            if c != me:
-                for j, (a, b) in enumerate(chunk_pieces[c]):
-                    post((gid, seq, RS, c, j), byte_view(rs16[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
-        for c in ag_chunks:
-            for j, (a, b) in enumerate(chunk_pieces[c]):
-                post((gid, seq, AG, c, j), byte_view(ag16[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
-        for j, (a, b) in enumerate(chunk_pieces[me]):
-            right.send_tensor(header(coll, RS, me, j), q[a:b])
-        await done
-        await right.flush()
+        await self._ring_pass(coll, right, chunk_pieces, ag_chunks, q, rs16, ag16, rs_arrived, ag_arrived)
         return out

@@ -302,6 +302,25 @@ class PeerNet(PlaneLinks):
             return
         self._register(conn, peer_rank)
 
+    async def dial(self, rank: int, timeout: float, *, data: bool = False) -> Connection:
+        """Open an authenticated connection to ``rank`` (a data link for the plane with ``data``: no
+        router, detached by the caller) and check that rank answered; a wrong answer is a ProtocolError."""
+        host, port = self.addresses[rank]
+        conn = await open_connection(
+            host,
+            port,
+            secret=self.settings.secret,
+            hello={**self.hello(), "data": 1} if data else self.hello(),
+            router=None if data else self.mailbox,
+            timeout=timeout,
+            name=f"rank {self.rank} data" if data else f"rank {self.rank}",
+            settings=self.tuning,
+        )
+        if conn.peer.get("rank") != rank:
+            conn.abort(ProtocolError("wrong peer"))
+            raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {rank}")
+        return conn
+
     async def link(self, rank: int, timeout: float) -> Connection:
         conn = self.links.get(rank)
         if conn is not None and conn.is_open:
@@ -314,20 +333,7 @@ class PeerNet(PlaneLinks):
         fut: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
         self._dialing[rank] = fut
         try:
-            host, port = self.addresses[rank]
-            conn = await open_connection(
-                host,
-                port,
-                secret=self.settings.secret,
-                hello=self.hello(),
-                router=self.mailbox,
-                timeout=timeout,
-                name=f"rank {self.rank}",
-                settings=self.tuning,
-            )
-            if conn.peer.get("rank") != rank:
-                conn.abort(ProtocolError("wrong peer"))
-                raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {rank}")
+            conn = await self.dial(rank, timeout)
             self._register(conn, rank)
             fut.set_result(conn)
             return conn

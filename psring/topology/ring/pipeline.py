@@ -40,6 +40,48 @@ class Pipeline:
         return done, one_done
 
 
+    async def _ring_pass(
+        self,
+        coll: Collective,
+        right: Connection,
+        chunk_pieces: list[list[tuple[int, int]]],
+        ag_chunks: list[int],
+        sends: np.ndarray,
+        rs_into: np.ndarray,
+        ag_into: np.ndarray,
+        rs_arrived: Callable[[int, int, int, int], Callable[..., None]],
+        ag_arrived: Callable[[int, int, int, int], Callable[..., None]],
+    ) -> None:
+        """The pipelined ring's skeleton, for every element type on the wire: post a receive for every
+        reduce-scatter piece (each chunk but this rank's, into ``rs_into``) and every all-gather piece of
+        ``ag_chunks`` (into ``ag_into``), send this rank's own chunk of ``sends`` to the right, and return
+        once every receive's callback (``rs_arrived``/``ag_arrived(c, j, a, b)``: fold, forward) has run."""
+        n_ranks, me = self.world_size, self.rank
+        coll.waiting_on = {(me - 1) % n_ranks}
+        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
+        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        done, one_done = self._wait_piece(coll, needed)
+
+        def counted(cb: Callable[..., None]) -> Callable[..., None]:
+            def run(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
+                cb(conn, hdr, payload)
+                one_done()  # every posted receive counts once: done means all forwarding duties are met too
+
+            return self._guard(coll, run)
+
+        post, gid, seq = self.mailbox.post, self.gid, coll.seq
+        for c in range(n_ranks):
+            if c != me:
+                for j, (a, b) in enumerate(chunk_pieces[c]):
+                    post((gid, seq, RS, c, j), byte_view(rs_into[a:b]), counted(rs_arrived(c, j, a, b)))
+        for c in ag_chunks:
+            for j, (a, b) in enumerate(chunk_pieces[c]):
+                post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b)))
+        for j, (a, b) in enumerate(chunk_pieces[me]):
+            right.send_tensor(self._header(coll, RS, me, j), sends[a:b])
+        await done
+        await right.flush()
+
     async def _ring_reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
         """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
         n_ranks, me = self.world_size, self.rank
@@ -52,19 +94,12 @@ class Pipeline:
         final_chunk = right_rank  # the chunk whose fold completes here
         right = await self._link(right_rank)
         to_dst = await self._link(dst) if mode == "reduce" and me != dst else None
-        coll.waiting_on = {left_rank}
-        gid, seq = self.gid, coll.seq
-
-        # every posted receive calls one_done once: done means all forwarding duties are met too
         ag_chunks = [
             c
             for c in range(n_ranks)
             if c != final_chunk
             and (mode == "all" or (mode == "scatter" and c == me) or (mode == "reduce" and me == dst))
         ]
-        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
-        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
-        done, one_done = self._wait_piece(coll, needed)
         header = self._header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
@@ -82,7 +117,6 @@ class Pipeline:
                         right.send_tensor(header(coll, AG, c, j), seg)
                     elif to_dst is not None:
                         to_dst.send_tensor(header(coll, AG, c, j), seg)
-                one_done()
 
             return cb
 
@@ -92,22 +126,10 @@ class Pipeline:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if forward:
                     right.send_tensor(header(coll, AG, c, j), out[a:b])
-                one_done()
 
             return cb
 
-        post = self.mailbox.post
-        for c in range(n_ranks):
-            if c != me:
-                for j, (a, b) in enumerate(chunk_pieces[c]):
-                    post((gid, seq, RS, c, j), byte_view(out[a:b]), self._guard(coll, rs_arrived(c, j, a, b)))
-        for c in ag_chunks:
-            for j, (a, b) in enumerate(chunk_pieces[c]):
-                post((gid, seq, AG, c, j), byte_view(out[a:b]), self._guard(coll, ag_arrived(c, j, a, b)))
-        for j, (a, b) in enumerate(chunk_pieces[me]):
-            right.send_tensor(header(coll, RS, me, j), x[a:b])
-        await done
-        await right.flush()
+        await self._ring_pass(coll, right, chunk_pieces, ag_chunks, x, out, out, rs_arrived, ag_arrived)
         if to_dst is not None:
             await to_dst.flush()
         return out

@@ -16,7 +16,6 @@ from ...core.fold import pieces, reduce_op, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
 from ...transport.connection import Connection
 from ...transport.dataplane import DataPlane, PlaneLinkError, PlaneMismatch, ShmSegment
-from ...transport.listener import open_connection
 from ..collective import Collective
 from .constants import PLANE_GRACE
 from .paths import Path
@@ -87,20 +86,7 @@ class PlaneLinks:
             plane.shm_out = shm_out  # closed (and unlinked) with the plane, whatever happens next
             offer = [shm_out.path, shm_out.slots, shm_out.slot_bytes] if shm_out is not None else None
             await self.store.set(f"{self.prefix}/shm/{self.rank}", msgpack.packb(offer))
-        host, port = self.addresses[right]
-        conn = await open_connection(
-            host,
-            port,
-            secret=self.settings.secret,
-            hello={**self.hello(), "data": 1},
-            router=None,
-            timeout=timeout,
-            name=f"rank {self.rank} data",
-            settings=self.tuning,
-        )
-        if conn.peer.get("rank") != right:
-            conn.abort(ProtocolError("wrong peer"))
-            raise ProtocolError(f"{host}:{port} answered as rank {conn.peer.get('rank')}, expected rank {right}")
+        conn = await self.dial(right, timeout, data=True)
         plane.set_send(conn.detach())
         try:
             await asyncio.wait_for(plane.recv_ready.wait(), timeout)
