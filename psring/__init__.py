@@ -9,7 +9,8 @@ Where things live, bottom to top (each layer imports only the ones below it):
 shared memory, the data plane) -> ``rendezvous`` (the store, ranks, launchers) ->
 ``topology`` (Group, ring, ps) -> ``training`` (SyncSGD, the main job) -> ``cluster``
 (daemons, jobs) -> ``torch`` (PyTorch integration) -> ``cli``. ``settings`` reads every
-PSRING_* variable; ``errors`` is the error tree.
+PSRING_* variable; ``errors`` is the error tree; ``optim`` is the public path of the optimizers
+(``core.optim``); ``version`` holds ``__version__``.
 """
 
 from . import optim

@@ -194,3 +194,16 @@ def test_the_topology_names_are_the_registry() -> None:
         if '("ring", "ps")' in path.read_text() or '["ring", "ps"]' in path.read_text()
     ]
     assert spelled_out == ["psring/settings.py"], spelled_out
+
+
+def test_every_package_docstring_names_its_modules() -> None:
+    """A reader finds any module from its package's docstring: each is named there as ``module``."""
+    import ast
+
+    missing = []
+    for init in sorted(PKG.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in init.parent.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        names += [p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()]
+        missing += [f"{init.parent.relative_to(PKG.parent)}: {n}" for n in names if f"``{n}``" not in doc]
+    assert not missing, f"modules their package's docstring does not name: {missing}"

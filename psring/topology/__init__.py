@@ -1,4 +1,6 @@
-"""Layer 4: collectives. ``group`` is the interface both topologies implement (with ``collective``:
-one call in flight); ``ring`` and ``ps`` are the topologies; ``blocking`` is the facade for
-ordinary (non-async) code; ``recorder`` the per-collective flight recorder.
+"""Layer 4: collectives. ``group`` is the interface both topologies implement (with ``runtime``: the
+sequence numbers, deadlines and aborts every call shares, and ``collective``: one call in flight);
+``ring`` and ``ps`` are the topologies; ``api`` is ``init_group``; ``blocking`` is the facade for
+ordinary (non-async) code; ``recorder`` the per-collective flight recorder; ``stall`` the inspector
+that names what a waiting call waits on.
 """

@@ -15,6 +15,9 @@ torch is never a dependency of psring: import this module only where torch is in
 Tensors cross into psring without copies (DLPack: numpy for CPU tensors, cupy for CUDA ones).
 Collectives here return new tensors (psring's rule: inputs are never modified);
 DistributedOptimizer writes the averaged gradients into ``.grad`` in place.
+
+Importing this module also registers psring as a torch.distributed backend (``backend``:
+``dist.init_process_group("psring")``).
 """
 
 from __future__ import annotations

@@ -2,4 +2,5 @@
 
 - ``sgd``: SyncSGD (buckets, either topology, identical parameters).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
+- ``checkpoint``: where the main job keeps its checkpoints (a directory, or a cluster's store).
 """

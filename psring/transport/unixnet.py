@@ -7,7 +7,7 @@ a seqpacket socket keeps message boundaries, so a message is one ``send`` and on
 in between. Measured on the 2-core VM, a 4-byte all-to-all exchange between 4
 processes took ~260 microseconds this way against ~1.2 ms through the TCP links.
 
-A message is one whole frame (:func:`psring.wire.encode_message`); this module
+A message is one whole frame (:func:`psring.core.wire.encode_message`); this module
 knows messages and peers, not collectives.
 
 Trust: each rank binds a listening socket under a random abstract name and
