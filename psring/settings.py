@@ -16,11 +16,10 @@ Precedence, everywhere: an explicit argument, then the environment, then the def
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,7 +295,7 @@ class Settings:
 
     @property
     def secret_bytes(self) -> bytes | None:
-        return self.secret.encode() if self.secret else None
+        return self.secret.encode("utf-8", "surrogateescape") if self.secret else None
 
     @property
     def tls(self) -> bool:
@@ -409,22 +408,6 @@ def process_env() -> dict[str, str]:
     return dict(os.environ)
 
 
-@contextlib.contextmanager
-def job_environment(env: Mapping[str, str]) -> Iterator[None]:
-    """Run a job in this process under ``env`` (a worker daemon's job: RANK, PSRING_JOB, ...):
-    set for the duration, then restored. One job at a time per process."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _shown(f: dataclasses.Field[Any]) -> str:
     """A field's default as a user would write it."""
     default = f.default
@@ -485,7 +468,6 @@ __all__ = [
     "Settings",
     "current",
     "help_text",
-    "job_environment",
     "load",
     "markdown",
     "process_env",

@@ -408,7 +408,7 @@ async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypat
     groups = await make_groups(2)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
     for g in groups:  # the slots were made for 100 kB pieces
-        g.net.tuning = g.net.tuning.replace(ring_plane_piece=400_000)  # type: ignore[attr-defined]
+        g.net.config = g.net.config.replace(ring_plane_piece=400_000)  # type: ignore[attr-defined]
     before = [p.shm_bytes_sent for p in planes]
     ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + 1.0, np.float32)) for g in groups))
     assert all(np.all(y == 3.0) for y in ys)

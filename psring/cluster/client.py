@@ -93,10 +93,10 @@ class AsyncClient:
         ``topology`` and ``timeout`` (seconds for any one collective of the job): ``None`` means this
         process's PSRING_TOPOLOGY and PSRING_TIMEOUT.
         """
-        tuning = settings_mod.current()
-        topology = topology or tuning.topology
+        config = settings_mod.current()
+        topology = topology or config.topology
         if timeout is None:
-            timeout = tuning.timeout
+            timeout = config.timeout
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
         if topology not in settings_mod.TOPOLOGY_NAMES:

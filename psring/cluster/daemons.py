@@ -342,7 +342,8 @@ class WorkerDaemon(_Daemon):
         job = job_name(jid, attempt)
         world = len(spec["workers"])
         await self._close_port()  # the job's group listens on this daemon's declared port now
-        env = {
+        env = {  # what this job's rank resolves its settings from: the daemon's own, then the job's
+            **settings_mod.process_env(),
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": "0",
@@ -369,10 +370,9 @@ class WorkerDaemon(_Daemon):
                 )
             if self.trace_dir:
                 recorder = FlightRecorder(self.trace_dir, job)
-            with settings_mod.job_environment(env):  # what init_group reads: this job's rank, port, store
-                if spec["kind"] == "train":
-                    return await self._train(spec, rank)
-                return await self._entrypoint(spec)
+            if spec["kind"] == "train":
+                return await self._train(spec, env)
+            return await self._entrypoint(spec, env)
         finally:
             if recorder is not None:
                 recorder.close()
@@ -380,7 +380,7 @@ class WorkerDaemon(_Daemon):
                 await servers.drain(timeout=10.0)
                 await servers.close()
 
-    async def _train(self, spec: dict[str, Any], rank: int) -> Any:
+    async def _train(self, spec: dict[str, Any], env: dict[str, str]) -> Any:
 
         jid = spec["id"]
         last = [0.0]
@@ -393,12 +393,12 @@ class WorkerDaemon(_Daemon):
 
         train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))
-        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints)
+        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints, env=env)
         if self.metrics is not None and summary is not None:
             self.metrics.steps.labels("worker").inc(summary["steps"])
         return summary
 
-    async def _entrypoint(self, spec: dict[str, Any]) -> Any:
+    async def _entrypoint(self, spec: dict[str, Any], env: dict[str, str]) -> Any:
         module_name, _, attr = spec["entrypoint"].partition(":")
         try:
             fn = getattr(importlib.import_module(module_name), attr or "main")
@@ -407,7 +407,7 @@ class WorkerDaemon(_Daemon):
         kwargs = spec.get("args") or {}
         timeout = spec.get("timeout")
         if inspect.iscoroutinefunction(fn):
-            group = await init_group(timeout=timeout)
+            group = await init_group(timeout=timeout, env=env)
             try:
                 result = await fn(group, **kwargs)
             finally:
@@ -416,7 +416,7 @@ class WorkerDaemon(_Daemon):
         else:
 
             def run_sync() -> Any:
-                g = init(timeout=timeout)
+                g = init(timeout=timeout, env=env)
                 try:
                     return fn(g, **kwargs), g.stats()
                 finally:

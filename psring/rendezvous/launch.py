@@ -83,10 +83,10 @@ def _exit_code(code: int) -> int:
 class _Node:
     """One node's launcher: its view of the shared store, its processes, and the job's outcome."""
 
-    def __init__(self, n: int, nnodes: int, node_rank: int, tuning: Settings, prefix_output: bool) -> None:
-        self.n, self.nnodes, self.node_rank, self.tuning = n, nnodes, node_rank, tuning
+    def __init__(self, n: int, nnodes: int, node_rank: int, config: Settings, prefix_output: bool) -> None:
+        self.n, self.nnodes, self.node_rank, self.config = n, nnodes, node_rank, config
         self.prefix_output = prefix_output
-        self.base_key = f"psring-launch/{tuning.job}/"
+        self.base_key = f"psring-launch/{config.job}/"
         self.key = self.base_key  # this attempt's keys (a restart gets its own)
         self.store: Any = None
         self.ranks: list[asyncio.subprocess.Process] = []
@@ -96,7 +96,7 @@ class _Node:
     # ------------------------------------------------------------ rendezvous
     async def join(self, address: StoreAddress) -> None:
         """Register this node and wait for the others (torchrun's rendezvous, static)."""
-        self.store = await connect_store(address, secret=self.tuning.secret_bytes, timeout=self.tuning.timeout)
+        self.store = await connect_store(address, secret=self.config.secret_bytes, timeout=self.config.timeout)
         me = f"{socket.gethostname()} (pid {os.getpid()})"
         ok, holder = await self.store.compare_set(f"{self.base_key}node/{self.node_rank}", None, me.encode())
         if not ok:
@@ -106,14 +106,14 @@ class _Node:
             )
         if self.nnodes > 1:
             try:
-                await self.store.barrier(f"{self.key}nodes", self.nnodes, self.tuning.timeout)
+                await self.store.barrier(f"{self.key}nodes", self.nnodes, self.config.timeout)
             except StoreError:
                 present = [
                     i for i in range(self.nnodes) if await self.store.get(f"{self.base_key}node/{i}") is not None
                 ]
                 missing = sorted(set(range(self.nnodes)) - set(present))
                 raise StoreError(
-                    f"node(s) {missing} of {self.nnodes} did not join at {address} within {self.tuning.timeout:g}s"
+                    f"node(s) {missing} of {self.nnodes} did not join at {address} within {self.config.timeout:g}s"
                 ) from None
 
     async def next_attempt(self, attempt: int) -> None:
@@ -121,7 +121,7 @@ class _Node:
         self.key = f"{self.base_key}attempt{attempt}/"
         self.ranks, self.servers, self.pumps = [], [], []
         if self.nnodes > 1:
-            await self.store.barrier(f"{self.key}nodes", self.nnodes, self.tuning.timeout)
+            await self.store.barrier(f"{self.key}nodes", self.nnodes, self.config.timeout)
 
     async def fail(self, why: str) -> None:
         """Tell every node the job failed (the first reason wins)."""
@@ -148,18 +148,18 @@ class _Node:
 
     async def start_servers(self, address: StoreAddress, env: dict[str, str], job: str) -> None:
         """This node's share of the ps shards (shard i runs on node i % nnodes), one process each."""
-        count = self.tuning.servers or self.n * self.nnodes
+        count = self.config.servers or self.n * self.nnodes
         if count < 1:
             raise ValueError(f"--servers must be at least 1, got {count}")
-        advertise = self.tuning.advertise_host or routable_host_towards(address.host)
+        advertise = self.config.advertise_host or routable_host_towards(address.host)
         for i in range(self.node_rank, count, self.nnodes):
             cmd = [
                 sys.executable, "-m", "psring", "server", "--store", str(address), "--shard", str(i),
-                "--num-shards", str(count), "--host", self.tuning.bind_host or bind_host_for(advertise),
+                "--num-shards", str(count), "--host", self.config.bind_host or bind_host_for(advertise),
                 "--advertise", advertise, "--job", job,
             ]  # fmt: skip
-            if self.tuning.checkpoint_dir:
-                cmd += ["--checkpoint-dir", self.tuning.checkpoint_dir]
+            if self.config.checkpoint_dir:
+                cmd += ["--checkpoint-dir", self.config.checkpoint_dir]
             proc = await asyncio.create_subprocess_exec(
                 *cmd,
                 env={**env, "PYTHONUNBUFFERED": "1"},
@@ -279,7 +279,7 @@ async def launch(
     if nnodes > 1 and (not master_addr or not master_port):
         raise ValueError("a job of several nodes needs --master-addr and --master-port (node 0's address and a port)")
     base = settings_mod.process_env() if env is None else dict(env)
-    tuning = settings_mod.load(base)  # the children's settings: bad values fail here, once
+    config = settings_mod.load(base)  # the children's settings: bad values fail here, once
     addr = master_addr or "127.0.0.1"
     server = store
     if server is None and node_rank == 0:
@@ -288,20 +288,20 @@ async def launch(
             raise ValueError(
                 f"--master-addr {addr} is not an address of this machine: node 0's launcher serves the store there"
             )
-        server = await start_store(bind, master_port or 0, secret=tuning.secret_bytes)
+        server = await start_store(bind, master_port or 0, secret=config.secret_bytes)
     port = server.port if server is not None else master_port
     assert port is not None
     address = StoreAddress("tcp", host=addr, port=port)
-    node = _Node(n, nnodes, node_rank, tuning, prefix_output)
+    node = _Node(n, nnodes, node_rank, config, prefix_output)
     base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), PSRING_TOPOLOGY=topology)
     try:
         await node.join(address)
         attempt = 0
         while True:
-            job = tuning.job if attempt == 0 else f"{tuning.job}.restart{attempt}"
+            job = config.job if attempt == 0 else f"{config.job}.restart{attempt}"
             env_now = {**base, "PSRING_JOB": job}
             env_now.update(TORCHELASTIC_RESTART_COUNT=str(attempt), TORCHELASTIC_MAX_RESTARTS=str(max_restarts))
-            if topology == "ps" and not tuning.ps_colocate:  # colocated: the ranks host the shards
+            if topology == "ps" and not config.ps_colocate:  # colocated: the ranks host the shards
                 await node.start_servers(address, env_now, job)
             await node.start_ranks(cmd, env_now, extra_env, on_line)
             code = await node.supervise(elastic)
@@ -315,7 +315,7 @@ async def launch(
             with contextlib.suppress(PsringError, OSError):
                 await node.store.set(f"{node.key}done/{node_rank}", b"1")
             if node_rank == 0 and nnodes > 1:
-                await node.wait_for_nodes(tuning.timeout)
+                await node.wait_for_nodes(config.timeout)
         return code
     except (Exception, asyncio.CancelledError):
         await node.stop()

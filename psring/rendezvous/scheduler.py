@@ -78,12 +78,12 @@ def slurm_port(env: Mapping[str, str]) -> int:
     return 20000 + job % 20000 if job is not None else 29500
 
 
-def default_store_spec(tuning: Settings, env: Mapping[str, str]) -> str | None:
+def default_store_spec(config: Settings, env: Mapping[str, str]) -> str | None:
     """Where the ranks meet, unless told: PSRING_STORE; under torchrun torch's own store at
     MASTER_ADDR:MASTER_PORT; env:// when MASTER_* are set; else the first host of a Slurm
     allocation; else env:// (which then says what is missing)."""
-    if tuning.store:
-        return tuning.store
+    if config.store:
+        return config.store
     if env.get("TORCHELASTIC_RUN_ID") and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return f"torch://{_bracketed(env['MASTER_ADDR'])}:{env['MASTER_PORT']}"
     if env.get("MASTER_ADDR") or (env.get("MASTER_PORT") and not env.get("SLURM_JOB_NODELIST")):
@@ -156,24 +156,47 @@ def bind_host_for(advertise: str) -> str:
 
 @dataclass(frozen=True)
 class GroupSettings:
-    topology: str
+    """What one group is set up with: who it is, where it meets, and ``config``, the one place for
+    every setting (the PSRING_* variables with this group's explicit arguments applied)."""
+
     rank: int | None
     world_size: int | None
     store: StoreAddress
-    secret: bytes | None
-    timeout: float
-    job: str
-    port: int
+    #: the address ranks and servers bind, and the one others reach this process at (resolved)
     bind_host: str
     advertise_host: str
-    servers: int | None
-    #: every PSRING_* setting of the process, resolved (psring.settings)
-    tuning: Settings
+    #: every PSRING_* setting, with the group's own arguments (topology, timeout, secret) applied
+    config: Settings
     #: the launcher's variables this was resolved from (RANK, MASTER_ADDR, TORCHELASTIC_*, SLURM_*, ...)
     launcher: Mapping[str, str] = field(default_factory=dict)
     #: an open store client to meet through instead of connecting to ``store`` (torch's backend
     #: hands its c10d store this way); ``store`` then only says where the ranks route to
     client: Any = None
+
+    # the settings a group reads most, by their short names (each lives in ``config`` only)
+    @property
+    def topology(self) -> str:
+        return self.config.topology
+
+    @property
+    def timeout(self) -> float:
+        return self.config.timeout
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.config.secret_bytes
+
+    @property
+    def job(self) -> str:
+        return self.config.job
+
+    @property
+    def port(self) -> int:
+        return self.config.port
+
+    @property
+    def servers(self) -> int | None:
+        return self.config.servers
 
 
 def resolve_settings(
@@ -188,9 +211,9 @@ def resolve_settings(
 ) -> GroupSettings:
     """Resolve a group's settings: the arguments given, then ``env`` (default: this process's
     environment, read through psring.settings), then the defaults."""
-    tuning = settings_mod.current() if env is None else settings_mod.load(env)
+    config = settings_mod.current() if env is None else settings_mod.load(env)
     env = settings_mod.scheduler_env() if env is None else env
-    topology = topology or tuning.topology
+    topology = topology or config.topology
     if topology not in TOPOLOGY_NAMES:
         raise ValueError(f"topology={topology!r} is not one of {', '.join(TOPOLOGY_NAMES)}")
     rank, world_size = resolve_rank_world(rank, world_size, env)
@@ -201,33 +224,28 @@ def resolve_settings(
     if world_size is None:
         raise ValueError("world_size is not set: pass world_size= or set WORLD_SIZE (psring launch sets it)")
     if timeout is None:
-        timeout = tuning.timeout
+        timeout = config.timeout
     if not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
-    if secret is None:
-        secret = tuning.secret
-    if isinstance(secret, str):
-        secret = secret.encode()
-    store_address = parse_store_address(store if store is not None else default_store_spec(tuning, env), env)
-    if tuning.advertise_host:
-        advertise = tuning.advertise_host
+    if isinstance(secret, bytes):  # kept as text in config; any bytes survive the round trip
+        secret = secret.decode("utf-8", "surrogateescape")
+    if secret is not None:
+        config = config.replace(secret=secret)
+    config = config.replace(topology=topology, timeout=float(timeout))
+    store_address = parse_store_address(store if store is not None else default_store_spec(config, env), env)
+    if config.advertise_host:
+        advertise = config.advertise_host
     elif store_address.scheme == "file":  # the ranks may be on several hosts sharing the directory
         advertise = default_route_host()
     else:
         advertise = routable_host_towards(store_address.host)
-    bind = tuning.bind_host or bind_host_for(advertise)
+    bind = config.bind_host or bind_host_for(advertise)
     return GroupSettings(
-        topology=topology,
         rank=rank,
         world_size=world_size,
         store=store_address,
-        secret=secret,
-        timeout=float(timeout),
-        job=tuning.job,
-        port=tuning.port,
         bind_host=bind,
         advertise_host=advertise,
-        servers=tuning.servers,
-        tuning=tuning,
+        config=config,
         launcher=dict(env),
     )

@@ -6,6 +6,7 @@ Importing the topologies here registers them (Group.registry: "ring", "ps").
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from ..rendezvous.scheduler import resolve_settings
@@ -28,6 +29,7 @@ async def init_group(
     store: Any = None,
     secret: str | bytes | None = None,
     timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
     **options: Any,
 ) -> Group:
     """Join (or form) a group of ``world_size`` ranks over ``topology`` ("ring" or "ps").
@@ -37,19 +39,21 @@ async def init_group(
     that is not given one gets one from the store.
     ``store`` is an address (``host:port``, ``tcp://``, ``env://``, ``torch://``, ``file://``) or
     an open store client with an ``address`` (e.g. a TorchStoreClient over torch's c10d store).
+    ``env``: resolve from this mapping of variables instead of the process's environment (a worker
+    daemon runs each job's rank with that job's RANK, PSRING_JOB, ... this way).
     """
     client = None
     if store is not None and not isinstance(store, str):
         client, store = store, store.address
 
     settings = resolve_settings(
-        topology=topology, rank=rank, world_size=world_size, store=store, secret=secret, timeout=timeout
+        topology=topology, rank=rank, world_size=world_size, store=store, secret=secret, timeout=timeout, env=env
     )
     if client is not None:
         settings = dataclasses.replace(settings, client=client)
     cls = Group.registry[settings.topology]
     group = await cls.create(settings, **options)  # type: ignore[attr-defined]
-    if settings.tuning.trace_dir:
-        process_recorder(settings.tuning.trace_dir, settings.job)
+    if settings.config.trace_dir:
+        process_recorder(settings.config.trace_dir, settings.job)
     install_dump_signal()  # SIGUSR1 prints what this process's groups wait in
     return group  # type: ignore[no-any-return]

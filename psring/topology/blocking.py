@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from ..transport.loop import Portal
@@ -136,6 +137,7 @@ def init(
     store: Any = None,
     secret: str | bytes | None = None,
     timeout: float | None = None,
+    env: Mapping[str, str] | None = None,
     **options: Any,
 ) -> BlockingGroup:
     """Blocking ``init_group``: same arguments; returns a :class:`BlockingGroup`."""
@@ -149,6 +151,7 @@ def init(
                 store=store,
                 secret=secret,
                 timeout=timeout,
+                env=env,
                 **options,
             )
         )

@@ -65,10 +65,10 @@ class Group(CollectiveRuntime, abc.ABC):
     members: list[int]  #: the world ranks of this group's ranks, in its rank order
 
     def __init__(
-        self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, tuning: Settings
+        self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, config: Settings
     ) -> None:
         #: this process's PSRING_* settings (psring.settings), as the group was made with them
-        self.tuning = tuning
+        self.config = config
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -133,7 +133,7 @@ class Group(CollectiveRuntime, abc.ABC):
         the ranks first agree on a power-of-two scale (a one-element max all_reduce),
         then fold in float32 in the canonical order; see :mod:`psring.core.compress`.
         """
-        if compression is None and is_cupy(x) and self.tuning.gpu_overlap:
+        if compression is None and is_cupy(x) and self.config.gpu_overlap:
             x = check_array(x)
             order = self._input_order(x.size, x.nbytes) if x.nbytes >= STREAM_MIN_BYTES else None
             if order is not None:
@@ -371,7 +371,7 @@ class Group(CollectiveRuntime, abc.ABC):
                     raise CollectiveTimeoutError(
                         f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
                     )
-                if time.monotonic() - wait.started >= self.tuning.stall * (wait.stalled + 1):
+                if time.monotonic() - wait.started >= self.config.stall * (wait.stalled + 1):
                     wait.stalled += 1
                     self._layer().stalls.stalled(self, recv=(src, n, wait))
                 with contextlib.suppress(asyncio.TimeoutError):

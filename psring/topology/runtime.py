@@ -156,7 +156,7 @@ class CollectiveRuntime:
         coll.task = task
         # one timer: the stall threshold first (see _waited), the deadline when it comes sooner
         wait = coll.deadline - time.monotonic()
-        stall = self.tuning.stall
+        stall = self.config.stall
         coll.timer = loop.call_later(stall if stall < wait else wait if wait > 0.0 else 0.0, self._waited, coll)
         error: BaseException | None = None
         try:
@@ -232,7 +232,7 @@ class CollectiveRuntime:
             return
         coll.stalled += 1
         self._layer().stalls.stalled(self, coll)
-        coll.timer = asyncio.get_running_loop().call_later(min(self.tuning.stall, left), self._waited, coll)
+        coll.timer = asyncio.get_running_loop().call_later(min(self.config.stall, left), self._waited, coll)
 
     def _deadline_passed(self, coll: Collective) -> None:
         if coll.done.done():

@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -238,8 +238,10 @@ async def worker(
     spec: dict[str, Any],
     progress: Callable[[dict[str, Any]], None] | None = None,
     checkpoints: Any = None,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """One rank of the main job; rank 0 returns (and writes to spec["out"], if set) the summary.
+    Its settings come from ``env`` (default: the process's environment).
 
     ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines).
     ``checkpoints`` (psring.training.checkpoint): where rank 0 saves one every
@@ -254,7 +256,7 @@ async def worker(
             print(PROGRESS + json.dumps(record), flush=True)
 
     options = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
-    group = await init_group(timeout=spec["timeout"], **options)
+    group = await init_group(timeout=spec["timeout"], env=env, **options)
     try:
         run = _Run(group, spec, emit)
         await run.start(checkpoints)

@@ -53,7 +53,7 @@ class PsGroup(ParameterMode, Group):
     topology = "ps"
 
     def __init__(self, links: ServerLinks, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
-        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=links.mailbox, tuning=links.tuning)
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=links.mailbox, config=links.config)
         self.links = links
         self._broken_waiters: set[asyncio.Future[None]] = set()
         self.members = members
@@ -78,7 +78,7 @@ class PsGroup(ParameterMode, Group):
         if join:
             return await cls._join_running(settings, options)
         if colocate is None:
-            colocate = settings.tuning.ps_colocate
+            colocate = settings.config.ps_colocate
         elif not isinstance(colocate, bool):
             raise TypeError(f"colocate={colocate!r} must be True or False")
         if options:
@@ -117,7 +117,7 @@ class PsGroup(ParameterMode, Group):
                     port=settings.port,  # a worker listens on nothing else: its shards take its port
                     advertise=settings.advertise_host,
                     shard_ids=hosted,
-                    settings=settings.tuning,
+                    settings=settings.config,
                 )
             await links.resolve(settings.timeout)
             await links.connect(settings.timeout)
@@ -243,7 +243,7 @@ class PsGroup(ParameterMode, Group):
         """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
         gid, seq = self.gid, coll.seq
         layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
-        step = per_piece(itemsize, self.links.tuning.ps_piece)
+        step = per_piece(itemsize, self.links.config.ps_piece)
         total = sum(len(pieces(a, b, step)) for _, a, b in layout)
         if total == 0 and coll.kind != "scatter":
             expects = [((gid, seq, "done"), None)]
@@ -269,7 +269,7 @@ class PsGroup(ParameterMode, Group):
             done.set_result(None)
         # pieces may go through shared memory (the shard holds them there until folded or forwarded),
         # and results come back through the server's (a receiver that pushes nothing offers its pool too)
-        large = coll.kind in SHARED_KINDS and min(step, n) * itemsize >= self.links.tuning.ps_shm_min
+        large = coll.kind in SHARED_KINDS and min(step, n) * itemsize >= self.links.config.ps_shm_min
         if large and self.links.share_memory_pending():
             await self.links.share_memory()
         shared = push and large
@@ -297,7 +297,7 @@ class PsGroup(ParameterMode, Group):
 
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
-        step = per_piece(itemsize, self.links.tuning.ps_piece)
+        step = per_piece(itemsize, self.links.config.ps_piece)
         tags = []
         for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
             for j, (pa, pb) in enumerate(pieces(a, b, step)):

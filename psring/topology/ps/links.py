@@ -30,7 +30,7 @@ class ServerLinks:
         self.rank = rank
         self.world_size = world_size
         self.settings = settings
-        self.tuning = settings.tuning
+        self.config = settings.config
         self.store = store
         self.prefix = prefix
         self.mailbox = Mailbox()
@@ -80,7 +80,7 @@ class ServerLinks:
                         router=self.mailbox,
                         timeout=min(2.0, max(deadline - time.monotonic(), 0.1)),
                         name=f"rank {self.rank}",
-                        settings=self.tuning,
+                        settings=self.config,
                     )
                     break
                 except (PsringError, ValueError, OSError) as exc:
@@ -129,7 +129,7 @@ class ServerLinks:
             "shard": i,
             "host": host_key(),
             # which host this rank counts as for all_reduce's two-level order, and whether that order is on
-            "where": [self.tuning.host_id or host_key(), self.tuning.hierarchical],
+            "where": [self.config.host_id or host_key(), self.config.hierarchical],
         }
 
     def share_memory_pending(self) -> bool:
@@ -148,9 +148,9 @@ class ServerLinks:
         now, at the first large collective); such a shard maps it and offers its own back."""
         todo = [c for c in self.shards if id(c) not in self._pool_checked and c.can_share_memory()]
         self._pool_checked = {id(c) for c in self.shards}
-        if self.pool is None and todo and not self._pool_failed and self.tuning.ps_shm_slots > 0:
+        if self.pool is None and todo and not self._pool_failed and self.config.ps_shm_slots > 0:
             try:
-                self.pool = ShmPool(self.tuning.ps_shm_slots, self.tuning.ps_piece)
+                self.pool = ShmPool(self.config.ps_shm_slots, self.config.ps_piece)
             except (OSError, ValueError) as exc:
                 self._pool_failed = True
                 logger.warning("rank %d: no shared memory for pushes to the servers (%s)", self.rank, exc)
@@ -175,7 +175,7 @@ class ServerLinks:
                     router=self.mailbox,
                     timeout=timeout,
                     name=f"rank {self.rank}",
-                    settings=self.tuning,
+                    settings=self.config,
                 )
             except PeerLostError as exc:
                 raise PeerLostError(f"server shard {i} at {self.addresses[i]} is unreachable: {exc}") from exc

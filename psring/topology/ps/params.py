@@ -27,7 +27,7 @@ class ParameterMode:
     """Part of :class:`~psring.topology.ps.client.PsGroup`: parameter mode, used by SyncSGD."""
 
     def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        step = per_piece(flat.itemsize, self.links.tuning.ps_piece)
+        step = per_piece(flat.itemsize, self.links.config.ps_piece)
         return [
             (s, a, pieces(a, z, step)) for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b)
         ]
@@ -286,7 +286,7 @@ class ParameterMode:
         deadline: float,
     ) -> None:
         futs = []
-        if self.links.share_memory_pending() and any(g.nbytes >= self.links.tuning.ps_shm_min for g, _e in wire_grads):
+        if self.links.share_memory_pending() and any(g.nbytes >= self.links.config.ps_shm_min for g, _e in wire_grads):
             await self.links.share_memory()
         for b, flat in enumerate(grads):
             sent, e = wire_grads[b]
@@ -306,7 +306,7 @@ class ParameterMode:
                         fut.add_done_callback(self._note_members)
                     futs.append(fut)
                     piece = sent[pa:pb]
-                    shared = piece.nbytes >= self.links.tuning.ps_shm_min and conn.peer_maps_pool
+                    shared = piece.nbytes >= self.links.config.ps_shm_min and conn.peer_maps_pool
                     if shared:
                         await self.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))

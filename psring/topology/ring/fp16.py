@@ -41,7 +41,7 @@ class Fp16Ring:
         """The pipelined ring all_reduce with float16 on the wire (psring.core.compress gives the rules)."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
-        chunk_pieces = [pieces(a, b, self.net.tuning.ring_piece // 2) for a, b in ring_chunk_bounds(q.size, n_ranks)]
+        chunk_pieces = [pieces(a, b, self.net.config.ring_piece // 2) for a, b in ring_chunk_bounds(q.size, n_ranks)]
         own = dequantize(q, e)  # what this rank contributes
         out = np.empty(q.size, np.float32)
         rs16, ag16 = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out

@@ -52,7 +52,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
     topology = "ring"
 
     def __init__(self, net: PeerNet, rank: int, world_size: int, members: list[int], gid: str, timeout: float):
-        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=net.mailbox, tuning=net.tuning)
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=net.mailbox, config=net.config)
         self.net = net
         self.members = members
         self._owns_resources = gid == "0"

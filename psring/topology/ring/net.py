@@ -54,9 +54,9 @@ class PeerNet(PlaneLinks):
         self.rank = rank
         self.world_size = world_size
         self.settings = settings
-        self.tuning = settings.tuning
+        self.config = settings.config
         #: from this world size on, small calls go through a rotating root (PSRING_RING_ROOTED_MIN)
-        self.rooted_min = settings.tuning.ring_rooted_min or NEVER
+        self.rooted_min = settings.config.ring_rooted_min or NEVER
         #: what every rank decides paths by (ring.paths), frozen once set-up agreed it (freeze_paths)
         self.paths = RingPaths(rooted_min=self.rooted_min)
         self.store = store
@@ -78,16 +78,16 @@ class PeerNet(PlaneLinks):
         self.embedded_store: StoreServer | None = None
         self.plane: DataPlane | None = None
         self.plane_min = NEVER  # all_reduces of this many bytes or more take the plane (agreed in resolve)
-        self.plane_offer = max(self.tuning.ring_plane_min, 1)  # this rank's own threshold, published for that
-        self.plane_shm_offer = max(min(self.tuning.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
-        if world_size > 1 and plane_possible(self.tuning):
+        self.plane_offer = max(self.config.ring_plane_min, 1)  # this rank's own threshold, published for that
+        self.plane_shm_offer = max(min(self.config.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
+        if world_size > 1 and plane_possible(self.config):
             self.plane = DataPlane(rank, world_size)
             self.plane.recv_ready = asyncio.Event()
         #: same-host Unix links for small messages (psring.transport.unixnet), when every rank can use them
         self.mesh: UnixMesh | None = None
         self.mesh_peers: dict[int, dict[str, Any]] = {}
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
-        if world_size > 1 and mesh_possible(self.tuning):
+        if world_size > 1 and mesh_possible(self.config):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
@@ -106,7 +106,7 @@ class PeerNet(PlaneLinks):
             info=self.hello(),
             router_for=lambda conn: self.mailbox,
             name=f"rank {self.rank}",
-            settings=self.tuning,
+            settings=self.config,
         )
         await self.listener.start(self.settings.bind_host, self.settings.port)
         offer = f"{self.plane_offer}/{self.plane_shm_offer}" if self.plane is not None else "-1"
@@ -120,7 +120,7 @@ class PeerNet(PlaneLinks):
                 self.mesh = None
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
         await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(self.path_settings()))
-        where = [self.tuning.host_id or host_key(), self.tuning.hierarchical]
+        where = [self.config.host_id or host_key(), self.config.hierarchical]
         await self.store.set(f"{self.prefix}/host/{self.rank}", msgpack.packb(where))
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
@@ -129,9 +129,9 @@ class PeerNet(PlaneLinks):
         """This rank's settings that decide which path a call takes or how it is cut into frames:
         ranks that differ would wait on frames the others never send (agreed in resolve)."""
         return {
-            "PSRING_RING_ROOTED_MIN": self.tuning.ring_rooted_min,
-            "PSRING_RING_PIECE": self.tuning.ring_piece,
-            "PSRING_RING_PLANE_PIECE": self.tuning.ring_plane_piece,
+            "PSRING_RING_ROOTED_MIN": self.config.ring_rooted_min,
+            "PSRING_RING_PIECE": self.config.ring_piece,
+            "PSRING_RING_PLANE_PIECE": self.config.ring_plane_piece,
         }
 
     async def _agree_paths(self) -> None:
@@ -314,7 +314,7 @@ class PeerNet(PlaneLinks):
             router=None if data else self.mailbox,
             timeout=timeout,
             name=f"rank {self.rank} data" if data else f"rank {self.rank}",
-            settings=self.tuning,
+            settings=self.config,
         )
         if conn.peer.get("rank") != rank:
             conn.abort(ProtocolError("wrong peer"))

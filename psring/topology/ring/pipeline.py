@@ -86,7 +86,7 @@ class Pipeline:
         """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
-        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         bounds = ring_chunk_bounds(x.size, n_ranks)
         chunk_pieces = [pieces(a, b, per_piece) for a, b in bounds]
         out = result_empty(x)
@@ -149,7 +149,7 @@ class Pipeline:
         right_rank = (me + 1) % n_ranks
         forward = right_rank != src
         right = await self._link(right_rank) if (forward or me == src) else None
-        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         if me == src:
             assert right is not None
@@ -189,7 +189,7 @@ class Pipeline:
             return out
         right_rank = (me + 1) % n_ranks
         right = await self._link(right_rank)
-        per_piece = max(1, self.net.tuning.ring_piece // x.itemsize)
+        per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         done, one_done = self._wait_piece(coll, (n_ranks - 1) * len(parts))
         coll.waiting_on = {(me - 1) % n_ranks}

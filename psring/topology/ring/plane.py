@@ -39,7 +39,7 @@ class PlaneDriver:
         """all_reduce on the threaded data plane (psring.transport.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank."""
         n_ranks, me = self.world_size, self.rank
-        per_piece = max(1, self.net.tuning.ring_plane_piece // x.itemsize)
+        per_piece = max(1, self.net.config.ring_plane_piece // x.itemsize)
         parts = [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, n_ranks)]
         on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
         job = plane.all_reduce(
@@ -80,7 +80,7 @@ class PlaneLinks:
         shm_out: ShmSegment | None = None
         if self.mesh is not None:
             try:
-                shm_out = ShmSegment.create(self.tuning.ring_shm_slots, self.tuning.ring_plane_piece)
+                shm_out = ShmSegment.create(self.config.ring_shm_slots, self.config.ring_plane_piece)
             except OSError as exc:
                 logger.info("rank %d: no shared memory for the data link to rank %d (%s)", self.rank, right, exc)
             plane.shm_out = shm_out  # closed (and unlinked) with the plane, whatever happens next

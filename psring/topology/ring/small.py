@@ -182,7 +182,7 @@ class SmallPaths:
                     if d != me:
                         send(members[d], msg)
             if slot is not None:
-                if self.net.tuning.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
+                if self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
                 await slot.done
         finally:
@@ -196,7 +196,7 @@ class SmallPaths:
         mesh, members = self.net.mesh, self.members
         assert mesh is not None
         peers = [members[s] for s in slot.expect]
-        end = time.perf_counter() + self.net.tuning.spin_s
+        end = time.perf_counter() + self.net.config.spin_s
         done = slot.done
         while not done.done() and time.perf_counter() < end:
             if not mesh.poll(peers):
