@@ -1,4 +1,4 @@
-"""The ring's threaded data plane (psring.transport.dataplane): large all_reduces leave the event loop.
+"""The ring's threaded data plane (psring.topology.ring.dataplane): large all_reduces leave the event loop.
 
 These are the cases where a byte stream shared by collectives could go wrong: a rank
 that abandons a collective half-way (mismatch, timeout) leaves frames behind that the
@@ -333,17 +333,18 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
 
 
 async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
-    import psring.transport.dataplane as dataplane
+    from psring.topology.ring import plane
+    from psring.transport.shmpool import PeerPool
 
-    real = dataplane.ShmSegment.open
+    real = PeerPool.open
     calls = iter(range(100))
 
-    def flaky(path: str, slots: int, slot_bytes: int) -> dataplane.ShmSegment:
+    def flaky(desc: dict) -> PeerPool:
         if next(calls) == 0:
             raise OSError("no mapping here (test)")
-        return real(path, slots, slot_bytes)
+        return real(desc)
 
-    monkeypatch.setattr(dataplane.ShmSegment, "open", staticmethod(flaky))
+    monkeypatch.setattr(plane.PeerPool, "open", staticmethod(flaky))
     groups = await make_groups(3)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
     without = [g.rank for g, p in zip(groups, planes, strict=True) if p.shm_in is None]
@@ -363,17 +364,17 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
 
 async def test_a_rank_that_cannot_make_a_segment_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
     """/dev/shm full (a container's 64 MB default) or missing: that link carries its payloads on TCP."""
-    import psring.transport.dataplane as dataplane
+    from psring.topology.ring import plane
+    from psring.transport.shmpool import ShmPool
 
-    real = dataplane.ShmSegment.create
     calls = iter(range(100))
 
-    def full(slots: int, slot_bytes: int) -> dataplane.ShmSegment:
+    def full(slots: int, slot_bytes: int) -> ShmPool:
         if next(calls) == 1:
             raise OSError(28, "No space left on device (test)")
-        return real(slots, slot_bytes)
+        return ShmPool(slots, slot_bytes)
 
-    monkeypatch.setattr(dataplane.ShmSegment, "create", staticmethod(full))
+    monkeypatch.setattr(plane, "ShmPool", full)
     groups = await make_groups(3)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
     assert sum(p.shm_out is None for p in planes) == 1 and sum(p.shm_in is None for p in planes) == 1
@@ -415,25 +416,16 @@ async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypat
     assert [p.shm_bytes_sent for p in planes] == before
 
 
-async def test_segment_open_checks_what_it_maps(tmp_path) -> None:
-    from psring.transport.dataplane import ShmSegment
+async def test_a_links_shared_memory_is_named_nowhere(make_groups) -> None:
+    """A data link's shared memory is the sender's anonymous pool (memfd), mapped read-only by the
+    receiver through /proc: nothing in /dev/shm, so a SIGKILLed rank leaves nothing behind."""
+    from psring.transport.shmpool import PeerPool, ShmPool
 
-    with pytest.raises(ValueError, match="not a data plane segment"):
-        ShmSegment.open(str(tmp_path / "x"), 2, 4096)
-    with pytest.raises(ValueError, match="not a data plane segment"):
-        ShmSegment.open("/dev/shm/other-name", 2, 4096)
-    seg = ShmSegment.create(2, 5000)
-    try:
-        assert seg.slot_bytes == 8192 and seg.path is not None and os.path.getsize(seg.path) == 2 * 8192
-        with pytest.raises(ValueError, match=r"has 16384 bytes, not 4 x 8192"):
-            ShmSegment.open(seg.path, 4, 8192)
-        peer = ShmSegment.open(seg.path, 2, 8192)
-        seg.slot(1, 3)[:] = [1, 2, 3]
-        assert peer.slot(1, 3).tolist() == [1, 2, 3] and not peer.slot(0, 3).flags.writeable
-        peer.close()
-    finally:
-        seg.close()
-    assert not _shm_files()
+    groups = await make_groups(3)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    assert all(isinstance(p.shm_out, ShmPool) and isinstance(p.shm_in, PeerPool) for p in planes)
+    assert all(not p.shm_in.view(0, 8).flags.writeable for p in planes)
+    assert not _shm_files() and not [f for f in os.listdir("/dev/shm") if "psring" in f]
 
 
 async def test_same_host_threshold_applies_from_three_ranks(make_groups, monkeypatch) -> None:

@@ -6,6 +6,5 @@
 - ``mailbox``: tag-matched delivery of frames to posted receives.
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.
 - ``unixnet``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
-- ``dataplane``: the threaded links that carry the ring's large all_reduces.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
 """

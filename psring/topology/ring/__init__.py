@@ -2,7 +2,8 @@
 
 ``group`` (``RingGroup``) is assembled from its paths: ``small`` (one-hop exchanges for small
 tensors), ``pipeline`` (the pipelined ring on the event loop), ``fp16`` (float16 on the wire),
-``plane`` (large all_reduces on the threaded data plane) and ``hier`` (two levels across hosts);
+``plane`` (large all_reduces on the threaded data plane, whose threads, links and schedule are
+``dataplane``) and ``hier`` (two levels across hosts);
 ``paths`` decides which one a reduction takes. ``net`` (``PeerNet``) is the rank's endpoint under
 them: the listening port, the links, losses; ``constants`` the phases and bounds they share.
 """

@@ -18,7 +18,6 @@ from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
 from ...transport.connection import Connection
-from ...transport.dataplane import DataPlane
 from ...transport.listener import Listener, open_connection
 from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key, same_host_paths
@@ -26,6 +25,7 @@ from ...transport.unixnet import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
+from .dataplane import DataPlane
 from .paths import NEVER, RingPaths
 from .plane import PlaneLinks
 

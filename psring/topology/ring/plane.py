@@ -1,4 +1,4 @@
-"""The ring's threaded data plane (psring.transport.dataplane), seen from the ring: setting up its links
+"""The ring's threaded data plane (ring.dataplane), seen from the ring: setting up its links
 (and their shared-memory segments between same-host neighbours) and running large all_reduces on it.
 """
 
@@ -15,9 +15,10 @@ import numpy as np
 from ...core.fold import pieces, reduce_op, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
 from ...transport.connection import Connection
-from ...transport.dataplane import DataPlane, PlaneLinkError, PlaneMismatch, ShmSegment
+from ...transport.shmpool import PeerPool, ShmPool
 from ..collective import Collective
 from .constants import PLANE_GRACE
+from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .paths import Path
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ class PlaneDriver:
         return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
 
     async def _plane_all_reduce(self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane) -> np.ndarray:
-        """all_reduce on the threaded data plane (psring.transport.dataplane). Queued before the first
+        """all_reduce on the threaded data plane (ring.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank."""
         n_ranks, me = self.world_size, self.rank
         per_piece = max(1, self.net.config.ring_plane_piece // x.itemsize)
@@ -73,18 +74,18 @@ class PlaneLinks:
 
     async def open_plane(self, timeout: float) -> None:
         """Dial the data link to the right neighbour, wait for the left's, start the threads.
-        Between same-host ranks (the mesh was agreed) each link also gets a shared segment."""
+        Between same-host ranks (the mesh was agreed) each link also gets the sender's shared-memory pool."""
         plane = self.plane
         assert plane is not None and plane.recv_ready is not None
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        shm_out: ShmSegment | None = None
+        shm_out: ShmPool | None = None
         if self.mesh is not None:
             try:
-                shm_out = ShmSegment.create(self.config.ring_shm_slots, self.config.ring_plane_piece)
+                shm_out = ShmPool(self.config.ring_shm_slots, self.config.ring_plane_piece)
             except OSError as exc:
                 logger.info("rank %d: no shared memory for the data link to rank %d (%s)", self.rank, right, exc)
-            plane.shm_out = shm_out  # closed (and unlinked) with the plane, whatever happens next
-            offer = [shm_out.path, shm_out.slots, shm_out.slot_bytes] if shm_out is not None else None
+            plane.shm_out = shm_out  # closed with the plane, whatever happens next
+            offer = shm_out.describe() if shm_out is not None else None
             await self.store.set(f"{self.prefix}/shm/{self.rank}", msgpack.packb(offer))
         conn = await self.dial(right, timeout, data=True)
         plane.set_send(conn.detach())
@@ -98,33 +99,30 @@ class PlaneLinks:
             shm_in = await self._map_left_segment(left, timeout)
             mapped = shm_out is not None and await self._right_mapped(right, shm_out, timeout)
             plane.use_shm(shm_out if mapped else None, shm_in)
-            if shm_out is not None:
-                shm_out.unlink()  # both ends have it mapped (or never will): the name is not needed
-                if plane.shm_out is None:
-                    shm_out.close()
+            if shm_out is not None and plane.shm_out is None:
+                shm_out.close()
         plane.start()
 
-    async def _map_left_segment(self, left: int, timeout: float) -> ShmSegment | None:
-        """Map the segment the left neighbour offered for its link to this rank, and say whether."""
+    async def _map_left_segment(self, left: int, timeout: float) -> PeerPool | None:
+        """Map the pool the left neighbour offered for its link to this rank, and say whether."""
         key = f"{self.prefix}/shm/{left}"
         await self._wait_key(key, left, timeout)
-        segment = offer = None
+        pool = offer = None
         try:
             offer = msgpack.unpackb(await self.store.get(key) or b"\xc0")
             if offer is not None:
-                path, slots, slot_bytes = offer
-                segment = ShmSegment.open(path, slots, slot_bytes)
+                pool = PeerPool.open(offer)
         except (OSError, ValueError, TypeError) as exc:
             logger.info("rank %d: cannot map rank %d's shared memory (%s): its link stays on TCP", self.rank, left, exc)
-        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(segment and offer[0]))
-        return segment
+        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(pool and offer["token"]))
+        return pool
 
-    async def _right_mapped(self, right: int, segment: ShmSegment, timeout: float) -> bool:
-        """Whether the right neighbour mapped this very segment (its answer names the file)."""
+    async def _right_mapped(self, right: int, pool: ShmPool, timeout: float) -> bool:
+        """Whether the right neighbour mapped this very pool (its answer names the pool's token)."""
         key = f"{self.prefix}/shm-ok/{right}"
         await self._wait_key(key, right, timeout)
         with contextlib.suppress(Exception):
-            return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == segment.path)
+            return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == pool.token)
         return False
 
     async def _wait_key(self, key: str, rank: int, timeout: float) -> None:

@@ -21,8 +21,10 @@ misread bytes. The order of the other frames follows from the ring algorithm, so
 a frame out of place is a protocol error.
 
 When both neighbours are on one host (the ring agreed on same-host links), a link's
-payloads go through a shared-memory segment instead (:class:`ShmSegment`): ``slots``
-buffers of a piece each, written by the left rank, read in place by the right one.
+payloads go through shared memory instead: the left rank's own pool
+(:class:`psring.transport.shmpool.ShmPool`, an anonymous memfd the right rank maps read-only, so
+nothing is named anywhere and nothing is left behind when a process dies), ``slots`` buffers of a
+piece each, written by the left rank, read in place by the right one.
 Only the header crosses the socket (its magic is ``SHM_MAGIC`` with the slot's number
 in the low byte), and the receiver hands a slot back by writing its number, one byte,
 the other way on the same socket. The right rank folds straight out of the slot into
@@ -37,10 +39,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-import mmap
-import os
 import queue
-import secrets
 import select
 import socket
 import struct
@@ -51,15 +50,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ..core.arrays import byte_view, result_empty
+from ...core.arrays import byte_view, result_empty
+from ...transport.shmpool import PeerPool, ShmPool
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x31445350  # b"PSD1"
 SHM_MAGIC = 0x31485300  # b"\0SH1" + slot number in the low byte: the payload is in that slot
 SHM_MAX_SLOTS = 256
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "psring-plane-"
 HEADER = struct.Struct("<IIQQ")  # magic, index, seq, nbytes
 POLL = 0.1  # how often a blocked thread looks whether its job was abandoned
 SMALL_SEND = 64 << 10  # header and payload up to this size leave in one syscall
@@ -88,82 +86,6 @@ class PlaneMismatch(Exception):
 
 class _Abandoned(Exception):
     pass
-
-
-class ShmSegment:
-    """A link's shared memory: ``slots`` buffers of ``slot_bytes``, in a file under /dev/shm that
-    lives only until the receiver has mapped it (the sender then unlinks it)."""
-
-    def __init__(self, path: str, fd: int, slots: int, slot_bytes: int, writable: bool) -> None:
-        self.path: str | None = path
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        try:
-            # mapped in at once (MAP_POPULATE): no page faults in the first collective
-            self.mm = mmap.mmap(
-                fd,
-                slots * slot_bytes,
-                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
-            )
-        finally:
-            os.close(fd)
-        self.array = np.frombuffer(self.mm, np.uint8)
-
-    @classmethod
-    def create(cls, slots: int, slot_bytes: int) -> ShmSegment:
-        """A new segment for the sender (OSError where /dev/shm cannot hold it)."""
-        if not 1 <= slots <= SHM_MAX_SLOTS:
-            raise ValueError(f"a data link has 1 to {SHM_MAX_SLOTS} shared-memory slots, not {slots}")
-        slot_bytes = -(-slot_bytes // 4096) * 4096  # page-aligned slots: any dtype view is aligned
-        path = os.path.join(SHM_DIR, SHM_PREFIX + secrets.token_hex(8))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            # reserve the pages now: a full tmpfs fails here, not with SIGBUS at the first write
-            os.posix_fallocate(fd, 0, slots * slot_bytes)
-            return cls(path, fd, slots, slot_bytes, writable=True)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-
-    @classmethod
-    def open(cls, path: str, slots: int, slot_bytes: int) -> ShmSegment:
-        """The receiver's read-only view of its left neighbour's segment (OSError, ValueError)."""
-        name = os.path.basename(path)
-        if (
-            os.path.dirname(path) != SHM_DIR
-            or not name.startswith(SHM_PREFIX)
-            or not 1 <= slots <= SHM_MAX_SLOTS
-            or slot_bytes < 1
-        ):
-            raise ValueError(f"not a data plane segment: {path!r} ({slots} x {slot_bytes} bytes)")
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            if os.fstat(fd).st_size != slots * slot_bytes:
-                raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, not {slots} x {slot_bytes}")
-        except BaseException:
-            os.close(fd)
-            raise
-        segment = cls(path, fd, slots, slot_bytes, writable=False)
-        segment.path = None  # the sender unlinks it
-        return segment
-
-    def slot(self, k: int, nbytes: int) -> np.ndarray:
-        start = k * self.slot_bytes
-        return self.array[start : start + nbytes]
-
-    def unlink(self) -> None:
-        path, self.path = self.path, None
-        if path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-
-    def close(self) -> None:
-        self.unlink()
-        self.array = np.empty(0, np.uint8)
-        with contextlib.suppress(BufferError):  # a view still held somewhere: the mapping goes with it
-            self.mm.close()
 
 
 class Job:
@@ -240,7 +162,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 class _Reader:
     """Buffered frame reader on the receiving socket; survives abandoned jobs mid-frame."""
 
-    def __init__(self, sock: socket.socket, shm: ShmSegment | None = None) -> None:
+    def __init__(self, sock: socket.socket, shm: ShmPool | PeerPool | None = None) -> None:
         self.sock = sock
         self.buf = bytearray(1 << 16)
         self.view = memoryview(self.buf)
@@ -310,7 +232,7 @@ class _Reader:
         Hand it back with ``release`` once read."""
         assert self.shm is not None and self.in_slot
         self.start += HEADER.size
-        return self.shm.slot(self.slot, nbytes)
+        return self.shm.view(self.slot, nbytes)
 
     def release(self, nbytes: int) -> None:
         """The current slot is read: the left neighbour may write it again."""
@@ -354,8 +276,8 @@ class DataPlane:
         self.closed = False
         self.stop = threading.Event()
         #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
-        self.shm_out: ShmSegment | None = None
-        self.shm_in: ShmSegment | None = None
+        self.shm_out: ShmPool | PeerPool | None = None
+        self.shm_in: ShmPool | PeerPool | None = None
         # the link to the right's free slots, and how many frames queued for the send thread
         # still need one (the receive thread fills a slot itself only if one is left over for
         # each of those: see _take_slot)
@@ -392,7 +314,7 @@ class DataPlane:
         self.send_sock = sock
         sock.settimeout(None)
 
-    def use_shm(self, out: ShmSegment | None, into: ShmSegment | None) -> None:
+    def use_shm(self, out: ShmPool | None, into: PeerPool | None) -> None:
         """Payloads to the right go through ``out``, those from the left come in ``into``
         (either may be None: that link carries its payloads on the socket). Before ``start``."""
         self.shm_out, self.shm_in = out, into
@@ -539,7 +461,7 @@ class DataPlane:
             ready, _, _ = select.select([sock], [], [], POLL)
             if not ready and job.gone():
                 return False
-        np.copyto(shm.slot(k, payload.nbytes), np.frombuffer(payload, np.uint8))
+        np.copyto(shm.view(k, payload.nbytes), np.frombuffer(payload, np.uint8))
         sock.sendall(HEADER.pack(SHM_MAGIC | k, *HEADER.unpack(header)[1:]))
         self._bytes_sent += len(header) + payload.nbytes
         self.shm_bytes_sent += payload.nbytes
@@ -669,7 +591,7 @@ class DataPlane:
                         job.ready(a, b)
                     if k is not None:  # a partial sum only handed on: straight into the next slot
                         assert self.shm_out is not None
-                        ufunc(src, x[a:b], out=self.shm_out.slot(k, nbytes).view(dest.dtype))
+                        ufunc(src, x[a:b], out=self.shm_out.view(k, nbytes).view(dest.dtype))
                     else:
                         ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
                     if what == _FINAL and job.avg:
@@ -725,10 +647,7 @@ class DataPlane:
                 with contextlib.suppress(OSError):
                     sock.close()
         stuck = any(t.is_alive() for t in self._threads)
-        for segment in (self.shm_out, self.shm_in):
-            if segment is None:
-                continue
-            if stuck:  # a thread may still touch the mapping: only drop the name
-                segment.unlink()
-            else:
-                segment.close()
+        if not stuck:  # a thread that may still touch a mapping keeps it (nothing is named: nothing leaks)
+            for segment in (self.shm_out, self.shm_in):
+                if segment is not None:
+                    segment.close()
