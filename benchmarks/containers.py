@@ -100,7 +100,7 @@ def run_once(image: str, network: str, backend: str, n: int, size: int, iters: i
                 args += ["-e", f"{k}={v}"]
             if r == 0:
                 args += ["-v", f"{out_dir}:/out"]
-            sh(*args, image, "python", "-m", "psring.cli.bench_ranks", json.dumps(spec))
+            sh(*args, image, "python", "-m", "psring.training.bench_ranks", json.dumps(spec))
         codes = [int(sh("docker", "wait", name, timeout=600).stdout.strip()) for name in names]
         if any(codes):
             logs = "\n".join(sh("docker", "logs", name, check=False).stdout[-1500:] for name in names)

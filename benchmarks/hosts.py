@@ -122,7 +122,7 @@ def run_variant(
             }
             if variant == "ps":
                 env["PSRING_PS_COLOCATE"] = "1"
-            cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+            cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(cluster.run(host, cmd, env))
         deadline = time.monotonic() + timeout
         for proc in procs:

@@ -81,7 +81,7 @@ def run_allreduce(
             env["PSRING_SERVERS"] = str(servers)
         if colocate:
             env["PSRING_PS_COLOCATE"] = "1"
-        cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
         loop = new_event_loop()
         try:
             code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=not quiet))
@@ -128,7 +128,7 @@ def run_sgd(
         env = settings_mod.process_env()
         if servers is not None:
             env["PSRING_SERVERS"] = str(servers)
-        cmd = [sys.executable, "-m", "psring.cli.bench_ranks", json.dumps(spec)]
+        cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
         loop = new_event_loop()
         try:
             code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=False))

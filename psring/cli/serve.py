@@ -8,12 +8,10 @@ import signal
 import sys
 
 from .. import settings as settings_mod
-from ..rendezvous.client import connect_store, parse_store_address
 from ..rendezvous.launch import launch
-from ..rendezvous.scheduler import default_route_host, routable_host_towards
 from ..rendezvous.store import start_store
 from ..settings import TOPOLOGY_NAMES, Settings
-from ..topology.ps.server import serve_forever, start_servers
+from ..topology.ps.server import run_shards
 from ..transport.loop import new_event_loop
 from .cluster import cli_server_daemon
 
@@ -43,40 +41,24 @@ def _cmd_store(args: argparse.Namespace) -> int:
 
 
 async def _serve_shards(args: argparse.Namespace) -> int:
-    secret = args.secret.encode() if args.secret else None
-    address = parse_store_address(args.store)
     if args.shard is not None:
-        num = args.num_shards or args.shards
-        ids = [args.shard]
+        num, ids = (args.num_shards or args.shards), [args.shard]
     else:
         num, ids = args.shards, None
-    if num is None or num < 1:
-        raise ValueError(f"--shards must be at least 1, got {num}")
-    store = await connect_store(address, secret=secret, timeout=args.store_timeout, role="server")
-    advertise = args.advertise or (
-        routable_host_towards(address.host) if address.scheme == "tcp" else default_route_host()
-    )
-    server = await start_servers(
-        store,
+    return await run_shards(
+        args.store,
         num,
+        shard_ids=ids,
         job=args.job,
-        secret=secret,
+        secret=args.secret.encode() if args.secret else None,
         host=args.host,
         port=args.port,
-        advertise=advertise,
-        shard_ids=ids,
+        advertise=args.advertise,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         restore=args.restore,
+        store_timeout=args.store_timeout,
     )
-    restored = sum(len(s.params.buckets) for s in server.shards.values() if s.params is not None) if args.restore else 0
-    print(
-        f"psring server: shard(s) {sorted(server.shards)} of {num} for job {args.job!r} on {server.address}"
-        + (f", restored {restored} bucket(s) from {args.checkpoint_dir}" if args.restore else ""),
-        flush=True,
-    )
-    await serve_forever(server)
-    return 0
 
 
 def _cmd_server(args: argparse.Namespace) -> int:

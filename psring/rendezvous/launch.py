@@ -3,8 +3,9 @@
 Each node's launcher starts K ranks with torchrun's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) and PSRING_TOPOLOGY,
 prefixes each output line with the rank, and, for ``--topology ps``, starts this node's
-share of the parameter-server shards as ``psring server`` processes (none with
-``--colocate``: the ranks host them).
+share of the parameter-server shards, one process each (``python -m psring.topology.ps SPEC``:
+the shards' arguments as JSON, the secret from the environment; none with ``--colocate``: the
+ranks host them).
 
 One node: the launcher serves an embedded store on an ephemeral loopback port (or on
 ``--master-port``). Several nodes (``--nnodes N --node-rank i --master-addr H
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -153,13 +155,16 @@ class _Node:
             raise ValueError(f"--servers must be at least 1, got {count}")
         advertise = self.config.advertise_host or routable_host_towards(address.host)
         for i in range(self.node_rank, count, self.nnodes):
-            cmd = [
-                sys.executable, "-m", "psring", "server", "--store", str(address), "--shard", str(i),
-                "--num-shards", str(count), "--host", self.config.bind_host or bind_host_for(advertise),
-                "--advertise", advertise, "--job", job,
-            ]  # fmt: skip
-            if self.config.checkpoint_dir:
-                cmd += ["--checkpoint-dir", self.config.checkpoint_dir]
+            spec = {  # run_shards' arguments (psring.topology.ps); the rest, the secret too, from the env
+                "store": str(address),
+                "num_shards": count,
+                "shard_ids": [i],
+                "job": job,
+                "host": self.config.bind_host or bind_host_for(advertise),
+                "advertise": advertise,
+                "checkpoint_dir": self.config.checkpoint_dir,
+            }
+            cmd = [sys.executable, "-m", "psring.topology.ps", json.dumps(spec)]
             proc = await asyncio.create_subprocess_exec(
                 *cmd,
                 env={**env, "PYTHONUNBUFFERED": "1"},

@@ -2,5 +2,6 @@
 
 - ``sgd``: SyncSGD (buckets, either topology, identical parameters).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
+- ``bench_ranks``: the rank program ``psring bench`` starts (all_reduce and SyncSGD timings).
 - ``checkpoint``: where the main job keeps its checkpoints (a directory, or a cluster's store).
 """

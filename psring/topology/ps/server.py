@@ -288,3 +288,56 @@ async def serve_forever(server: ShardServer, on_stop: Any = None) -> None:
         if hook is not None:
             hook()
     await server.close()
+
+
+async def run_shards(
+    store: str,
+    num_shards: int,
+    *,
+    shard_ids: list[int] | None = None,
+    job: str | None = None,
+    secret: bytes | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    advertise: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 1,
+    restore: bool = False,
+    store_timeout: float = 60.0,
+) -> int:
+    """A process of shards, until SIGTERM/SIGINT: ``psring server``, and the shard processes
+    ``psring launch`` starts (``python -m psring.topology.ps SPEC``). Prints one line once the
+    shards are registered. ``None`` means the setting (PSRING_JOB, PSRING_SECRET, ...)."""
+    from ...rendezvous.client import connect_store, parse_store_address
+    from ...rendezvous.scheduler import default_route_host, routable_host_towards
+
+    config = settings_mod.current()
+    if num_shards < 1:
+        raise ValueError(f"--shards must be at least 1, got {num_shards}")
+    address = parse_store_address(store)
+    secret = secret if secret is not None else config.secret_bytes
+    client = await connect_store(address, secret=secret, timeout=store_timeout, role="server")
+    advertise = advertise or config.advertise_host or (
+        routable_host_towards(address.host) if address.scheme == "tcp" else default_route_host()
+    )
+    server = await start_servers(
+        client,
+        num_shards,
+        job=job or config.job,
+        secret=secret,
+        host=host or config.bind_host or "0.0.0.0",
+        port=config.port if port is None else port,
+        advertise=advertise,
+        shard_ids=shard_ids,
+        checkpoint_dir=checkpoint_dir if checkpoint_dir is not None else config.checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        restore=restore,
+    )
+    restored = sum(len(s.params.buckets) for s in server.shards.values() if s.params is not None) if restore else 0
+    print(
+        f"psring server: shard(s) {sorted(server.shards)} of {num_shards} for job {job or config.job!r} on "
+        f"{server.address}" + (f", restored {restored} bucket(s) from {checkpoint_dir}" if restore else ""),
+        flush=True,
+    )
+    await serve_forever(server)
+    return 0

@@ -1,7 +1,7 @@
 """The rank side of ``psring bench``: each launched process runs this module, times its part and
 (rank 0) writes the result file the parent reads. Also the gloo stand-in for side-by-side runs.
 
-Run as ``python -m psring.cli.bench_ranks SPEC_JSON`` (the parent does this; the package's
+Run as ``python -m psring.training.bench_ranks SPEC_JSON`` (the parent does this; the package's
 ``__init__`` does not import this module, so running it with -m is clean).
 """
 
@@ -19,8 +19,8 @@ import numpy as np
 from .. import settings as settings_mod
 from ..core.optim import SGD
 from ..topology.api import init_group
-from ..training.sgd import SyncSGD
 from ..transport.loop import new_event_loop
+from .sgd import SyncSGD
 
 
 def _rss_bytes() -> int:
