@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 #: payloads at least this large (still to read) are read straight into their destination
 DIRECT_READ_MIN = 32 << 10
 HANDSHAKE_STAGING_SIZE = 4 << 10
+#: bytes each connection reads at a time once the peer has proved itself
+STAGING_SIZE = 256 << 10
 
 
 def _crc32c(data: Any) -> int:
@@ -199,6 +201,30 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             self._process_staging()
         except Exception as exc:  # a bad frame or a router failure ends this connection
             self.abort(exc)
+
+    def _use_full_staging(self) -> None:
+        """After the handshake: move the bytes already read past it into the full-size receive buffer."""
+        n = self._end - self._start
+        staging = bytearray(STAGING_SIZE)
+        staging[:n] = self._stage[self._start : self._end]
+        self._staging, self._stage = staging, memoryview(staging)
+        self._start, self._end = 0, n
+
+    def _replay_held(self) -> None:
+        """After the handshake: parse, in order, the frames the peer sent right after its welcome (held
+        back until now), and read on. A refusal or a bad frame among them ends the connection (and the dial)."""
+        if not self._held:
+            return
+        self._held, self._replaying = False, True
+        try:
+            self._process_staging()
+        except Exception as exc:
+            self.abort(exc)
+            raise
+        finally:
+            self._replaying = False
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def _process_staging(self) -> None:
         stage = self._stage

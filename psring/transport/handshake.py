@@ -20,8 +20,6 @@ from typing import Any
 from ..core import wire
 from ..errors import AuthError, PeerLostError, ProtocolError
 
-#: bytes each connection reads at a time once the peer has proved itself
-STAGING_SIZE = 256 << 10
 HANDSHAKE_TIMEOUT = 10.0
 
 
@@ -145,23 +143,9 @@ class Handshake:
             if early.get("kind") == "reject":  # welcomed, then turned away (wrong job, rank, world size)
                 raise ProtocolError(f"{self.peername} refused this connection: {str(early.get('reason'))[:2000]}")
             raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
-        n = self._end - self._start  # bytes already read past the handshake move to the full-size buffer
-        staging = bytearray(STAGING_SIZE)
-        staging[:n] = self._stage[self._start : self._end]
-        self._staging, self._stage = staging, memoryview(staging)
-        self._start, self._end = 0, n
+        self._use_full_staging()
         self._schedule_heartbeat()
-        if self._held:  # frames the server sent right after its welcome: parsed now, in order
-            self._held, self._replaying = False, True
-            try:
-                self._process_staging()
-            except Exception as exc:  # a refusal or a bad frame ends the connection, and the dial
-                self.abort(exc)
-                raise
-            finally:
-                self._replaying = False
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.resume_reading()
+        self._replay_held()
 
     # ---------------------------------------------------------- who the peer is
     @property
