@@ -286,7 +286,7 @@ def cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p = sub.add_parser("bench", help="benchmarks", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bsub = p.add_subparsers(dest="bench", required=True)
     b = bsub.add_parser(

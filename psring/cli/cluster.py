@@ -161,7 +161,7 @@ def cli_trace(args: Any) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
     def common(p: Any) -> None:

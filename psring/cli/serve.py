@@ -109,7 +109,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 130
 
 
-def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     p = sub.add_parser("store", help="run a rendezvous store", formatter_class=fmt)
     p.add_argument("--host", default=env.host or "0.0.0.0", help="address to bind (PSRING_HOST)")

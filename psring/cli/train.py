@@ -129,7 +129,7 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             print(f"psring train: a worker failed (exit code {code})", file=sys.stderr)
             return None
         with open(spec["out"]) as fh:
-            return json.load(fh)  # type: ignore[no-any-return]
+            return json.load(fh)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["ranks_agree"] for r in results.values()) else 1
 
 
-def register(sub: argparse._SubParsersAction, env: Settings) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p = sub.add_parser(
         "train",
         help="the main job: synchronous SGD on the digits data set",

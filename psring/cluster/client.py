@@ -210,7 +210,7 @@ class AsyncClient:
             await asyncio.sleep(0.1)
 
     async def spec(self, jid: int) -> dict[str, Any]:
-        return json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")  # type: ignore[no-any-return]
+        return json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
 
     async def progress(self, jid: int) -> dict[str, Any] | None:
         raw = await self.store.get(key("jobs", jid, "progress"))
@@ -259,7 +259,7 @@ class AsyncClient:
         if failed and len(outcomes) < len(chosen):
             # give the other ranks a moment to report: the rank whose own error started it all
             # usually reports a little after the peers that merely lost it
-            first = beats.setdefault("\0failed", (0, now))[1]  # type: ignore[arg-type]
+            first = beats.setdefault("\0failed", (0, now))[1]
             # when every failure only followed another (a rank lost a peer, a server shard that lived in
             # a silent rank's process, say, or was stopped for it), wait until that rank's daemon is
             # known dead and name it instead
@@ -402,7 +402,7 @@ class Client:
         return Job(self, self._portal.call(self._inner.submit(topology, workers, **kwargs)))
 
     def status(self) -> dict[str, Any]:
-        return self._portal.call(self._inner.status())  # type: ignore[no-any-return]
+        return self._portal.call(self._inner.status())
 
     def close(self) -> None:
         try:

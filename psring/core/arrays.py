@@ -14,7 +14,7 @@ import numpy as np
 from .. import settings
 
 try:  # bfloat16 is optional: present only where ml_dtypes is installed
-    import ml_dtypes  # type: ignore[import-not-found]
+    import ml_dtypes
 
     _BFLOAT16: np.dtype | None = np.dtype(ml_dtypes.bfloat16)
 except ImportError:  # pragma: no cover - depends on the environment
@@ -52,7 +52,7 @@ def cupy_module() -> Any | None:
     if not _cupy_checked:
         _cupy_checked = True
         try:
-            import cupy  # type: ignore[import-not-found]
+            import cupy
 
             _cupy = cupy
         except Exception:  # ImportError, or a CUDA library that fails to load
@@ -108,6 +108,7 @@ def check_array(x: Any, what: str = "x") -> Any:
     if is_cupy(x):
         dtype_name(x.dtype)
         cp = cupy_module()
+        assert cp is not None  # it made x
         return cp.ascontiguousarray(x) if not x.flags.c_contiguous else x
     raise TypeError(f"{what} must be a numpy or cupy array, got {type(x).__name__}")
 
@@ -115,7 +116,7 @@ def check_array(x: Any, what: str = "x") -> Any:
 def byte_view(x: np.ndarray) -> memoryview:
     """A flat, writable-if-possible byte memoryview of a C-contiguous host array (no copy)."""
     flat = x.reshape(-1)
-    return memoryview(flat.view(np.uint8))
+    return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def prod(shape: tuple[int, ...]) -> int:
@@ -194,6 +195,8 @@ _POOL = _BufferPool()
 def pinned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """A host array in page-locked memory from cupy's pinned pool (reused once freed)."""
     cp = cupy_module()
+    if cp is None:
+        raise RuntimeError("pinned host memory needs cupy")
     dtype = np.dtype(dtype)
     count = int(np.prod(shape)) if shape else 1
     mem = cp.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))

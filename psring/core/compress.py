@@ -67,7 +67,7 @@ def parse_codec_op(op: object) -> tuple[str, int] | None:
     try:
         e = int(exp)
     except ValueError:
-        e = None  # type: ignore[assignment]
+        e = None
     if base not in ("sum", "avg") or codec not in CODECS or e is None or not -MAX_EXP <= e <= MAX_EXP:
         raise ProtocolError(f"op {op!r} is not a valid compressed reduction (like 'avg:fp16@12')")
     return base, e
@@ -90,7 +90,7 @@ def dequantize(q: np.ndarray, e: int, out: np.ndarray | None = None) -> np.ndarr
 
 
 def fold_fp16(
-    parts: Sequence[np.ndarray],
+    parts: Sequence[np.ndarray] | np.ndarray,
     op: str,
     e: int,
     out: np.ndarray,

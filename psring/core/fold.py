@@ -53,7 +53,7 @@ def host_layout(keys: Sequence[str | None]) -> Layout | None:
     return hosts
 
 
-def two_level_fold(parts: Sequence[np.ndarray], op: str, out: np.ndarray, hosts: Layout) -> np.ndarray:
+def two_level_fold(parts: Sequence[np.ndarray] | np.ndarray, op: str, out: np.ndarray, hosts: Layout) -> np.ndarray:
     """Reduce parts[0..N-1] into out in the two-level order (see the module's docstring)."""
     ufunc = reduce_op(op)
     partial: np.ndarray | None = None
@@ -86,7 +86,7 @@ def reduce_op(op: str) -> np.ufunc:
 
 
 def canonical_fold(
-    parts: Sequence[np.ndarray],
+    parts: Sequence[np.ndarray] | np.ndarray,
     op: str,
     out: np.ndarray,
     offset: int = 0,

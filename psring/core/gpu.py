@@ -63,6 +63,7 @@ class StagedInput:
 
     def __init__(self, x: Any, order: Sequence[tuple[int, int]]) -> None:
         cp = cupy_module()
+        assert cp is not None  # x is a cupy array
         flat = x.reshape(-1)
         self.host = pinned_empty((flat.size,), flat.dtype)
         self.device = x.device

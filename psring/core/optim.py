@@ -31,7 +31,7 @@ class Optimizer:
     def from_config(config: dict[str, Any]) -> Optimizer:
         config = dict(config)
         name = config.pop("name", None)
-        cls = {"sgd": SGD, "adam": Adam, "adamw": AdamW}.get(name)  # type: ignore[arg-type]
+        cls = {"sgd": SGD, "adam": Adam, "adamw": AdamW}.get(name)
         if cls is None:
             raise ValueError(f"unknown optimizer {name!r} (sgd, adam, adamw)")
         return cls(**config)

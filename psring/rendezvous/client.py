@@ -10,7 +10,7 @@ import os
 import time
 import urllib.parse
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +122,7 @@ class StoreClient:
         _header, payload = await self._call("list", prefix=prefix)
         return list(msgpack.unpackb(bytes(payload), raw=False))
 
-    async def wait(self, keys: list[str], timeout: float) -> None:
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
         header, _ = await self._call("wait", keys=list(keys), timeout=timeout)
         if not header.get("ok"):
             missing = [k for k in keys if await self.get(k) is None]
@@ -241,7 +241,7 @@ class FileStoreClient:
                 keys.append(key)
         return sorted(keys)
 
-    async def wait(self, keys: list[str], timeout: float) -> None:
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for key in keys:
             if await self.get(key, max(deadline - time.monotonic(), 0)) is None:
@@ -285,14 +285,14 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
     env = settings_mod.scheduler_env() if env is None else env
     if spec is None or spec == "" or spec == "env://":
         addr = env.get("MASTER_ADDR")
-        port = env.get("MASTER_PORT")
-        missing = [name for name, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not v]
+        master_port = env.get("MASTER_PORT")
+        missing = [name for name, v in (("MASTER_ADDR", addr), ("MASTER_PORT", master_port)) if not v]
         if missing:
             raise ValueError(
                 f"store='env://' needs the environment variable(s) {', '.join(missing)}; "
                 "set them, or pass store='host:port' (or use 'psring launch', which sets them)"
             )
-        return parse_store_address(f"{addr}:{port}", env)
+        return parse_store_address(f"{addr}:{master_port}", env)
     if spec.startswith("file://"):
         path = urllib.parse.urlparse(spec).path
         if not path:

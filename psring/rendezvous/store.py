@@ -156,13 +156,13 @@ class StoreServer:
             amount = req.get("amount", 1)
             if type(amount) is not int:
                 raise StoreError(f"store add: amount must be an integer, got {amount!r}")
-            current = self._data.get(key, b"0")
+            held = self._data.get(key, b"0")
             try:
-                value = int(current.decode()) + amount
+                total = int(held.decode()) + amount
             except ValueError:
                 raise StoreError(f"store add: key {key!r} does not hold an integer") from None
-            self._set(key, str(value).encode())
-            return {"value": value}, b""
+            self._set(key, str(total).encode())
+            return {"value": total}, b""
         if op == "cas":
             key = _key(req)
             expected = req.get("expected")
@@ -187,13 +187,13 @@ class StoreServer:
 
             return {}, msgpack.packb(keys)
         # wait
-        keys = req.get("keys")
+        wanted = req.get("keys")
         timeout = req.get("timeout", 0)
-        if not isinstance(keys, (list, tuple)) or not all(isinstance(k, str) for k in keys) or len(keys) > 100_000:
+        if not (isinstance(wanted, (list, tuple)) and len(wanted) <= 100_000 and all(type(k) is str for k in wanted)):
             raise StoreError("store wait: keys must be a list of strings")
         if not isinstance(timeout, (int, float)) or timeout < 0:
             raise StoreError("store wait: timeout must be a non-negative number")
-        ok = await self._wait_keys(list(keys), min(float(timeout), 86400.0))
+        ok = await self._wait_keys(list(wanted), min(float(timeout), 86400.0))
         return {"ok": ok}, b""
 
     def serve(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:

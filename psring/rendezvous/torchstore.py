@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import StoreError
@@ -75,7 +75,7 @@ class TorchStoreClient:
     async def list(self, prefix: str = "") -> list[str]:
         raise StoreError(f"torch's store at {self.address} cannot list keys (a psring cluster needs 'psring store')")
 
-    async def wait(self, keys: list[str], timeout: float) -> None:
+    async def wait(self, keys: Sequence[str], timeout: float) -> None:
         try:
             await self._call(self._store.wait, list(keys), datetime.timedelta(seconds=timeout))
         except RuntimeError:

@@ -56,4 +56,4 @@ async def init_group(
     if settings.config.trace_dir:
         process_recorder(settings.config.trace_dir, settings.job)
     install_dump_signal()  # SIGUSR1 prints what this process's groups wait in
-    return group  # type: ignore[no-any-return]
+    return group

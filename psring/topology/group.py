@@ -295,7 +295,7 @@ class Group(CollectiveRuntime, abc.ABC):
             raise
         return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
 
-    async def new_group(self, ranks: Sequence[int]) -> Group | None:
+    async def new_group(self, ranks: Sequence[int]) -> Group | NonMemberGroup:
         """A Group over ranks (renumbered 0..k-1); every rank of this group must call it.
 
         Ranks outside ``ranks`` get a NonMemberGroup whose every call raises a clear error.

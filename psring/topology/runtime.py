@@ -10,12 +10,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from ..core.arrays import DTYPES, dtype_name
 from ..errors import CollectiveTimeoutError, GroupClosedError, MismatchError, PeerLostError, PsringError
+from ..settings import Settings
+from ..transport.mailbox import Mailbox
 from .collective import Collective, _absorb_cancel, _failure, describe, mismatch_message
 from .recorder import OBSERVERS
 
@@ -52,6 +54,29 @@ class CollectiveRuntime:
     The topologies call ``_begin``/``_run``, report what their connection layer sees
     (``on_abort``, ``on_peer_lost``, ``on_peer_departed``) and send aborts (``_send_abort``).
     """
+
+    # the state it keeps, set up by Group.__init__
+    topology: ClassVar[str]
+    config: Settings
+    rank: int
+    world_size: int
+    timeout: float
+    gid: str
+    mailbox: Mailbox
+    _seq: int
+    _active: dict[int, Collective]
+    _reserved: set[int]
+    _aborted: dict[int, PsringError]
+    _broken: PsringError | None
+    _departed: dict[int, PeerLostError]
+    _departed_at: dict[int, int | None]
+    _closed: bool
+    _recent: list[tuple[int, tuple[Any, ...], bool, float] | None]
+    _late_error: MismatchError | None
+
+    if TYPE_CHECKING:
+
+        def _layer(self) -> Any: ...
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:

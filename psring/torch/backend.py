@@ -160,7 +160,7 @@ class Work(dist._Work):
     raises the :class:`BackendError` itself.
     """
 
-    def __init__(self, done: torch.futures.Future) -> None:  # type: ignore[type-arg]
+    def __init__(self, done: torch.futures.Future) -> None:
         super().__init__()
         self._done = done
         self._future = done.then(_unwrap)
@@ -170,7 +170,7 @@ class Work(dist._Work):
         self._future.wait()  # and returns once the callbacks chained on it ran
         return True
 
-    def get_future(self) -> torch.futures.Future:  # type: ignore[type-arg]
+    def get_future(self) -> torch.futures.Future:
         return self._future
 
     def is_completed(self) -> bool:
@@ -195,7 +195,7 @@ class Work(dist._Work):
         pass
 
 
-def _unwrap(done: torch.futures.Future) -> Any:  # type: ignore[type-arg]
+def _unwrap(done: torch.futures.Future) -> Any:
     return done.value()  # raises the error, which marks the chained future failed
 
 
@@ -238,7 +238,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
     """A torch ProcessGroup over a psring group (ring or ps); made by ``init_process_group("psring")``."""
 
     def __init__(self, group: BlockingGroup, rank: int, size: int, *, world: bool) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the Python ProcessGroup's (rank, size) form
         self.psring_group = group
         self._world = world
         self._closed = False
@@ -253,7 +253,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def _start(self, coro: Any, finish: Callable[[Any], Any]) -> Work:
         if self._closed:
             raise BackendError("psring: this process group was shut down (destroy_process_group)")
-        future: torch.futures.Future = torch.futures.Future()  # type: ignore[type-arg]
+        future: torch.futures.Future = torch.futures.Future()
         cf = self.psring_group.portal.submit(coro)
         cf.add_done_callback(lambda cf: _completer.put((cf, finish, future)))
         return Work(future)
@@ -322,11 +322,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         t = _one(inputs, "allgather")
-        outs = _one(outputs, "allgather")  # type: ignore[arg-type]
+        outs: Any = _one(outputs, "allgather")  # type: ignore[arg-type]  # the list of one rank's outputs
         self._check_list(outs, "all_gather's tensor_list")
 
         def finish(parts: list[Any]) -> list[list[torch.Tensor]]:
-            for dst, part in zip(outs, parts, strict=True):  # type: ignore[arg-type]
+            for dst, part in zip(outs, parts, strict=True):
                 _store_into(dst, part)
             return outputs
 
@@ -373,7 +373,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if self.rank() == root:
             parts = _one(inputs, "scatter")  # type: ignore[arg-type]
             self._check_list(parts, "scatter's scatter_list")  # type: ignore[arg-type]
-            xs = [_view(_wire(p)) for p in parts]  # type: ignore[union-attr]
+            xs = [_view(_wire(p)) for p in parts]
 
         def finish(out: Any) -> list[torch.Tensor]:
             _store_into(t, out)
@@ -385,14 +385,14 @@ class ProcessGroupPsring(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         t, parts = _one(outputs, "reduce_scatter"), _one(inputs, "reduce_scatter")  # type: ignore[arg-type]
         self._check_list(parts, "reduce_scatter's input_list")  # type: ignore[arg-type]
-        for i, p in enumerate(parts):  # type: ignore[union-attr]
+        for i, p in enumerate(parts):
             if p.numel() != t.numel() or p.dtype != t.dtype:
                 raise ValueError(
                     f"psring: reduce_scatter's input_list[{i}] has {p.numel()} {p.dtype} elements, "
                     f"the output {t.numel()} {t.dtype} (every part must match the output)"
                 )
         op = _reduce_op(opts)
-        flat = torch.cat([_reducible(p, op)[0].reshape(-1) for p in parts])  # type: ignore[union-attr]
+        flat = torch.cat([_reducible(p, op)[0].reshape(-1) for p in parts])
 
         def finish(out: Any) -> list[torch.Tensor]:
             _store_into(t if not t.is_complex() else torch.view_as_real(t), out)

@@ -35,7 +35,7 @@ def to_bytes(state: dict[str, Any]) -> bytes:
         "extra": {k: v for k, v in state.items() if k != "sgd"},
     }
     buf = io.BytesIO()
-    np.savez(buf, **arrays, **{"meta.json": np.array(json.dumps(meta, default=str))})
+    np.savez(buf, **arrays, **{"meta.json": np.array(json.dumps(meta, default=str))})  # type: ignore[arg-type]
     return buf.getvalue()
 
 

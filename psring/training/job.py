@@ -188,8 +188,8 @@ class _Run:
         checks it rather than assumes it."""
         group = self.opt.live_group() if self.opt.elastic else self.group
         host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
-        digest = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
-        digest = int((digest * (np.arange(digest.size) % 251 + 1)).sum())
+        data = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
+        digest = int((data * (np.arange(data.size) % 251 + 1)).sum())
         digests = await group.all_gather(np.array([digest], np.int64))
         wall = time.perf_counter() - self.t_start
         stats = group.stats()
@@ -255,7 +255,7 @@ async def worker(
         else:
             print(PROGRESS + json.dumps(record), flush=True)
 
-    options = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
+    options: dict[str, Any] = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
     group = await init_group(timeout=spec["timeout"], env=env, **options)
     try:
         run = _Run(group, spec, emit)

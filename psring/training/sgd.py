@@ -178,7 +178,7 @@ class SyncSGD:
         if not self.started:
             await self.start()
         host = [_to_host(f) for f in self._flat]
-        return await self.group.param_admit(self.step_count, host, extra)  # type: ignore[no-any-return]
+        return await self.group.param_admit(self.step_count, host, extra)
 
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
@@ -397,16 +397,16 @@ class BlockingSyncSGD:
         return self._group if group is self._group.group else BlockingGroup(group, self._portal, owns_portal=False)
 
     def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
-        return self._portal.call(self._inner.admit_waiting(extra))  # type: ignore[no-any-return]
+        return self._portal.call(self._inner.admit_waiting(extra))
 
     def start(self) -> dict[str, Any]:
-        return self._portal.call(self._inner.start())  # type: ignore[no-any-return]
+        return self._portal.call(self._inner.start())
 
     def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
-        return self._portal.call(self._inner.step(grads))  # type: ignore[no-any-return]
+        return self._portal.call(self._inner.step(grads))
 
     def state_dict(self) -> dict[str, Any]:
-        return self._portal.call(self._inner.state_dict())  # type: ignore[no-any-return]
+        return self._portal.call(self._inner.state_dict())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._inner.load_state_dict(state)

@@ -23,7 +23,7 @@ import socket
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -137,10 +137,10 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
 
     # ----------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream socket's (uvloop's own class)
         # high=0/low=0: pause_writing after any write the kernel did not take at once,
         # resume_writing when the buffer is empty again -- the flush signal.
-        transport.set_write_buffer_limits(high=0, low=0)
+        self.transport.set_write_buffer_limits(high=0, low=0)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -272,7 +272,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
                 dest = None
         if dest is None:
             obj = np.empty(nbytes, dtype=np.uint8)
-            dest = memoryview(obj)
+            dest = memoryview(obj)  # type: ignore[arg-type]  # numpy arrays are buffers
             self._dest_obj = obj
         else:
             self._dest_obj = dest
@@ -370,10 +370,10 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             header["sum"] = (self._checksum, CHECKSUMS[self._checksum](payload))
         head = wire.encode_header(header)
         if size and size <= SMALL_COPY:
-            transport.write(b"".join((head, payload)))  # one syscall, one segment: small frames are latency-bound
+            transport.write(b"".join((head, payload)))  # type: ignore[arg-type]  # one syscall, one segment: small frames are latency-bound
             self.bytes_sent += len(head) + size
         elif size:
-            transport.writelines((head, payload))
+            transport.writelines((head, payload))  # type: ignore[arg-type]  # size > 0: a payload
             self.bytes_sent += len(head) + size
         else:
             transport.write(head)

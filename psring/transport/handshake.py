@@ -15,10 +15,15 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core import wire
 from ..errors import AuthError, PeerLostError, ProtocolError
+
+if TYPE_CHECKING:
+    from .host import ConnectionHost as _Host
+else:
+    _Host = object
 
 HANDSHAKE_TIMEOUT = 10.0
 
@@ -27,13 +32,13 @@ def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
 
 
-class Handshake:
+class Handshake(_Host):
     """Part of :class:`~psring.transport.connection.Connection`: the handshake, client and server side."""
 
     async def _handshake_frame(self, deadline: float, expect: str) -> dict[str, Any]:
         assert self._handshake_frames is not None
         remaining = deadline - time.monotonic()
-        get = asyncio.ensure_future(self._handshake_frames.get())
+        get: asyncio.Future[Any] = asyncio.ensure_future(self._handshake_frames.get())
         done, _ = await asyncio.wait(
             {get, self._closed}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
         )

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from ..errors import PeerLostError
 
+if TYPE_CHECKING:
+    from .host import ConnectionHost as _Host
+else:
+    _Host = object
 
-class Heartbeats:
+
+class Heartbeats(_Host):
     """Part of :class:`~psring.transport.connection.Connection`: pings while idle; a connection
     silent for longer than the timeout is dropped as lost. A loop that was itself blocked
     does not judge its peers until it has caught up with what they sent."""

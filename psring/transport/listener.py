@@ -73,7 +73,7 @@ async def open_connection(
         try:
             remaining = deadline - time.monotonic()
             await asyncio.wait_for(
-                loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx),  # type: ignore[misc]
+                loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx),
                 timeout=max(remaining, 0.001),
             )
             break

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,10 +17,15 @@ from ..errors import ProtocolError, PsringError
 from .samehost import host_key, same_host_paths
 from .shmpool import PeerPool, ShmPool
 
+if TYPE_CHECKING:
+    from .host import ConnectionHost as _Host
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class SharedMemory:
+class SharedMemory(_Host):
     """Part of :class:`~psring.transport.connection.Connection`: payloads in shared memory.
 
     Between processes on one host a frame's payload may sit in a slot of the sender's

@@ -320,7 +320,7 @@ class _Acceptor:
         try:
             sock.setblocking(False)
             raw = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), self.timeout)
-            hello = msgpack.unpackb(raw, raw=False) if raw else None
+            hello: Any = msgpack.unpackb(raw, raw=False) if raw else None
             rank = hello.get("rank") if isinstance(hello, dict) else None
             if (
                 type(rank) is not int

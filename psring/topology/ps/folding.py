@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...core import wire
 from ...core.arrays import pooled_empty
 from ...core.compress import fold_fp16
-from ...core.fold import canonical_fold
+from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError, PsringError
+from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
@@ -26,6 +28,20 @@ logger = logging.getLogger(__name__)
 
 class Folding:
     """Part of :class:`~psring.topology.ps.shard.Shard`: what it does with the pieces of a collective."""
+
+    # what this part uses of Shard (shard.py)
+    settings: Settings
+    index: int
+    shards: int
+    bytes_folded: int
+    buffered: dict[Connection, int]
+    _handing: set[asyncio.Task[None]]
+
+    if TYPE_CHECKING:
+
+        def layout_of(self, ranks: Sequence[int]) -> Layout | None: ...
+
+        def _finish(self, key: tuple[str, int], outcome: str) -> None: ...
 
     # ---------------------------------------------------------------- work
     def _fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:

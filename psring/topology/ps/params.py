@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,11 +21,34 @@ from ...core.fold import pieces
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from .plan import per_piece, plan
 
+if TYPE_CHECKING:
+    from ..group import Group as _Host
+    from .links import ServerLinks
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class ParameterMode:
+def _note_arrived(got: set[tuple[Any, ...]], tag: tuple[Any, ...], fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        got.add(tag)
+
+
+class ParameterMode(_Host):
     """Part of :class:`~psring.topology.ps.client.PsGroup`: parameter mode, used by SyncSGD."""
+
+    # what this part uses of PsGroup (client.py)
+    links: ServerLinks
+    members: list[int]
+    elastic: bool
+    _broken_waiters: set[asyncio.Future[None]]
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_servers(self) -> int: ...
+
 
     def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
         step = per_piece(flat.itemsize, self.links.config.ps_piece)
@@ -183,7 +207,8 @@ class ParameterMode:
         group = self.links.groups.get(gid)
         if group is None:
             me = live.index(self.members[self.rank])
-            group = type(self)(self.links, me, len(live), list(live), gid, self.timeout)
+            make: Any = type(self)  # PsGroup: (links, rank, world_size, members, gid, timeout)
+            group = make(self.links, me, len(live), list(live), gid, self.timeout)
         return group
 
     async def param_state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
@@ -301,7 +326,7 @@ class ParameterMode:
                         continue
                     self.mailbox.unpost(tag)
                     fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
-                    fut.add_done_callback(lambda f, tag=tag: got.add(tag) if not f.cancelled() else None)
+                    fut.add_done_callback(functools.partial(_note_arrived, got, tag))
                     if self.elastic:
                         fut.add_done_callback(self._note_members)
                     futs.append(fut)

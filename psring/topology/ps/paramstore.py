@@ -99,7 +99,7 @@ class Bucket:
     def state_view(self, key: str, j: int) -> np.ndarray:
         pa, pb = self.pieces[j]
         a = self.slice[0]
-        return self.state[key][pa - a : pb - a]  # type: ignore[no-any-return]
+        return self.state[key][pa - a : pb - a]
 
     def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
         meta = {
@@ -148,7 +148,7 @@ class ParamStore:
         path = self.path()
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
+            np.savez(fh, **arrays)  # type: ignore[arg-type]
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -297,7 +297,7 @@ class ParamStore:
         if bucket.ready:
             return  # the shard's own state wins, as for the parameters
         key, tag = header.get("key"), header.get("tag")
-        j = tag[3] if len(tag) == 4 else None
+        j = tag[3] if isinstance(tag, (list, tuple)) and len(tag) == 4 else None
         if key not in bucket.given_state or type(j) is not int or not 0 <= j < len(bucket.pieces):
             raise ProtocolError(f"optimizer state {key!r} piece {j!r} of bucket {b} was not announced")
         pa, pb = bucket.pieces[j]
@@ -508,7 +508,7 @@ class ParamStore:
 def param_store(shard: Any) -> ParamStore:
     if shard.params is None:
         shard.params = ParamStore(shard)
-    return shard.params  # type: ignore[no-any-return]
+    return shard.params
 
 
 def handle_param(shard: Any, conn: Connection, header: dict[str, Any], payload: Any) -> None:
@@ -533,7 +533,11 @@ def configure_checkpoints(
         store.checkpoint_every = every
         if restore:
             store.restore()
-    server.on_stop = lambda: [param_store(s).save() for s in server.shards.values()]
+    def save_all() -> None:
+        for s in server.shards.values():
+            param_store(s).save()
+
+    server.on_stop = save_all
 
 
 __all__ = ["ParamStore", "configure_checkpoints", "handle_param"]

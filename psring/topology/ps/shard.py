@@ -102,13 +102,15 @@ class Shard(Folding):
 
     # ---------------------------------------------------------- connections
     def attach(self, conn: Connection) -> None:
-        rank = conn.peer.get("rank")
-        world = conn.peer.get("world_size")
+        rank: Any = conn.peer.get("rank")  # wire values, checked below
+        world: Any = conn.peer.get("world_size")
         if type(rank) is not int or rank < 0 or type(world) is not int or world < 1:
             raise ProtocolError(f"worker hello claims rank {rank!r} of a world of {world!r}")
         # a rank outside its world is no member: it may talk to the shard, but no collective
         # waits for it and its loss is nobody's business; members must agree on the world
-        worlds = {c.peer.get("world_size") for r, c in self.by_rank.items() if c.is_open and r < c.peer["world_size"]}
+        worlds: set[Any] = {
+            c.peer.get("world_size") for r, c in self.by_rank.items() if c.is_open and r < c.peer["world_size"]
+        }
         if rank < world and worlds and world not in worlds:
             raise ProtocolError(
                 f"rank {rank} says job {self.job!r} has {world} ranks; the ranks connected to shard "
@@ -127,7 +129,7 @@ class Shard(Folding):
     def detach(self, conn: Connection, error: PeerLostError | None) -> None:
         self.conns.discard(conn)
         self.buffered.pop(conn, None)
-        rank = conn.peer.get("rank")
+        rank: Any = conn.peer.get("rank")
         attached = type(rank) is int and self.by_rank.get(rank) is conn
         member = attached and rank < conn.peer["world_size"]
         if attached:  # members and strangers alike: nothing keeps a closed connection
@@ -189,7 +191,7 @@ class Shard(Folding):
     def buffer_for(self, conn: Connection, header: dict[str, Any]) -> memoryview | None:
         # each piece is read straight into a buffer of its own, recycled once folded and sent
         if header["kind"] == "ps_data" and header["nbytes"] >= POOLED_MIN:
-            return memoryview(pooled_bytes(header["nbytes"]))
+            return memoryview(pooled_bytes(header["nbytes"]))  # type: ignore[arg-type]  # numpy arrays are buffers
         return None
 
     def deliver(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
@@ -221,7 +223,10 @@ class Shard(Folding):
         asyncio.get_running_loop().call_later(0.05, conn.abort, ProtocolError(message))
 
     def _on_join(self, conn: Connection, header: dict[str, Any]) -> None:
-        tag, desc, src, size = header.get("tag"), header.get("call"), header.get("src"), header.get("size")
+        tag: Any = header.get("tag")  # wire values, checked below
+        desc: Any = header.get("call")
+        src: Any = header.get("src")
+        size: Any = header.get("size")
         if not (isinstance(tag, tuple) and len(tag) == 3 and isinstance(tag[0], str) and type(tag[1]) is int):
             raise ProtocolError(f"join frame with a malformed tag {tag!r}")
         if not (type(size) is int and 1 <= size <= 1 << 16 and type(src) is int and 0 <= src < size):
@@ -273,7 +278,8 @@ class Shard(Folding):
             self._maybe_finish(pending)
 
     def _on_data(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
-        tag, src = header["tag"], header.get("src")
+        tag: Any = header["tag"]  # wire values, checked below
+        src: Any = header.get("src")
         if not (len(tag) == 4 and isinstance(tag[0], str) and type(tag[1]) is int and type(tag[3]) is int):
             raise ProtocolError(f"data frame with a malformed tag {tag!r}")
         key = (tag[0], tag[1])
@@ -339,9 +345,9 @@ class Shard(Folding):
                 release_held(held)
             pending.held.clear()
             for conn in pending.conns.values():
-                held = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
-                if held:
-                    self._account(conn, -held)
+                unfolded = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
+                if unfolded:
+                    self._account(conn, -unfolded)
         self.finished[key] = outcome
         while len(self.finished) > 10_000:
             self.finished.popitem(last=False)

@@ -5,5 +5,6 @@ tensors), ``pipeline`` (the pipelined ring on the event loop), ``fp16`` (float16
 ``plane`` (large all_reduces on the threaded data plane, whose threads, links and schedule are
 ``dataplane``) and ``hier`` (two levels across hosts);
 ``paths`` decides which one a reduction takes. ``net`` (``PeerNet``) is the rank's endpoint under
-them: the listening port, the links, losses; ``constants`` the phases and bounds they share.
+them: the listening port, the links, losses; ``constants`` the phases and bounds they share;
+``host`` writes down, for type checkers, what the path mixins need from RingGroup and each other.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,10 +16,15 @@ from ..collective import Collective
 from .constants import AG, DIRECT, RS
 from .paths import Path
 
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class Fp16Ring:
+class Fp16Ring(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce with float16 on the wire."""
 
     async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:

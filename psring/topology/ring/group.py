@@ -155,7 +155,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
             return await self._hier_all_reduce(coll, x, op, self.net.hosts)
         if path is Path.RING:
             return await self._ring_reduce(coll, x, op, mode="all")
-        return await self._gather_and_fold(coll, x, op, hosts=self._hier_hosts(), path=path)  # type: ignore[no-any-return]
+        return await self._gather_and_fold(coll, x, op, hosts=self._hier_hosts(), path=path)
 
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
@@ -164,12 +164,12 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
             out = await self._ring_reduce(coll, x, op, mode="scatter")
         else:
             out = await self._gather_and_fold(coll, x, op, path=path)
-        return out[a:b].copy()  # type: ignore[no-any-return]
+        return out[a:b].copy()
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
         path = choose_reduce(x.nbytes, self.world_size, self.net.paths, to_all=False)
         if path is not Path.RING:
-            return await self._gather_and_fold(coll, x, op, dst, path=path)  # type: ignore[no-any-return]
+            return await self._gather_and_fold(coll, x, op, dst, path=path)
         out = await self._ring_reduce(coll, x, op, mode="reduce", dst=dst)
         return out if self.rank == dst else None
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,21 +33,26 @@ from ...transport.connection import Connection
 from ..collective import Collective
 from .constants import HIER, HIER_BLOCK, HIER_DEPTH
 
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
 
-class Hierarchical:
+
+class Hierarchical(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce in two levels across hosts."""
 
     def _hier_hosts(self) -> Layout | None:
         """The hosts, when this group's all_reduces go hierarchical (the whole job's group only)."""
-        return self.net.hosts if self.gid == "0" else None  # type: ignore[attr-defined,no-any-return]
+        return self.net.hosts if self.gid == "0" else None
 
     async def _hier_all_reduce(self, coll: Collective, x: np.ndarray, op: str, hosts: Layout) -> np.ndarray:
-        me: int = self.rank  # type: ignore[attr-defined]
+        me: int = self.rank
         home = next(h for h in hosts if me in h)
         local = home.index(me)
         cross = [h[local] for h in hosts]  # this rank's counterparts, one per host, in host order
         peers = sorted({*home, *cross} - {me})
-        conns = dict(zip(peers, await self._links(peers), strict=True))  # type: ignore[attr-defined]
+        conns = dict(zip(peers, await self._links(peers), strict=True))
         out = result_empty(x)  # recycled when large, as the flat ring's: no page faults per call
         ufunc = reduce_op(op)
         per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
@@ -80,7 +85,7 @@ class Hierarchical:
         conns: dict[int, Connection],
         owed: dict[int, int],
     ) -> None:
-        me: int = self.rank  # type: ignore[attr-defined]
+        me: int = self.rank
         n_hosts, local = len(cross), home.index(me)
         here = cross.index(me)  # this rank's host, by number
         slices = ring_chunk_bounds(x.size, len(home))
@@ -129,7 +134,7 @@ class Hierarchical:
         if not left:
             done.set_result(None)
             return done
-        gid, seq = self.gid, coll.seq  # type: ignore[attr-defined]
+        gid, seq = self.gid, coll.seq
         for src in into:
             owed[src] = owed.get(src, 0) + 1
             coll.waiting_on.add(src)
@@ -148,7 +153,7 @@ class Hierarchical:
             if left == 0 and not done.done():
                 done.set_result(None)
 
-        post = self.mailbox.post  # type: ignore[attr-defined]
+        post = self.mailbox.post
         for src, buf in into.items():
             post((gid, seq, phase, src), byte_view(buf) if buf.nbytes else None, arrived)
         return done
@@ -156,8 +161,8 @@ class Hierarchical:
     async def _hier_send(
         self, coll: Collective, phase: int, conns: dict[int, Connection], parts: dict[int, np.ndarray]
     ) -> None:
-        me = self.rank  # type: ignore[attr-defined]
+        me = self.rank
         for dst, part in parts.items():  # a header each: send_frame writes its size into it
-            conns[dst].send_frame(self._header(coll, phase, me), byte_view(part) if part.nbytes else None)  # type: ignore[attr-defined]
+            conns[dst].send_frame(self._header(coll, phase, me), byte_view(part) if part.nbytes else None)
         for dst in parts:
             await conns[dst].flush()

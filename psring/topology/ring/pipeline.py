@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,10 +19,15 @@ from ..collective import Collective
 from .constants import AG, BCAST, DIRECT, GATHER_RING, RS
 from .paths import SMALL_BYTES
 
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class Pipeline:
+class Pipeline(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: the pipelined paths on the event loop."""
 
     def _wait_piece(self, coll: Collective, conn_count: int) -> tuple[asyncio.Future[None], Callable[[], None]]:

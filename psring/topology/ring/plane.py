@@ -8,23 +8,31 @@ import asyncio
 import contextlib
 import functools
 import logging
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
 
 from ...core.fold import pieces, reduce_op, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
+from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.shmpool import PeerPool, ShmPool
+from ...transport.unixnet import UnixMesh
 from ..collective import Collective
 from .constants import PLANE_GRACE
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .paths import Path
 
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class PlaneDriver:
+class PlaneDriver(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: large all_reduces on the data plane."""
 
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
@@ -72,6 +80,24 @@ class PlaneDriver:
 class PlaneLinks:
     """Part of :class:`~psring.topology.ring.net.PeerNet`: the data plane's links and segments."""
 
+    # what this part uses of PeerNet (net.py)
+    rank: int
+    world_size: int
+    config: Settings
+    store: Any
+    prefix: str
+    plane: DataPlane | None
+    mesh: UnixMesh | None
+    addresses: dict[int, tuple[str, int]]
+    lost: dict[int, PeerLostError]
+    _closing: bool
+
+    if TYPE_CHECKING:
+
+        async def dial(self, rank: int, timeout: float, *, data: bool = False) -> Connection: ...
+
+        def _peer_lost(self, peer_rank: int, err: PeerLostError) -> None: ...
+
     async def open_plane(self, timeout: float) -> None:
         """Dial the data link to the right neighbour, wait for the left's, start the threads.
         Between same-host ranks (the mesh was agreed) each link also gets the sender's shared-memory pool."""
@@ -114,7 +140,8 @@ class PlaneLinks:
                 pool = PeerPool.open(offer)
         except (OSError, ValueError, TypeError) as exc:
             logger.info("rank %d: cannot map rank %d's shared memory (%s): its link stays on TCP", self.rank, left, exc)
-        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(pool and offer["token"]))
+        token = offer["token"] if pool is not None and isinstance(offer, dict) else None
+        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(token))
         return pool
 
     async def _right_mapped(self, right: int, pool: ShmPool, timeout: float) -> bool:

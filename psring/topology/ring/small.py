@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,10 +23,15 @@ from .constants import DIRECT, MESH_EARLY_MAX, MESH_MAX_BYTES, RESULT, ROOT_REPO
 from .net import PeerNet
 from .paths import SMALL_BYTES, Path
 
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
 logger = logging.getLogger(__name__)
 
 
-class SmallPaths:
+class SmallPaths(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: the one-hop paths for small tensors."""
 
     # ---------------------------------------------------------- same-host links
