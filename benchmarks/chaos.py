@@ -8,7 +8,7 @@ model). At KILLS random steps the driver SIGKILLs a random live worker (rank 0 i
 by its RANK among the launcher's children. Recorded per kill: the time from the kill to the first
 step a survivor completes without the killed worker (averaged over one worker fewer). Per job:
 whether it finished (every survivor ran every step, the survivors' parameters agree) or was lost.
-The long chaos form of the elastic tests (tests/test_elastic.py has the short ones).
+The long chaos form of the elastic tests (tests/topology/test_elastic.py has the short ones).
 """
 
 from __future__ import annotations

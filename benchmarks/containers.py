@@ -6,7 +6,7 @@ namespace, and psring's same-host shared-memory paths are off between them), sid
     python benchmarks/containers.py --workers 2 --size 1M --iters 2 --rounds 1 --json   # a quick look
 
 Needs a Docker engine and the images: psring:latest (deploy/Dockerfile, built here if missing,
-on the stand-in base of tests/harness/docker_base.sh) and psring-bench:latest (psring:latest plus
+on the stand-in base of tests/support/harness/docker_base.sh) and psring-bench:latest (psring:latest plus
 torch's CPU wheel for gloo, from this machine's wheel cache; built here too). Rounds alternate
 the order of ring, ps and gloo; each figure is the median over a round's timed calls of the
 slowest rank (nccl-tests' convention), busbw = size * 2(N-1)/N / time. The ps rows have S=N
@@ -49,7 +49,7 @@ def sh(*args: str, timeout: float = 900, check: bool = True) -> subprocess.Compl
 
 def ensure_images(gloo: bool) -> str:
     """The image the ranks run: psring's own, plus torch where gloo is measured."""
-    sh("bash", os.path.join(ROOT, "tests", "harness", "docker_base.sh"))
+    sh("bash", os.path.join(ROOT, "tests", "support", "harness", "docker_base.sh"))
     sh("docker", "build", "-q", "-f", os.path.join(ROOT, "deploy", "Dockerfile"), "-t", "psring:latest", ROOT)
     if not gloo:
         return "psring:latest"

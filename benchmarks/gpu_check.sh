@@ -10,7 +10,7 @@ python3 -c "import pytest, pytest_asyncio, pytest_timeout" 2>/dev/null || {
   echo "gpu_check: the gpu tests need pytest, pytest-asyncio and pytest-timeout (pip install, or carry their wheels)" >&2
   exit 2
 }
-python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py tests/test_torch.py "$@"
+python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu tests/test_gpu.py tests/torch/test_torch.py "$@"
 python3 benchmarks/gpu_allreduce.py --workers "${PSRING_GPU_WORKERS:-4}" --sizes "${PSRING_GPU_SIZES:-1M,16M,64M}" --variants
 # the main job on the GPU, both topologies, full length: the accuracy bar is the CPU run's (0.95)
 for topo in ring ps; do

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from psring.cli.bench import human, parse_size  # noqa: E402
-from tests.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
+from tests.support.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
 
 VARIANTS = ("flat", "hier", "ps", "gloo")
 

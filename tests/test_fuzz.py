@@ -1,4 +1,4 @@
-"""Fuzzing of the live store, shard and ring sockets (short form of tests/harness/fuzz.py), and
+"""Fuzzing of the live store, shard and ring sockets (short form of tests/support/harness/fuzz.py), and
 regression tests for what it found."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from psring.transport.mailbox import Mailbox
 from .conftest import run_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytestmark = [pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 
 def hello(**fields: object) -> bytes:
@@ -46,7 +46,7 @@ async def closed_by_peer(reader: asyncio.StreamReader, within: float = 5.0) -> b
 def test_fuzz_short_form_no_crash_no_hang_bounded_memory() -> None:
     args = ["--inputs", "60", "--slowloris", "10", "--flood", "150", "--json"]
     proc = run_tree(
-        [sys.executable, os.path.join(ROOT, "tests", "harness", "fuzz.py"), *args],
+        [sys.executable, os.path.join(ROOT, "tests", "support", "harness", "fuzz.py"), *args],
         capture_output=True,
         text=True,
         timeout=280,

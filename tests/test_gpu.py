@@ -13,6 +13,7 @@ from psring.core.fold import canonical_fold
 from .conftest import run_tree
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.gpu,
     pytest.mark.timeout(300),
     pytest.mark.skipif(not gpu.available(), reason="needs cupy and a CUDA GPU (none here)"),

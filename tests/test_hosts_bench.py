@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_tree
-from tests.harness.netns import netns_available
+from tests.support.harness.netns import netns_available
+
+pytestmark = [pytest.mark.slow]  # it starts processes
 
 ROOT = Path(__file__).resolve().parents[1]
 

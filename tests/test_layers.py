@@ -12,6 +12,8 @@ import pytest
 
 from psring import settings
 
+pytestmark = [pytest.mark.slow]  # it starts processes
+
 PKG = pathlib.Path(__file__).resolve().parent.parent / "psring"
 
 #: bottom to top; a module may import its own layer and the ones before it
@@ -223,3 +225,17 @@ def test_every_package_docstring_names_its_modules() -> None:
         names += [p.name for p in init.parent.iterdir() if (p / "__init__.py").exists()]
         missing += [f"{init.parent.relative_to(PKG.parent)}: {n}" for n in names if f"``{n}``" not in doc]
     assert not missing, f"modules their package's docstring does not name: {missing}"
+
+
+def test_test_files_that_start_processes_are_marked_slow() -> None:
+    """``pytest -m "not slow"`` is the in-process subset: every test file that starts a process says so."""
+    import re
+
+    starts = re.compile(r"subprocess|Popen|create_subprocess|\bspawn\(|\brun_tree\(")
+    tests = pathlib.Path(__file__).resolve().parent
+    unmarked = [
+        str(p.relative_to(tests))
+        for p in sorted(tests.rglob("test_*.py"))
+        if "support" not in p.parts and starts.search(p.read_text()) and "pytest.mark.slow" not in p.read_text()
+    ]
+    assert not unmarked, f"test files that start processes without pytest.mark.slow: {unmarked}"

@@ -26,6 +26,8 @@ from psring.cli import build_parser
 
 from .conftest import end, run_tree, spawn
 
+pytestmark = [pytest.mark.slow]  # it starts processes
+
 FIELDS = {f.name: f for f in settings_mod.variables()}
 BY_VARIABLE = {f.metadata["env"]: f for f in settings_mod.variables()}
 

@@ -1,4 +1,5 @@
-"""Short forms of the chaos and soak harnesses (the long forms: tests/harness/chaos.py, tests/harness/soak.py)."""
+"""Short forms of the chaos and soak harnesses (the long forms: tests/support/harness/chaos.py and
+tests/support/harness/soak.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import pytest
 from ..conftest import run_tree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = [pytest.mark.timeout(280)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(280)]
 
 
 def run(script: str, *args: str, timeout: float = 260) -> list[dict]:  # (or one dict)
     proc = run_tree(
-        [sys.executable, os.path.join(ROOT, "tests", "harness", script), *args, "--json"],
+        [sys.executable, os.path.join(ROOT, "tests", "support", "harness", script), *args, "--json"],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -72,7 +73,7 @@ def test_soak_short_form_memory_flat_no_fd_growth_no_wrong_results() -> None:
 
 
 def test_netfaults_short_form_cut_links_raise_degraded_links_give_identical_results() -> None:
-    from tests.harness.netns import netns_available
+    from tests.support.harness.netns import netns_available
 
     why = netns_available()
     if why:

@@ -5,7 +5,7 @@ send. So the decision depends only on what is the same everywhere: the call (its
 the group's size, whether it is the job's whole group, compression) and a frozen
 :class:`RingPaths` built once at set-up from the agreed settings (PeerNet.resolve agrees
 PSRING_RING_ROOTED_MIN, the data plane's thresholds and the host layout). Nothing here
-sees a socket; ``tests/test_ring_paths.py`` checks the table alone, and docs/design.md
+sees a socket; ``tests/topology/test_ring_paths.py`` checks the table alone, and docs/design.md
 prints it (:func:`describe`).
 """
 

@@ -1,0 +1,1 @@
+"""Tests of psring/cli/: the commands' own behaviour (bench)."""

@@ -1,0 +1,257 @@
+"""The repository's docker-compose.yml on a real Docker engine.
+
+Installs nothing: where a Docker engine answers (CI installs docker.io, docker-compose and
+debootstrap as root and starts dockerd, best effort), it builds the stand-in base image once
+(tests/support/harness/docker_base.sh: no registry is reachable here), builds deploy/Dockerfile as it is,
+brings the cluster up under a project name of its own (torn down at the end, volumes included)
+and checks what a user would: jobs over both topologies reach the main job's accuracy, status and
+doctor, metrics on the declared port, checkpoints in the volume -- and that the cluster heals: the
+server daemon's process SIGKILLed (the restart policy brings it back) resumes the job; a worker's
+process SIGKILLed restarts the job (--max-restarts). Where no engine answers, it skips saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..rendezvous.test_start import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+WORKERS = 4
+
+
+def _why_not() -> str | None:
+    for tool in ("docker", "docker-compose", "debootstrap"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            return f"{tool} is not installed (apt-get install docker.io docker-compose debootstrap)"
+    try:
+        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no Docker engine answers: {exc}"
+    if info.returncode != 0:
+        return f"no Docker engine answers (start dockerd): {info.stderr.strip()[:200]}"
+    return None
+
+
+class Compose:
+    """One compose project from the repository's file; every call names the project."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.project = f"psrt{uuid.uuid4().hex[:8]}"
+        secret = tmp / "psring-secret"
+        secret.write_text(uuid.uuid4().hex + "\n")
+        self.env = {
+            **os.environ,
+            "PSRING_STORE_PORT": str(free_port()),
+            "PSRING_SECRET_PATH": str(secret),
+        }
+        self.base = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", self.project]
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check:
+            assert proc.returncode == 0, f"docker-compose {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    def psring(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """A psring command in a one-off container of the submit service (on the cluster's network)."""
+        return self("run", "--rm", "-T", "submit", "psring", *args, timeout=timeout, check=check)
+
+    def popen_psring(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*self.base, "run", "--rm", "-T", "submit", "psring", *args],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def status(self) -> dict:
+        return _summary(self.psring("status", "--store", "store:29500", "--json").stdout)
+
+    def pid(self, container: str) -> int:
+        out = subprocess.run(
+            ["docker", "inspect", "-f", "{{.State.Pid}}", container], capture_output=True, text=True, timeout=30
+        )
+        return int(out.stdout.strip())
+
+    def container_of(self, daemon_pid_in_record: int, hostname: str) -> str:
+        """The container whose hostname a daemon's record names (compose sets it to the container id)."""
+        out = subprocess.run(
+            ["docker", "ps", "-q", "--no-trunc", "--filter", f"label=com.docker.compose.project={self.project}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        for cid in out:
+            if cid.startswith(hostname):
+                return cid
+        raise AssertionError(f"no container of {self.project} has host name {hostname}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
+    why = _why_not()
+    if why is not None:
+        pytest.skip(why)
+    base = subprocess.run(
+        ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if base.returncode != 0:
+        pytest.skip(f"the stand-in base image cannot be built here: {base.stderr.strip()[-300:]}")
+    compose = Compose(tmp_path_factory.mktemp("compose"))
+    try:
+        compose("build", timeout=900)
+        compose("up", "-d", "--scale", f"worker={WORKERS}", timeout=300)
+        deadline = time.monotonic() + 120
+        while True:
+            status = compose.status()
+            idle = [w for w in status["workers"] if w["state"] == "idle"]
+            if len(idle) == WORKERS and status["servers"]:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(1)
+        yield compose
+    finally:
+        compose("down", "-v", "--remove-orphans", timeout=300, check=False)
+
+
+def _summary(out: str) -> dict:
+    """The job's JSON summary: the last output line that is a JSON object (whatever docker compose or
+    the client's log lines put after it, the test still sees the summary, or the output it got)."""
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                summary = json.loads(line)
+                if isinstance(summary, dict):
+                    return summary
+    raise AssertionError("no JSON summary in the output; its end:\n" + out[-4000:])
+
+
+def _submit(cluster: Compose, topology: str, epochs: int, *extra: str) -> dict:
+    out = cluster.psring(
+        "submit", "--store", "store:29500", "--topology", topology, "--workers", str(WORKERS),
+        "--epochs", str(epochs), *extra, "--json",
+    ).stdout  # fmt: skip
+    return _summary(out)
+
+
+def test_jobs_status_doctor_metrics_and_checkpoints(cluster: Compose) -> None:
+    ring = _submit(cluster, "ring", 20)
+    ps = _submit(cluster, "ps", 20)
+    for s in (ring, ps):
+        assert s["test_accuracy"] >= 0.95 and s["ranks_agree"] and s["workers"] == WORKERS
+    assert ring["param_digest"] == ps["param_digest"]  # one canonical order, across containers too
+    status = cluster.status()
+    assert len(status["workers"]) == WORKERS and len(status["servers"]) == 1
+    assert {j["state"] for j in status["jobs"]} == {"done"}
+    doctor = cluster.psring("doctor", "--store", "store:29500", check=False)
+    assert doctor.returncode == 0 and "no problems found" in doctor.stdout, doctor.stdout + doctor.stderr
+    for service in ("server", "worker"):  # Prometheus metrics on the declared port, from inside the network
+        fetch = (
+            f"import urllib.request as u; print(u.urlopen('http://{service}:9100/metrics', timeout=10).read().decode())"
+        )
+        metrics = cluster("run", "--rm", "-T", "submit", "python", "-c", fetch).stdout
+        assert "psring_" in metrics, metrics[:500]
+    ps_job = max(j["id"] for j in status["jobs"] if j["topology"] == "ps")
+    listing = cluster(
+        "exec", "-T", "server", "ls", "/var/lib/psring/checkpoints", f"/var/lib/psring/checkpoints/job{ps_job}"
+    ).stdout
+    assert "daemon-id" in listing and re.search(rf"psring-job{ps_job}-shard0-of{WORKERS}\.npz", listing), listing
+
+
+def _follow(proc: subprocess.Popen[str], until_step: int) -> tuple[int, list[tuple[float, int, str]]]:
+    """Read a submit's progress lines until the step given; returns that step and the lines."""
+    lines: list[tuple[float, int, str]] = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"step (\d+)/", line)
+        lines.append((time.monotonic(), int(m[1]) if m else -1, line))
+        if m and int(m[1]) >= until_step:
+            return int(m[1]), lines
+    raise AssertionError("the job ended first:\n" + "".join(t for _w, _s, t in lines))
+
+
+def test_a_killed_server_daemon_resumes_the_job(cluster: Compose) -> None:
+    epochs = 80
+    reference = _submit(cluster, "ps", epochs)
+    proc = cluster.popen_psring(
+        "submit", "--store", "store:29500", "--topology", "ps", "--workers", str(WORKERS), "--epochs", str(epochs),
+        "--json",
+    )  # fmt: skip
+    try:
+        at, _ = _follow(proc, 300)
+        server = f"{cluster.project}_server_1"
+        before = cluster.pid(server)
+        os.kill(before, 9)  # a crash: the restart policy brings the container back (docker kill would not)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    steps = [(line, int(m[1])) for line in out.splitlines() if (m := re.search(r"step (\d+)/", line))]
+    assert steps and steps[-1][1] > at, out
+    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}"
+    summary = _summary(out)
+    assert summary["param_digest"] == reference["param_digest"], (summary["param_digest"], reference["param_digest"])
+    assert summary["resumed_at"] is None  # the workers never stopped: they re-sent the step in flight
+    assert cluster.pid(server) != before  # the same container, a new process
+    logs = cluster("logs", "--no-color", "server").stdout
+    assert re.search(r"resumed shards \[[\d, ]+\] of job \d+ from their checkpoints", logs), logs[-2000:]
+    test_a_killed_server_daemon_resumes_the_job.took = time.monotonic() - killed  # type: ignore[attr-defined]
+
+
+def test_a_killed_worker_restarts_the_job_from_its_checkpoint(cluster: Compose) -> None:
+    epochs = 80
+    reference = _submit(cluster, "ring", epochs)
+    proc = cluster.popen_psring(
+        "submit", "--store", "store:29500", "--topology", "ring", "--workers", str(WORKERS), "--epochs", str(epochs),
+        "--max-restarts", "1", "--json",
+    )  # fmt: skip
+    try:
+        _follow(proc, 300)
+        busy = [w for w in cluster.status()["workers"] if w["state"] == "busy"]
+        victim = busy[1]
+        os.kill(cluster.pid(cluster.container_of(victim["pid"], victim["hostname"])), 9)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert re.search(
+        rf"worker daemon {re.escape(victim['id'])} \(rank \d\) (was lost|stopped heartbeating).*restarting", out
+    ), out
+    summary = _summary(out)
+    assert summary["param_digest"] == reference["param_digest"] and summary["resumed_at"] is not None
+    status = cluster.status()
+    assert {w["id"]: w["state"] for w in status["workers"]}[victim["id"]] == "lost"
+    assert len([w for w in status["workers"] if w["state"] == "idle"]) == WORKERS  # the restarted one too
+
+
+def test_cross_container_benchmark_short_form(cluster: Compose) -> None:
+    """benchmarks/containers.py, short: it runs ranks in containers and reports sane figures."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "containers.py"), "--workers", "2", "--size", "1M", "--iters",
+         "2", "--rounds", "1", "--backends", "ring,ps", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {(r["workers"], r["backend"]) for r in rows} == {(2, "ring"), (2, "ps")}
+    assert all(r["time_ms"] > 0 and r["busbw_GBps"] > 0 for r in rows)

@@ -1,0 +1,1 @@
+"""Tests of psring/core/: frames, arrays, the fold, compression."""

@@ -1,4 +1,0 @@
-"""Test harnesses: the long forms of chaos, fuzzing, soak and network-fault runs (short forms run in the suite).
-
-Each is a script: python tests/harness/chaos.py --help, and so on.
-"""

@@ -1,0 +1,1 @@
+"""Tests of psring/rendezvous/: the store, ranks, launchers, schedulers, ports."""

@@ -1,0 +1,1 @@
+"""What the tests run besides themselves: rank scripts (``jobs``) and the long-form harnesses (``harness``)."""

@@ -1,0 +1,1 @@
+"""Tests of psring/topology/: collectives over both topologies, the data plane, stalls, elastic ps."""

@@ -1,0 +1,126 @@
+"""Hierarchical all_reduce and the two-level order (#27): ranks that say they are on several hosts.
+
+The ranks are real processes under ``psring launch``; which "host" each is on comes from
+PSRING_HOST_ID (tests/support/jobs/hier_job.py), as ranks in separate containers or machines would
+differ in their host keys. benchmarks/hosts.py runs the same over network namespaces with
+rate-limited links.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psring.core.fold import canonical_fold, host_layout, two_level_fold
+from psring.settings import load
+from tests.conftest import end, run_tree, spawn
+from tests.rendezvous.test_store import free_port
+
+pytestmark = [pytest.mark.slow]  # it starts processes
+
+JOB = str(Path(__file__).resolve().parents[1] / "support" / "jobs" / "hier_job.py")
+
+
+def test_host_layout_needs_several_hosts_with_as_many_ranks_each() -> None:
+    assert host_layout(["a", "a", "b", "b"]) == ((0, 1), (2, 3))
+    assert host_layout(["a", "b", "a", "b"]) == ((0, 2), (1, 3))  # hosts in the order of their lowest rank
+    assert host_layout(["b", "b", "b", "a", "a", "a"]) == ((0, 1, 2), (3, 4, 5))
+    assert host_layout(["a", "a", "a", "a"]) is None  # one host: the flat ring (and its shared memory)
+    assert host_layout(["a", "b", "c"]) is None  # one rank per host: the flat ring is already optimal
+    assert host_layout(["a", "a", "b"]) is None  # uneven hosts
+    assert host_layout(["a", None, "b", "b"]) is None  # a rank that could not tell
+    assert host_layout([]) is None
+
+
+def test_two_level_fold_is_the_fold_of_host_folds() -> None:
+    rng = np.random.default_rng(5)
+    xs = rng.standard_normal((6, 1001)).astype(np.float32)
+    hosts = ((0, 2, 4), (1, 3, 5))
+    p0 = (xs[0] + xs[2]) + xs[4]
+    p1 = (xs[1] + xs[3]) + xs[5]
+    assert np.array_equal(two_level_fold(xs, "sum", np.empty(1001, np.float32), hosts), p0 + p1)
+    assert np.array_equal(canonical_fold(xs, "avg", np.empty(1001, np.float32), hosts=hosts), (p0 + p1) / np.float32(6))
+    assert np.array_equal(two_level_fold(xs, "max", np.empty(1001, np.float32), hosts), xs.max(axis=0))
+    # it is another order than the flat one (that is the point), and it does not depend on windows
+    flat = canonical_fold(xs, "sum", np.empty(1001, np.float32))
+    assert not np.array_equal(flat, p0 + p1)
+    window = canonical_fold(xs[:, 100:300], "sum", np.empty(200, np.float32), offset=100, total=1001, hosts=hosts)
+    assert np.array_equal(window, (p0 + p1)[100:300])
+
+
+def test_the_setting_reads_on_off_auto() -> None:
+    assert load({}).hierarchical == "auto"
+    assert load({"PSRING_HIERARCHICAL": "1"}).hierarchical == "on"
+    assert load({"PSRING_HIERARCHICAL": "OFF"}).hierarchical == "off"
+    with pytest.raises(ValueError, match="PSRING_HIERARCHICAL"):
+        load({"PSRING_HIERARCHICAL": "sometimes"})
+
+
+def _run(topology: str, n: int, hosts: str, hierarchical: str = "auto") -> tuple[list[list[str]], str]:
+    """The job's 'HIER' lines, one per rank (rank, two-level matches, flat matches, total, digest), and its output."""
+    env = {**os.environ, "HIER_HOSTS": hosts, "PSRING_HIERARCHICAL": hierarchical}
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", str(n), "--topology", topology, "--", sys.executable, JOB]
+    proc = run_tree(cmd, timeout=150, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    rows = [line.split("HIER ", 1)[1].split() for line in proc.stdout.splitlines() if "HIER " in line]
+    assert sorted(int(r[0]) for r in rows) == list(range(n)), output[-4000:]
+    return rows, output
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("n,hosts", [(4, "block:2"), (6, "block:3"), (6, "block:2"), (4, "interleave:2")])
+def test_ring_and_ps_fold_in_the_two_level_order_across_hosts(n: int, hosts: str) -> None:
+    """Every size (small path, one block, several blocks) and op on the ring's hierarchical path and
+    on parameter-server shards gives the two-level order's bits, and SyncSGD the same parameters."""
+    digests = set()
+    for topology in ("ring", "ps"):
+        rows, _ = _run(topology, n, hosts)
+        for _rank, two, _flat, total, digest in rows:
+            assert two == total, (
+                f"{topology}: {int(total) - int(two)} of {total} all_reduces not in the two-level order"
+            )
+            digests.add(digest)
+    assert len(digests) == 1, f"ring and ps SyncSGD parameters differ: {digests}"
+
+
+@pytest.mark.timeout(300)
+def test_off_keeps_the_flat_order_on_both_topologies() -> None:
+    digests = set()
+    for topology in ("ring", "ps"):
+        rows, _ = _run(topology, 4, "block:2", hierarchical="off")
+        for _rank, two, flat, total, digest in rows:
+            assert flat == total and int(two) < int(total), (topology, two, flat, total)
+            digests.add(digest)
+    assert len(digests) == 1, f"ring and ps SyncSGD parameters differ: {digests}"
+
+
+@pytest.mark.timeout(200)
+def test_on_with_uneven_hosts_says_why_it_stays_flat() -> None:
+    rows, output = _run("ring", 3, "block:2", hierarchical="on")  # hosts of 2 and 1 ranks
+    assert all(flat == total for _r, _two, flat, total, _d in rows), rows
+    assert "PSRING_HIERARCHICAL=on, but the ranks' hosts hold [1, 2] ranks" in output, output[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_mid_hierarchical_all_reduce_is_named_on_every_other_rank() -> None:
+    port = free_port()
+    procs = []
+    try:
+        for r in range(4):
+            env = {"RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(spawn([JOB], {**env, "HIER_HOSTS": "block:2", "HIER_CRASH": "2"}))
+        outs = [proc.communicate(timeout=60)[0] for proc in procs]
+        assert procs[2].returncode == 9, outs[2]
+    finally:
+        for proc in procs:
+            end(proc)
+    died = float(next(x for x in outs[2].splitlines() if x.startswith("DIED ")).split()[1])
+    for r in (0, 1, 3):
+        line = next((x for x in outs[r].splitlines() if x.startswith("LOST ")), None)
+        assert line is not None and "rank 2" in line and "none" not in line, outs[r][-2000:]
+        assert float(line.split()[2]) - died < 10.0, line

@@ -1,0 +1,172 @@
+"""Parameter-server specifics: the partition rule, and shards surviving bad clients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import psring
+from psring.core import wire
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.ps.plan import WHOLE_MAX_BYTES, plan
+from psring.topology.ps.server import start_servers
+from psring.transport.listener import open_connection
+from psring.transport.mailbox import Mailbox
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 1 << 26),
+    itemsize=st.sampled_from([1, 2, 4, 8]),
+    shards=st.integers(1, 16),
+    seq=st.integers(0, 1000),
+    kind=st.sampled_from(["all_reduce", "broadcast", "all_gather", "reduce_scatter"]),
+)
+def test_partition_owns_every_element_once_balanced_and_deterministic(n, itemsize, shards, seq, kind) -> None:
+    layout = plan(kind, n, itemsize, shards, seq)
+    assert layout == plan(kind, n, itemsize, shards, seq)  # every worker and shard computes the same
+    assert all(0 <= s < shards for s, _, _ in layout)
+    assert len({s for s, _, _ in layout}) == len(layout)  # a shard owns at most one slice
+    covered = sorted((a, b) for _, a, b in layout if b > a)
+    pos = 0
+    for a, b in covered:  # contiguous, disjoint, in order: each element exactly once
+        assert a == pos
+        pos = b
+    assert pos == n
+    if n * itemsize > WHOLE_MAX_BYTES and n >= shards:
+        sizes = [b - a for _, a, b in layout]
+        assert len(layout) == shards  # a large tensor spreads over every shard
+        assert max(sizes) - min(sizes) <= 1  # balanced by bytes
+    else:
+        assert layout == [(seq % shards, 0, n)]
+
+
+async def _server_and_groups(store, make_groups, job_n: int = 2):
+    groups = await make_groups(job_n, "ps")
+    return groups
+
+
+@pytest.mark.asyncio
+async def test_shard_drops_a_malformed_client_and_serves_the_others(store, make_groups) -> None:
+    groups = await make_groups(2, "ps")
+    shard_addr = groups[0].links.addresses[0]
+    host, _, port = shard_addr.rpartition(":")
+    job = groups[0].links.settings.job
+    # 1) raw garbage after the handshake
+    box = Mailbox()
+    bad = await open_connection(
+        host,
+        int(port),
+        secret=None,
+        hello={"role": "rank", "rank": 7, "world_size": 2, "job": job, "shard": 0},
+        router=box,
+    )
+    bad.transport.write(b"\xc1" * 64)  # 0xc1 is never valid msgpack
+    await asyncio.wait_for(bad.wait_closed(), 5)
+    # 2) a well-formed frame that lies: data for a collective it never joined
+    box2 = Mailbox()
+    liar = await open_connection(
+        host,
+        int(port),
+        secret=None,
+        hello={"role": "rank", "rank": 8, "world_size": 2, "job": job, "shard": 0},
+        router=box2,
+    )
+    rejected = asyncio.get_running_loop().create_future()
+    box2.on_control = lambda c, h, p: (rejected.set_result(h) if h["kind"] == "reject" else None) or True
+    liar.send_tensor({"kind": "ps_data", "tag": ("0", 99, "p", 0), "call": ("all_reduce",), "src": 0}, np.ones(4))
+    header = await asyncio.wait_for(rejected, 5)
+    assert "before joining" in header["reason"] and "server shard 0" in header["reason"]
+    await asyncio.wait_for(liar.wait_closed(), 5)
+    # 3) a wrong-sized piece inside a real collective: the liar is named, the honest ranks are told
+    # meanwhile the real workers are still served
+    ys = await asyncio.gather(*(g.all_reduce(np.arange(5.0)) for g in groups))
+    assert all(np.array_equal(y, np.arange(5.0) * 2) for y in ys)
+
+
+@pytest.mark.asyncio
+async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> None:
+    groups = await make_groups(2, "ps", servers_n=1)
+    conn = groups[1].links.shards[0]
+    x = np.ones(100_000, np.float32)  # > WHOLE_MAX_BYTES: pieces are checked against the plan
+    coll_desc = ("all_reduce", "float32", (100_000,), "sum", None)
+    # rank 1 joins, then pushes a piece of the wrong length by hand
+    conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": coll_desc, "src": 1, "size": 2})
+    conn.send_tensor({"kind": "ps_data", "tag": ("0", 0, "p", 0), "call": coll_desc, "src": 1}, x[:10])
+    with pytest.raises(psring.PsringError, match=r"expected 400000 bytes|rank 1"):
+        await groups[0].all_reduce(x)
+
+
+@pytest.mark.asyncio
+async def test_worker_that_stops_reading_is_dropped_and_named(store, make_groups, monkeypatch) -> None:
+    monkeypatch.setenv("PSRING_SERVER_BACKLOG", str(8 << 20))
+    groups = await make_groups(2, "ps", servers_n=1)
+    # rank 1 stops reading: the shard's unsent backlog to it grows past the bound
+    groups[1].links.shards[0].transport.pause_reading()
+    x = np.ones(8 << 20, np.float32)  # 32 MiB result to each worker
+    with pytest.raises(psring.PeerLostError, match="rank 1"):
+        await asyncio.wait_for(groups[0].all_reduce(x), 20)
+
+
+def test_wire_knows_ps_kinds() -> None:
+    for kind in ("ps_req", "ps_data", "ps_param"):
+        assert kind in wire.KINDS
+
+
+__all__ = ["connect_store", "parse_store_address", "start_servers"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_workers_and_servers_with_different_piece_sizes_get_a_named_error(store) -> None:
+    """PSRING_PS_PIECE is read by every process: a server set up with another piece size is a
+    clear ProtocolError on the workers that says which setting to check, not a hang."""
+    from ..conftest import end, ps_workers, spawn_server
+
+    job = "pieces"
+    args = ["--shards", "2", "--host", "127.0.0.1", "--store", f"127.0.0.1:{store.port}", "--job", job]
+    server, _ = await spawn_server(args, env={"PSRING_PS_PIECE": str(1 << 20)})  # workers: the default 4 MiB
+    groups = []
+    try:
+        groups = await ps_workers(store.port, job, 2, timeout=20)
+        x = np.ones(4 << 20, np.float32)  # 16 MiB: 8 MiB per shard, two pieces on the workers' side
+        results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
+        assert all(isinstance(r, psring.ProtocolError) for r in results), results
+        assert all("PSRING_PS_PIECE" in str(r) for r in results), results
+    finally:
+        await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
+        end(server)
+
+
+@pytest.mark.asyncio
+async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_turning_it_away(store) -> None:
+    """What a restarted server daemon does: its port is bound at once, but a worker that reconnects
+    before the daemon has resumed its shards waits in the backlog and is then served, not rejected
+    with 'serves no shards of job'."""
+    from psring.topology.ps.server import ShardHost
+
+    host = await ShardHost(secret=None, name="resuming host").start("127.0.0.1", 0, serving=False)
+    hello = {"role": "rank", "rank": 0, "world_size": 1, "job": "resumed", "shard": 0}
+    dial = asyncio.ensure_future(open_connection("127.0.0.1", host.port, secret=None, hello=hello, timeout=10))
+    servers = None
+    try:
+        assert host.port != 0
+        await asyncio.sleep(0.3)
+        assert not dial.done(), "a port that is not serving yet answered the handshake"
+        client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=5)
+        servers = await start_servers(client, 1, job="resumed", secret=None, shard_host=host)
+        await host.start_serving()
+        conn = await asyncio.wait_for(dial, 10)
+        assert list(conn.peer["shards"]) == [0] and conn.peer["job"] == "resumed"
+        await conn.close()
+    finally:
+        dial.cancel()  # a no-op once it was answered; ends the dial when an assertion above failed
+        if servers is not None:
+            await servers.close()
+        await host.close()

@@ -1,0 +1,1 @@
+"""Tests of psring/training/: SyncSGD, the main job, restarts."""

@@ -1,0 +1,1 @@
+"""Tests of psring/transport/: connections, shared memory, same-host links, faults on the wire."""
