@@ -60,6 +60,17 @@ def parse_port(raw: str) -> int:
     return value
 
 
+def parse_seconds_or_zero(raw: str) -> float:
+    """A number of seconds, 0 or more."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("expected a number of seconds") from None
+    if not value >= 0:
+        raise ValueError("expected a number that is not negative")
+    return value
+
+
 def parse_seconds(raw: str) -> float:
     """A positive number of seconds."""
     try:
@@ -122,6 +133,12 @@ class Settings:
         "PSRING_SECRET_FILE", None, parse_text, "a file holding the secret (a Docker or Kubernetes secret)"
     )
     timeout: float = _var("PSRING_TIMEOUT", 300.0, parse_seconds, "seconds any one collective may take")
+    store_reconnect: float = _var(
+        "PSRING_STORE_RECONNECT_S",
+        60.0,
+        parse_seconds_or_zero,
+        "seconds a store client keeps reconnecting, with backoff, when the store goes away (0: it does not)",
+    )
     stall: float = _var(
         "PSRING_STALL_S",
         5.0,

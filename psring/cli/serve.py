@@ -24,9 +24,10 @@ def _run(coro: object) -> int:
         loop.close()
 
 
-async def _serve_store(host: str, port: int, secret: str | None) -> int:
-    server = await start_store(host, port, secret=secret.encode() if secret else None)
-    print(f"psring store listening on {host}:{server.port}", flush=True)
+async def _serve_store(host: str, port: int, secret: str | None, data_dir: str | None) -> int:
+    server = await start_store(host, port, secret=secret.encode() if secret else None, data_dir=data_dir)
+    kept = f", keeping its keys in {data_dir} (epoch {server.epoch})" if data_dir else ""
+    print(f"psring store listening on {host}:{server.port}{kept}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -37,7 +38,7 @@ async def _serve_store(host: str, port: int, secret: str | None) -> int:
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
-    return _run(_serve_store(args.host, args.port, args.secret))
+    return _run(_serve_store(args.host, args.port, args.secret, args.data_dir))
 
 
 async def _serve_shards(args: argparse.Namespace) -> int:
@@ -115,6 +116,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p.add_argument("--host", default=env.host or "0.0.0.0", help="address to bind (PSRING_HOST)")
     p.add_argument("--port", type=int, default=env.port or 29500, help="port (PSRING_PORT)")
     p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="keep the keys here (fsync'd log + snapshot): a restarted store has its job table back",
+    )
     p.set_defaults(func=_cmd_store)
 
     p = sub.add_parser("server", help="run parameter-server shard(s) for the ps topology", formatter_class=fmt)

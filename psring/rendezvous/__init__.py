@@ -1,6 +1,7 @@
 """Layer 3: how the processes of a job find each other.
 
-- ``store`` (server) and ``client``: the key-value rendezvous store, over TCP or a shared file system;
+- ``store`` (server) and ``client``: the key-value rendezvous store, over TCP or a shared file system
+  (the TCP client reconnects when the store restarts); ``storelog``: its keys on disk (``--data-dir``);
   ``torchstore``: torch's c10d store (torchrun's, or the backend's) behind the same interface.
 - ``scheduler``: rank, world size and the store's address from the launcher's environment
   (torchrun, Slurm, Kubernetes, psring launch).

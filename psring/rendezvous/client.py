@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import settings as settings_mod
-from ..errors import AuthError, PeerLostError, StoreError
+from ..errors import AuthError, PeerLostError, PsringError, StoreError
 from ..transport.connection import Connection
 from ..transport.handshake import HANDSHAKE_TIMEOUT
 from ..transport.listener import open_connection
@@ -23,24 +23,81 @@ from ..transport.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
 
+#: requests that change the store: each carries a token, so a retry after a lost connection
+#: returns the first attempt's answer instead of applying it twice
+_MUTATING = ("set", "add", "cas", "delete")
+
 
 # --------------------------------------------------------------------- clients
 class StoreClient:
-    """Async client of a :class:`StoreServer`."""
+    """Async client of a :class:`StoreServer` that rides out a store restart.
 
-    def __init__(self, conn: Connection, mailbox: Mailbox, address: str) -> None:
+    When the connection to the store is lost, a call reconnects with backoff for up to
+    ``reconnect_s`` seconds (PSRING_STORE_RECONNECT_S, default 60) and is sent again; past that
+    it raises PeerLostError naming the store and how long it was tried. Every mutating call
+    carries a token the store remembers (in its log, with ``--data-dir``), so one that the store
+    applied before the connection broke is not applied twice. ``on_reconnect`` callbacks run
+    after each reconnection (with ``restarted=True`` when the store is a new instance: a store
+    without a data dir then lost what it held, and owners re-register it).
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        mailbox: Mailbox,
+        address: str,
+        *,
+        store_host: str = "",
+        store_port: int = 0,
+        secret: bytes | None = None,
+        role: str = "client",
+        reconnect_s: float | None = None,
+    ) -> None:
         self._conn = conn
         self._mailbox = mailbox
         self._ids = itertools.count()
         self.address = address
+        #: where to dial again when the connection is lost ("": never)
+        self._host, self._port, self._secret, self._role = store_host, store_port, secret, role
+        self.reconnect_s = settings_mod.current().store_reconnect if reconnect_s is None else reconnect_s
+        self._client_id = uuid.uuid4().hex[:12]
+        self._reconnecting: asyncio.Future[None] | None = None
+        self._closed = False
+        self.instance = conn.peer.get("instance")
+        #: async callables ``cb(restarted: bool)`` run after every reconnection
+        self.on_reconnect: list[Any] = []
+        self.reconnects = 0
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, *, secret: bytes | None = None, timeout: float = 30.0, role: str = "client"
+        cls,
+        host: str,
+        port: int,
+        *,
+        secret: bytes | None = None,
+        timeout: float = 30.0,
+        role: str = "client",
+        reconnect_s: float | None = None,
     ) -> StoreClient:
         mailbox = Mailbox()
+        conn = await cls._dial(host, port, secret, timeout, role, mailbox)
+        return cls(
+            conn,
+            mailbox,
+            f"{host}:{port}",
+            store_host=host,
+            store_port=port,
+            secret=secret,
+            role=role,
+            reconnect_s=reconnect_s,
+        )
+
+    @staticmethod
+    async def _dial(
+        host: str, port: int, secret: bytes | None, timeout: float, role: str, mailbox: Mailbox
+    ) -> Connection:
         try:
-            conn = await open_connection(
+            return await open_connection(
                 host,
                 port,
                 secret=secret,
@@ -63,14 +120,31 @@ class StoreClient:
                 f"{HANDSHAKE_TIMEOUT:g}s: another service listens there (torch's TCPStore? under torchrun psring "
                 "uses torch's own store; elsewhere give psring a port of its own with PSRING_STORE)"
             ) from exc
-        return cls(conn, mailbox, f"{host}:{port}")
 
     async def _call(self, op: str, value: bytes = b"", **fields: Any) -> tuple[dict[str, Any], Any]:
+        if op in _MUTATING:
+            fields["token"] = f"{self._client_id}:{next(self._ids)}"  # the same on every retry of this call
+        timeout = fields.get("timeout")
+        deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
+        while True:
+            conn = self._conn
+            try:
+                return await self._call_once(conn, op, value, fields)
+            except PeerLostError:
+                if self._closed or not self.reconnect_s or not self._host:
+                    raise
+            await self._reconnect(conn)
+            if deadline is not None:  # a wait goes on with what is left of its one deadline
+                fields["timeout"] = max(deadline - time.monotonic(), 0.001)
+
+    async def _call_once(
+        self, conn: Connection, op: str, value: bytes, fields: dict[str, Any]
+    ) -> tuple[dict[str, Any], Any]:
         rid = next(self._ids)
         fut = self._mailbox.expect(("store", rid))
-        lost = asyncio.ensure_future(self._conn.wait_closed())
+        lost = asyncio.ensure_future(conn.wait_closed())
         try:
-            self._conn.send_frame({"kind": "store_req", "id": rid, "op": op, **fields}, value)
+            conn.send_frame({"kind": "store_req", "id": rid, "op": op, **fields}, value)
             done, _ = await asyncio.wait({fut, lost}, return_when=asyncio.FIRST_COMPLETED)
         except (Exception, asyncio.CancelledError):
             self._mailbox.unpost(("store", rid))
@@ -79,11 +153,59 @@ class StoreClient:
             lost.cancel()
         if fut not in done:
             self._mailbox.unpost(("store", rid))
-            raise self._conn.lost or PeerLostError(f"rendezvous store at {self.address} closed the connection")
+            raise conn.lost or PeerLostError(f"rendezvous store at {self.address} closed the connection")
         _conn, header, payload = fut.result()
         if "error" in header:
             raise StoreError(f"store at {self.address} refused {op}: {header['error']}")
         return header, payload
+
+    async def _reconnect(self, broken: Connection) -> None:
+        """Reconnect once for every caller that saw ``broken`` fail (they wait on the same attempt)."""
+        if self._conn is not broken:
+            return  # somebody reconnected already
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.ensure_future(self._redial(broken))
+        await asyncio.shield(self._reconnecting)
+
+    async def _redial(self, broken: Connection) -> None:
+        started = time.monotonic()
+        deadline = started + self.reconnect_s
+        delay = 0.05
+        last: BaseException | None = broken.lost
+        logger.warning("store at %s: connection lost (%s); reconnecting for up to %gs", self.address, last,
+                       self.reconnect_s)  # fmt: skip
+        while not self._closed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                conn = await self._dial(
+                    self._host, self._port, self._secret, min(max(remaining, 0.1), 5.0), self._role, self._mailbox
+                )
+            except (PeerLostError, StoreError, OSError) as exc:
+                last = exc
+                await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+                delay = min(delay * 2, 2.0)
+                continue
+            with contextlib.suppress(Exception):
+                await broken.close()
+            self._conn = conn
+            instance = conn.peer.get("instance")
+            restarted = instance != self.instance
+            self.instance = instance
+            self.reconnects += 1
+            logger.warning("store at %s: reconnected after %.1fs%s", self.address, time.monotonic() - started,
+                           " (a restarted store)" if restarted else "")  # fmt: skip
+            for callback in list(self.on_reconnect):
+                try:
+                    await callback(restarted)
+                except (PsringError, OSError) as exc:
+                    logger.warning("store at %s: re-registering after a reconnect failed: %s", self.address, exc)
+            return
+        raise PeerLostError(
+            f"the rendezvous store at {self.address} has been unreachable for {time.monotonic() - started:.0f}s "
+            f"(tried for up to PSRING_STORE_RECONNECT_S={self.reconnect_s:g}s): {last}"
+        )
 
     async def set(self, key: str, value: bytes | str) -> None:
         if isinstance(value, str):
@@ -144,6 +266,9 @@ class StoreClient:
             ) from None
 
     async def close(self) -> None:
+        self._closed = True
+        if self._reconnecting is not None and not self._reconnecting.done():
+            self._reconnecting.cancel()
         await self._conn.close()
 
 

@@ -14,15 +14,18 @@ mid-wait is forgotten (its waiting requests are cancelled).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
+import uuid
 from typing import Any
 
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError, StoreError
 from ..transport.connection import Connection
 from ..transport.listener import Listener
+from .storelog import StoreLog, _remember
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +44,20 @@ def _key(req: dict[str, Any], field: str = "key") -> str:
 
 
 class StoreServer:
-    """The store's state and request handling; one per ``psring store`` or embedded in rank 0."""
+    """The store's state and request handling; one per ``psring store`` or embedded in rank 0.
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    With ``data_dir`` every change is on disk before it is acknowledged (see storelog), so a
+    restarted store has what it had. ``instance`` (new at every start) and ``epoch`` (starts of
+    this data dir) are in the store's handshake: clients tell a restarted store from a brief cut.
+    """
+
+    def __init__(self, secret: bytes | None = None, data_dir: str | None = None) -> None:
         self._secret = secret
+        self._log = StoreLog(data_dir) if data_dir else None
+        self.instance = uuid.uuid4().hex
+        self.epoch = self._log.epoch if self._log is not None else 1
+        #: answers to recent mutating requests, by the client's token (a retried request gets the first answer)
+        self._tokens: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._data: dict[str, bytes] = {}
         self._written: dict[str, float] = {}  # key -> when it was last set (monotonic)
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
@@ -64,11 +77,16 @@ class StoreServer:
         return self._listener.host if self._listener else ""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> StoreServer:
+        if self._log is not None:
+            self._data, self._tokens = self._log.load()
+            now = time.monotonic()  # ages start again: a record nobody refreshes expires by time
+            self._written = dict.fromkeys(self._data, now)
+            self._bytes = sum(len(v) for v in self._data.values())
         router = _StoreRouter(self)
         self._listener = Listener(
             lambda conn: None,
             secret=self._secret,
-            info={"role": "store"},
+            info={"role": "store", "instance": self.instance, "epoch": self.epoch},
             router_for=lambda conn: router,
             name="store",
             limits=wire.Limits(max_frame=STORE_MAX_VALUE),
@@ -88,6 +106,9 @@ class StoreServer:
                 if not fut.done():
                     fut.cancel()
         self._waiters.clear()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     async def __aenter__(self) -> StoreServer:
         return self
@@ -131,15 +152,32 @@ class StoreServer:
                             del self._waiters[key]
         return True
 
+    async def _durable(self, key: str, token: Any, response: dict[str, Any]) -> None:
+        """Remember a change's answer by its token and, with a data dir, put the change on disk."""
+        if isinstance(token, str) and len(token) <= 128:
+            _remember(self._tokens, token, response)
+        else:
+            token = None
+        if self._log is not None:
+            self._log.append(key, self._data.get(key), token, response)
+            await self._log.sync()
+            if self._log is not None and self._log.wants_compaction():
+                await self._log.compact(self._data, self._tokens)
+
     async def handle(self, req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         """Apply one request; return the response fields and payload."""
         op = req.get("op")
         if op not in _OPS:
             raise StoreError(f"unknown store op {op!r} (expected one of {', '.join(_OPS)})")
         if op == "ping":
-            return {}, b""
+            return {"instance": self.instance, "epoch": self.epoch}, b""
+        token = req.get("token")
+        if token is not None and token in self._tokens:  # a retry of a change already made
+            return dict(self._tokens[token]), b""
         if op == "set":
-            self._set(_key(req), bytes(payload))
+            key = _key(req)
+            self._set(key, bytes(payload))
+            await self._durable(key, token, {})
             return {}, b""
         if op == "get":
             key = _key(req)
@@ -162,6 +200,7 @@ class StoreServer:
             except ValueError:
                 raise StoreError(f"store add: key {key!r} does not hold an integer") from None
             self._set(key, str(total).encode())
+            await self._durable(key, token, {"value": total})
             return {"value": total}, b""
         if op == "cas":
             key = _key(req)
@@ -169,6 +208,7 @@ class StoreServer:
             current = self._data.get(key)
             if (expected is None and current is None) or (expected is not None and current == expected):
                 self._set(key, bytes(payload))
+                await self._durable(key, token, {"ok": True})
                 return {"ok": True}, b""
             return {"ok": False, "found": current is not None}, current or b""
         if op == "delete":
@@ -177,6 +217,8 @@ class StoreServer:
             self._written.pop(key, None)
             self._bytes -= len(old or b"")
             existed = old is not None
+            if existed:
+                await self._durable(key, token, {"deleted": True})
             return {"deleted": existed}, b""
         if op == "list":
             prefix = req.get("prefix", "")
@@ -255,6 +297,9 @@ class _StoreRouter:
         self._server.forget(conn)
 
 
-async def start_store(host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None) -> StoreServer:
-    """Start a store server; returns once listening, with ``.port`` set."""
-    return await StoreServer(secret).start(host, port)
+async def start_store(
+    host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None, data_dir: str | None = None
+) -> StoreServer:
+    """Start a store server; returns once listening, with ``.port`` set. ``data_dir``: keep the keys
+    there (fsync'd), and start from what it holds."""
+    return await StoreServer(secret, data_dir).start(host, port)
