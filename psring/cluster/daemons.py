@@ -113,6 +113,10 @@ class _Daemon:
         self.beat = 0
         self.jobs_run = 0
         self.stopping = asyncio.Event()
+        #: the specs of the jobs this daemon takes part in now, by id (put back into a store that lost them)
+        self.owned: dict[int, dict[str, Any]] = {}
+        #: a server daemon's hosting records, by job (likewise)
+        self.hosting: dict[int, bytes] = {}
         self.store: Any = None
         self.listener: Listener | None = None
         self.metrics: Any = None
@@ -199,10 +203,34 @@ class _Daemon:
             self.metrics = Metrics(self.metrics_port, role=self.kind[:-1])
         await self._open_port()
         await self._publish()
+        if hasattr(self.store, "on_reconnect"):
+            self.store.on_reconnect.append(self._reregister)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopping.set)
+
+    async def _reregister(self, restarted: bool) -> None:
+        """After reconnecting to a store that restarted: put back what this daemon owns. A store with a
+        data dir has it all already (each write here is a no-op then); one without lost it: this
+        daemon's record, the jobs it runs (spec, state, the job counter past them) and, for a server
+        daemon, its hosting records."""
+        if not restarted:
+            return
+        await self._publish()
+        for jid, spec in list(self.owned.items()):
+            if await self.store.get(key("jobs", jid, "spec")) is None:
+                await self.store.set(key("jobs", jid, "spec"), json.dumps(spec))
+                await self.store.compare_set(key("jobs", jid, "state"), None, b"running")
+                while True:  # a new job must not take this one's id (every rank of it may do this at once)
+                    raw = await self.store.get(key("next-job"))
+                    if raw is not None and int(raw) >= jid:
+                        break
+                    if (await self.store.compare_set(key("next-job"), raw, str(jid).encode()))[0]:
+                        break
+        for jid, order in list(self.hosting.items()):
+            await self.store.set(key("hosting", self.id, jid), order)
+        logger.warning("%s %s: re-registered with the restarted store at %s", self.kind[:-1], self.id, self.store_spec)
 
     async def _new_store(self) -> Any:
         """A store connection of its own (shard servers close theirs when they stop)."""
@@ -258,6 +286,7 @@ class WorkerDaemon(_Daemon):
             logger.warning("worker %s: job %s attempt %s is not current; ignored", self.id, jid, attempt)
             return
         self.state, self.job = "busy", jid
+        self.owned[jid] = spec
         await self._publish()
         await self.store.set(run_key(jid, attempt, "ack", rank), self.id)
         outcome: dict[str, Any] = {"ok": False, "worker": self.id}
@@ -296,6 +325,7 @@ class WorkerDaemon(_Daemon):
                 self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
             self.jobs_run += 1
             self.state, self.job = "idle", None
+            self.owned.pop(jid, None)
             if not self.stopping.is_set():
                 await self._open_port()
             # idle is published before this rank's outcome, so whoever sees the job's ranks finished (a
@@ -502,6 +532,7 @@ class ServerDaemon(_Daemon):
                 await self.store.delete(k)
                 continue
             running[jid] = (order.get("attempt", 0), await self._serve_order(order, restore=True))
+            self.hosting[jid] = json.dumps(order).encode()
             print(
                 f"psring server {self.id}: resumed shards {order['shards']} of job {jid} from their checkpoints",
                 flush=True,
@@ -531,6 +562,7 @@ class ServerDaemon(_Daemon):
                     if jid in running:  # a restart of the job replaces its earlier attempt
                         await running.pop(jid)[1].close()
                     await self.store.set(key("hosting", self.id, jid), raw)  # outlives this process
+                    self.hosting[jid] = raw
                     running[jid] = (
                         order.get("attempt", 0),
                         await self._serve_order(order, restore=order.get("attempt", 0) > 0),
@@ -541,6 +573,7 @@ class ServerDaemon(_Daemon):
                     if state in (b"done", b"failed", b"cancelled"):
                         await running.pop(jid)[1].close()
                         await self.store.delete(key("hosting", self.id, jid))
+                        self.hosting.pop(jid, None)
                         self.jobs_run += 1
                 if not running and self.state == "busy":
                     self.state, self.job = "idle", None
