@@ -494,7 +494,7 @@ def test_doctor_job_shows_what_a_stuck_cluster_job_waits_in(cluster, tmp_path) -
         return run_tree(cmd, timeout=60)
 
     with c.client() as client:
-        job = client.submit("ring", 2, entrypoint="tests.jobs.stuck_job:main", args={"flag": str(flag)})
+        job = client.submit("ring", 2, entrypoint="tests.support.jobs.stuck_job:main", args={"flag": str(flag)})
         deadline = time.monotonic() + 30
         report = doctor(job.id)
         while "waits" not in report.stdout and time.monotonic() < deadline:

@@ -130,7 +130,7 @@ def test_daemons_listen_on_their_declared_ports_idle_and_busy(tmp_path: Path) ->
     """Two worker daemons and a server daemon, each with a declared port: idle; running a ring job;
     running two ps jobs at once (the server daemon serves both jobs' shards on its one port)."""
     c = Cluster(tmp_path)
-    c.env["PYTHONPATH"] += os.pathsep + ROOT  # the entrypoint, tests.jobs.hold_job
+    c.env["PYTHONPATH"] += os.pathsep + ROOT  # the entrypoint, tests.support.jobs.hold_job
     try:
         w_ports = [free_port(), free_port()]
         workers = [c.worker(f"w{i}", "--port", str(p)) for i, p in enumerate(w_ports)]
@@ -143,7 +143,7 @@ def test_daemons_listen_on_their_declared_ports_idle_and_busy(tmp_path: Path) ->
             flags = tmp_path / "ring"
             flags.mkdir()
             held = Held(flags, 2)
-            job = client.submit("ring", 2, entrypoint="tests.jobs.hold_job:main", args={"flags": str(flags)})
+            job = client.submit("ring", 2, entrypoint="tests.support.jobs.hold_job:main", args={"flags": str(flags)})
             held.ranks()
             for proc, port in zip(workers, w_ports, strict=True):  # the job's ring listens on the declared port
                 assert listening(proc.pid) == {port}
@@ -153,7 +153,7 @@ def test_daemons_listen_on_their_declared_ports_idle_and_busy(tmp_path: Path) ->
             for name in ("a", "b"):  # two ps jobs of one worker each, at once, on the one server daemon
                 (tmp_path / name).mkdir()
                 args = {"flags": str(tmp_path / name)}
-                jobs.append(client.submit("ps", 1, entrypoint="tests.jobs.hold_job:main", args=args))
+                jobs.append(client.submit("ps", 1, entrypoint="tests.support.jobs.hold_job:main", args=args))
             for name in ("a", "b"):
                 Held(tmp_path / name, 1).ranks()
             assert listening(server.pid) == {s_port}

@@ -1,6 +1,6 @@
 """Join a group, say so, and hold it open until the test says go (it looks at the process's sockets
 meanwhile). Run as a script (psring.init() from the environment), or as a cluster job's
-entrypoint (tests.jobs.hold_job:main, with args {"flags": DIR})."""
+entrypoint (tests.support.jobs.hold_job:main, with args {"flags": DIR})."""
 
 from __future__ import annotations
 

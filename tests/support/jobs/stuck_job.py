@@ -1,6 +1,6 @@
 """A stuck job to look at: rank 0 waits in an all_reduce that the other ranks make only once the
 file FLAG exists. Run as a script (psring.init() from the environment; prints its result), or as a
-cluster job's entrypoint (tests.jobs.stuck_job:main, with args {"flag": PATH})."""
+cluster job's entrypoint (tests.support.jobs.stuck_job:main, with args {"flag": PATH})."""
 
 from __future__ import annotations
 
