@@ -115,7 +115,7 @@ def test_kubernetes_manifests_agree_with_compose_and_code() -> None:
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     assert set(by) == {
         ("Service", "psring-store"),
-        ("Deployment", "psring-store"),
+        ("StatefulSet", "psring-store"),
         ("Service", "psring-server"),
         ("StatefulSet", "psring-server"),
         ("Deployment", "psring-worker"),
@@ -125,8 +125,13 @@ def test_kubernetes_manifests_agree_with_compose_and_code() -> None:
     def container(kind: str, name: str) -> dict:
         return by[kind, name]["spec"]["template"]["spec"]["containers"][0]
 
-    store = container("Deployment", "psring-store")
+    store = container("StatefulSet", "psring-store")
     assert store["command"][:2] == ["psring", "store"]
+    # the store's keys live on a volume of its own: a restarted store has them back
+    data_dir = store["command"][store["command"].index("--data-dir") + 1]
+    [mount] = [m for m in store["volumeMounts"] if m["mountPath"] == data_dir]
+    claims = {c["metadata"]["name"] for c in by["StatefulSet", "psring-store"]["spec"]["volumeClaimTemplates"]}
+    assert mount["name"] in claims
     assert store["command"][store["command"].index("--port") + 1] == str(store_port)
     assert store["ports"][0]["containerPort"] == store_port
     assert by["StatefulSet", "psring-server"]["spec"]["serviceName"] == "psring-server"
@@ -155,4 +160,7 @@ def test_kubernetes_manifests_agree_with_compose_and_code() -> None:
     for cmd in commands:
         args = parser.parse_args([str(c) for c in cmd[1:]])
         assert callable(args.func)
-    assert compose["services"]["store"]["command"][-1] == str(store_port)
+    compose_store = compose["services"]["store"]["command"]
+    assert compose_store[compose_store.index("--port") + 1] == str(store_port)
+    data_dir = compose_store[compose_store.index("--data-dir") + 1]  # on a volume of its own
+    assert any(v.split(":")[1] == data_dir for v in compose["services"]["store"]["volumes"])

@@ -217,6 +217,38 @@ def test_a_killed_server_daemon_resumes_the_job(cluster: Compose) -> None:
     test_a_killed_server_daemon_resumes_the_job.took = time.monotonic() - killed  # type: ignore[attr-defined]
 
 
+def test_a_killed_store_costs_no_job(cluster: Compose) -> None:
+    """The store's process SIGKILLed mid ps job: the restart policy brings it back with its volume
+    (--data-dir), everyone reconnects, the job ends with an uninterrupted run's parameters (#34)."""
+    epochs = 80
+    reference = _submit(cluster, "ps", epochs)
+    jobs_before = {j["id"] for j in cluster.status()["jobs"]}
+    proc = cluster.popen_psring(
+        "submit", "--store", "store:29500", "--topology", "ps", "--workers", str(WORKERS), "--epochs", str(epochs),
+        "--json",
+    )  # fmt: skip
+    try:
+        at, _ = _follow(proc, 300)
+        store = f"{cluster.project}_store_1"
+        before = cluster.pid(store)
+        os.kill(before, 9)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}"
+    steps = [int(m[1]) for m in re.finditer(r"step (\d+)/", out)]
+    assert steps and steps[-1] > at, out[-2000:]
+    assert _summary(out)["param_digest"] == reference["param_digest"]
+    assert cluster.pid(store) != before  # the same container, a new process, the same volume
+    status = cluster.status()
+    assert jobs_before < {j["id"] for j in status["jobs"]}  # the job table survived, the new job in it
+    assert [j["state"] for j in status["jobs"] if j["id"] not in jobs_before] == ["done"]
+    assert len(status["workers"]) == WORKERS and all(w["state"] == "idle" for w in status["workers"])
+    test_a_killed_store_costs_no_job.took = time.monotonic() - killed  # type: ignore[attr-defined]
+
+
 def test_a_killed_worker_restarts_the_job_from_its_checkpoint(cluster: Compose) -> None:
     epochs = 80
     reference = _submit(cluster, "ring", epochs)
