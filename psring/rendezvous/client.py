@@ -185,7 +185,7 @@ class StoreClient:
             except (PeerLostError, StoreError, OSError) as exc:
                 last = exc
                 await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 1.0)  # at most a second between tries: back soon after the store is
                 continue
             with contextlib.suppress(Exception):
                 await broken.close()
