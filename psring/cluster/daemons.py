@@ -54,6 +54,9 @@ logger = logging.getLogger(__name__)
 
 ROOT = "psring-cluster/"
 HEARTBEAT_S = 1.0
+#: a daemon record nobody refreshes for this long goes away where the store supports it (etcd, a lease);
+#: long after it shows as lost (cluster.client.LOST_AFTER_S)
+RECORD_TTL_S = 3600.0
 
 
 def key(*parts: Any) -> str:
@@ -139,7 +142,7 @@ class _Daemon:
         }
 
     async def _publish(self) -> None:
-        await self.store.set(key(self.kind, self.id), json.dumps(self.record()))
+        await self.store.set(key(self.kind, self.id), json.dumps(self.record()), ttl=RECORD_TTL_S)
 
     def _heartbeat_thread(self) -> None:
         """Beat from a thread of its own (own loop, own store connection): a job that holds the
@@ -151,7 +154,7 @@ class _Daemon:
                 while not self._beat_stop.is_set():
                     self.beat += 1
                     with contextlib.suppress(PsringError, OSError):
-                        await store.set(key(self.kind, self.id), json.dumps(self.record()))
+                        await store.set(key(self.kind, self.id), json.dumps(self.record()), ttl=RECORD_TTL_S)
                     await asyncio.get_running_loop().run_in_executor(None, self._beat_stop.wait, HEARTBEAT_S)
             finally:
                 with contextlib.suppress(Exception):

@@ -207,7 +207,9 @@ class StoreClient:
             f"(tried for up to PSRING_STORE_RECONNECT_S={self.reconnect_s:g}s): {last}"
         )
 
-    async def set(self, key: str, value: bytes | str) -> None:
+    async def set(self, key: str, value: bytes | str, ttl: float | None = None) -> None:
+        """Set ``key``. ``ttl`` marks a record that is rewritten to stay alive (a daemon's): this store
+        tells its age by its own clock (get_aged) and keeps it; etcd puts it on a lease."""
         if isinstance(value, str):
             value = value.encode()
         await self._call("set", value, key=key)
@@ -287,7 +289,7 @@ class FileStoreClient:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, urllib.parse.quote(key, safe=""))
 
-    async def set(self, key: str, value: bytes | str) -> None:
+    async def set(self, key: str, value: bytes | str, ttl: float | None = None) -> None:
         if isinstance(value, str):
             value = value.encode()
         path = self._path(key)
@@ -396,10 +398,15 @@ class StoreAddress:
     host: str = ""
     port: int = 0
     path: str = ""
+    #: etcd: every member's (host, port); host and port are the first's
+    endpoints: tuple[tuple[str, int], ...] = ()
 
     def __str__(self) -> str:
         if self.scheme == "file":
             return f"file://{self.path}"
+        if self.scheme == "etcd":
+            hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.endpoints)
+            return f"etcd://{hosts}" + (f"/{self.path}" if self.path else "")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"torch://{host}:{self.port}" if self.scheme == "torch" else f"{host}:{self.port}"
 
@@ -418,6 +425,11 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
                 "set them, or pass store='host:port' (or use 'psring launch', which sets them)"
             )
         return parse_store_address(f"{addr}:{master_port}", env)
+    if spec.startswith("etcd://"):
+        from .etcd import parse_endpoints
+
+        endpoints, prefix = parse_endpoints(spec[len("etcd://") :])
+        return StoreAddress("etcd", host=endpoints[0][0], port=endpoints[0][1], path=prefix, endpoints=tuple(endpoints))
     if spec.startswith("file://"):
         path = urllib.parse.urlparse(spec).path
         if not path:
@@ -429,7 +441,9 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
     elif spec.startswith("torch://"):
         scheme, spec = "torch", spec[len("torch://") :]
     if "://" in spec:
-        raise ValueError(f"store={spec!r}: unknown scheme (use host:port, tcp://, env://, torch:// or file://)")
+        raise ValueError(
+            f"store={spec!r}: unknown scheme (use host:port, tcp://, env://, torch://, file:// or etcd://)"
+        )
     host, sep, port_s = spec.rpartition(":")
     if not sep or not host:
         raise ValueError(f"store={spec!r} is not host:port")
@@ -444,9 +458,13 @@ def parse_store_address(spec: str | None, env: Mapping[str, str] | None = None) 
 
 async def connect_store(
     address: StoreAddress, *, secret: bytes | None, timeout: float, role: str = "client"
-) -> StoreClient | FileStoreClient:
+) -> Any:
     if address.scheme == "file":
         return FileStoreClient(address.path)
     if address.scheme == "torch":
         raise ValueError(f"store {address}: torch's store is joined with init_group (it needs the rank)")
+    if address.scheme == "etcd":
+        from .etcd import EtcdStoreClient
+
+        return await EtcdStoreClient.connect(address.endpoints, address.path, timeout=timeout)
     return await StoreClient.connect(address.host, address.port, secret=secret, timeout=timeout, role=role)

@@ -42,7 +42,7 @@ class TorchStoreClient:
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def set(self, key: str, value: bytes | str) -> None:
+    async def set(self, key: str, value: bytes | str, ttl: float | None = None) -> None:
         await self._call(self._store.set, key, value.encode() if isinstance(value, str) else bytes(value))
 
     async def get(self, key: str, timeout: float | None = None) -> bytes | None:
