@@ -125,7 +125,10 @@ class Settings:
         "PSRING_TOPOLOGY", "ring", choice(*TOPOLOGY_NAMES), "topology when none is given: ring or ps"
     )
     store: str | None = _var(
-        "PSRING_STORE", None, parse_text, "the store: host:port, tcp://, env:// (MASTER_ADDR/MASTER_PORT) or file://dir"
+        "PSRING_STORE",
+        None,
+        parse_text,
+        "the store: host:port, tcp://, env:// (MASTER_ADDR/MASTER_PORT), file://dir or etcd://h1:2379,h2:2379",
     )
     job: str = _var("PSRING_JOB", "default", parse_text, "job name: the ranks of one job meet under it in the store")
     secret: str | None = _var("PSRING_SECRET", None, parse_text, "shared secret every process of a job must know")
