@@ -120,3 +120,4 @@ def test_a_store_restart_mid_job_costs_nothing(tmp_path: Path, topology: str, ke
             submit.kill()
             submit.communicate(timeout=30)
         cluster.close()
+
