@@ -20,6 +20,7 @@ from ..transport.connection import Connection
 from ..transport.handshake import HANDSHAKE_TIMEOUT
 from ..transport.listener import open_connection
 from ..transport.mailbox import Mailbox
+from .barrier import store_barrier
 
 logger = logging.getLogger(__name__)
 
@@ -254,18 +255,7 @@ class StoreClient:
 
     async def barrier(self, name: str, world_size: int, timeout: float) -> None:
         """Block until ``world_size`` callers reached the barrier ``name``."""
-        arrived = await self.add(f"{name}/arrived", 1)
-        if arrived == world_size:
-            await self.set(f"{name}/done", b"1")
-        if arrived > world_size:
-            raise StoreError(f"barrier {name!r}: {arrived} arrivals for a world of {world_size}")
-        try:
-            await self.wait([f"{name}/done"], timeout)
-        except StoreError:
-            raise StoreError(
-                f"barrier {name!r}: only {arrived if arrived < world_size else '?'} of {world_size} "
-                f"arrived within {timeout:g}s"
-            ) from None
+        await store_barrier(self, name, world_size, timeout)
 
     async def close(self) -> None:
         self._closed = True

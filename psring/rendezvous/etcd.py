@@ -36,6 +36,7 @@ from typing import Any
 
 from .. import settings as settings_mod
 from ..errors import PeerLostError, StoreError
+from .barrier import store_barrier
 
 logger = logging.getLogger(__name__)
 
@@ -373,16 +374,8 @@ class EtcdStoreClient:
                 raise StoreError(f"timed out after {timeout:g}s waiting for store keys {[key]} in {self.address}")
 
     async def barrier(self, name: str, world_size: int, timeout: float) -> None:
-        """Block until ``world_size`` callers reached the barrier ``name`` (as StoreClient.barrier)."""
-        arrived = await self.add(f"{name}/arrived", 1)
-        if arrived == world_size:
-            await self.set(f"{name}/done", b"1")
-        if arrived > world_size:
-            raise StoreError(f"barrier {name!r}: {arrived} arrivals for a world of {world_size}")
-        try:
-            await self.wait([f"{name}/done"], timeout)
-        except StoreError:
-            raise StoreError(f"barrier {name!r}: not all {world_size} arrived within {timeout:g}s") from None
+        """Block until ``world_size`` callers reached the barrier ``name``."""
+        await store_barrier(self, name, world_size, timeout)
 
     async def close(self) -> None:
         self._closed = True
