@@ -170,3 +170,35 @@ async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_
         if servers is not None:
             await servers.close()
         await host.close()
+
+
+@pytest.mark.asyncio
+async def test_data_right_behind_a_join_the_shard_refuses_for_a_lost_rank_is_not_a_protocol_error(
+    store, make_groups
+) -> None:
+    """A shard that knows a main-group rank is gone answers a join of a later collective with an
+    abort at once; the joiner's data frames were already on the wire behind the join and must not
+    get it dropped as a liar (found as a flaky elastic test: the survivor was dropped by one shard)."""
+    groups = await make_groups(3, "ps", servers_n=1)
+    host, _, port = groups[0].links.addresses[0].rpartition(":")
+    job = groups[0].links.settings.job
+    await groups[2].close()  # rank 2 left before main-group #0
+    await groups[1].close()
+    box = Mailbox()
+    seen: asyncio.Queue[dict] = asyncio.Queue()  # type: ignore[type-arg]
+    box.on_control = lambda c, h, p: seen.put_nowait(h) or True
+    conn = await open_connection(
+        host, int(port), secret=None, hello={"role": "rank", "rank": 1, "world_size": 3, "job": job, "shard": 0},
+        router=box,
+    )  # fmt: skip
+    desc = ("broadcast", "float64", (4,), 0, None)
+    for _ in range(2):  # join + data, twice: the second join meets the abandoned collective
+        conn.send_frame({"kind": "ps_req", "tag": ("0", 5, "join"), "call": desc, "src": 1, "size": 3})
+        conn.send_tensor({"kind": "ps_data", "tag": ("0", 5, "p", 0), "call": desc, "src": 1}, np.ones(4))
+    first = await asyncio.wait_for(seen.get(), 5)
+    assert first["kind"] == "abort" and first["reason"] == "lost" and first["lost"] == 2, first
+    second = await asyncio.wait_for(seen.get(), 5)
+    assert second["kind"] == "abort" and second["tag"] == ("0", 5), second
+    await asyncio.sleep(0.2)
+    assert seen.empty() and conn.is_open  # no reject: the shard kept the connection
+    await conn.close()

@@ -250,6 +250,9 @@ class Shard(Folding):
                         "message": self.gone[gone[0]],
                     }
                 )
+                # its data frames are already on the way (a worker sends them right behind the
+                # join): they and any later join must meet an abandoned collective, not a stranger
+                self._finish(key, "lost")
                 return
             pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, self.settings.ps_piece)
             self.pending[key] = pending
