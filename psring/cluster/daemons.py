@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib
 import inspect
 import json
@@ -54,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 ROOT = "psring-cluster/"
 HEARTBEAT_S = 1.0
+PORT_BACK_S = 10.0  # how long an idle daemon waits for a cancelled job's group to free its port
 #: a daemon record nobody refreshes for this long goes away where the store supports it (etcd, a lease);
 #: long after it shows as lost (cluster.client.LOST_AFTER_S)
 RECORD_TTL_S = 3600.0
@@ -188,7 +190,15 @@ class _Daemon:
             router_for=lambda conn: mailbox,
             name=f"psring {self.kind[:-1]} {self.id}",
         )
-        await self.listener.start(self.bind_host, self.port)
+        deadline = time.monotonic() + PORT_BACK_S
+        while True:
+            try:
+                await self.listener.start(self.bind_host, self.port)
+                break
+            except OSError as exc:  # a job's group that was just cancelled may still hold the port
+                if exc.errno != errno.EADDRINUSE or not self.port or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
         self.port = self.listener.port
 
     async def _close_port(self) -> None:
@@ -250,6 +260,13 @@ class _Daemon:
             self.metrics.close()
 
 
+def _progress_sent(task: asyncio.Task[None]) -> None:
+    """Progress is best effort: a store that is away (or gone past the bound) costs a report, and the
+    daemon hears of it from its own calls."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("progress report not stored: %s", task.exception())
+
+
 class WorkerDaemon(_Daemon):
     """``psring worker``: waits for jobs, runs its rank of each, reports, waits again."""
 
@@ -308,11 +325,13 @@ class WorkerDaemon(_Daemon):
                 else:
                     outcome.update(ok=True, result=body.result())
             else:
-                why = (
-                    f"worker {self.id} was stopped (SIGTERM) and abandoned the job"
-                    if stop in done
-                    else f"job {jid} was {watch.result()} elsewhere"
-                )
+                if stop in done:
+                    why = f"worker {self.id} was stopped (SIGTERM) and abandoned the job"
+                elif watch.exception() is not None:  # the store stayed away past the bound
+                    why = f"worker {self.id} lost the store and abandoned the job: {watch.exception()}"
+                    # the daemon goes at its next store call, which says the same
+                else:
+                    why = f"job {jid} was {watch.result()} elsewhere"
                 body.cancel()
                 with contextlib.suppress(BaseException):
                     await body
@@ -422,7 +441,10 @@ class WorkerDaemon(_Daemon):
             now = time.monotonic()
             if now - last[0] > 0.2 or "acc" in record:
                 last[0] = now
-                asyncio.get_running_loop().create_task(self.store.set(key("jobs", jid, "progress"), json.dumps(record)))
+                task = asyncio.get_running_loop().create_task(
+                    self.store.set(key("jobs", jid, "progress"), json.dumps(record))
+                )
+                task.add_done_callback(_progress_sent)
 
         train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))

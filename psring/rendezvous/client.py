@@ -64,6 +64,7 @@ class StoreClient:
         self._client_id = uuid.uuid4().hex[:12]
         self._reconnecting: asyncio.Future[None] | None = None
         self._closed = False
+        self._unreachable: PeerLostError | None = None  # set once the store stayed away past the bound
         self.instance = conn.peer.get("instance")
         #: async callables ``cb(restarted: bool)`` run after every reconnection
         self.on_reconnect: list[Any] = []
@@ -128,6 +129,8 @@ class StoreClient:
         timeout = fields.get("timeout")
         deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
         while True:
+            if self._unreachable is not None:  # past the bound once: every later call says so at once
+                raise PeerLostError(str(self._unreachable)) from self._unreachable
             conn = self._conn
             try:
                 return await self._call_once(conn, op, value, fields)
@@ -203,10 +206,11 @@ class StoreClient:
                 except (PsringError, OSError) as exc:
                     logger.warning("store at %s: re-registering after a reconnect failed: %s", self.address, exc)
             return
-        raise PeerLostError(
+        self._unreachable = PeerLostError(
             f"the rendezvous store at {self.address} has been unreachable for {time.monotonic() - started:.0f}s "
             f"(tried for up to PSRING_STORE_RECONNECT_S={self.reconnect_s:g}s): {last}"
         )
+        raise self._unreachable
 
     async def set(self, key: str, value: bytes | str, ttl: float | None = None) -> None:
         """Set ``key``. ``ttl`` marks a record that is rewritten to stay alive (a daemon's): this store

@@ -79,6 +79,7 @@ class EtcdStoreClient:
         hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
         self.address = f"etcd://{hosts}{self.prefix.rstrip('/')}"
         self.reconnect_s = settings_mod.current().store_reconnect if reconnect_s is None else reconnect_s
+        self._unreachable: PeerLostError | None = None  # set once no member answered past the bound
         self._current = 0
         self._client_id = uuid.uuid4().hex[:12]
         self._ids = 0
@@ -162,6 +163,8 @@ class EtcdStoreClient:
     async def _post(self, path: str, body: dict[str, Any], retried: list[bool] | None = None) -> Any:
         """One request, to the member in use or, failing that, the others, for up to reconnect_s.
         ``retried`` (if given) is set when a try failed after it may have reached etcd."""
+        if self._unreachable is not None:  # past the bound once: every later call says so at once
+            raise PeerLostError(str(self._unreachable)) from self._unreachable
         started = time.monotonic()
         delay = 0.05
         last: BaseException | None = None
@@ -186,10 +189,13 @@ class EtcdStoreClient:
                 break
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
-        raise PeerLostError(
+        if self._closed:
+            raise PeerLostError(f"the etcd store client for {self.address} is closed")
+        self._unreachable = PeerLostError(
             f"no member of the etcd store {self.address} answered for {time.monotonic() - started:.0f}s "
             f"(tried for up to PSRING_STORE_RECONNECT_S={self.reconnect_s:g}s): {last}"
         )
+        raise self._unreachable
 
     def _key(self, key: str) -> str:
         return _b64(self.prefix + key)

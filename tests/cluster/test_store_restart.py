@@ -121,3 +121,45 @@ def test_a_store_restart_mid_job_costs_nothing(tmp_path: Path, topology: str, ke
             submit.communicate(timeout=30)
         cluster.close()
 
+
+
+def test_a_store_gone_past_the_bound_ends_every_process_naming_it(tmp_path: Path) -> None:
+    """The store SIGKILLed for good mid-job: the submitter, the server daemon and every worker daemon
+    say the store's address and how long they tried, and exit non-zero soon after the bound; nothing
+    hangs, nothing prints a traceback."""
+    bound = 3
+    cluster = Cluster(tmp_path)
+    cluster.env["PSRING_STORE_RECONNECT_S"] = str(bound)
+    submit = None
+    try:
+        for i in range(2):
+            cluster.worker(f"w{i}")
+        cluster.spawn_server_daemon("s0")
+        submit = _psring(cluster, "submit", "--store", cluster.address, "--topology", "ps", "--workers", "2",
+                         "--epochs", "500")  # fmt: skip
+        assert submit.stdout is not None
+        for line in submit.stdout:
+            if re.search(r"step \d+/", line):
+                break
+        os.kill(cluster.store.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        procs = {**cluster.daemons, "submit": submit}
+        outs = {}
+        for name, proc in procs.items():
+            try:
+                out, _ = proc.communicate(timeout=bound + 30)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{name} still runs {bound + 30}s after the store went for good")
+            outs[name] = out
+        took = time.monotonic() - killed
+        for name, proc in procs.items():
+            assert proc.returncode not in (0, None), f"{name} exited {proc.returncode}:\n{outs[name][-2000:]}"
+            last = outs[name].strip().splitlines()[-1]
+            assert cluster.address in last and f"PSRING_STORE_RECONNECT_S={bound}s" in last, (name, last)
+            assert "Traceback" not in outs[name] and "never retrieved" not in outs[name], outs[name][-3000:]
+        assert took < bound + 20, took
+    finally:
+        if submit is not None and submit.poll() is None:
+            submit.kill()
+            submit.communicate(timeout=30)
+        cluster.close()

@@ -69,8 +69,14 @@ class ServerLinks:
                 continue
             key = f"{self.prefix}/server/{i}"
             while True:
-                raw = await self.store.get(key)
-                host, _, port = (raw or b"").decode().rpartition(":")
+                # the store says where a restarted shard listens now; a store that is away itself
+                # (a rank cut off from everything) must not hold this past the deadline: dial the
+                # address the shard had
+                try:
+                    raw = await asyncio.wait_for(self.store.get(key), max(deadline - time.monotonic(), 0.1))
+                except (TimeoutError, PsringError, OSError):
+                    raw = None
+                host, _, port = (raw.decode() if raw else self.addresses[i]).rpartition(":")
                 try:
                     new = await open_connection(
                         host,

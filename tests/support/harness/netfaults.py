@@ -89,9 +89,6 @@ class Run:
             "PYTHONUNBUFFERED": "1",
             "PSRING_SECRET": "netfaults",
             "PSRING_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT),
-            # a rank cut off from everything also waits for the store (a ps worker asks it where a lost
-            # shard went) for up to this long before it raises: the bound for riding out a store restart
-            "PSRING_STORE_RECONNECT_S": "1",
         }
         store_at = f"{c.addresses['store']}:29500"
         self.spawn("store", [sys.executable, "-m", "psring", "store", "--host", "0.0.0.0", "--port", "29500"], env)
