@@ -11,7 +11,8 @@ one bridge, as on separate hosts. Two experiments, over each topology:
   one included, must raise a psring error; recorded is how long after the cut each did,
   against the heartbeat bound (PSRING_HEARTBEAT_TIMEOUT, 3 s here, plus one 1 s interval).
   For ps the victim is a worker, or the server (then the workers wait for it to come back
-  until the group timeout, 8 s here, by design: a restarted server is resumed).
+  until the group timeout, 8 s here, by design: a restarted server is resumed; a cut-off ps
+  worker has lost every shard and waits the same, the others see it gone within the bound).
 - degraded: the same training run (fixed seeds, STEPS steps) with every host's link made
   worse: "rate 100mbit" (tc tbf), "loss 1%" (iptables drops each packet a host receives with
   that chance), or any tc netem condition ("delay 5ms", "corrupt 0.1%") where the kernel has
