@@ -9,6 +9,7 @@ Also: the Kubernetes manifests parse and agree with the compose file and the cod
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,9 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
+def interpolate(value: str) -> str:
+    """Compose's ``${VAR:-default}``, with the default (the file's own store unless one is chosen)."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m[2], value)
+
+
 def service_command(service: dict, tmp) -> tuple[list[str], dict[str, str]]:
     """The compose service's command and environment, with container paths mapped into tmp."""
-    cmd = [str(c) for c in service["command"]]
+    cmd = [interpolate(str(c)) for c in service["command"]]
     assert cmd[0] == "psring"
     cmd = [sys.executable, "-m", "psring", *cmd[1:]]
     cmd = [c.replace("/var/lib/psring", str(tmp / "var")) for c in cmd]
@@ -109,7 +115,7 @@ def test_compose_services_train_across_namespaces(tmp_path) -> None:
         cluster.close()
 
 
-def test_kubernetes_manifests_agree_with_compose_and_code() -> None:
+def test_kubernetes_manifests_agree_with_compose_and_code(monkeypatch: pytest.MonkeyPatch) -> None:
     with open(os.path.join(ROOT, "deploy", "k8s", "psring.yaml")) as fh:
         docs = [d for d in yaml.safe_load_all(fh) if d]
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
@@ -139,27 +145,61 @@ def test_kubernetes_manifests_agree_with_compose_and_code() -> None:
         c = container(kind, name)
         cmd = c["command"]
         assert cmd[1] == role
-        assert cmd[cmd.index("--store") + 1] == f"psring-store:{store_port}"
         declared = int(cmd[cmd.index("--port") + 1])
         assert declared in [p["containerPort"] for p in c["ports"]]
         env = {e["name"]: e for e in c["env"]}
+        assert "--store" not in cmd and env["PSRING_STORE"]["value"] == f"psring-store:{store_port}"
         assert env["PSRING_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "psring-secret"
         assert env["PSRING_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         labels = by[kind, name]["spec"]["template"]["metadata"]["labels"]
         assert labels == by[kind, name]["spec"]["selector"]["matchLabels"]
     server_svc_ports = {p["port"] for p in by["Service", "psring-server"]["spec"]["ports"]}
     assert {p["containerPort"] for p in container("StatefulSet", "psring-server")["ports"]} == server_svc_ports
-    # every command line parses with psring's own CLI
+    # every command line parses with psring's own CLI (the pods' store comes from PSRING_STORE)
     from psring.cli import build_parser
 
+    monkeypatch.setenv("PSRING_STORE", f"psring-store:{store_port}")
     parser = build_parser()
     with open(os.path.join(ROOT, "docker-compose.yml")) as fh:
         compose = yaml.safe_load(fh)
     commands = [container(k, n)["command"] for k, n in by if k != "Service"]
-    commands += [s["command"] for s in compose["services"].values()]
+    psring_services = {n: s for n, s in compose["services"].items() if "etcd" not in s.get("profiles", [])}
+    commands += [s["command"] for s in psring_services.values()]
     for cmd in commands:
-        args = parser.parse_args([str(c) for c in cmd[1:]])
+        args = parser.parse_args([interpolate(str(c)) for c in cmd[1:]])
         assert callable(args.func)
+    # the daemons and submit use one store, psring's own unless PSRING_COMPOSE_STORE names another
+    for name in ("server", "worker", "submit"):
+        cmd = compose["services"][name]["command"]
+        assert cmd[cmd.index("--store") + 1] == "${PSRING_COMPOSE_STORE:-store:29500}", name
+    # the etcd profile: three members that name each other, each with a volume; its address parses
+    etcd = {n: s for n, s in compose["services"].items() if "etcd" in s.get("profiles", [])}
+    assert sorted(etcd) == ["etcd0", "etcd1", "etcd2"]
+    cluster = dict(kv.split("=", 1) for kv in etcd["etcd0"]["environment"]["ETCD_INITIAL_CLUSTER"].split(","))
+    for name, service in etcd.items():
+        cmd = service["command"]
+        assert cmd[cmd.index("--name") + 1] == name
+        assert cmd[cmd.index("--initial-advertise-peer-urls") + 1] == cluster[name] == f"http://{name}:2380"
+        assert any(v.split(":")[1] == service["environment"]["ETCD_DATA_DIR"] for v in service["volumes"])
+    from psring.rendezvous.client import parse_store_address
+
+    address = parse_store_address("etcd://" + ",".join(f"{n}:2379" for n in sorted(etcd)))
+    assert address.scheme == "etcd"
+    # the etcd option: three members that name each other through the headless Service
+    with open(os.path.join(ROOT, "deploy", "k8s", "etcd.yaml")) as fh:
+        etcd_docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(fh) if d}
+    assert set(etcd_docs) == {("Service", "psring-etcd"), ("StatefulSet", "psring-etcd")}
+    sts = etcd_docs["StatefulSet", "psring-etcd"]["spec"]
+    assert sts["serviceName"] == "psring-etcd" and etcd_docs["Service", "psring-etcd"]["spec"]["clusterIP"] == "None"
+    members = [f"psring-etcd-{i}" for i in range(sts["replicas"])]
+    member_env = {e["name"]: e.get("value") for e in sts["template"]["spec"]["containers"][0]["env"]}
+    assert member_env["ETCD_INITIAL_CLUSTER"] == ",".join(f"{m}=http://{m}.psring-etcd:2380" for m in members)
+    mount = sts["template"]["spec"]["containers"][0]["volumeMounts"][0]
+    assert mount["mountPath"] == member_env["ETCD_DATA_DIR"]
+    assert mount["name"] in {c["metadata"]["name"] for c in sts["volumeClaimTemplates"]}
+    with open(os.path.join(ROOT, "deploy", "k8s", "etcd.yaml")) as fh:
+        said = re.search(r"PSRING_STORE=(etcd://\S+)", fh.read())
+    assert said and said[1] == "etcd://" + ",".join(f"{m}.psring-etcd:2379" for m in members)
     compose_store = compose["services"]["store"]["command"]
     assert compose_store[compose_store.index("--port") + 1] == str(store_port)
     data_dir = compose_store[compose_store.index("--data-dir") + 1]  # on a volume of its own

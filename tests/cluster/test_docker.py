@@ -49,16 +49,20 @@ def _why_not() -> str | None:
 class Compose:
     """One compose project from the repository's file; every call names the project."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, store: str = "store:29500", profiles: tuple[str, ...] = ()) -> None:
         self.project = f"psrt{uuid.uuid4().hex[:8]}"
+        self.store = store  # the store the daemons use (PSRING_COMPOSE_STORE)
         secret = tmp / "psring-secret"
         secret.write_text(uuid.uuid4().hex + "\n")
         self.env = {
             **os.environ,
             "PSRING_STORE_PORT": str(free_port()),
             "PSRING_SECRET_PATH": str(secret),
+            "PSRING_COMPOSE_STORE": store,
         }
         self.base = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", self.project]
+        for profile in profiles:
+            self.base += ["--profile", profile]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
@@ -80,7 +84,7 @@ class Compose:
         )
 
     def status(self) -> dict:
-        return _summary(self.psring("status", "--store", "store:29500", "--json").stdout)
+        return _summary(self.psring("status", "--store", self.store, "--json").stdout)
 
     def pid(self, container: str) -> int:
         out = subprocess.run(
@@ -146,7 +150,7 @@ def _summary(out: str) -> dict:
 
 def _submit(cluster: Compose, topology: str, epochs: int, *extra: str) -> dict:
     out = cluster.psring(
-        "submit", "--store", "store:29500", "--topology", topology, "--workers", str(WORKERS),
+        "submit", "--store", cluster.store, "--topology", topology, "--workers", str(WORKERS),
         "--epochs", str(epochs), *extra, "--json",
     ).stdout  # fmt: skip
     return _summary(out)

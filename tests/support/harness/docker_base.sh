@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Build a local stand-in for python:3.11-slim (no image registry is reachable here): a Debian
+# Build a local stand-in for python:3.11-slim (and debian:bookworm-slim) (no image registry is reachable here): a Debian
 # bookworm root file system from Debian's packages (debootstrap), imported, with this machine's
 # CA bundle so that pip inside image builds reaches the package index. Cached: does nothing when
 # the image exists. Needs root, a Docker engine and debootstrap (shared/DOCKER.md).
 set -euo pipefail
 tag="${1:-python:3.11-slim}"
+slim="debian:bookworm-slim"  # the etcd profile's base (deploy/etcd.Dockerfile): the same root file system
 if docker image inspect "$tag" >/dev/null 2>&1; then
+  docker image inspect "$slim" >/dev/null 2>&1 || docker tag local/debian-python:bookworm "$slim"
   exit 0
 fi
 work=$(mktemp -d)
@@ -23,3 +25,4 @@ ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 RUN rm -f /usr/lib/python3*/EXTERNALLY-MANAGED && ln -sf /usr/bin/python3 /usr/local/bin/python
 DOCKERFILE
 docker build -q -t "$tag" "$work/base" >/dev/null
+docker image inspect "$slim" >/dev/null 2>&1 || docker tag local/debian-python:bookworm "$slim"
