@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from typing import Any
 
 from ..cluster.client import Client
@@ -103,6 +105,55 @@ def cli_submit(args: Any) -> int:
     if args.json:
         print(json.dumps(result), flush=True)
     return 0
+
+
+def cli_dashboard(args: Any) -> int:
+    import asyncio
+    import signal
+
+    from ..cluster.dashboard import Dashboard
+
+    def fail(message: str) -> int:
+        print(f"psring dashboard: {message}", file=sys.stderr, flush=True)
+        return 2
+
+    token = None
+    if args.token_file:
+        try:
+            with open(args.token_file) as fh:
+                token = fh.read().strip()
+        except OSError as exc:
+            return fail(f"--token-file {args.token_file}: {exc.strerror or exc}")
+        if not token:
+            return fail(f"--token-file {args.token_file} is empty")
+    try:
+        dash = Dashboard(
+            args.store, args.secret, host=args.page_host, port=args.page_port, expose=args.expose, token=token,
+            interval=args.interval,
+        )  # fmt: skip
+    except ValueError as exc:
+        return fail(str(exc))
+
+    async def run() -> int:
+        try:
+            await dash.start()
+        except (PsringError, OSError, ValueError) as exc:
+            with contextlib.suppress(Exception):
+                await dash.close()
+            return fail(str(exc))
+        print(f"psring dashboard: {dash.url} (store {args.store})", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await dash.close()
+        return 0
+
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(run())
+    finally:
+        loop.close()
 
 
 def cli_status(args: Any) -> int:
@@ -220,6 +271,21 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         help="a cluster job's id, or a job's name (PSRING_JOB): print what its ranks wait in (exit 1 if stuck)",
     )
     p.set_defaults(func=cli_doctor)
+
+    p = sub.add_parser(
+        "dashboard", help="a live web page of a cluster (read only), and its JSON API", formatter_class=fmt
+    )
+    common(p)
+    p.add_argument(
+        "--host", dest="page_host", default="127.0.0.1", help="the page's address; anything but loopback needs --expose"
+    )
+    p.add_argument("--port", dest="page_port", type=int, default=8265, help="the page's port (0: any free one)")
+    p.add_argument(
+        "--expose", action="store_true", help="allow a non-loopback --host; every request then needs the token"
+    )
+    p.add_argument("--token-file", default=None, help="with --expose: read the token here instead of making one")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between reads of the store")
+    p.set_defaults(func=cli_dashboard)
 
     p = sub.add_parser("trace", help="turn event logs into a Chrome trace", formatter_class=fmt)
     p.add_argument("dir", help="directory of *.jsonl event logs (PSRING_TRACE_DIR, --trace-dir)")

@@ -3,4 +3,5 @@
 - ``daemons``: ``psring worker`` and ``psring server --cluster``.
 - ``client``: submitting jobs and following them; ``doctor``: pre-flight checks.
 - ``metrics``: Prometheus counters; ``trace``: Chrome traces from flight-recorder logs.
+- ``dashboard``: ``psring dashboard``, a live web page of the cluster and its JSON API.
 """

@@ -71,6 +71,15 @@ class AsyncClient:
             "jobs": sorted(jobs, key=lambda j: j.get("id", 0)),
         }
 
+    async def stall(self, job: str) -> dict[str, Any] | None:
+        """The stall inspector's picture of the running job named ``job`` (its PSRING_JOB), if it
+        published one: the verdict, its message, each rank's view, the ranks that said nothing."""
+        await self.connect()
+        raw = await self.store.get(f"psring/{job}/stall")
+        with contextlib.suppress(ValueError, TypeError):
+            return json.loads(raw) if raw else None
+        return None
+
     async def submit(
         self,
         topology: str | None = None,

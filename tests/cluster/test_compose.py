@@ -125,6 +125,8 @@ def test_kubernetes_manifests_agree_with_compose_and_code(monkeypatch: pytest.Mo
         ("Service", "psring-server"),
         ("StatefulSet", "psring-server"),
         ("Deployment", "psring-worker"),
+        ("Service", "psring-dashboard"),
+        ("Deployment", "psring-dashboard"),
     }
     store_port = by["Service", "psring-store"]["spec"]["ports"][0]["port"]
 
@@ -153,6 +155,11 @@ def test_kubernetes_manifests_agree_with_compose_and_code(monkeypatch: pytest.Mo
         assert env["PSRING_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         labels = by[kind, name]["spec"]["template"]["metadata"]["labels"]
         assert labels == by[kind, name]["spec"]["selector"]["matchLabels"]
+    dash = container("Deployment", "psring-dashboard")
+    assert dash["command"][:2] == ["psring", "dashboard"] and "--expose" in dash["command"]  # a token, then
+    dash_port = int(dash["command"][dash["command"].index("--port") + 1])
+    assert by["Service", "psring-dashboard"]["spec"]["ports"][0]["targetPort"] == dash_port
+    assert {e["name"] for e in dash["env"]} >= {"PSRING_STORE", "PSRING_SECRET"}
     server_svc_ports = {p["port"] for p in by["Service", "psring-server"]["spec"]["ports"]}
     assert {p["containerPort"] for p in container("StatefulSet", "psring-server")["ports"]} == server_svc_ports
     # every command line parses with psring's own CLI (the pods' store comes from PSRING_STORE)
