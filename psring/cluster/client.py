@@ -71,6 +71,18 @@ class AsyncClient:
             "jobs": sorted(jobs, key=lambda j: j.get("id", 0)),
         }
 
+    async def rank_reports(self, jid: int) -> list[dict[str, Any]]:
+        """Each rank's latest report of a running main job: seconds per step computing and in the
+        exchange over its recent steps, bytes per link so far (the worker daemons write them)."""
+        await self.connect()
+        out = []
+        for k in await self.store.list(key("jobs", jid, "ranks") + "/"):
+            raw, age = await self.store.get_aged(k)
+            with contextlib.suppress(ValueError, TypeError):
+                if raw:
+                    out.append({**json.loads(raw), "age": age})
+        return sorted(out, key=lambda r: r.get("rank", 0))
+
     async def stall(self, job: str) -> dict[str, Any] | None:
         """The stall inspector's picture of the running job named ``job`` (its PSRING_JOB), if it
         published one: the verdict, its message, each rank's view, the ranks that said nothing."""

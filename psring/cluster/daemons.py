@@ -307,6 +307,10 @@ class WorkerDaemon(_Daemon):
             return
         self.state, self.job = "busy", jid
         self.owned[jid] = spec
+        if self.metrics is not None:
+            self.metrics.job.labels("worker").set(jid)
+            if attempt:
+                self.metrics.restarts.labels("worker").inc()
         await self._publish()
         await self.store.set(run_key(jid, attempt, "ack", rank), self.id)
         outcome: dict[str, Any] = {"ok": False, "worker": self.id}
@@ -345,6 +349,7 @@ class WorkerDaemon(_Daemon):
             outcome["seconds"] = time.monotonic() - t0
             if self.metrics is not None:
                 self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
+                self.metrics.job.labels("worker").set(0)
             self.jobs_run += 1
             self.state, self.job = "idle", None
             self.owned.pop(jid, None)
@@ -446,11 +451,22 @@ class WorkerDaemon(_Daemon):
                 )
                 task.add_done_callback(_progress_sent)
 
+        counted = [0]
+
+        def report(record: dict[str, Any]) -> None:  # each rank's step times, for the dashboard
+            if self.metrics is not None:
+                self.metrics.steps.labels("worker").inc(max(record["step"] - counted[0], 0))
+                counted[0] = max(counted[0], record["step"])
+                self.metrics.compute.labels("worker").set(record["compute_s"])
+                self.metrics.comm.labels("worker").set(record["comm_s"])
+            task = asyncio.get_running_loop().create_task(
+                self.store.set(key("jobs", jid, "ranks", record["rank"]), json.dumps(record))
+            )
+            task.add_done_callback(_progress_sent)
+
         train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))
-        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints, env=env)
-        if self.metrics is not None and summary is not None:
-            self.metrics.steps.labels("worker").inc(summary["steps"])
+        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints, env=env, report=report)
         return summary
 
     async def _entrypoint(self, spec: dict[str, Any], env: dict[str, str]) -> Any:

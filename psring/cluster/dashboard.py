@@ -3,7 +3,9 @@
 It reads the store with the cluster's secret, every ``interval`` seconds: the daemons (a daemon
 whose heartbeats stopped shows as ``lost``), the jobs (state, restarts, the reason a job failed),
 each running job's progress (step, epoch, loss, accuracy, steps per second: the curves are what
-this dashboard saw since it started) and the stall inspector's verdict where a job published one.
+this dashboard saw since it started), each rank's recent seconds per step computing and in the
+exchange (which rank is the straggler) and bytes per link, and the stall inspector's verdict where
+a job published one.
 The page updates itself from server-sent events; ``/api/status`` serves the same snapshot to
 scripts, ``/api/events`` the stream. Read only: nothing on the page acts on the cluster.
 
@@ -139,6 +141,7 @@ class Dashboard:
                         del seen[:-HISTORY]
             if job.get("state") == "running":
                 entry["stall"] = await self.client.stall(job_name(jid, int(job.get("attempt") or 0)))
+                entry["ranks"] = _straggler(await self.client.rank_reports(jid))
             seen = self.history.get(jid, [])
             entry["progress"] = seen[-1] if seen else None
             entry["history"] = [{k: r.get(k) for k in ("step", "epoch", "loss", "acc", "t")} for r in seen]
@@ -203,3 +206,17 @@ def _rate(seen: list[dict[str, Any]]) -> float | None:
     clock = "elapsed" if all(isinstance(r.get("elapsed"), (int, float)) for r in recent) else "t"
     span = recent[-1][clock] - recent[0][clock]
     return (recent[-1]["step"] - recent[0]["step"]) / span if span > 0 else None
+
+
+def _straggler(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mark the straggler: in a synchronous step the others wait for the rank that computes longest
+    (their exchange time is its extra compute), so it is the one whose compute per step is
+    the largest, by more than a fifth of the fastest rank's step."""
+    timed = [r for r in ranks if isinstance(r.get("compute_s"), (int, float))]
+    if len(timed) >= 2:
+        slow = max(timed, key=lambda r: r["compute_s"])
+        fast = min(timed, key=lambda r: r["compute_s"])
+        step = fast["compute_s"] + float(fast.get("comm_s") or 0)
+        for r in ranks:
+            r["straggler"] = r is slow and slow["compute_s"] - fast["compute_s"] > 0.2 * step
+    return ranks

@@ -1,4 +1,5 @@
-"""Prometheus metrics of a daemon: collectives, bytes, jobs, steps (``prometheus-client``, optional)."""
+"""Prometheus metrics of a daemon: collectives, bytes, jobs, restarts, steps and their compute and
+communication time (``prometheus-client``, optional)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,19 @@ class Metrics:
             "psring_bytes_received", "Bytes received on psring connections", labels, registry=self.registry
         )
         self.jobs = prom.Counter("psring_jobs", "Jobs run, by outcome", ["role", "outcome"], registry=self.registry)
+        self.restarts = prom.Counter(
+            "psring_job_restarts", "Attempts of a job after its first that this daemon ran", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.compute = prom.Gauge(
+            "psring_step_compute_seconds", "Seconds per step computing, over this rank's recent steps", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.comm = prom.Gauge(
+            "psring_step_comm_seconds", "Seconds per step in the exchange, over this rank's recent steps", labels,
+            registry=self.registry,
+        )  # fmt: skip
+        self.job = prom.Gauge("psring_job", "The job this daemon runs now (0: none)", labels, registry=self.registry)
         self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
         self.port = int(self.server.server_address[1])
         OBSERVERS.append(self)

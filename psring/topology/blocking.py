@@ -108,6 +108,10 @@ class BlockingGroup:
     def stats(self) -> dict[str, int]:
         return dict(self._group.stats())
 
+    def link_stats(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] per link of this rank (see Group.link_stats)."""
+        return dict(self._group.link_stats())
+
     def close(self) -> None:
         """Close the group and stop its loop thread; idempotent."""
         if self._closed:

@@ -421,6 +421,11 @@ class Group(CollectiveRuntime, abc.ABC):
         """Bytes and frames this rank's connections sent and received."""
         return {"bytes_sent": 0, "bytes_received": 0}
 
+    def link_stats(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] per link of this rank ("rank 2", "shard 0", "shared memory")."""
+        layer = self._layer()
+        return layer.link_stats() if layer is not None and hasattr(layer, "link_stats") else {}
+
 
 class NonMemberGroup:
     """What new_group returns on ranks outside the subset: every call raises."""

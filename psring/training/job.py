@@ -62,13 +62,21 @@ def make_optimizer(spec: dict[str, Any]) -> Any:
 
 
 PROGRESS = "PSRING-PROGRESS "
+REPORT_S = 1.0  # how often each rank reports its step times and link bytes (where asked to)
 
 
 class _Run:
     """One rank's training run: its data, model and optimizer, and what it measured."""
 
-    def __init__(self, group: Any, spec: dict[str, Any], emit: Callable[[dict[str, Any]], None]) -> None:
-        self.group, self.spec, self.emit = group, spec, emit
+    def __init__(
+        self,
+        group: Any,
+        spec: dict[str, Any],
+        emit: Callable[[dict[str, Any]], None],
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.group, self.spec, self.emit, self.report = group, spec, emit, report
+        self._reported = (time.perf_counter(), 0, 0.0, 0.0)  # when, steps, compute, comm at the last report
         self.xtr, self.ytr, self.xte, self.yte = load_digits_split(spec["seed"])
         self.xp: Any = np
         if spec["device"] == "cuda":
@@ -121,6 +129,24 @@ class _Run:
         if self.checkpoints is not None and self.group.rank == 0:
             await self.checkpoints.save({"sgd": await self.opt.state_dict(), "history": self.history})
 
+    def _report(self) -> None:
+        """This rank's recent steps: seconds per step computing and communicating (the straggler
+        computes longest, the others wait for it in the exchange), and bytes per link so far."""
+        assert self.report is not None
+        now = time.perf_counter()
+        _t, steps, compute, comm = self._reported
+        n = max(self.steps - steps, 1)
+        self._reported = (now, self.steps, self.compute, self.comm)
+        self.report(
+            {
+                "rank": self.group.rank,
+                "step": self.steps,
+                "compute_s": (self.compute - compute) / n,
+                "comm_s": (self.comm - comm) / n,
+                "links": self.group.link_stats(),
+            }
+        )
+
     def _progress(self, epoch: int, loss: float, **extra: Any) -> None:
         if (self.opt.live_group() if self.opt.elastic else self.group).rank == 0:
             self.emit(
@@ -157,6 +183,8 @@ class _Run:
             self.steps += 1
             if self.steps % 10 == 0 or start + batch_size >= len(idx):
                 self._progress(epoch, float(np.mean(losses[-10:])))
+            if self.report is not None and time.perf_counter() - self._reported[0] >= REPORT_S:
+                self._report()
             if every and self.steps % (every * self.opt.accumulate) == 0 and start + batch_size < len(idx):
                 await self.save()
         if self.opt.elastic:
@@ -239,11 +267,13 @@ async def worker(
     progress: Callable[[dict[str, Any]], None] | None = None,
     checkpoints: Any = None,
     env: Mapping[str, str] | None = None,
+    report: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any] | None:
     """One rank of the main job; rank 0 returns (and writes to spec["out"], if set) the summary.
     Its settings come from ``env`` (default: the process's environment).
 
-    ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines).
+    ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines);
+    ``report``, every rank's step times and link bytes, about once a second (``_Run._report``).
     ``checkpoints`` (psring.training.checkpoint): where rank 0 saves one every
     ``spec["checkpoint_every"]`` optimizer steps and at each epoch's end, and where the run
     resumes from when one is there.
@@ -258,11 +288,13 @@ async def worker(
     options: dict[str, Any] = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
     group = await init_group(timeout=spec["timeout"], env=env, **options)
     try:
-        run = _Run(group, spec, emit)
+        run = _Run(group, spec, emit, report)
         await run.start(checkpoints)
         first = run.first_epoch if run.opt.elastic else run.steps // run.per_epoch
         for epoch in range(first, spec["epochs"]):
             await run.epoch(epoch)
+        if report is not None:
+            run._report()  # the last steps too
         summary = await run.summary()
         if summary is not None and spec.get("out"):
             with open(spec["out"], "w") as fh:

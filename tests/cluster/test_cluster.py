@@ -275,7 +275,11 @@ def test_metrics_and_trace_from_a_real_job(cluster, tmp_path) -> None:
     count = re.search(r'psring_collective_seconds_count\{kind="all_reduce",role="worker"\} (\d+)', text)
     assert count and int(float(count.group(1))) >= 23, text[:2000]  # one per step (23 steps) and per epoch
     assert re.search(r'psring_jobs_total\{outcome="ok",role="worker"\} 1\.0', text)
-    assert re.search(r'psring_steps_total\{role="worker"\} (\d+)', text)
+    steps = re.search(r'psring_steps_total\{role="worker"\} ([\d.]+)', text)
+    assert steps and float(steps[1]) == 23, text[:3000]  # this daemon's rank's steps, each counted once
+    compute = re.search(r'psring_step_compute_seconds\{role="worker"\} ([\d.e-]+)', text)
+    assert compute and float(compute[1]) > 0, text[:3000]
+    assert re.search(r'psring_job\{role="worker"\} 0\.0', text)  # idle again
     out = tmp_path / "trace.json"
     proc = run_tree(
         [sys.executable, "-m", "psring", "trace", str(trace_dir), "-o", str(out)], capture_output=True, text=True

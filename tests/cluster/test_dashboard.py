@@ -82,6 +82,13 @@ def test_the_json_api_shows_daemons_progress_a_lost_worker_and_a_stall(tmp_path:
         assert later["steps_per_s"] and later["steps_per_s"] > 0, later
         assert later["topology"] == "ring" and len(later["workers"]) == 2
         assert len(later["history"]) >= 2 and later["history"][-1]["step"] == later["progress"]["step"]
+        # every rank's recent step times and bytes per link (one peer each on a 2-rank ring)
+        ranks = until("both ranks' reports", lambda: (
+            len(r := job_of(api(url), "train")["ranks"]) == 2 and all(x["step"] > 0 for x in r) and r))  # fmt: skip
+        assert [r["rank"] for r in ranks] == [0, 1]
+        for r in ranks:
+            assert r["compute_s"] > 0 and r["comm_s"] > 0 and "straggler" in r, r
+            assert sum(sent for sent, _ in r["links"].values()) > 0, r
         # a stuck job: its stall verdict, the rank it waits for
         flag = tmp_path / "go"
         with c.client() as client:
@@ -198,6 +205,7 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
                     first = browser.number(await b.evaluate(f"{train}.textContent"))
                     await b.wait_for(f"parseInt({train}.textContent) > {first}", what="the step advancing")
                     await b.wait_for("document.querySelectorAll('.job polyline').length > 0", what="a loss curve")
+                    await b.wait_for("document.querySelectorAll('table.ranks tr.rank').length === 2", what="rank times")
                     assert await b.evaluate("performance.timeOrigin") == loaded  # no reload
                     idle_row = "document.querySelector('#daemons tr[data-state=idle]')"
                     idle = await b.wait_for(f"{idle_row} && {idle_row}.dataset.id", what="an idle worker")

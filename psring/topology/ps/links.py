@@ -270,6 +270,10 @@ class ServerLinks:
             "shm_bytes_received": sum(c.pool_bytes_received for c in self.shards),
         }
 
+    def link_stats(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] per link: one per server shard (shared memory included)."""
+        return {f"shard {i}": [s, r] for i, (s, r) in enumerate(self.per_shard())}
+
     def per_shard(self) -> list[tuple[int, int]]:
         """(bytes this worker sent to, received from) each shard."""
         return [(c.bytes_sent + c.pool_bytes_sent, c.bytes_received + c.pool_bytes_received) for c in self.shards]

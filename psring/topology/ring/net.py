@@ -471,6 +471,22 @@ class PeerNet(PlaneLinks):
             + mesh_received,
         }
 
+    def link_stats(self) -> dict[str, list[int]]:
+        """Bytes [sent, received] per link: each peer's TCP or Unix connections, the host's shared
+        memory plane and Unix mesh (the same-host paths) apart."""
+        out: dict[str, list[int]] = {}
+        for c in self._all_conns():
+            rank = c.peer.get("rank")
+            name = f"rank {rank}" if type(rank) is int else "other"
+            pair = out.setdefault(name, [0, 0])
+            pair[0] += c.bytes_sent
+            pair[1] += c.bytes_received
+        if self.plane is not None:
+            out["shared memory"] = [self.plane.bytes_sent, self.plane.bytes_received]
+        if self.mesh is not None:
+            out["unix mesh"] = list(self.mesh.stats())
+        return out
+
     def _all_conns(self) -> list[Connection]:
         seen = set(self.conns)
         if self.listener is not None:
