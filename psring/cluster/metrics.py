@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..topology.recorder import OBSERVERS
+from ..topology.stall import STALL_OBSERVERS
 
 
 class Metrics:
@@ -53,9 +54,14 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         self.job = prom.Gauge("psring_job", "The job this daemon runs now (0: none)", labels, registry=self.registry)
+        self.stalls = prom.Counter(
+            "psring_stalls", "Stall inspector verdicts reached in this process", ["role", "verdict"],
+            registry=self.registry,
+        )  # fmt: skip
         self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
         self.port = int(self.server.server_address[1])
         OBSERVERS.append(self)
+        STALL_OBSERVERS.append(self.on_stall)
 
     def __call__(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
@@ -64,6 +70,9 @@ class Metrics:
         if not record.get("ok", True):
             self.errors.labels(self.role, "collective").inc()
 
+    def on_stall(self, verdict: str) -> None:
+        self.stalls.labels(self.role, verdict).inc()
+
     def add_traffic(self, sent: int, received: int) -> None:
         self.sent.labels(self.role).inc(max(sent, 0))
         self.received.labels(self.role).inc(max(received, 0))
@@ -71,5 +80,7 @@ class Metrics:
     def close(self) -> None:
         if self in OBSERVERS:
             OBSERVERS.remove(self)
+        if self.on_stall in STALL_OBSERVERS:
+            STALL_OBSERVERS.remove(self.on_stall)
         self.server.shutdown()
         self.server.server_close()

@@ -49,6 +49,9 @@ ASK_WAIT = 0.5
 SHOWN = 16
 
 _inspectors: weakref.WeakSet[StallInspector] = weakref.WeakSet()
+#: callables ``cb(verdict)`` ("stall" or "mismatch") told of every verdict this process reaches
+#: (the daemons' Prometheus counter)
+STALL_OBSERVERS: list[Callable[[str], None]] = []
 
 
 # ---------------------------------------------------------------- what a rank is doing
@@ -420,6 +423,8 @@ class StallInspector:
                 self._apply(verdict)
             else:
                 logger.warning("psring stall: %s", verdict.message)
+            for observer in list(STALL_OBSERVERS):
+                observer("mismatch" if verdict.mismatch else "stall")
             await self._publish(views, verdict, group)
         except Exception:  # the inspector must never break a job
             logger.exception("psring: the stall inspector failed")

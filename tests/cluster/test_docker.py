@@ -59,6 +59,8 @@ class Compose:
             "PSRING_STORE_PORT": str(free_port()),
             "PSRING_SECRET_PATH": str(secret),
             "PSRING_COMPOSE_STORE": store,
+            "PSRING_PROMETHEUS_PORT": str(free_port()),
+            "PSRING_DASHBOARD_PORT": str(free_port()),
         }
         self.base = ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "-p", self.project]
         for profile in profiles:
@@ -291,3 +293,40 @@ def test_cross_container_benchmark_short_form(cluster: Compose) -> None:
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {(r["workers"], r["backend"]) for r in rows} == {(2, "ring"), (2, "ps")}
     assert all(r["time_ms"] > 0 and r["busbw_GBps"] > 0 for r in rows)
+
+
+def test_the_monitoring_and_dashboard_profiles_see_every_daemon(cluster: Compose) -> None:
+    """Prometheus (deploy/prometheus, built from Debian's package) finds the server daemon and every
+    worker replica through Docker's DNS and scrapes them; the dashboard container serves the page,
+    asks for its token, and lists the daemons (#40)."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    try:
+        cluster("up", "-d", "prometheus", "dashboard", timeout=600)
+        base = f"http://127.0.0.1:{cluster.env['PSRING_PROMETHEUS_PORT']}"
+        deadline = time.monotonic() + 120
+        up: list[dict] = []  # type: ignore[type-arg]
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": "up == 1"})
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    up = json.loads(resp.read())["data"]["result"]
+                if sorted(r["metric"]["job"] for r in up) == ["psring-server"] + ["psring-worker"] * WORKERS:
+                    break
+            time.sleep(2)
+        assert sorted(r["metric"]["job"] for r in up) == ["psring-server"] + ["psring-worker"] * WORKERS, up
+        page = f"http://127.0.0.1:{cluster.env['PSRING_DASHBOARD_PORT']}/api/status"
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(page, timeout=10)
+        assert denied.value.code == 401  # it listens on the container's network: it wants the token
+        denied.value.close()
+        logs = cluster("logs", "--no-color", "dashboard").stdout
+        token = re.search(r"\?token=(\S+)", logs)
+        assert token, logs[-2000:]
+        with urllib.request.urlopen(f"{page}?token={token[1]}", timeout=10) as resp:
+            snapshot = json.loads(resp.read())
+        assert len(snapshot["workers"]) == WORKERS and len(snapshot["servers"]) == 1, snapshot
+    finally:
+        cluster("rm", "-s", "-f", "prometheus", "dashboard", timeout=120, check=False)
