@@ -158,6 +158,7 @@ class _Run:
                     **extra,
                     "elapsed": time.perf_counter() - self.t_start,
                     "mb": sum(v for k, v in self.group.stats().items() if k.startswith("bytes_")) / 1e6,
+                    **({"departed": self._elastic_record()["departed"]} if self.opt.elastic else {}),  # type: ignore[index]
                 }
             )
 
