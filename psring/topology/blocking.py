@@ -100,6 +100,7 @@ class BlockingGroup:
     gather = _blocking("gather")
     send = _blocking("send")
     recv = _blocking("recv")
+    recv_any = _blocking("recv_any")
 
     def new_group(self, ranks: list[int]) -> BlockingGroup:
         sub = self._portal.call(self._group.new_group(ranks))

@@ -295,6 +295,63 @@ class Group(CollectiveRuntime, abc.ABC):
             raise
         return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
 
+    async def recv_any(self, timeout: float | None = None) -> tuple[int, Any]:
+        """The next array any rank sent to this rank, and the rank that sent it (torch's recv
+        without src). Each sender's arrays still come in the order it sent them; between senders,
+        the first to arrive is taken. A recv from a given src posted meanwhile keeps that src's
+        next array for itself."""
+        self._check_usable(receiving=True)
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[tuple[int, dict[str, Any], Any]] = loop.create_future()
+        posted: dict[int, tuple[Any, ...]] = {}
+
+        def taker(src: int, tag: tuple[Any, ...]) -> Any:
+            def take(conn: Any, header: dict[str, Any], payload: Any) -> None:
+                # runs inside the delivery of the frame: the others are unposted before any other
+                # frame can arrive, so exactly one is taken
+                for other in posted.values():
+                    if other != tag:
+                        self.mailbox.unpost(other)
+                self._p2p_recv[src] = self._p2p_recv.get(src, 0) + 1
+                got.set_result((src, header, payload))
+
+            return take
+
+        for src in range(self.world_size):
+            if src == self.rank or src in self._departed:
+                continue
+            tag = (self.gid, "p2p", src, self._p2p_recv.get(src, 0))
+            if self.mailbox.is_posted(tag):
+                continue  # a recv(src) waits for it
+            posted[src] = tag
+            self.mailbox.post(tag, callback=taker(src, tag))
+            if got.done():  # one had arrived already: taken, the rest not posted
+                break
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            while not got.done():
+                self._check_usable(receiving=True)
+                if not posted:
+                    raise PeerLostError(f"recv from any source on rank {self.rank}: no other rank can send")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeoutError(
+                        f"recv from any source on rank {self.rank} timed out after "
+                        f"{self.timeout if timeout is None else timeout:g}s", missing=tuple(posted),
+                    )  # fmt: skip
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(got), min(remaining, 0.25))
+        finally:
+            if not got.done():
+                for tag in posted.values():
+                    self.mailbox.unpost(tag)
+        src, hdr, payload = got.result()
+        if "dtype" not in hdr:
+            raise ProtocolError(f"frame from rank {src} carries no array")
+        dev = str(hdr.get("dev", "cpu"))
+        y = wire.decode_tensor(hdr, payload)
+        return src, self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
+
     async def new_group(self, ranks: Sequence[int]) -> Group | NonMemberGroup:
         """A Group over ranks (renumbered 0..k-1); every rank of this group must call it.
 

@@ -20,7 +20,8 @@ the processes it needs.
 
 dtypes: every CPU dtype numpy can view, bool to float64, and complex (as its real pairs: sum and
 avg); bfloat16 moves as its 16 bits, and is reduced in float32 then rounded once (gloo rounds at
-every step: exact values agree, others may differ in the last bit). torch's point-to-point tags
+every step: exact values agree, others may differ in the last bit). AVG of integers is NCCL's:
+the sum, then C's integer division by the group's size (truncated toward zero). torch's point-to-point tags
 are accepted; messages between two ranks arrive in the order they were sent, whatever the tag.
 Errors of a collective (a mismatch, a lost rank, a timeout) complete the Work with
 :class:`BackendError`, a ``torch.distributed.DistBackendError`` carrying psring's message (which
@@ -142,6 +143,23 @@ def _reduce_op(opts: Any) -> str:
     raise ValueError(f"psring: reduce op {name} is not supported (SUM, AVG, PRODUCT, MIN, MAX)")
 
 
+def _integer_avg(op: str, dtype: torch.dtype, size: int) -> tuple[str, Callable[[Any], Any]]:
+    """AVG of integers, as NCCL does it (its SumPostDiv): the sum over the group, then each element
+    divided by the group's size in C's integer division -- truncated toward zero (-7 / 2 = -3).
+    Frameworks rely on it (Lightning averages an int64 batch count with AVG for every backend but
+    gloo). Returns the op psring runs and what to apply to its result."""
+    if op != "avg" or dtype.is_floating_point or dtype.is_complex:
+        return op, lambda a: a
+    if dtype == torch.bool:
+        raise ValueError("psring: AVG of bool tensors is not defined (SUM, MIN, MAX and PRODUCT are)")
+
+    def divide(a: Any) -> Any:
+        a = np.asarray(a)
+        return (np.sign(a) * (np.abs(a) // size)).astype(a.dtype, copy=False)
+
+    return "sum", divide
+
+
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"psring: {what} takes one tensor per process, got {len(tensors)}")
@@ -164,6 +182,7 @@ class Work(dist._Work):
         super().__init__()
         self._done = done
         self._future = done.then(_unwrap)
+        self.sender: dict[str, int] | None = None  # a receive from any source: its sender, once done
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._done.wait()  # raises the collective's error
@@ -172,6 +191,13 @@ class Work(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         return self._future
+
+    def _source_rank(self) -> int:
+        """The sender of a receive from any source (dist.recv(src=None) asks this after wait)."""
+        if self.sender is None:
+            raise RuntimeError("psring: _source_rank() is only defined for a receive from any source")
+        self.wait()
+        return int(self.sender["rank"])
 
     def is_completed(self) -> bool:
         return bool(self._done.done())
@@ -269,10 +295,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         t = tensors[0]
+        op, post = _integer_avg(op, t.dtype, self.size())
         x, _ = _reducible(t, op)
 
         def finish(out: Any) -> list[torch.Tensor]:
-            _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+            _store_into(t if not t.is_complex() else torch.view_as_real(t), post(out))
             return tensors
 
         return self._start(self._g.all_reduce(_view(x), op), finish)
@@ -282,10 +309,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"psring: allreduce_coalesced needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+        op, post = _integer_avg(op, tensors[0].dtype, self.size()) if tensors else (op, lambda a: a)
         flat = torch.cat([_reducible(t, op)[0].reshape(-1) for t in tensors])
 
         def finish(out: Any) -> list[torch.Tensor]:
-            res, off = _from(out), 0
+            res, off = _from(post(out)), 0
             for t in tensors:
                 view = torch.view_as_real(t) if t.is_complex() else t
                 with torch.no_grad():
@@ -311,11 +339,12 @@ class ProcessGroupPsring(dist.ProcessGroup):
         opts = opts if opts is not None else dist.ReduceOptions()
         t = _one(tensors, "reduce")
         op, root = _reduce_op(opts), int(opts.rootRank)
+        op, post = _integer_avg(op, t.dtype, self.size())
         x, _ = _reducible(t, op)
 
         def finish(out: Any) -> list[torch.Tensor]:
             if out is not None:
-                _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+                _store_into(t if not t.is_complex() else torch.view_as_real(t), post(out))
             return tensors
 
         return self._start(self._g.reduce(_view(x), root, op), finish)
@@ -391,11 +420,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
                     f"psring: reduce_scatter's input_list[{i}] has {p.numel()} {p.dtype} elements, "
                     f"the output {t.numel()} {t.dtype} (every part must match the output)"
                 )
-        op = _reduce_op(opts)
+        op, post = _integer_avg(_reduce_op(opts), t.dtype, self.size())
         flat = torch.cat([_reducible(p, op)[0].reshape(-1) for p in parts])
 
         def finish(out: Any) -> list[torch.Tensor]:
-            _store_into(t if not t.is_complex() else torch.view_as_real(t), out)
+            _store_into(t if not t.is_complex() else torch.view_as_real(t), post(out))
             return outputs
 
         return self._start(self._g.reduce_scatter(_view(flat), op), finish)
@@ -407,11 +436,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
                 f"psring: reduce_scatter_tensor needs an input of {self.size()} x {output.numel()} elements, "
                 f"got {input.numel()}"
             )
-        op = _reduce_op(opts)
+        op, post = _integer_avg(_reduce_op(opts), input.dtype, self.size())
         x, _ = _reducible(input, op)
 
         def finish(out: Any) -> list[torch.Tensor]:
-            _store_into(output if not output.is_complex() else torch.view_as_real(output), out)
+            _store_into(output if not output.is_complex() else torch.view_as_real(output), post(out))
             return [output]
 
         return self._start(self._g.reduce_scatter(_view(x.reshape(-1)), op), finish)
@@ -487,7 +516,19 @@ class ProcessGroupPsring(dist.ProcessGroup):
         return self._start(self._g.recv(src), finish)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
-        raise ValueError("psring: recv needs its src (a receive from any source is not supported)")
+        """The next tensor any rank sends this one (``dist.recv(t)`` with no src); the Work's
+        ``_source_rank()`` names the sender."""
+        t = _one(tensors, "recv")
+        sender: dict[str, int] = {}
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            sender["rank"], array = out
+            _store_into(t, array)
+            return tensors
+
+        work = self._start(self._g.recv_any(), finish)
+        work.sender = sender  # read by _source_rank once the receive is done
+        return work
 
     # ------------------------------------------------------------- helpers
     def _check_list(self, xs: Sequence[torch.Tensor], what: str) -> None:

@@ -126,6 +126,9 @@ class Mailbox:
     def unpost(self, tag: tuple[Any, ...]) -> None:
         self._posted.pop(tag, None)
 
+    def is_posted(self, tag: tuple[Any, ...]) -> bool:
+        return tag in self._posted
+
     def inspect(self, prefix: tuple[Any, ...], inspector: Callable[[Connection, dict[str, Any]], bool]) -> None:
         """Register an inspector for a tag prefix and run it over frames already queued."""
         self._inspectors[prefix] = inspector

@@ -215,6 +215,19 @@ def main(backend: str, out_dir: str) -> None:
 
     case("batch_isend_irecv", batch)
 
+    def recv_any_source() -> Any:  # rank 0 takes one tensor from each other rank, whoever is first
+        if rank == 0:
+            seen = []
+            for _ in range(world - 1):
+                got = torch.zeros(3)
+                src = dist.recv(got)  # no src: any source; torch returns the sender
+                seen.append((src, got.tolist()))
+            return sorted(seen)
+        dist.send(torch.full((3,), float(rank)), dst=0)
+        return None
+
+    case("recv_any_source", recv_any_source)
+
     def barrier() -> str:
         dist.barrier()
         return "ok"

@@ -1,0 +1,30 @@
+"""AVG of integer tensors through the torch backend, as NCCL does it (in process: the arithmetic)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (CI installs torch==2.13.0)")
+
+from psring.torch.backend import _integer_avg  # noqa: E402
+
+pytestmark = [pytest.mark.torch]
+
+
+def test_the_sum_then_cs_integer_division_truncating_toward_zero() -> None:
+    op, post = _integer_avg("avg", torch.int64, 2)
+    assert op == "sum"
+    summed = np.array([-7, 7, -1, 1, 0, -8], np.int64)
+    out = post(summed)
+    assert out.dtype == np.int64 and out.tolist() == [-3, 3, 0, 0, 0, -4]
+    assert out.tolist() == torch.div(torch.from_numpy(summed), 2, rounding_mode="trunc").tolist()
+
+
+def test_floats_and_other_ops_go_through_untouched_and_bool_is_refused() -> None:
+    for op, dtype in (("avg", torch.float32), ("avg", torch.bfloat16), ("sum", torch.int64), ("max", torch.int8)):
+        got, post = _integer_avg(op, dtype, 3)
+        x = np.arange(4)
+        assert got == op and post(x) is x
+    with pytest.raises(ValueError, match="AVG of bool"):
+        _integer_avg("avg", torch.bool, 2)
