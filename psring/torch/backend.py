@@ -273,6 +273,25 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return NAME
 
+    # torch names each group after making it and reads the name back (destroy_process_group, the
+    # group registry); a ProcessGroup keeps its name in its backends, and this one has none
+    def _set_group_name(self, name: str) -> None:
+        self._psring_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_psring_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._psring_desc = desc
+
+    @property
+    def group_desc(self) -> str:
+        return getattr(self, "_psring_desc", "undefined")
+
     def __repr__(self) -> str:
         return f"ProcessGroupPsring(rank={self.rank()}, size={self.size()}, {self.psring_group!r})"
 
@@ -360,6 +379,30 @@ class ProcessGroupPsring(dist.ProcessGroup):
             return outputs
 
         return self._start(self._g.all_gather(_view(_wire(t))), finish)
+
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        """dist.all_gather_coalesced: every rank's list of tensors (any shapes, one dtype), in one
+        all_gather of their concatenation."""
+        self._check_list(outputs, "all_gather_coalesced's output_tensor_lists")
+        for r, outs in enumerate(outputs):
+            if [o.numel() for o in outs] != [t.numel() for t in inputs]:
+                raise ValueError(
+                    f"psring: all_gather_coalesced's output_tensor_lists[{r}] holds {[o.numel() for o in outs]} "
+                    f"elements per tensor, the inputs {[t.numel() for t in inputs]}"
+                )
+        flat = torch.cat([_wire(t).reshape(-1) for t in inputs]) if inputs else torch.empty(0)
+
+        def finish(parts: list[Any]) -> list[list[torch.Tensor]]:
+            for outs, part in zip(outputs, parts, strict=True):
+                got, off = np.asarray(part).reshape(-1), 0
+                for o in outs:
+                    _store_into(o, got[off : off + o.numel()])
+                    off += o.numel()
+            return outputs
+
+        return self._start(self._g.all_gather(_view(flat)), finish)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         n = input.numel()
@@ -531,7 +574,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
         return work
 
     # ------------------------------------------------------------- helpers
-    def _check_list(self, xs: Sequence[torch.Tensor], what: str) -> None:
+    def _check_list(self, xs: Sequence[Any], what: str) -> None:
         if len(xs) != self.size():
             raise ValueError(f"psring: {what} has {len(xs)} tensors, the group has {self.size()} ranks")
 
