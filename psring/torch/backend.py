@@ -153,9 +153,12 @@ def _integer_avg(op: str, dtype: torch.dtype, size: int) -> tuple[str, Callable[
     if dtype == torch.bool:
         raise ValueError("psring: AVG of bool tensors is not defined (SUM, MIN, MAX and PRODUCT are)")
 
-    def divide(a: Any) -> Any:
+    def divide(a: Any) -> np.ndarray:
         a = np.asarray(a)
-        return (np.sign(a) * (np.abs(a) // size)).astype(a.dtype, copy=False)
+        out = np.empty_like(a)  # an array even for a 0-d result (numpy's scalar arithmetic gives scalars)
+        np.floor_divide(np.abs(a), size, out=out)
+        np.multiply(out, np.sign(a), out=out)
+        return out
 
     return "sum", divide
 

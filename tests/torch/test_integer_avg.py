@@ -19,6 +19,8 @@ def test_the_sum_then_cs_integer_division_truncating_toward_zero() -> None:
     out = post(summed)
     assert out.dtype == np.int64 and out.tolist() == [-3, 3, 0, 0, 0, -4]
     assert out.tolist() == torch.div(torch.from_numpy(summed), 2, rounding_mode="trunc").tolist()
+    scalar = post(np.array(-9, np.int64))  # a 0-d tensor's sum (Lightning's batch count) stays an array
+    assert isinstance(scalar, np.ndarray) and scalar.shape == () and int(scalar) == -4
 
 
 def test_floats_and_other_ops_go_through_untouched_and_bool_is_refused() -> None:
