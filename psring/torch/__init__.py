@@ -42,9 +42,10 @@ BUCKET_BYTES = 25 << 20
 
 
 from . import backend as backend  # noqa: E402 - torch must import first
-from .backend import BackendError, ProcessGroupPsring  # noqa: E402
+from .backend import BackendError, ProcessGroupPsring, register  # noqa: E402
 
-backend.register()  # dist.init_process_group("psring") from now on
+register()  # dist.init_process_group("psring") from now on; ``register`` is also a setup hook for
+# processes that frameworks start (Ray: runtime_env={"worker_process_setup_hook": "psring.torch.register"})
 
 
 # ------------------------------------------------------------------ tensors
@@ -351,6 +352,7 @@ __all__ = [
     "recv",
     "reduce",
     "reduce_scatter",
+    "register",
     "send",
     "to_array",
 ]

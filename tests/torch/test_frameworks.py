@@ -1,7 +1,8 @@
 """The frameworks people train with, on the psring backend (#39), as users run them: PyTorch
-Lightning's DDP (its own launcher, ddp_spawn, torchrun) and Hugging Face Accelerate (torchrun,
-``accelerate launch``), on both topologies, against gloo on the same run. Each skips, saying why,
-where the framework is not installed (the ``frameworks`` extra)."""
+Lightning's DDP (its own launcher, ddp_spawn, torchrun), Hugging Face Accelerate (torchrun,
+``accelerate launch``) and Ray Train (a local Ray cluster pinned to loopback), on both topologies,
+against gloo on the same run. Each skips, saying why, where the framework is not installed (the
+``frameworks`` extra)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 LIGHTNING = ROOT / "examples" / "lightning_ddp.py"
 ACCELERATE = ROOT / "examples" / "accelerate_ddp.py"
+RAY = ROOT / "examples" / "ray_train.py"
 
 
 def free_port() -> int:
@@ -112,3 +114,27 @@ def test_accelerate_trains_over_psring_like_gloo(tmp_path: Path, accelerate_gloo
     assert torch.equal(weights(rows[0]), weights(rows[1]))
     assert torch.allclose(weights(rows[0]), weights(accelerate_gloo[0]), rtol=1e-5, atol=1e-6)
     assert rows[0]["loss"] == pytest.approx(accelerate_gloo[0]["loss"], rel=1e-4)
+
+
+def ray_train(tmp: Path, name: str, *args: str, **extra: str) -> list[dict[str, Any]]:
+    out = tmp / name
+    cmd = [sys.executable, str(RAY), "--workers", "2", "--out", str(out), *args]
+    # Ray's node on loopback; its own processes end with ray.shutdown(), the rest with the group
+    res = run_tree(cmd, timeout=240, env=env(RAY_NODE_IP="127.0.0.1", **extra), cwd=str(tmp))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def ray_gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("ray.train", reason="ray[train] is not installed (pip install -e '.[frameworks]')")
+    return ray_train(tmp_path_factory.mktemp("ray-gloo"), "gloo", "--backend", "gloo")
+
+
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_ray_train_trains_over_psring_like_gloo(tmp_path: Path, ray_gloo: list[dict[str, Any]], topology: str) -> None:
+    rows = ray_train(tmp_path, "run", PSRING_TOPOLOGY=topology)
+    assert [r["backend"] for r in rows] == ["psring", "psring"]
+    assert torch.equal(weights(rows[0]), weights(rows[1]))
+    assert torch.allclose(weights(rows[0]), weights(ray_gloo[0]), rtol=1e-5, atol=1e-6)
+    assert rows[0]["loss"] == pytest.approx(ray_gloo[0]["loss"], rel=1e-4)
