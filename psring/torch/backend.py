@@ -317,6 +317,8 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if len(tensors) != 1:
             return self.allreduce_coalesced(tensors, opts)
         t = tensors[0]
+        if t.is_sparse:
+            return self._sparse_allreduce(t, op, tensors)
         op, post = _integer_avg(op, t.dtype, self.size())
         x, _ = _reducible(t, op)
 
@@ -325,6 +327,45 @@ class ProcessGroupPsring(dist.ProcessGroup):
             return tensors
 
         return self._start(self._g.all_reduce(_view(x), op), finish)
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: str, tensors: list[torch.Tensor]) -> Work:
+        """SUM of a sparse COO tensor, as gloo does it: every rank's coalesced indices and values
+        gathered (padded to the largest count), concatenated in rank order and coalesced, so an
+        index several ranks hold is summed in the canonical order; the result replaces ``t``."""
+        if op != "sum":
+            raise ValueError(f"psring: all_reduce of a sparse tensor supports SUM only, got {op.upper()}")
+        if t.is_complex():
+            raise ValueError("psring: all_reduce of a sparse complex tensor is not supported")
+        c = t.detach().coalesce()
+        indices, values = c.indices().contiguous(), c.values().contiguous()
+        if values.dtype == torch.bfloat16:
+            values = values.float()  # summed in float32, rounded once (as the dense path)
+        group = self._g
+
+        async def run() -> torch.Tensor:
+            counts = await group.all_gather(np.array([values.shape[0]], np.int64))
+            top = int(max(int(n[0]) for n in counts))
+            idx = np.zeros((indices.shape[0], top), np.int64)
+            idx[:, : indices.shape[1]] = indices.numpy()
+            val = np.zeros((top, *values.shape[1:]), _view(values).dtype)
+            val[: values.shape[0]] = _view(values)
+            all_idx = await group.all_gather(idx)
+            all_val = await group.all_gather(val)
+            kept = []
+            for i, v, n in zip(all_idx, all_val, counts, strict=True):
+                k = int(n[0])
+                kept.append((torch.from_numpy(np.ascontiguousarray(i[:, :k])), _from(np.ascontiguousarray(v[:k]))))
+            merged = torch.sparse_coo_tensor(
+                torch.cat([i for i, _ in kept], dim=1), torch.cat([v for _, v in kept]), c.shape
+            )
+            return merged.coalesce()
+
+        def finish(out: torch.Tensor) -> list[torch.Tensor]:
+            with torch.no_grad():
+                t.copy_(out.to(t.dtype))
+            return tensors
+
+        return self._start(run(), finish)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op = _reduce_op(opts if opts is not None else dist.AllreduceCoalescedOptions())

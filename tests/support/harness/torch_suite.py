@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=int(os.environ["WORLD_SIZE"]))
     p.add_argument("--topology", choices=("ring", "ps"), default=None, help="psring's (PSRING_TOPOLOGY)")
     p.add_argument("-k", action="append", default=[], help="run tests whose name contains this (repeatable)")
+    p.add_argument("--tests", default="", help="run exactly these tests (comma-separated names)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.backend != TARGET or str(args.world_size) != os.environ["WORLD_SIZE"] or (
@@ -149,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     loader = unittest.TestLoader()
     names = [n for n in loader.getTestCaseNames(TestDistBackendWithSpawn) if not args.k or any(k in n for k in args.k)]
+    if args.tests:
+        wanted = [t.strip() for t in args.tests.split(",") if t.strip()]
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            p.error(f"--tests: no such test in torch's suite: {unknown}")
+        names = [n for n in names if n in wanted]
     tests = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     t0 = time.monotonic()
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=1, resultclass=_Record)

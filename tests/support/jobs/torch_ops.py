@@ -228,6 +228,14 @@ def main(backend: str, out_dir: str) -> None:
 
     case("recv_any_source", recv_any_source)
 
+    def sparse_all_reduce() -> torch.Tensor:  # nn.Embedding(sparse=True)'s gradients: rows by index
+        rows = torch.tensor([[rank % 3, 3 + rank]])  # ranks share some rows, each has one of its own
+        t = torch.sparse_coo_tensor(rows, torch.full((2, 4), float(rank + 1)), (3 + world, 4))
+        dist.all_reduce(t)
+        return t.to_dense()
+
+    case("all_reduce/sparse", sparse_all_reduce)
+
     def barrier() -> str:
         dist.barrier()
         return "ok"
