@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(TensorDataset(x, y), batch_size=32)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    t0, steps = time.perf_counter(), 0
     for _epoch in range(args.epochs):
         losses = []
         for xb, yb in loader:
@@ -53,7 +55,9 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
+            steps += 1
         mean = accelerator.reduce(torch.stack(losses).mean(), reduction="mean")
+    seconds = time.perf_counter() - t0
     seen = accelerator.gather_for_metrics(torch.tensor([len(loader)]))
     record = {
         "rank": accelerator.process_index,
@@ -63,6 +67,8 @@ def main() -> None:
         "batches": seen.tolist(),
         "weights": [p.detach().reshape(-1).tolist() for p in accelerator.unwrap_model(model).parameters()],
         "topology": os.environ.get("PSRING_TOPOLOGY", "ring"),
+        "seconds": seconds,
+        "steps": steps,
     }
     if args.out:
         with open(f"{args.out}.{accelerator.process_index}.json", "w") as fh:

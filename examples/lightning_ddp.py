@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import lightning as L
 import torch
@@ -67,6 +68,10 @@ class Record(L.Callback):
 
     def __init__(self, out: str | None) -> None:
         self.out = out
+        self.t0 = 0.0
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.t0 = time.perf_counter()  # the training loop's time, not the processes' start
 
     def on_fit_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         if not self.out:
@@ -77,6 +82,8 @@ class Record(L.Callback):
             "weights": [p.detach().reshape(-1).tolist() for p in module.parameters()],
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "topology": os.environ.get("PSRING_TOPOLOGY", "ring"),
+            "seconds": time.perf_counter() - self.t0,
+            "steps": trainer.global_step,
         }
         with open(f"{self.out}.{trainer.global_rank}.json", "w") as fh:
             json.dump(record, fh)

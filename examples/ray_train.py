@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from typing import Any
 
 import ray
@@ -38,6 +39,7 @@ def train_loop(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     mine = torch.arange(rank, 512, world)  # each worker its share of the rows
+    t0, steps = time.perf_counter(), 0
     for _epoch in range(config["epochs"]):
         for start in range(0, len(mine), 32):
             idx = mine[start : start + 32]
@@ -45,11 +47,15 @@ def train_loop(config: dict[str, Any]) -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            steps += 1
+    seconds = time.perf_counter() - t0
     record = {
         "rank": rank,
         "backend": str(dist.get_backend()),
         "loss": loss.item(),
         "weights": [p.detach().reshape(-1).tolist() for p in model.parameters()],
+        "seconds": seconds,
+        "steps": steps,
     }
     if config["out"]:
         with open(f"{config['out']}.{rank}.json", "w") as fh:
