@@ -671,6 +671,14 @@ def _options(pg_options: Any) -> dict[str, Any]:
         return {}
     if isinstance(pg_options, dict):
         opts = dict(pg_options)
+    elif hasattr(pg_options, "_timeout") and hasattr(pg_options, "backend"):  # a c10d Backend.Options
+        named = str(pg_options.backend or "")
+        if named.lower() not in ("", NAME) or hasattr(pg_options, "_threads"):
+            raise ValueError(
+                f"psring backend: pg_options {type(pg_options).__qualname__} for backend {named or 'gloo'!r} are "
+                "another backend's; psring takes a dict of topology, servers, colocate"
+            )
+        return {}  # psring's own c10d options: their timeout reached the backend already
     else:
         opts = {k: getattr(pg_options, k) for k in ("topology", "servers", "colocate") if hasattr(pg_options, k)}
     unknown = sorted(set(opts) - {"topology", "servers", "colocate"})

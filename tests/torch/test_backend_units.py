@@ -1,4 +1,5 @@
-"""AVG of integer tensors through the torch backend, as NCCL does it (in process: the arithmetic)."""
+"""The torch backend's own arithmetic and argument checks, in process: AVG of integers as NCCL does
+it, and pg_options from frameworks."""
 
 from __future__ import annotations
 
@@ -30,3 +31,22 @@ def test_floats_and_other_ops_go_through_untouched_and_bool_is_refused() -> None
         assert got == op and post(x) is x
     with pytest.raises(ValueError, match="AVG of bool"):
         _integer_avg("avg", torch.bool, 2)
+
+
+def test_pg_options_of_another_backend_are_named_psrings_own_are_accepted() -> None:
+    """What frameworks may pass to init_process_group(pg_options=...): psring's dict, or c10d's
+    options naming psring (their timeout reached the backend separately); another backend's
+    options are a clear error naming them."""
+    from torch._C._distributed_c10d import Backend
+
+    from psring.torch.backend import _options
+
+    assert _options({"topology": "ps", "servers": 2}) == {"topology": "ps", "servers": 2}
+    assert _options(Backend.Options("psring")) == {}
+    with pytest.raises(ValueError, match=r"Backend.Options for backend 'nccl' are another backend's"):
+        _options(Backend.Options("nccl"))
+    if hasattr(torch.distributed, "ProcessGroupGloo"):
+        with pytest.raises(ValueError, match=r"ProcessGroupGloo._Options .*'gloo'"):
+            _options(torch.distributed.ProcessGroupGloo._Options())
+    with pytest.raises(ValueError, match=r"unknown pg_options \['bogus'\]"):
+        _options({"bogus": 1})
