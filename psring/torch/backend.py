@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.arrays import cupy_module
-from ..errors import PsringError
+from ..errors import CollectiveTimeoutError, PsringError
 from ..rendezvous.torchstore import TorchStoreClient
 from ..settings import current as current_settings
 from ..topology.blocking import BlockingGroup, init
@@ -69,7 +69,9 @@ def _as_torch_error(exc: BaseException) -> BaseException:
     if isinstance(exc, dist.DistError):
         return exc
     if isinstance(exc, PsringError):
-        err = BackendError(f"psring {type(exc).__name__}: {exc}", exc)
+        # torch's own backends say "Timed out" where a call ran past its timeout: so does this one
+        said = "Timed out -- " if isinstance(exc, CollectiveTimeoutError) else ""
+        err = BackendError(f"psring {type(exc).__name__}: {said}{exc}", exc)
         err.__cause__ = exc
         return err
     return exc  # bad arguments and the like keep their own type (ValueError, TypeError)
@@ -717,7 +719,9 @@ def create(backend_opts: Any, pg_options: Any = None) -> ProcessGroupPsring:
     bg = world.psring_group
 
     async def make() -> Any:
-        return bg.group._make_subgroup(f"{bg.group.gid}.t{backend_opts.group_id}", ranks)
+        sub = bg.group._make_subgroup(f"{bg.group.gid}.t{backend_opts.group_id}", ranks)
+        sub.timeout = timeout  # new_group(timeout=...): the subgroup's own, not the world's
+        return sub
 
     sub = BlockingGroup(bg.portal.call(make()), bg.portal, owns_portal=False)
     pg = ProcessGroupPsring(sub, rank, size, world=False)
