@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -118,6 +119,17 @@ def run_tree(
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def until(what: str, check: Any, timeout: float = 30, every: float = 0.2) -> Any:
+    """Call ``check`` until it returns something truthy (returned); fail naming ``what`` past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def end(proc: subprocess.Popen[str]) -> str:

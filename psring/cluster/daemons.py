@@ -437,6 +437,11 @@ class WorkerDaemon(_Daemon):
                 await servers.drain(timeout=10.0)
                 await servers.close()
 
+    def _store_later(self, k: str, record: dict[str, Any]) -> None:
+        """Write a report to the store without waiting: best effort (see _progress_sent)."""
+        task = asyncio.get_running_loop().create_task(self.store.set(k, json.dumps(record)))
+        task.add_done_callback(_progress_sent)
+
     async def _train(self, spec: dict[str, Any], env: dict[str, str]) -> Any:
 
         jid = spec["id"]
@@ -446,10 +451,7 @@ class WorkerDaemon(_Daemon):
             now = time.monotonic()
             if now - last[0] > 0.2 or "acc" in record:
                 last[0] = now
-                task = asyncio.get_running_loop().create_task(
-                    self.store.set(key("jobs", jid, "progress"), json.dumps(record))
-                )
-                task.add_done_callback(_progress_sent)
+                self._store_later(key("jobs", jid, "progress"), record)
 
         counted = [0]
 
@@ -459,10 +461,7 @@ class WorkerDaemon(_Daemon):
                 counted[0] = max(counted[0], record["step"])
                 self.metrics.compute.labels("worker").set(record["compute_s"])
                 self.metrics.comm.labels("worker").set(record["comm_s"])
-            task = asyncio.get_running_loop().create_task(
-                self.store.set(key("jobs", jid, "ranks", record["rank"]), json.dumps(record))
-            )
-            task.add_done_callback(_progress_sent)
+            self._store_later(key("jobs", jid, "ranks", record["rank"]), record)
 
         train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import end, run_tree, spawn
+from ..conftest import end, run_tree, spawn, until
 from ..support.harness import browser
 from .test_cluster import Cluster
 
@@ -43,16 +43,6 @@ def api(url: str, path: str = "api/status") -> dict[str, Any]:
     base, _, query = url.partition("?")
     with urllib.request.urlopen(base + path + (f"?{query}" if query else ""), timeout=10) as resp:
         return json.loads(resp.read())
-
-
-def until(what: str, check: Any, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def submit_train(c: Cluster, epochs: int = 3000) -> subprocess.Popen[str]:

@@ -108,8 +108,8 @@ class Compose:
         raise AssertionError(f"no container of {self.project} has host name {hostname}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
+def engine_ready() -> None:
+    """Skip, saying why, unless a Docker engine answers and the stand-in base images are built."""
     why = _why_not()
     if why is not None:
         pytest.skip(why)
@@ -120,7 +120,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
         timeout=900,
     )
     if base.returncode != 0:
-        pytest.skip(f"the stand-in base image cannot be built here: {base.stderr.strip()[-300:]}")
+        pytest.skip(f"the stand-in base images cannot be built here: {base.stderr.strip()[-300:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
+    engine_ready()
     compose = Compose(tmp_path_factory.mktemp("compose"))
     try:
         compose("build", timeout=900)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from .test_docker import ROOT, Compose, _follow, _summary, _why_not
+from .test_docker import Compose, _follow, _summary, engine_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 WORKERS = 2
@@ -23,17 +22,7 @@ ETCD = "etcd://" + ",".join(f"{m}:2379" for m in MEMBERS)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Compose]:
-    why = _why_not()
-    if why is not None:
-        pytest.skip(why)
-    base = subprocess.run(
-        ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if base.returncode != 0:
-        pytest.skip(f"the stand-in base images cannot be built here: {base.stderr.strip()[-300:]}")
+    engine_ready()
     compose = Compose(tmp_path_factory.mktemp("compose-etcd"), store=ETCD, profiles=("etcd",))
     try:
         compose("build", timeout=900)

@@ -9,7 +9,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import end
+from ..conftest import end, until
 from .test_cluster import Cluster
 
 yaml = pytest.importorskip("yaml", reason="pyyaml is not installed (it is in the dev extra)")
@@ -38,16 +37,6 @@ def query(base: str, expr: str) -> list[dict[str, Any]]:
         answer = json.loads(resp.read())
     assert answer["status"] == "success", (expr, answer)
     return answer["data"]["result"]
-
-
-def until(what: str, check: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout}s")
 
 
 def test_prometheus_scrapes_the_daemons_and_the_grafana_queries_evaluate(tmp_path: Path) -> None:
@@ -116,7 +105,7 @@ def test_prometheus_scrapes_the_daemons_and_the_grafana_queries_evaluate(tmp_pat
             for expr in exprs:  # each evaluates (status success); the step-time ones have data now
                 query(base, expr)
             for expr in ("psring_step_compute_seconds", "sum by (instance) (rate(psring_steps_total[1m]))"):
-                assert query(base, expr), expr
+                until(f"data for {expr}", lambda expr=expr: query(base, expr))  # a rate needs two scrapes
     finally:
         if prom is not None:
             end(prom)  # type: ignore[arg-type]

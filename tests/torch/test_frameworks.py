@@ -39,16 +39,20 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
+def records(tmp: Path, name: str, cmd: list[str], **extra: str) -> list[dict[str, Any]]:
+    """Run ``cmd`` (it writes NAME.RANK.json per rank) and read both ranks' records."""
+    res = run_tree(cmd, timeout=240, env=env(**extra), cwd=str(tmp))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
+
+
 def lightning(tmp: Path, name: str, *args: str, torchrun: bool = False, **extra: str) -> list[dict[str, Any]]:
     out = tmp / name
     cmd = [sys.executable, str(LIGHTNING), "--devices", "2", "--out", str(out), *args]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), *cmd[1:]]  # fmt: skip
-    res = run_tree(cmd, timeout=240, env=env(**extra), cwd=str(tmp))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    rows = [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
-    return rows
+    return records(tmp, name, cmd, **extra)
 
 
 def weights(row: dict[str, Any]) -> Any:
@@ -95,9 +99,7 @@ def accelerate(tmp: Path, name: str, *args: str, launcher: str = "torchrun", **e
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", port]  # fmt: skip
-    res = run_tree([*cmd, str(ACCELERATE), "--out", str(out), *args], timeout=240, env=env(**extra), cwd=str(tmp))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
+    return records(tmp, name, [*cmd, str(ACCELERATE), "--out", str(out), *args], **extra)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +122,7 @@ def ray_train(tmp: Path, name: str, *args: str, **extra: str) -> list[dict[str, 
     out = tmp / name
     cmd = [sys.executable, str(RAY), "--workers", "2", "--out", str(out), *args]
     # Ray's node on loopback; its own processes end with ray.shutdown(), the rest with the group
-    res = run_tree(cmd, timeout=240, env=env(RAY_NODE_IP="127.0.0.1", **extra), cwd=str(tmp))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
+    return records(tmp, name, cmd, RAY_NODE_IP="127.0.0.1", **extra)
 
 
 @pytest.fixture(scope="module")
