@@ -286,11 +286,16 @@ class CollectiveRuntime:
     def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
 
-    def on_abort(self, seq: int, reason: str, message: str, missing: Sequence[int] = ()) -> None:
-        """A peer abandoned collective ``seq``: fail ours, or remember it for when we get there."""
+    def on_abort(
+        self, seq: int, reason: str, message: str, missing: Sequence[int] = (), lost: int | None = None
+    ) -> None:
+        """A peer abandoned collective ``seq``: fail ours, or remember it for when we get there.
+        (reason "lost": worker ``lost`` went away, a PeerLostError naming it.)"""
         err: PsringError
         if reason == "mismatch":
             err = MismatchError(message)
+        elif reason == "lost":
+            err = PeerLostError(message, rank=lost)
         else:
             err = CollectiveTimeoutError(message, missing=tuple(missing))
         coll = self._active.get(seq)

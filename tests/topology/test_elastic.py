@@ -53,6 +53,20 @@ def test_a_worker_lost_while_the_others_admit_joiners_costs_no_one_else() -> Non
     assert all(r["w"] == pytest.approx(-2.0 * 3 - 1.5 * 5) for r in last), last
 
 
+def test_a_survivor_that_reaches_the_boundary_after_the_loss_ended_it_goes_on_too() -> None:
+    """Rank 0 (who looks the joiners up) comes to admit_waiting a second late: the shard already
+    ended that call for the loss, and tells it so. That is one abandoned call, like the others':
+    before, the worker took it for a lost server and broke its group (then reconnected, and once
+    got itself dropped for data of a call it had not joined)."""
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, LEAVE_IN="admit", ADMIT_LATE="0")
+    assert code == 0, out
+    assert "is broken" not in out and "reconnecting" not in out, out
+    assert sorted((r["rank"], r["admitted"]) for r in rows if "admitted" in r) == [(0, []), (1, [])], out
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == [0, 1] and all(r["members"] == [0, 1] for r in last), out
+    assert all(r["w"] == pytest.approx(-2.0 * 3 - 1.5 * 5) for r in last), last
+
+
 def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:
     code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3)
     assert code == 0, out

@@ -239,7 +239,7 @@ class ServerLinks:
         if not isinstance(tag, tuple) or len(tag) != 2 or reason not in ("lost", "mismatch", "timeout"):
             raise ProtocolError(f"malformed abort frame from {conn.peername}")
         message = str(header.get("message", ""))[:2000]
-        if reason == "lost":
+        if reason == "lost" and tag[0] == "*":  # a worker or server went away: every group hears it
             lost = header.get("lost")
             main = self.groups.get("0")
             elastic = type(lost) is int and getattr(main, "elastic", False)  # a worker of an elastic job
@@ -257,8 +257,11 @@ class ServerLinks:
             return True
         group = self.groups.get(tag[0])
         if group is not None and type(tag[1]) is int:
-            missing = header.get("missing") or ()
-            group.on_abort(tag[1], reason, message, [m for m in missing if type(m) is int])
+            # one collective abandoned (lost: because worker header["lost"] went away, which the
+            # "*" frame above reported already): it fails where it is pending, and nowhere else
+            missing = [m for m in header.get("missing") or () if type(m) is int]
+            lost = header.get("lost")
+            group.on_abort(tag[1], reason, message, missing, lost=lost if type(lost) is int else None)
         return True
 
     def stats(self) -> dict[str, int]:

@@ -169,12 +169,14 @@ class ParameterMode(_Host):
             ][: found.size]  # fmt: skip
             found[: len(waiting)] = waiting
         try:
-            found = await self._live_subgroup().broadcast(found, src=0)
+            # an all_reduce (max over -1s and rank 0's list), not a broadcast: a broadcast's root
+            # returns once it has sent, so it could admit while the others saw a loss end the call
+            found = await self._live_subgroup().all_reduce(found, op="max")
         except PeerLostError as exc:
             if type(exc.rank) is not int:
                 raise  # a server: not this boundary's to absorb
-            # a worker was lost during the broadcast: the shard ended it alike for every survivor (or
-            # it finished for all), so all of them take this branch; the joiners wait for the next boundary
+            # a worker was lost during the call: the shard ended it alike for every survivor (or it
+            # finished for all), so all of them take this branch; the joiners wait for the next boundary
             logger.warning("%r: elastic: %s; nobody joins at step %d", self, exc, step)
             return []
         new = [int(r) for r in found if r >= 0]

@@ -65,6 +65,7 @@ class Shard(Folding):
         self.job = job
         self.pending: dict[tuple[str, int], _Pending] = {}
         self.finished: collections.OrderedDict[tuple[str, int], str] = collections.OrderedDict()
+        self.lost_in: dict[tuple[str, int], int] = {}  # finished "lost": the worker whose loss ended it
         self.by_rank: dict[int, Connection] = {}  # global worker rank -> its connection to this shard
         self.conns: set[Connection] = set()
         self.buffered: dict[Connection, int] = {}
@@ -174,7 +175,7 @@ class Shard(Folding):
                 return
         self._report_lost(rank, how)
         for key in needed:
-            self._finish(key, "lost")
+            self._finish(key, "lost", lost=rank if type(rank) is int else None)
 
     def _left_before(self, rank: int, seq: int) -> bool:
         """Whether gone rank left before finishing main-group collective seq."""
@@ -235,7 +236,9 @@ class Shard(Folding):
         key = (tag[0], tag[1])
         if key in self.finished:
             if self.finished[key] != "done":  # abandoned: tell the latecomer at once
-                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{tag[1]} was abandoned")
+                lost = self.lost_in.get(key)
+                why = f": {self.gone[lost]}" if lost in self.gone else ""
+                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{tag[1]} was abandoned{why}", lost=lost)
             return
         pending = self.pending.get(key)
         if pending is None:
@@ -252,7 +255,7 @@ class Shard(Folding):
                 )
                 # its data frames are already on the way (a worker sends them right behind the
                 # join): they and any later join must meet an abandoned collective, not a stranger
-                self._finish(key, "lost")
+                self._finish(key, "lost", lost=gone[0])
                 return
             pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, self.settings.ps_piece)
             self.pending[key] = pending
@@ -341,7 +344,7 @@ class Shard(Folding):
                 return
             self._forward(pending, src, j, data, header)
 
-    def _finish(self, key: tuple[str, int], outcome: str) -> None:
+    def _finish(self, key: tuple[str, int], outcome: str, lost: int | None = None) -> None:
         pending = self.pending.pop(key, None)
         if pending is not None:
             for held in pending.held.values():
@@ -352,8 +355,10 @@ class Shard(Folding):
                 if unfolded:
                     self._account(conn, -unfolded)
         self.finished[key] = outcome
+        if lost is not None:
+            self.lost_in[key] = lost
         while len(self.finished) > 10_000:
-            self.finished.popitem(last=False)
+            self.lost_in.pop(self.finished.popitem(last=False)[0], None)
 
     # ------------------------------------------------------------- aborts
     def _abort_all(self, key: tuple[str, int], reason: str, message: str, missing: list[int] | None = None) -> None:
@@ -363,9 +368,15 @@ class Shard(Folding):
                 conn.send_frame(dict(header))
         self._finish(key, reason)
 
-    def _send_abort(self, conn: Connection, key: tuple[str, int], reason: str, message: str) -> None:
+    def _send_abort(
+        self, conn: Connection, key: tuple[str, int], reason: str, message: str, lost: int | None = None
+    ) -> None:
+        """Collective key was abandoned (reason: mismatch, timeout, or lost: worker ``lost`` went away)."""
+        header: dict[str, Any] = {"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": []}
+        if lost is not None:
+            header["lost"] = lost
         with contextlib.suppress(PsringError):
-            conn.send_frame({"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": []})
+            conn.send_frame(header)
 
     def _on_abort(self, conn: Connection, header: dict[str, Any]) -> None:
         tag, reason = header.get("tag"), header.get("reason")

@@ -122,8 +122,8 @@ class SmallPaths(_Host):
         if self._mesh_early:
             self._forget_early(coll.seq)
 
-    def on_abort(self, seq: int, reason: str, message: str, missing: Any = ()) -> None:
-        super().on_abort(seq, reason, message, missing)
+    def on_abort(self, seq: int, reason: str, message: str, missing: Any = (), lost: int | None = None) -> None:
+        super().on_abort(seq, reason, message, missing, lost)
         if self._mesh_early:
             self._forget_early(seq)
 

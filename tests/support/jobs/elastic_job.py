@@ -1,6 +1,7 @@
 """An elastic SyncSGD job over ps: rank LEAVE_RANK exits (os._exit, like a crash) before step
 LEAVE_AT (with LEAVE_IN=admit: at the boundary before step LEAVE_AT, where every other rank calls
-admit_waiting, so the loss lands in that call's broadcast); the others go on. Every rank pushes
+admit_waiting, so the loss lands in that call's exchange; with ADMIT_LATE=r, rank r gets there a
+second late, after the loss ended it); the others go on. Every rank pushes
 gradient rank+1, so each step's result says whose gradients it averaged. Prints one JSON line per
 step, then the live group's all_reduce."""
 
@@ -27,6 +28,8 @@ async def main() -> None:
         if g.rank == leave_rank and t == leave_at:
             os._exit(9)
         if at_admit and t == leave_at:
+            if g.rank == int(os.environ.get("ADMIT_LATE", "-1")):  # reach the boundary after the loss ended it
+                await asyncio.sleep(1.0)
             print(json.dumps({"rank": g.rank, "admitted": await opt.admit_waiting()}), flush=True)
         params = await opt.step({"w": np.full(3, g.rank + 1.0, np.float32)})
         row = {"rank": g.rank, "step": t, "members": opt.members, "w": float(params["w"][0])}
