@@ -102,6 +102,7 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
             "checkpoint_dir": args.checkpoint_dir,
             "checkpoint_every": args.checkpoint_every if args.checkpoint_dir else 0,
             "elastic": args.elastic,
+            "backup": args.backup,
         }
         env = settings_mod.process_env()
         if topology == "ps":
@@ -150,6 +151,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
         print(f"  server shard {i}     sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
     print(f"  ranks bit-identical {summary['ranks_agree']}")
+    backup = summary.get("backup")
+    if backup:
+        print(
+            f"  backup workers     {backup['workers']}: late (gradients dropped) per worker {backup['late']} steps, "
+            f"skipped {backup['skipped']}"
+        )
     elastic = summary.get("elastic") or {}
     if elastic.get("departed") or elastic.get("joined"):
         print(
@@ -229,6 +236,13 @@ def run(args: argparse.Namespace) -> int:
     if args.elastic and (args.checkpoint_dir or args.max_restarts or args.accumulate > 1 or args.compression != "none"):
         return bad("--elastic goes on without a lost worker: not with --checkpoint-dir, --max-restarts, "
                    "--accumulate or --compression")  # fmt: skip
+    if args.backup and (args.topology != "ps" or args.compare):
+        return bad(f"--backup {args.backup} needs --topology ps (a shard applies each piece once all but "
+                   f"{args.backup} workers pushed it; a ring all_reduce needs every rank)")  # fmt: skip
+    if not 0 <= args.backup < args.workers:
+        return bad(f"--backup must be from 0 to {args.workers - 1} (--workers {args.workers}), got {args.backup}")
+    if args.backup and (args.elastic or args.accumulate > 1 or args.compression != "none"):
+        return bad("--backup takes no --elastic, --accumulate or --compression (each agrees over every worker)")
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
     if args.device == "cuda":
@@ -285,6 +299,13 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         "--elastic",
         action="store_true",
         help="ps: a lost worker costs a step, not the job: the others go on (results then depend on membership)",
+    )
+    p.add_argument(
+        "--backup",
+        type=int,
+        default=0,
+        help="ps: backup workers -- each step completes once all but B workers pushed; a straggler's late "
+        "gradients are dropped and it skips ahead (Chen et al. 2016)",
     )
     p.add_argument(
         "--max-restarts",

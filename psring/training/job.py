@@ -93,6 +93,7 @@ class _Run:
             accumulate=spec.get("accumulate", 1),
             compression=spec.get("compression"),
             elastic=bool(spec.get("elastic")),
+            backup=int(spec.get("backup") or 0),
         )
         self.comm = self.compute = 0.0
         self.steps = 0  # batches done (with accumulate=k, k per optimizer step), resumed runs included
@@ -172,7 +173,9 @@ class _Run:
         every = int(spec.get("checkpoint_every") or 0)
         losses = []
         first = 0 if self.opt.elastic else (self.steps - epoch * self.per_epoch) * batch_size
-        for start in range(first, len(idx), batch_size):
+        for i, start in enumerate(range(first, len(idx), batch_size)):
+            if self.opt.backup and self.opt.step_count > epoch * self.per_epoch + (first // batch_size) + i:
+                continue  # backup workers: the others took this step without this (late) worker
             batch = self.xp.asarray(idx[start : start + batch_size])
             t0 = time.perf_counter()
             loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
@@ -181,7 +184,7 @@ class _Run:
             self.compute += t1 - t0
             self.comm += time.perf_counter() - t1
             losses.append(loss)
-            self.steps += 1
+            self.steps = self.opt.step_count * self.opt.accumulate if self.opt.backup else self.steps + 1
             if self.steps % 10 == 0 or start + batch_size >= len(idx):
                 self._progress(epoch, float(np.mean(losses[-10:])))
             if self.report is not None and time.perf_counter() - self._reported[0] >= REPORT_S:
@@ -222,7 +225,8 @@ class _Run:
         digests = await group.all_gather(np.array([digest], np.int64))
         wall = time.perf_counter() - self.t_start
         stats = group.stats()
-        all_stats = await group.all_gather(np.array([stats["bytes_sent"], stats["bytes_received"]], np.int64))
+        mine_stats = [stats["bytes_sent"], stats["bytes_received"], stats.get("backup_dropped", 0), self.opt.skipped]
+        all_stats = await group.all_gather(np.array(mine_stats, np.int64))
         servers: list[list[int]] = []
         if group.topology == "ps":  # what the shards received and sent = the sum over workers of the reverse
             mine = np.array(group.links.per_shard(), np.int64).reshape(-1, 2)
@@ -249,6 +253,16 @@ class _Run:
             "bytes_per_server": servers,
             "ranks_agree": len({int(d[0]) for d in digests}) == 1,
             "elastic": self._elastic_record(),
+            # backup workers: per worker, the steps its gradients came too late for, and those it skipped
+            "backup": (
+                {
+                    "workers": self.opt.backup,
+                    "late": [int(s[2]) for s in all_stats],
+                    "skipped": [int(s[3]) for s in all_stats],
+                }
+                if self.opt.backup
+                else None
+            ),
             "param_digest": digest,
             "history": self.history,
         }

@@ -85,9 +85,27 @@ class SyncSGD:
         accumulate: int = 1,
         compression: str | None = None,
         elastic: bool = False,
+        backup: int = 0,
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
+        if type(backup) is not int or not 0 <= backup < group.world_size:
+            raise ValueError(
+                f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
+                f"{group.world_size - 1} (world size {group.world_size}: at least one worker's push completes a step)"
+            )
+        if backup:
+            if str(group.topology) != "ps":
+                raise ValueError(
+                    f"backup={backup} needs the ps topology: there a shard applies each piece once all but "
+                    f"{backup} workers pushed it; a ring all_reduce needs every rank's part"
+                )
+            if compression is not None or accumulate != 1 or elastic:
+                raise ValueError(
+                    f"backup={backup} takes no compression, accumulate or elastic (each agrees over every worker)"
+                )
+            group.backup = backup
+        self.backup = backup
         if elastic:
             if str(group.topology) != "ps":
                 raise ValueError(
@@ -124,6 +142,8 @@ class SyncSGD:
         self._acc: list[Any] | None = None
         self._micro = 0
         self.step_count = 0  # optimizer steps taken (server-side step for ps)
+        #: backup workers: the steps this worker skipped because the others completed them without it
+        self.skipped = 0
         self.started = False
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self._views()
@@ -298,7 +318,8 @@ class SyncSGD:
 
     async def _check_setup(self) -> None:
         """One small all_gather: a rank set up differently fails at once on every rank, named."""
-        mine = json.dumps(self.setup(), sort_keys=True, default=str)
+        # backup workers too (not in a checkpoint's setup: a run may resume with other backups)
+        mine = json.dumps({**self.setup(), "backup": self.backup}, sort_keys=True, default=str)
         digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:8], "little", signed=True)
         digests = await self.group.all_gather(np.array([digest], np.int64))
         differ = [r for r, d in enumerate(digests) if int(d[0]) != int(digests[0][0])]
@@ -306,7 +327,7 @@ class SyncSGD:
             shown = mine if len(mine) < 400 else mine[:397] + "..."
             raise MismatchError(
                 f"SyncSGD: rank(s) {', '.join(map(str, differ))} set up a different optimizer, compression, "
-                f"accumulate or parameter layout than rank 0 (this is rank {self.group.rank}: {shown})"
+                f"accumulate, backup or parameter layout than rank 0 (this is rank {self.group.rank}: {shown})"
             )
 
     async def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
@@ -339,7 +360,9 @@ class SyncSGD:
         if self.topology == "ps":
             host = [_to_host(f) for f in flats]
             outs = [np.empty_like(h) for h in host]
-            await self.group.param_step(self.step_count, host, outs, compression=self.compression)
+            taken = await self.group.param_step(self.step_count, host, outs, compression=self.compression)
+            self.skipped += taken - 1
+            self.step_count += taken - 1  # backup workers: a worker that was behind skips ahead
             self._flat = [_like(self.xp, o) for o in outs]
             t1 = t2 = time.perf_counter()  # the update ran on the servers, inside the exchange
         else:
@@ -387,6 +410,14 @@ class BlockingSyncSGD:
     @property
     def members(self) -> list[int]:
         return self._inner.members
+
+    @property
+    def backup(self) -> int:
+        return self._inner.backup
+
+    @property
+    def skipped(self) -> int:
+        return self._inner.skipped
 
     @property
     def joined_with(self) -> dict[str, Any] | None:

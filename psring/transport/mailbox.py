@@ -129,6 +129,10 @@ class Mailbox:
     def is_posted(self, tag: tuple[Any, ...]) -> bool:
         return tag in self._posted
 
+    def is_queued(self, tag: tuple[Any, ...]) -> bool:
+        """Whether a frame with ``tag`` arrived and waits for its receive."""
+        return bool(self._unexpected.get(tag))
+
     def inspect(self, prefix: tuple[Any, ...], inspector: Callable[[Connection, dict[str, Any]], bool]) -> None:
         """Register an inspector for a tag prefix and run it over frames already queued."""
         self._inspectors[prefix] = inspector

@@ -48,6 +48,10 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
         ),
         (["--topology", "ps", "--servers", "0"], "--servers must be at least 1"),
         (["--accumulate", "0"], "--accumulate must be at least 1"),
+        (["--backup", "1"], "--backup 1 needs --topology ps"),
+        (["--topology", "ps", "--workers", "2", "--backup", "2"], "--backup must be from 0 to 1"),
+        (["--topology", "ps", "--backup", "-1"], "--backup must be from 0 to 3"),
+        (["--topology", "ps", "--backup", "1", "--elastic"], "--backup takes no --elastic"),
     ],
 )
 def test_train_bad_arguments_exit_nonzero_with_a_reason(args: list[str], message: str) -> None:

@@ -64,6 +64,10 @@ class PsGroup(ParameterMode, Group):
         self.joining = False  # a worker that joined a running elastic job and waits to be admitted
         self.live_members = list(members)
         self.departed_workers: dict[int, str] = {}
+        #: SyncSGD(backup=b): the shards apply each piece once all but b workers pushed it
+        self.backup = 0
+        self.backup_dropped = 0  # steps whose result this worker's pushes were not in (it came late)
+        self.backup_skipped = 0  # steps this worker skipped: completed without it while it was behind
         links.groups[gid] = self
 
     @property
@@ -207,6 +211,9 @@ class PsGroup(ParameterMode, Group):
         if self.elastic:  # results of an elastic job depend on who was there: say so
             out["elastic_workers"] = len(self.live_members)
             out["elastic_departed"] = len(self.members) - len(self.live_members)
+        if self.backup:  # the same for backup workers: how often this worker was the one left out
+            out["backup_dropped"] = self.backup_dropped
+            out["backup_skipped"] = self.backup_skipped
         return out
 
     def _layer(self) -> Any:

@@ -42,6 +42,9 @@ class ParameterMode(_Host):
     links: ServerLinks
     members: list[int]
     elastic: bool
+    backup: int
+    backup_dropped: int
+    backup_skipped: int
     _broken_waiters: set[asyncio.Future[None]]
 
     if TYPE_CHECKING:
@@ -85,6 +88,8 @@ class ParameterMode(_Host):
                         "optimizer": optimizer,
                         "elastic": self.elastic,
                     }
+                    if self.backup:
+                        base["backup"] = self.backup
                     if step is not None and state is not None:
                         base.update(step=step, state_keys=sorted(state[b]))
                     if not parts:
@@ -272,11 +277,15 @@ class ParameterMode(_Host):
 
     async def param_step(
         self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | None = None
-    ) -> None:
+    ) -> int:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
 
         With ``compression="fp16"`` the gradients travel as float16 at a scale the workers
         agree on first, exactly as a compressed all_reduce does (psring.core.compress).
+
+        Returns the steps taken: 1, or with backup workers more when this worker was behind (the
+        shards completed later steps without it, and their results are here already: outs holds
+        the newest, and this worker skips the steps in between instead of computing them).
         """
         wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
         if compression is not None:
@@ -288,20 +297,48 @@ class ParameterMode(_Host):
             wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.timeout
+        resend = False
         while True:
             try:
                 lost = self.links.lost
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
                 self._check_usable()
-                await self._param_round(t, grads, wire_grads, outs, got, deadline)
-                return
+                await self._param_round(t, grads, wire_grads, outs, got, deadline, resend)
+                return 1 + self._catch_up(t, grads, outs) if self.backup else 1
             except PeerLostError as exc:
                 if exc.rank is not None or not self.links.reconnect_servers:
                     raise
                 logger.warning("%r: %s; reconnecting to re-send step %d", self, exc, t)
                 await self.links.reconnect(deadline)
                 self._broken = None
+                resend = True
+
+    def _param_result_tags(self, t: int, grads: list[np.ndarray]) -> list[tuple[tuple[Any, ...], int, int, int]]:
+        """(tag, bucket, start, end) of every result piece of step t."""
+        return [
+            (("param", b, t, "r", shard, j), b, pa, pb)
+            for b, flat in enumerate(grads)
+            for shard, _a, parts in self._param_layout(b, flat)
+            for j, (pa, pb) in enumerate(parts)
+        ]
+
+    def _catch_up(self, t: int, grads: list[np.ndarray], outs: list[np.ndarray]) -> int:
+        """Backup workers: the steps after t whose every result piece is here already (the others
+        completed them without this worker); take the newest into outs, skip them. Returns how many."""
+        skipped = 0
+        while True:
+            tags = self._param_result_tags(t + skipped + 1, grads)
+            if not tags or not all(self.mailbox.is_queued(tag) for tag, *_ in tags):
+                break
+            for tag, b, pa, pb in tags:  # each step's pieces in turn (the last one's stay in outs)
+                fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                assert fut.done()
+            skipped += 1
+        if skipped:
+            self.backup_skipped += skipped
+            logger.info("%r: behind by %d step(s): skipped to step %d", self, skipped, t + skipped + 1)
+        return skipped
 
     async def _param_round(
         self,
@@ -311,15 +348,18 @@ class ParameterMode(_Host):
         outs: list[np.ndarray],
         got: set[tuple[Any, ...]],
         deadline: float,
+        resend: bool = False,
     ) -> None:
         futs = []
         if self.links.share_memory_pending() and any(g.nbytes >= self.links.config.ps_shm_min for g, _e in wire_grads):
             await self.links.share_memory()
         for b, flat in enumerate(grads):
             sent, e = wire_grads[b]
-            push = {"kind": "ps_param", "op": "push", "src": self.rank}
+            push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.rank}
             if e is not None:
                 push["scale"] = e
+            if resend:  # after a reconnect: a piece applied already is answered, not dropped as late
+                push["resend"] = True
             for shard, _a, parts in self._param_layout(b, flat):
                 conn = self.links.shards[shard]
                 for j, (pa, pb) in enumerate(parts):
@@ -331,6 +371,8 @@ class ParameterMode(_Host):
                     fut.add_done_callback(functools.partial(_note_arrived, got, tag))
                     if self.elastic:
                         fut.add_done_callback(self._note_members)
+                    if self.backup:
+                        fut.add_done_callback(self._note_folded)
                     futs.append(fut)
                     piece = sent[pa:pb]
                     shared = piece.nbytes >= self.links.config.ps_shm_min and conn.peer_maps_pool
@@ -338,6 +380,17 @@ class ParameterMode(_Host):
                         await self.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
+
+    def _note_folded(self, fut: asyncio.Future[Any]) -> None:
+        """Backup workers: a result that did not take this worker's push (it came late)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        folded = fut.result()[1].get("folded")
+        tag = fut.result()[1].get("tag")
+        if isinstance(folded, (list, tuple)) and self.rank not in folded and isinstance(tag, tuple):
+            if tag[2] != getattr(self, "_dropped_at", None):  # once per step
+                self._dropped_at = tag[2]
+                self.backup_dropped += 1
 
     def _note_members(self, fut: asyncio.Future[Any]) -> None:
         """Elastic: the workers a shard averaged a piece over; the live workers are those every

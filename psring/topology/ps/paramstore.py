@@ -72,11 +72,15 @@ class Bucket:
         self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
         self.applied: set[int] = set()  # pieces of the current step already updated
         self.conns: dict[int, Connection] = {}
-        self.held: list[tuple[int, np.ndarray]] = []  # results waiting for the checkpoint
+        self.held: list[tuple[int, list[int] | None]] = []  # results waiting for the checkpoint (piece, folded)
         self.waiting_pulls: list[Connection] = []
         #: elastic (SyncSGD(elastic=True)): a lost worker leaves ``members``; steps go on without it
         self.elastic = False
         self.members: set[int] = set(range(size))
+        #: backup workers (SyncSGD(backup=b)): a piece is applied once all but b members pushed it;
+        #: later pushes of it are dropped (counted in ``late``)
+        self.backup = 0
+        self.late = 0
 
     def piece_view(self, j: int) -> tuple[int, int, np.ndarray]:
         pa, pb = self.pieces[j]
@@ -128,6 +132,7 @@ class ParamStore:
         self.checkpoint_every = 1
         self.checkpoints_written = 0
         self.updates_applied = 0
+        self.late_pushes = 0  # backup workers: pushes that came after their piece was applied
         self.early_pulls: dict[int, list[Connection]] = {}
 
     # ------------------------------------------------------------ checkpoints
@@ -253,6 +258,10 @@ class ParamStore:
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"bucket {b}: bad optimizer config {config!r}: {exc}") from None
             bucket.elastic = bool(header.get("elastic"))
+            backup = header.get("backup", 0)
+            if type(backup) is not int or not 0 <= backup < size:
+                raise ProtocolError(f"init of bucket {b} with backup={backup!r}: needs 0 <= backup < {size} workers")
+            bucket.backup = backup
             self.buckets[b] = bucket
         elif (bucket.n, bucket.dtype_name, bucket.size) != (n, dtype, size):
             raise ProtocolError(
@@ -355,6 +364,12 @@ class ParamStore:
         if not bucket.ready:
             raise ProtocolError(f"push to bucket {b} before its initial parameters arrived")
         if t < bucket.step or (t == bucket.step and j in bucket.applied):
+            if bucket.backup and not header.get("resend"):
+                # a straggler's push, late: the piece was applied without it and its result went to
+                # every worker (this one too): drop it, count it
+                bucket.late += 1
+                self.late_pushes += 1
+                return
             # already applied (a re-send after a reconnect): answer, never apply twice
             self._send_result(bucket, t, j, conn)
             return
@@ -389,20 +404,22 @@ class ParamStore:
         box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
         if "pool" in header:  # it stays in the worker's shared memory until folded
             bucket.slots.setdefault(j, []).append((conn, conn.hold_slot()))
-        if len(box) < len(bucket.members):
+        if len(box) < max(len(bucket.members) - bucket.backup, 1):
             return
         self._apply(bucket, t, j)
 
     def _apply(self, bucket: Bucket, t: int, j: int) -> None:
-        """Every member pushed piece j of step t: average in the canonical order, update, answer."""
+        """Every member (with backup workers: all but b of them) pushed piece j of step t: average
+        what came in the canonical (rank) order, update, answer."""
         pa, pb, view = bucket.piece_view(j)
         box, scale = bucket.inbox[j], bucket.inbox_scale[j]
         grad = np.empty(pb - pa, bucket.dtype)
-        parts = [box[r] for r in sorted(bucket.members)]
+        folded = sorted(r for r in box if r in bucket.members)
+        parts = [box[r] for r in folded]
         if scale is not None:
             dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
         else:
-            hosts = self.shard.layout_of(sorted(bucket.members))
+            hosts = self.shard.layout_of(folded)
             canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n, hosts=hosts)
         del bucket.inbox[j]
         del bucket.inbox_scale[j]
@@ -414,9 +431,9 @@ class ParamStore:
         self.updates_applied += 1
         bucket.applied.add(j)
         if self.checkpoint_dir is not None:
-            bucket.held.append((j, view))
+            bucket.held.append((j, folded if bucket.backup else None))
         else:
-            self._send_result(bucket, t, j)
+            self._send_result(bucket, t, j, folded=folded if bucket.backup else None)
         if len(bucket.applied) == len(bucket.pieces):
             self._step_done(bucket, t)
 
@@ -466,11 +483,14 @@ class ParamStore:
                 self.save()
                 logger.debug("%r checkpoint after step %d in %.1f ms", self.shard, t, (time.perf_counter() - t0) * 1e3)
             held, bucket.held = bucket.held, []
-            for j, _view in held:
-                self._send_result(bucket, t, j)
+            for j, folded in held:
+                self._send_result(bucket, t, j, folded=folded)
 
-    def _send_result(self, bucket: Bucket, t: int, j: int, conn: Connection | None = None) -> None:
-        """Piece j's parameters after step t, to conn (a re-send) or to every worker."""
+    def _send_result(
+        self, bucket: Bucket, t: int, j: int, conn: Connection | None = None, folded: list[int] | None = None
+    ) -> None:
+        """Piece j's parameters after step t, to conn (a re-send) or to every worker (with backup
+        workers: the stragglers too, who did not push it; ``folded`` names whose pushes it took)."""
         _pa, _pb, view = bucket.piece_view(j)
         header = {
             "kind": "ps_param",
@@ -478,9 +498,17 @@ class ParamStore:
             "tag": ("param", bucket.b, t, "r", self.shard.index, j),
             "step": t + 1,
         }
-        conns = [conn] if conn is not None else [bucket.conns[r] for r in sorted(bucket.members) if r in bucket.conns]
+        if conn is not None:
+            conns = [conn]
+        elif bucket.backup:
+            by_rank = self.shard.by_rank
+            conns = [by_rank[r] for r in sorted(bucket.members) if r in by_rank and by_rank[r].is_open]
+        else:
+            conns = [bucket.conns[r] for r in sorted(bucket.members) if r in bucket.conns]
         if bucket.elastic:
             header["members"] = sorted(bucket.members)
+        if folded is not None:
+            header["folded"] = folded
         send_once(conns, header, view, stable=False, shm_min=self.shard.settings.ps_shm_min)
 
     def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:
