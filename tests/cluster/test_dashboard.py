@@ -55,6 +55,11 @@ def job_of(snap: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return next((j for j in snap["jobs"] if j["kind"] == kind), None)
 
 
+def job_by_id(snap: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """The job, or {} while the page's last poll of the store has not seen it yet."""
+    return next((j for j in snap["jobs"] if j["id"] == job_id), {})
+
+
 def test_the_json_api_shows_daemons_progress_a_lost_worker_and_a_stall(tmp_path: Path) -> None:
     c = Cluster(tmp_path)
     c.env["PSRING_STALL_S"] = "0.5"
@@ -84,7 +89,7 @@ def test_the_json_api_shows_daemons_progress_a_lost_worker_and_a_stall(tmp_path:
         with c.client() as client:
             stuck = client.submit("ring", 2, entrypoint="tests.support.jobs.stuck_job:main", args={"flag": str(flag)})
             stalled = until("the stall verdict", lambda: (
-                (j := next(j for j in api(url)["jobs"] if j["id"] == stuck.id)).get("stall") and j))  # fmt: skip
+                (j := job_by_id(api(url), stuck.id)).get("stall") and j))  # fmt: skip
             assert stalled["stall"]["verdict"] == "stall" and "all_reduce" in stalled["stall"]["message"], stalled
             # an idle worker SIGKILLed: lost within seconds (its heartbeat stops)
             idle = next(w["id"] for w in api(url)["workers"] if w["state"] == "idle")
@@ -96,7 +101,7 @@ def test_the_json_api_shows_daemons_progress_a_lost_worker_and_a_stall(tmp_path:
             flag.write_text("go")
             assert stuck.wait(timeout=60)["sum"] == 2.0
         done = until("the stuck job done, its verdict gone", lambda: (
-            (j := next(j for j in api(url)["jobs"] if j["id"] == stuck.id))["state"] == "done" and not j.get("stall")
+            (j := job_by_id(api(url), stuck.id)).get("state") == "done" and not j.get("stall")
             and j))  # fmt: skip
         assert done["reason"] is None
         # the stream: one snapshot per poll, the same data
