@@ -10,8 +10,11 @@ so benchmarks/compare_gloo.py measures both side by side in one run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -82,11 +85,19 @@ def run_allreduce(
         if colocate:
             env["PSRING_PS_COLOCATE"] = "1"
         cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
-        loop = new_event_loop()
-        try:
-            code = loop.run_until_complete(launch(workers, cmd, topology=topology, env=env, prefix_output=not quiet))
-        finally:
-            loop.close()
+        if backend == "mpich":  # MPICH's own launcher starts its ranks
+            mpi_env = {k: v for k, v in env.items() if not k.startswith(("MPIR_", "FI_"))}
+            proc = subprocess.run([mpiexec(), "-n", str(workers), "-host", "localhost", *cmd], env=mpi_env,
+                                  capture_output=quiet, text=True, timeout=1800)  # fmt: skip
+            code = proc.returncode
+        else:
+            loop = new_event_loop()
+            try:
+                code = loop.run_until_complete(
+                    launch(workers, cmd, topology=topology, env=env, prefix_output=not quiet)
+                )
+            finally:
+                loop.close()
         if code != 0:
             raise RuntimeError(f"benchmark ranks failed (exit code {code})")
         with open(out) as fh:
@@ -144,14 +155,23 @@ def run_sgd(
     return result
 
 
+def mpiexec() -> str:
+    """MPICH's mpiexec: the one beside this Python (the mpich wheel installs it there), else on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("psring bench: the mpich variant needs MPICH's mpiexec (pip install -e '.[bench]')")
+    return found
+
+
 def run_scale(worlds: list[int], variants: list[str], iters: int = 20) -> list[dict[str, Any]]:
-    """For each world size and variant (ring, ps, gloo): the worst rank's set-up cost (time to
-    init, file descriptors, sockets, threads) and 4-byte and 1 MiB all_reduce times."""
+    """For each world size and variant (ring, ps, gloo, mpich): the worst rank's set-up cost (time
+    to init, file descriptors, sockets, threads) and 4-byte and 1 MiB all_reduce times."""
     rows = []
     for n in worlds:
         for variant in variants:
-            backend = "gloo" if variant == "gloo" else "psring"
-            topology = "ring" if variant == "gloo" else variant
+            backend = variant if variant in ("gloo", "mpich") else "psring"
+            topology = "ring" if backend != "psring" else variant
             got = run_allreduce(
                 topology=topology, workers=n, sizes=[4, 1 << 20], iters=iters, warmup=2, backend=backend, scale=True
             )
@@ -182,9 +202,13 @@ def cli_scale(args: argparse.Namespace) -> int:
     except ValueError:
         raise SystemExit(f"psring bench scale: --worlds {args.worlds!r} must be comma-separated integers") from None
     variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in ("ring", "ps", "gloo")]
+    bad = [v for v in variants if v not in ("ring", "ps", "gloo", "mpich")]
     if bad or not variants or any(w < 1 for w in worlds) or not worlds:
-        raise SystemExit("psring bench scale: --worlds are positive integers, --variants among ring, ps, gloo")
+        raise SystemExit("psring bench scale: --worlds are positive integers, --variants among ring, ps, gloo, mpich")
+    if "mpich" in variants:
+        if importlib.util.find_spec("mpi4py") is None:
+            raise SystemExit("psring bench scale: the mpich variant needs mpi4py and MPICH (pip install -e '.[bench]')")
+        mpiexec()
     if "gloo" in variants:
         try:
             import torch.distributed  # noqa: F401
@@ -331,7 +355,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     b.add_argument("--worlds", default="2,4,8,16,32", help="comma-separated world sizes")
-    b.add_argument("--variants", default="ring,ps,gloo", help="among ring, ps, gloo (gloo needs torch)")
+    b.add_argument(
+        "--variants",
+        default="ring,ps,gloo",
+        help="among ring, ps, gloo, mpich (gloo needs torch; mpich needs mpi4py and MPICH: the bench extra)",
+    )
     b.add_argument("--iters", type=int, default=20, help="timed 1 MiB all_reduces (4 B: at least 200)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cli_scale)

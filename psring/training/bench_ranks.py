@@ -180,6 +180,44 @@ def _gloo_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
     return {"results": results, "setup": setup} if setup is not None else {"results": results}
 
 
+def _mpich_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The same timing through MPICH (mpi4py, started by its own mpiexec): Allreduce in place."""
+    t0 = time.perf_counter()
+    from mpi4py import MPI  # MPI_Init runs here
+
+    comm = MPI.COMM_WORLD
+    init_us = int((time.perf_counter() - t0) * 1e6)
+    rank, n = comm.Get_rank(), comm.Get_size()
+    dtype = np.dtype(spec["dtype"])
+    setup = None
+    if spec.get("scale"):
+        rows = comm.allgather([init_us, *_resources()])
+        setup = _scale_record(np.array(rows, np.int64))
+    results = []
+    for size in spec["sizes"]:
+        count = max(1, size // dtype.itemsize)
+        x = (np.random.default_rng(rank).standard_normal(count) * 10).astype(dtype)
+        y = np.empty_like(x)
+        comm.Barrier()
+        for _ in range(_warmup_for(spec, size)):
+            y[...] = x
+            comm.Allreduce(MPI.IN_PLACE, y)
+        times = []
+        for _ in range(_iters_for(spec, size)):
+            y[...] = x  # psring returns a new array; give MPICH the same copy
+            comm.Barrier()
+            t1 = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, y)
+            times.append(time.perf_counter() - t1)
+        worst = np.array(times)
+        comm.Allreduce(MPI.IN_PLACE, worst, op=MPI.MAX)
+        results.append({"size": count * dtype.itemsize, "count": count, "time_s": float(np.median(worst))})
+    del n
+    if rank != 0:
+        return None
+    return {"results": results, "setup": setup} if setup is not None else {"results": results}
+
+
 def synthetic_model(total: int, tensors: int, seed: int = 0) -> dict[str, np.ndarray]:
     """``tensors`` float32 tensors of ``total`` elements in all, sized like a conv net's.
 
@@ -236,6 +274,8 @@ def rank_main(argv: list[str]) -> int:
         return 0
     if spec.get("backend", "psring") == "gloo":
         out = _gloo_rank(spec)
+    elif spec.get("backend") == "mpich":
+        out = _mpich_rank(spec)
     else:
         loop = new_event_loop()
         try:

@@ -4,6 +4,7 @@ Speed is not asserted here; the figures come from the long runs (see README)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -105,12 +106,14 @@ def test_collectives_benchmark_times_each_collective_on_both_topologies() -> Non
         assert [len(r["rounds"][t]) for t in ("ring", "ps")] == [1, 1]
 
 
-def test_bench_scale_reports_set_up_cost_beside_gloo() -> None:
+def test_bench_scale_reports_set_up_cost_beside_gloo_and_mpich() -> None:
     variants = "ring,ps,gloo"
     try:
         import torch  # noqa: F401
     except ImportError:
         variants = "ring,ps"  # gloo comes with torch
+    if importlib.util.find_spec("mpi4py") is not None:  # the bench extra: MPICH and its mpiexec
+        variants += ",mpich"
     proc = run_tree(
         [sys.executable, "-m", "psring", "bench", "scale", "--worlds", "2,3", "--variants", variants, "--iters", "3",
          "--json"],
