@@ -3,7 +3,7 @@ and over ps with backup workers (SyncSGD(backup=b): a step completes once all bu
 pushed), N workers of which one straggles, alternating the three in one run.
 
     python benchmarks/stragglers.py [--workers 4] [--backup 1] [--steps 60] [--compute-ms 20]
-                                    [--size 262144] [--rounds 3] [--json]
+                                    [--size 262144] [--servers S] [--rounds 3] [--json]
 
 Each worker "computes" for --compute-ms per step (a sleep: the cores stay free for the exchange,
 as on hosts that compute elsewhere, e.g. on a GPU); the straggler (the last rank; set here, by
@@ -68,6 +68,8 @@ def run(workers: int, topology: str, backup: int, args: argparse.Namespace, scri
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
     env.update(PYTHONPATH=str(ROOT), STEPS=str(args.steps), COMPUTE_S=str(args.compute_ms / 1e3),
                SIZE=str(args.size), BACKUP=str(backup), OMP_NUM_THREADS="1")  # fmt: skip
+    if args.servers:
+        env["PSRING_SERVERS"] = str(args.servers)
     res = subprocess.run([sys.executable, "-c", LAUNCH, str(workers), script, topology], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     if res.returncode != 0:
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--compute-ms", type=float, default=20.0)
     p.add_argument("--size", type=int, default=262_144, help="float32 parameters (default 1 MiB)")
+    p.add_argument("--servers", type=int, default=0, help="ps shard processes (default: one per worker)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
