@@ -16,6 +16,7 @@ PSRING_* variable; ``errors`` is the error tree; ``optim`` is the public path of
 from . import optim
 from .cluster.client import Client, Job
 from .cluster.daemons import JobError
+from .core.sparse import SparseRows
 from .errors import (
     AuthError,
     CollectiveTimeoutError,
@@ -49,6 +50,7 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "PsringError",
+    "SparseRows",
     "StoreClient",
     "StoreError",
     "StoreServer",

@@ -6,4 +6,5 @@
 - ``compress``: fp16 on the wire with float32 arithmetic, in the same order.
 - ``optim``: the optimizers (SGD, Adam, AdamW), elementwise math that runs on workers and on shards alike.
 - ``gpu``: staging cupy arrays through pinned host memory.
+- ``sparse``: SparseRows (some rows of a table) and the one order rows are summed in.
 """

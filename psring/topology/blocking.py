@@ -94,6 +94,7 @@ class BlockingGroup:
     broadcast = _blocking("broadcast")
     barrier = _blocking("barrier")
     all_gather = _blocking("all_gather")
+    sparse_all_reduce = _blocking("sparse_all_reduce")
     reduce_scatter = _blocking("reduce_scatter")
     reduce = _blocking("reduce")
     scatter = _blocking("scatter")

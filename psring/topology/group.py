@@ -28,6 +28,7 @@ from ..core import gpu, wire
 from ..core.arrays import array_module, check_array, cupy_module, is_cupy
 from ..core.compress import check_codec, codec_op, scale_exponent
 from ..core.fold import check_op
+from ..core.sparse import SparseRows, merge_rows
 from ..errors import (
     CollectiveTimeoutError,
     GroupClosedError,
@@ -201,6 +202,52 @@ class Group(CollectiveRuntime, abc.ABC):
         coll = self._begin("all_gather", host)
         out = await self._run(coll, self._all_gather(coll, host.reshape(-1)))
         return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+
+    async def sparse_all_reduce(self, rows: SparseRows) -> SparseRows:
+        """Every rank's rows summed: unique sorted indices, each index's rows added in rank order
+        (then in each rank's own order). The same bits on every rank and on both topologies.
+
+        Rows whose index is out of range, a width, table height or dtype another rank does not
+        share: a ValueError (MismatchError for disagreement) naming the ranks, on every rank;
+        nothing is summed and the group stays usable.
+        """
+        if not isinstance(rows, SparseRows):
+            raise TypeError(f"sparse_all_reduce takes a psring.SparseRows, got {type(rows).__name__}")
+        idx, xp = self._host(rows.indices)
+        val, _ = self._host(rows.values)
+        problem = rows.problem()
+        meta = np.array([idx.size, rows.width, rows.num_rows, val.dtype.num, problem is not None], np.int64)
+        metas = np.array(await self.all_gather(meta))
+        bad = [r for r in range(self.world_size) if metas[r, 4]]
+        if bad:
+            mine = f" (this rank: {problem})" if problem is not None else ""
+            raise ValueError(
+                f"sparse_all_reduce: rank(s) {', '.join(map(str, bad))} passed an index outside the table's "
+                f"rows{mine}; nothing was summed"
+            )
+        for col, what in ((1, "width"), (2, "num_rows"), (3, "dtype")):
+            differ = [r for r in range(self.world_size) if metas[r, col] != metas[0, col]]
+            if differ:
+                raise MismatchError(
+                    f"sparse_all_reduce: rank(s) {', '.join(map(str, differ))} passed rows of another {what} than "
+                    f"rank 0 (this is rank {self.rank}: {rows!r}); nothing was summed"
+                )
+        top = int(metas[:, 0].max())
+        if top == 0:
+            merged = merge_rows([], rows.num_rows, rows.width, val.dtype)
+        else:
+            pad_idx = np.zeros(top, np.int64)
+            pad_idx[: idx.size] = idx
+            pad_val = np.zeros((top, rows.width), val.dtype)
+            pad_val[: idx.size] = val
+            all_idx = await self.all_gather(pad_idx)
+            all_val = await self.all_gather(pad_val)
+            counts = [int(c) for c in metas[:, 0]]
+            parts = [(all_idx[r][: counts[r]], all_val[r][: counts[r]]) for r in range(self.world_size)]
+            merged = merge_rows(parts, rows.num_rows, rows.width, val.dtype)
+        if xp is np:
+            return merged
+        return SparseRows(self._back(merged.indices, xp), self._back(merged.values, xp), merged.num_rows)
 
     async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """This rank's 1/world_size share of the reduction of x.
