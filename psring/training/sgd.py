@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from ..core.arrays import array_module, check_array, dtype_name
 from ..core.compress import check_codec
 from ..core.optim import SGD, Optimizer
+from ..core.sparse import SparseRows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
 
@@ -86,9 +87,12 @@ class SyncSGD:
         compression: str | None = None,
         elastic: bool = False,
         backup: int = 0,
+        sparse: Sequence[str] = (),
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
+        sparse = [sparse] if isinstance(sparse, str) else list(sparse)
+        self._check_sparse(params, sparse, optimizer, compression, accumulate, elastic, backup)
         if type(backup) is not int or not 0 <= backup < group.world_size:
             raise ValueError(
                 f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
@@ -130,9 +134,18 @@ class SyncSGD:
         self.group = group
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
+        #: sparse tables (SyncSGD(..., sparse=[name])): not in the buckets; over the ring every rank
+        #: holds the table here, over ps the shards do (and this is None after start)
+        self.sparse = sparse
+        self._tables: dict[str, Any] = {k: check_array(params[k], f"params[{k!r}]") for k in sparse}
+        self._table_state: dict[str, dict[str, Any]] = {}
+        self._table_shape = {
+            k: (int(v.shape[0]), int(v.shape[1]), dtype_name(v.dtype)) for k, v in self._tables.items()
+        }
+        params = {k: v for k, v in params.items() if k not in self._tables}
         self._names = list(params)
         checked = {k: check_array(v, f"params[{k!r}]") for k, v in params.items()}
-        xps = {array_module(v) for v in checked.values()}
+        xps = {array_module(v) for v in [*checked.values(), *self._tables.values()]}
         if len(xps) > 1:
             raise TypeError("SyncSGD: params mix numpy and cupy arrays; keep them on one device")
         self.xp = xps.pop()
@@ -164,6 +177,27 @@ class SyncSGD:
                 raise TypeError(f"grads[{name!r}] is on another device than the parameters")
             flat[off : off + a.size] = a.reshape(-1)
         return flat
+
+    @staticmethod
+    def _check_sparse(
+        params: Mapping[str, Any], sparse: list[str], optimizer: Any, compression: Any, accumulate: int, elastic: bool,
+        backup: int,
+    ) -> None:  # fmt: skip
+        for name in sparse:
+            if name not in params:
+                raise ValueError(f"sparse={sparse!r}: {name!r} is not one of the parameters {sorted(params)}")
+            v = params[name]
+            if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
+                raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
+                                 f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
+        if sparse and (compression is not None or accumulate != 1 or elastic or backup):
+            raise ValueError("sparse tables take no compression, accumulate, elastic or backup (not yet)")
+        decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
+        if sparse and decay:
+            raise ValueError(
+                "sparse tables take no weight_decay: it would decay every row each step, which a sparse update "
+                "does not touch (torch's SparseAdam has none either)"
+            )
 
     def _views(self) -> dict[str, Any]:
         out = {}
@@ -219,6 +253,7 @@ class SyncSGD:
             return self.params
         await self._check_setup()
         loaded, self._loaded = self._loaded, None
+        await self._start_tables()
         if self.topology == "ps":
             host = [_to_host(f) for f in self._flat]
             step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
@@ -238,12 +273,87 @@ class SyncSGD:
         self.params = self._views()
         return self.params
 
+    async def _start_tables(self) -> None:
+        """Every sparse table from rank 0: over the ring every rank takes a copy, over ps the shards
+        take their row ranges and the workers drop theirs."""
+        for k, name in enumerate(self.sparse):
+            rows, width, dtype = self._table_shape[name]
+            if self.topology == "ps":
+                table = _to_host(self._tables[name]) if self.group.rank == 0 else None
+                await self.group.sparse_init(k, table, rows, width, dtype, self.optimizer.config())
+                self._tables[name] = None  # the shards hold it now: workers never do
+            else:
+                self._tables[name] = await self.group.broadcast(self._tables[name], src=0)
+                self._table_state[name] = self.optimizer.init_state(self._tables[name])
+
+    async def pull_rows(self, name: str, indices: Any) -> Any:
+        """The current rows ``indices`` (any order, duplicates allowed) of sparse table ``name``:
+        what the next batch needs. Over ps from the shards that hold them; over the ring a copy of
+        this rank's. An index out of range: IndexError, naming it (nothing is sent)."""
+        if name not in self._table_shape:
+            raise KeyError(f"{name!r} is not a sparse table of this SyncSGD (sparse={self.sparse})")
+        if not self.started:
+            await self.start()
+        idx = _to_host(check_array(indices, "indices")).reshape(-1)
+        rows, width, dtype = self._table_shape[name]
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"pull_rows({name!r}): indices must be integers, got {idx.dtype}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise IndexError(f"pull_rows({name!r}): index {bad} is outside the table's rows 0..{rows - 1}")
+        if self.topology == "ps":
+            k = self.sparse.index(name)
+            out = await self.group.sparse_pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
+            return _like(self.xp, out)
+        return self._tables[name][self.xp.asarray(idx)]
+
+    async def _sparse_step(self, grads: Mapping[str, Any]) -> None:
+        """Every sparse table's step: the rows summed over the workers in rank order, divided by
+        their number, and the optimizer run on those rows only (the ring here, ps on the shards)."""
+        n = self.group.world_size
+        for k, name in enumerate(self.sparse):
+            rows, width, dtype = self._table_shape[name]
+            g = grads[name]
+            if not isinstance(g, SparseRows):
+                raise TypeError(f"grads[{name!r}] must be a psring.SparseRows (it is a sparse table), got "
+                                f"{type(g).__name__}")  # fmt: skip
+            if (g.num_rows, g.width, dtype_name(g.values.dtype)) != (rows, width, dtype):
+                raise ValueError(f"grads[{name!r}] has rows of {g.num_rows} x {g.width} {g.values.dtype}; "
+                                 f"the table is {rows} x {width} {dtype}")  # fmt: skip
+            # every rank checks every rank's rows first: bad ones are named everywhere, nothing applied
+            summed = await self.group.sparse_all_reduce(g) if self.topology != "ps" else None
+            if summed is None:
+                problem = g.problem()
+                flags = await self.group.all_gather(np.array([problem is not None], np.int64))
+                bad = [r for r, f in enumerate(flags) if int(f[0])]
+                if bad:
+                    mine = f" (this rank: {problem})" if problem is not None else ""
+                    raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
+                                     f"the table's rows{mine}; nothing was applied")  # fmt: skip
+                await self.group.sparse_step(k, self.step_count, _to_host(g.indices), _to_host(g.values), rows)
+                continue
+            if summed.indices.size == 0:
+                continue
+            table, state = self._tables[name], self._table_state[name]
+            idx = summed.indices
+            grad = summed.values / summed.values.dtype.type(n)
+            sub = table[idx]
+            sub_state = {key: (v[idx] if not isinstance(v, int) else v) for key, v in state.items()}
+            sub_state["step"] = self.step_count
+            self.optimizer.update(sub, grad, sub_state)
+            table[idx] = sub
+            for key, v in sub_state.items():
+                if key != "step":
+                    state[key][idx] = v
+
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
         name, and the setup every rank agreed on. Over ps the optimizer state is read from the
         servers. Every rank returns the same; save rank 0's. Call it between steps."""
         if not self.started:
             await self.start()
+        if self.sparse:
+            raise NotImplementedError("state_dict of a SyncSGD with sparse tables: not yet (psring#37)")
         if self.accumulate > 1 and self._micro:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
         keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
@@ -319,7 +429,9 @@ class SyncSGD:
     async def _check_setup(self) -> None:
         """One small all_gather: a rank set up differently fails at once on every rank, named."""
         # backup workers too (not in a checkpoint's setup: a run may resume with other backups)
-        mine = json.dumps({**self.setup(), "backup": self.backup}, sort_keys=True, default=str)
+        mine = json.dumps(
+            {**self.setup(), "backup": self.backup, "sparse": self._table_shape}, sort_keys=True, default=str
+        )
         digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:8], "little", signed=True)
         digests = await self.group.all_gather(np.array([digest], np.int64))
         differ = [r for r, d in enumerate(digests) if int(d[0]) != int(digests[0][0])]
@@ -340,8 +452,8 @@ class SyncSGD:
         """
         if not self.started:
             await self.start()
-        missing = [n for n in self._names if n not in grads]
-        extra = [n for n in grads if n not in self._names]
+        missing = [n for n in [*self._names, *self.sparse] if n not in grads]
+        extra = [n for n in grads if n not in self._names and n not in self._table_shape]
         if missing or extra:
             raise KeyError(f"grads must have exactly the parameters' names: missing {missing}, unexpected {extra}")
         flats = [self._concat(b, grads) for b in self.buckets]
@@ -372,6 +484,9 @@ class SyncSGD:
             t1 = time.perf_counter()
             for flat, avg, state in zip(self._flat, avgs, self._state, strict=True):
                 self.optimizer.update(flat, avg, state)
+            t2 = time.perf_counter()
+        if self.sparse:
+            await self._sparse_step(grads)
             t2 = time.perf_counter()
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
@@ -435,6 +550,9 @@ class BlockingSyncSGD:
 
     def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
         return self._portal.call(self._inner.step(grads))
+
+    def pull_rows(self, name: str, indices: Any) -> Any:
+        return self._portal.call(self._inner.pull_rows(name, indices))
 
     def state_dict(self) -> dict[str, Any]:
         return self._portal.call(self._inner.state_dict())

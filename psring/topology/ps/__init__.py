@@ -3,7 +3,7 @@
 Worker side: ``client`` (``PsGroup``, the collectives), ``params`` (parameter mode for SyncSGD),
 ``links`` (connections to the shards). Server side (a process of them: ``python -m psring.topology.ps``,
 ``psring server``): ``server`` (a process's shards behind one
-port), ``shard`` (one shard: joins, routing, losses) with ``folding`` and ``pending``, and
-``paramstore`` (parameters and optimizer state held on the shards). Both sides share ``plan``
-(who owns which slice) and ``relay`` (one result to many workers).
+port), ``shard`` (one shard: joins, routing, losses) with ``folding`` and ``pending``,
+``paramstore`` (parameters and optimizer state held on the shards) and ``tables`` (sparse tables'
+rows). Both sides share ``plan`` (who owns which slice) and ``relay`` (one result to many workers).
 """

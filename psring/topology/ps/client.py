@@ -37,7 +37,7 @@ from ...transport.local import LocalConnection
 from ..collective import Collective
 from ..group import Group
 from .links import ServerLinks
-from .params import ParameterMode
+from .params import ParameterMode, SparseTables
 from .plan import SHARED_KINDS, per_piece, plan
 from .server import start_servers
 
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 TIMEOUT_REPORT_GRACE = 1.0
 
 
-class PsGroup(ParameterMode, Group):
+class PsGroup(ParameterMode, SparseTables, Group):
     """Collectives through parameter-server shards."""
 
     topology = "ps"

@@ -20,6 +20,7 @@ from ...core.compress import check_codec, quantize, scale_exponent
 from ...core.fold import pieces
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from .plan import per_piece, plan
+from .tables import pack_rows, row_range
 
 if TYPE_CHECKING:
     from ..group import Group as _Host
@@ -51,7 +52,6 @@ class ParameterMode(_Host):
 
         @property
         def num_servers(self) -> int: ...
-
 
     def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
         step = per_piece(flat.itemsize, self.links.config.ps_piece)
@@ -442,3 +442,84 @@ def _same(payload: Any, out: np.ndarray) -> bool:
         return bool(np.shares_memory(np.frombuffer(payload, np.uint8), out))
     except (TypeError, ValueError):
         return False
+
+
+class SparseTables(_Host):
+    """Part of :class:`~psring.topology.ps.client.PsGroup`: sparse tables that live on the shards
+    (SyncSGD(..., sparse=[...]) over ps; the shard side is ``tables``)."""
+
+    links: ServerLinks
+
+    if TYPE_CHECKING:
+
+        @property
+        def num_servers(self) -> int: ...
+
+        async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None: ...
+
+    def _shard_rows(self, num_rows: int) -> list[tuple[int, int]]:
+        return [row_range(num_rows, self.num_servers, s) for s in range(self.num_servers)]
+
+    async def sparse_init(self, k: int, table: np.ndarray | None, num_rows: int, width: int, dtype: str,
+                          optimizer: dict[str, Any]) -> None:  # fmt: skip
+        """Rank 0 hands each shard its rows of table k (``table``; None elsewhere); every rank
+        then waits until every shard holds them (an empty pull each)."""
+        if self.rank == 0:
+            assert table is not None
+            per = max(1, self.links.config.ps_piece // max(width * table.itemsize, 1))
+            for s, (a, b) in enumerate(self._shard_rows(num_rows)):
+                conn = self.links.shards[s]
+                base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
+                        "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.world_size,
+                        "optimizer": optimizer}  # fmt: skip
+                for first in range(a, max(b, a + 1), per):
+                    count = max(0, min(per, b - first))
+                    conn.send_tensor({**base, "first": first, "count": count}, table[first : first + count])
+        await self.sparse_pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
+
+    async def sparse_step(self, k: int, t: int, indices: np.ndarray, values: np.ndarray, num_rows: int) -> None:
+        """Push step t's rows of table k (each shard its range, empty where none) and wait until
+        every shard applied the step."""
+        futs = []
+        for s, (a, b) in enumerate(self._shard_rows(num_rows)):
+            mine = (indices >= a) & (indices < b)
+            idx, val = indices[mine], values[mine]
+            futs.append(self.mailbox.expect(("param", k, "sp_done", s, t)))
+            header = {"kind": "ps_param", "op": "sp_push", "tag": ("param", k, "sp_push"), "step": t,
+                      "src": self.rank, "count": int(idx.size)}  # fmt: skip
+            self.links.shards[s].send_tensor(header, pack_rows(idx, val))
+        await self._param_wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
+
+    async def sparse_pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
+        """The current rows ``indices`` of table k, in that order (duplicates allowed)."""
+        self._pull_requests = req = getattr(self, "_pull_requests", 0) + 1
+        out = np.empty((indices.size, width), dtype)
+        jobs = []
+        for s, (a, b) in enumerate(self._shard_rows(num_rows)):
+            where = np.nonzero((indices >= a) & (indices < b))[0]
+            if where.size == 0 and indices.size:
+                continue
+            tag = ("param", k, "sp_rows", s, req)
+            fut = self.mailbox.expect(tag)
+            header = {"kind": "ps_param", "op": "sp_pull", "tag": ("param", k, "sp_pull"), "req": req,
+                      "count": int(where.size)}  # fmt: skip
+            self.links.shards[s].send_tensor(header, indices[where].astype(np.int64))
+            jobs.append((fut, where))
+
+        async def land() -> None:
+            for fut, where in jobs:
+                _c, hdr, payload = await fut
+                rows = np.frombuffer(payload, dtype).reshape(-1, width) if hdr["nbytes"] else None
+                if where.size:
+                    if rows is None or rows.shape[0] != where.size:
+                        raise ProtocolError(
+                            f"sparse table {k}: a shard sent {hdr['nbytes']} bytes for {where.size} rows"
+                        )
+                    out[where] = rows
+
+        try:
+            await self._param_wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
+        finally:  # cut short: nothing stays posted for answers that will not come
+            for s in range(self.num_servers):
+                self.mailbox.unpost(("param", k, "sp_rows", s, req))
+        return out

@@ -51,6 +51,7 @@ from .paramstore import handle_param
 from .pending import _check_desc, _Pending
 from .plan import FOLD_KINDS
 from .relay import release_held
+from .tables import tables_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class Shard(Folding):
         self.frames_in = 0
         self.bytes_folded = 0
         self.params: Any = None  # ParamStore, created on first use
+        self.tables: Any = None  # Tables (sparse rows), created on first use
         self.idle = asyncio.Event()
         self.idle.set()
         self._layouts: dict[tuple[int, ...], Layout | None] = {}
@@ -209,7 +211,10 @@ class Shard(Folding):
             elif kind == "abort":
                 self._on_abort(conn, header)
             elif kind == "ps_param":
-                handle_param(self, conn, header, payload)
+                if str(header.get("op", "")).startswith("sp_"):  # a sparse table's rows
+                    tables_of(self).handle(conn, header, payload)
+                else:
+                    handle_param(self, conn, header, payload)
             elif kind == "stall":
                 self._relay_stall(header)
             else:

@@ -1,0 +1,225 @@
+"""Sparse tables on the shards (SyncSGD(..., sparse=[name]) over ps): each shard holds a range of
+a table's rows and their optimizer state; workers push the rows their batch touched and pull the
+rows their next batch needs, and never hold the table.
+
+Rows are sharded by contiguous range (``row_range``): which shard holds a row is one division, a
+pull of nearby ids lands on one shard, and a shard's rows are one array. Per step a shard waits
+for every worker's push (empty where the worker touched none of its rows), sums each row's
+pushes with ``merge_rows`` in rank order -- the bits a ring's ``sparse_all_reduce`` gives --
+divides by the number of workers, and runs the optimizer on the touched rows only: gathered,
+updated elementwise with the table's global step, scattered back (lazy state: rows never touched
+keep zero moments; Adam's bias correction counts the table's steps, as torch's SparseAdam does).
+
+Knows connections and frames, not models.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+
+from ...core.arrays import DTYPES
+from ...core.optim import Optimizer
+from ...core.sparse import merge_rows
+from ...errors import ProtocolError, PsringError
+from ...transport.connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+def row_range(num_rows: int, shards: int, s: int) -> tuple[int, int]:
+    """Rows [a, b) of a num_rows table that shard s of shards holds."""
+    return num_rows * s // shards, num_rows * (s + 1) // shards
+
+
+def pack_rows(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One payload: the int64 indices, then the rows' bytes."""
+    return np.concatenate(
+        [indices.astype(np.int64).view(np.uint8), np.ascontiguousarray(values).reshape(-1).view(np.uint8)]
+    )
+
+
+def unpack_rows(payload: Any, count: int, width: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    raw = np.frombuffer(payload, np.uint8)
+    want = count * 8 + count * width * dtype.itemsize
+    if raw.size != want:
+        raise ProtocolError(f"sparse rows frame of {raw.size} bytes, expected {want} for {count} rows of {width}")
+    idx = raw[: count * 8].view(np.int64).copy()
+    val = raw[count * 8 :].view(dtype).reshape(count, width).copy()
+    return idx, val
+
+
+class Table:
+    """One shard's rows of one sparse table, with their optimizer state."""
+
+    def __init__(
+        self, k: int, num_rows: int, width: int, dtype: str, size: int, config: dict[str, Any], rows: tuple[int, int]
+    ):
+        self.k, self.num_rows, self.width, self.size = k, num_rows, width, size
+        self.dtype = DTYPES[dtype]
+        self.rows = rows
+        self.param = np.empty((rows[1] - rows[0], width), self.dtype)
+        self.filled = 0  # rows of rank 0's initial table received
+        self.optimizer = Optimizer.from_config(config)
+        self.state: dict[str, Any] = {}
+        self.step = 0
+        self.ready = False
+        self.inbox: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # src -> its rows of this step
+        self.conns: dict[int, Connection] = {}
+        self.waiting_pulls: list[tuple[Connection, dict[str, Any], Any]] = []
+
+
+class Tables:
+    """The sparse tables of one shard (``shard.tables``)."""
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+        self.tables: dict[int, Table] = {}
+        self.early: dict[int, list[tuple[Connection, dict[str, Any], Any]]] = {}  # pulls before the table
+        self.rows_applied = 0
+
+    def handle(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+        op, tag = header.get("op"), header.get("tag")
+        if not (isinstance(tag, tuple) and len(tag) >= 2 and type(tag[1]) is int):
+            raise ProtocolError(f"sparse table frame with a malformed tag {tag!r}")
+        if op == "sp_init":
+            self._init(header, payload)
+        elif op == "sp_push":
+            self._push(conn, tag[1], header, payload)
+        elif op == "sp_pull":
+            self._pull(conn, tag[1], header, payload)
+        else:
+            raise ProtocolError(f"sparse table frame with unknown op {op!r}")
+
+    def _table(self, k: int) -> Table:
+        table = self.tables.get(k)
+        if table is None:
+            raise ProtocolError(f"unknown sparse table {k}: push before rank 0 initialised it")
+        return table
+
+    def _init(self, header: dict[str, Any], payload: Any) -> None:
+        k, num_rows, width, dtype, size = (header.get(f) for f in ("table", "num_rows", "width", "dtype", "size"))
+        first, count = header.get("first"), header.get("count")
+        if not (type(k) is int and type(num_rows) is int and num_rows >= 1 and type(width) is int and width >= 0
+                and dtype in DTYPES and type(size) is int and size >= 1):  # fmt: skip
+            raise ProtocolError(f"sparse table init with {header!r}")
+        table = self.tables.get(k)
+        if table is None:
+            rows = row_range(num_rows, self.shard.shards, self.shard.index)
+            try:
+                table = Table(k, num_rows, width, dtype, size, dict(header.get("optimizer") or {}), rows)
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"sparse table {k}: bad optimizer config: {exc}") from None
+            self.tables[k] = table
+            table.waiting_pulls.extend(self.early.pop(k, []))
+        elif (table.num_rows, table.width, str(table.dtype), table.size) != (num_rows, width, dtype, size):
+            raise ProtocolError(
+                f"sparse table {k} is {table.num_rows} x {table.width} {table.dtype}, init says otherwise"
+            )
+        if table.ready:
+            return
+        a, b = table.rows
+        if not (type(first) is int and type(count) is int and a <= first and first + count <= b):
+            raise ProtocolError(f"sparse table {k}: init rows {first!r}+{count!r} outside this shard's {a}..{b}")
+        want = count * width * table.dtype.itemsize
+        if header["nbytes"] != want:
+            raise ProtocolError(f"sparse table {k}: init of {count} rows has {header['nbytes']} bytes, expected {want}")
+        if count:
+            table.param[first - a : first - a + count] = np.frombuffer(payload, table.dtype).reshape(count, width)
+        table.filled += count
+        if table.filled >= b - a:
+            table.state = table.optimizer.init_state(table.param)
+            table.ready = True
+            pulls, table.waiting_pulls = table.waiting_pulls, []
+            for conn, hdr, data in pulls:
+                if conn.is_open:
+                    self._pull(conn, k, hdr, data)
+
+    def _push(self, conn: Connection, k: int, header: dict[str, Any], payload: Any) -> None:
+        table = self._table(k)
+        t, src, count = header.get("step"), header.get("src"), header.get("count")
+        if not (type(t) is int and type(src) is int and 0 <= src < table.size and type(count) is int and count >= 0):
+            raise ProtocolError(f"sparse push to table {k} with step={t!r} src={src!r} count={count!r}")
+        if not table.ready:
+            raise ProtocolError(f"sparse push to table {k} before its initial rows arrived")
+        if t != table.step:
+            raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k}, which is at step {table.step}")
+        if src in table.inbox:
+            raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k} twice")
+        idx, val = unpack_rows(payload, count, table.width, table.dtype)
+        a, b = table.rows
+        if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
+            raise ProtocolError(f"rank {src} pushed rows of sparse table {k} outside this shard's {a}..{b - 1}")
+        table.inbox[src] = (idx, val)
+        table.conns[src] = conn
+        if len(table.inbox) == table.size:
+            self._apply(table)
+
+    def _apply(self, table: Table) -> None:
+        parts = [table.inbox[r] for r in range(table.size)]
+        table.inbox = {}
+        merged = merge_rows(parts, table.num_rows, table.width, table.dtype)
+        t = table.step
+        if merged.indices.size:
+            local = merged.indices - table.rows[0]
+            grad = merged.values / table.dtype.type(table.size)  # the mean over workers, as a dense avg
+            sub = table.param[local]
+            state = {key: (v[local] if isinstance(v, np.ndarray) else v) for key, v in table.state.items()}
+            state["step"] = t
+            table.optimizer.update(sub, grad, state)
+            table.param[local] = sub
+            for key, v in state.items():
+                if isinstance(v, np.ndarray):
+                    table.state[key][local] = v
+            self.rows_applied += int(local.size)
+        table.step = t + 1
+        header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
+        for r in range(table.size):
+            conn = table.conns.get(r)
+            if conn is not None:
+                with contextlib.suppress(PsringError):
+                    conn.send_frame(dict(header))
+
+    def _pull(self, conn: Connection, k: int, header: dict[str, Any], payload: Any) -> None:
+        table = self.tables.get(k)
+        if table is None or not table.ready:  # rank 0's init may still be on its way (another connection)
+            if table is None:
+                pending = self.early.setdefault(k, [])
+                if len(pending) > 1 << 16 or len(self.early) > 1 << 10:
+                    raise ProtocolError(f"too many pulls of sparse table {k}, which nobody initialised")
+                pending.append(
+                    (conn, header, np.array(np.frombuffer(payload, np.uint8)) if payload is not None else None)
+                )
+            else:
+                table.waiting_pulls.append(
+                    (conn, header, np.array(np.frombuffer(payload, np.uint8)) if payload is not None else None)
+                )
+            return
+        count, req = header.get("count"), header.get("req")
+        if not (type(count) is int and count >= 0 and type(req) is int):
+            raise ProtocolError(f"sparse pull of table {k} with count={count!r} req={req!r}")
+        raw = np.frombuffer(payload, np.uint8) if count else np.empty(0, np.uint8)
+        if raw.size != count * 8:
+            raise ProtocolError(f"sparse pull of {count} rows with {raw.size} bytes of indices")
+        idx = raw.view(np.int64)
+        a, b = table.rows
+        if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
+            raise ProtocolError(f"sparse pull of table {k}: rows outside this shard's {a}..{b - 1}")
+        rows = np.ascontiguousarray(table.param[idx - a]) if idx.size else np.empty((0, table.width), table.dtype)
+        reply = {
+            "kind": "ps_param",
+            "op": "sp_rows",
+            "tag": ("param", k, "sp_rows", self.shard.index, req),
+            "step": table.step,
+        }
+        with contextlib.suppress(PsringError):
+            conn.send_tensor(reply, rows)
+
+
+def tables_of(shard: Any) -> Tables:
+    if getattr(shard, "tables", None) is None:
+        shard.tables = Tables(shard)
+    return shard.tables

@@ -1,0 +1,132 @@
+"""SyncSGD with sparse tables (sparse=[name]): the rows a step touched, summed over the workers in
+rank order and averaged, updated by the optimizer alone; over ps the table lives on the shards and
+workers pull the rows they need. Ring and ps bit-identical, and equal to a one-process rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import psring
+from psring.core.sparse import merge_rows
+from psring.optim import SGD, Adam
+
+pytestmark = pytest.mark.timeout(60)
+
+ROWS, WIDTH = 50, 4
+
+
+def _params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {"emb": rng.standard_normal((ROWS, WIDTH)).astype(np.float32), "w": np.ones(3, np.float32)}
+
+
+def _grads(step: int, rank: int) -> dict[str, object]:
+    rng = np.random.default_rng(1000 * step + rank)
+    idx = rng.integers(0, ROWS, 6 + rank)  # duplicates happen
+    rows = psring.SparseRows(idx, rng.standard_normal((idx.size, WIDTH)).astype(np.float32), ROWS)
+    return {"emb": rows, "w": np.full(3, rank + 1.0, np.float32)}
+
+
+def _reference(opt: psring.optim.Optimizer, world: int, steps: int) -> np.ndarray:
+    table = _params()["emb"].copy()
+    state = opt.init_state(table)
+    for t in range(steps):
+        parts = [_grads(t, r)["emb"] for r in range(world)]
+        m = merge_rows([(p.indices, p.values) for p in parts], ROWS, WIDTH, np.float32)  # type: ignore[attr-defined]
+        sub = table[m.indices]
+        sub_state = {k: (v[m.indices] if isinstance(v, np.ndarray) else v) for k, v in state.items()}
+        sub_state["step"] = t
+        opt.update(sub, m.values / np.float32(world), sub_state)
+        table[m.indices] = sub
+        for k, v in sub_state.items():
+            if isinstance(v, np.ndarray):
+                state[k][m.indices] = v
+    return table
+
+
+async def _train(groups, make_opt, steps: int) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
+    opts = [psring.SyncSGD(g, _params(), make_opt(), sparse=["emb"]) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    for t in range(steps):
+        await asyncio.gather(*(o.step(_grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    everything = np.arange(ROWS)
+    return await asyncio.gather(*(o.pull_rows("emb", everything) for o in opts)), opts  # type: ignore[return-value]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("make_opt", [lambda: SGD(lr=0.1, momentum=0.9), lambda: Adam(lr=0.01)], ids=["sgd", "adam"])
+async def test_ring_and_ps_tables_are_bit_identical_and_follow_the_rule(make_groups, make_opt) -> None:
+    want = _reference(make_opt(), 3, 4)
+    tables, dense = {}, {}
+    for topology in ("ring", "ps"):
+        groups = await make_groups(3, topology)
+        pulled, opts = await _train(groups, make_opt, 4)
+        for t in pulled:
+            assert np.array_equal(t, want), topology  # every worker, bit for bit with the rule
+        tables[topology] = pulled[0]
+        if topology == "ps":  # the workers never hold the table
+            assert all(o._tables["emb"] is None for o in opts)
+        # the dense parameter went the usual way beside it: moved, the same everywhere
+        assert all(np.array_equal(o.params["w"], opts[0].params["w"]) for o in opts)
+        assert not np.array_equal(opts[0].params["w"], np.ones(3, np.float32)) and "emb" not in opts[0].params
+        dense[topology] = opts[0].params["w"]
+    assert np.array_equal(tables["ring"], tables["ps"]) and np.array_equal(dense["ring"], dense["ps"])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+async def test_pull_rows_in_any_order_with_duplicates(make_groups, topology: str) -> None:
+    groups = await make_groups(2, topology)
+    opts = [psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"]) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    idx = np.array([49, 0, 7, 7, 25])
+    rows = await opts[1].pull_rows("emb", idx)
+    assert np.array_equal(rows, _params()["emb"][idx])
+    with pytest.raises(IndexError, match=r"index 50 is outside the table's rows 0\.\.49"):
+        await opts[0].pull_rows("emb", np.array([1, 50]))
+    with pytest.raises(KeyError, match="'w' is not a sparse table"):
+        await opts[0].pull_rows("w", idx)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+async def test_bad_rows_are_named_on_every_rank_and_nothing_is_applied(make_groups, topology: str) -> None:
+    groups = await make_groups(2, topology)
+    opts = [psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"]) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    before = await opts[0].pull_rows("emb", np.arange(ROWS))
+    bad = psring.SparseRows(np.array([3, 99]), np.ones((2, WIDTH), np.float32), ROWS)
+    res = await asyncio.gather(
+        opts[0].step(_grads(0, 0)), opts[1].step({"emb": bad, "w": np.ones(3, np.float32)}), return_exceptions=True
+    )
+    assert all(isinstance(r, ValueError) and "rank(s) 1" in str(r) and "outside the table's rows" in str(r)
+               for r in res), res  # fmt: skip
+    after = await opts[0].pull_rows("emb", np.arange(ROWS))
+    assert np.array_equal(before, after)
+    total = await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # the group goes on
+    assert all(float(t[0]) == 2.0 for t in total)
+
+
+@pytest.mark.asyncio
+async def test_what_a_sparse_table_refuses(make_groups) -> None:
+    groups = await make_groups(2, "ring")
+    g = groups[0]
+    with pytest.raises(ValueError, match="'emb2' is not one of the parameters"):
+        psring.SyncSGD(g, _params(), sparse=["emb2"])
+    with pytest.raises(ValueError, match="must be a 2-D floating array"):
+        psring.SyncSGD(g, _params(), sparse=["w"])
+    with pytest.raises(ValueError, match="take no weight_decay"):
+        psring.SyncSGD(g, _params(), SGD(lr=0.1, weight_decay=0.1), sparse=["emb"])
+    with pytest.raises(ValueError, match="take no compression, accumulate, elastic or backup"):
+        psring.SyncSGD(g, _params(), accumulate=2, sparse=["emb"])
+    opt = psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"])
+    opt.started = True  # no other rank here: the checks below come before any exchange
+    opt._tables["emb"] = _params()["emb"]
+    with pytest.raises(TypeError, match=r"grads\['emb'\] must be a psring.SparseRows"):
+        await opt._sparse_step({"emb": np.zeros((ROWS, WIDTH), np.float32)})
+    narrow = psring.SparseRows(np.array([1]), np.ones((1, 3), np.float32), ROWS)
+    with pytest.raises(ValueError, match=r"grads\['emb'\] has rows of 50 x 3 float32; the table is 50 x 4"):
+        await opt._sparse_step({"emb": narrow})
