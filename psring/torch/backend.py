@@ -226,6 +226,14 @@ class Work(dist._Work):
         pass
 
 
+async def _after(gate: Any, coro: Any) -> Any:
+    """coro, begun once the composite call ``gate`` (a concurrent future) is done, however it ended."""
+    import asyncio
+
+    await asyncio.wait([asyncio.wrap_future(gate)])
+    return await coro
+
+
 def _unwrap(done: torch.futures.Future) -> Any:
     return done.value()  # raises the error, which marks the chained future failed
 
@@ -273,6 +281,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
         self.psring_group = group
         self._world = world
         self._closed = False
+        self._composite: Any = None  # the last composite call's concurrent future (see _start)
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self) -> str:
@@ -300,11 +309,22 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupPsring(rank={self.rank()}, size={self.size()}, {self.psring_group!r})"
 
-    def _start(self, coro: Any, finish: Callable[[Any], Any]) -> Work:
+    def _start(self, coro: Any, finish: Callable[[Any], Any], composite: bool = False) -> Work:
+        """Run ``coro`` (psring calls) on the loop; a Work now, the tensors filled by ``finish``.
+
+        Calls begin in the order they are made, so every rank numbers them alike. A composite call
+        (several psring collectives, one after another: sparse all_reduce) would let calls made after
+        it begin between its parts -- in another order on another rank -- so the calls made after
+        one wait until it is done before they begin."""
         if self._closed:
             raise BackendError("psring: this process group was shut down (destroy_process_group)")
         future: torch.futures.Future = torch.futures.Future()
+        gate = self._composite
+        if gate is not None and not gate.done():
+            coro = _after(gate, coro)
         cf = self.psring_group.portal.submit(coro)
+        if composite:
+            self._composite = cf
         cf.add_done_callback(lambda cf: _completer.put((cf, finish, future)))
         return Work(future)
 
@@ -367,7 +387,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
                 t.copy_(out.to(t.dtype))
             return tensors
 
-        return self._start(run(), finish)
+        return self._start(run(), finish, composite=True)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op = _reduce_op(opts if opts is not None else dist.AllreduceCoalescedOptions())

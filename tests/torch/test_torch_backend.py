@@ -156,6 +156,25 @@ def test_ddp_gives_every_rank_the_same_bits_on_both_topologies_and_glooss_model(
         assert torch.allclose(mine[name], theirs[name], rtol=1e-4, atol=1e-6), name
 
 
+def test_ddp_with_a_sparse_embedding_matches_gloo_on_both_topologies(tmp_path: Path) -> None:
+    """nn.Embedding(sparse=True) under DDP: torch's sparse all_reduce (three psring calls, one after
+    another) beside the dense bucket's. Calls made after it wait until it is done, so every rank
+    numbers them alike (before: a MismatchError on the second step)."""
+    job = str(JOBS / "torch_sparse_ddp.py")
+    runs = {}
+    for name, topology, backend in (("ring", "ring", "psring"), ("ps", "ps", "psring"), ("gloo", "ring", "gloo")):
+        out = run_ranks([job, backend, "--steps", "6", "--save", str(tmp_path / f"{name}.pt")], 3,
+                        PSRING_TOPOLOGY=topology)  # fmt: skip
+        rows = json_lines(out)
+        assert len(rows) == 3 and all(r["error"] is None for r in rows), out
+        assert len({r["digest"] for r in rows}) == 1, rows
+        runs[name] = rows[0]["digest"]
+    assert runs["ring"] == runs["ps"]
+    mine, theirs = torch.load(tmp_path / "ring.pt"), torch.load(tmp_path / "gloo.pt")
+    for name in theirs:
+        assert torch.allclose(mine[name], theirs[name], rtol=1e-5, atol=1e-7), name
+
+
 def test_ddp_on_a_new_group() -> None:
     rows = ddp("ring", 3, "--steps", "4", "--subgroup")
     assert all(r["error"] is None for r in rows) and len({r["digest"] for r in rows}) == 1, rows
