@@ -23,12 +23,13 @@ Importing this module also registers psring as a torch.distributed backend (``ba
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..core.arrays import cupy_module
+from ..core.sparse import SparseRows
 from ..topology.blocking import BlockingGroup, Handle
 
 try:
@@ -237,15 +238,25 @@ class DistributedOptimizer:
         compression: str | None = None,
         backward_passes_per_step: int = 1,
         overlap: bool = True,
+        sparse_params: Sequence[torch.Tensor] = (),
     ) -> None:
         self.optimizer = optimizer
         self.group = _blocking(group)
+        #: parameters whose gradients come sparse (nn.Embedding(sparse=True)): not in the buckets;
+        #: their rows are summed with sparse_all_reduce (rank order) and averaged, in this order
+        self.sparse_params = list(sparse_params)
+        sparse_ids = {id(p) for p in self.sparse_params}
         if type(backward_passes_per_step) is not int or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r} must be a positive integer")
         self.compression = compression
         self.passes = backward_passes_per_step
         params = [p for grp in optimizer.param_groups for p in grp["params"] if p.requires_grad]
-        if not params:
+        if any(id(p) not in {id(q) for q in params} for p in self.sparse_params):
+            raise ValueError("DistributedOptimizer: sparse_params must be the optimizer's parameters that require grad")
+        if any(p.dim() != 2 for p in self.sparse_params):
+            raise ValueError("DistributedOptimizer: sparse_params must be 2-D (rows x width, as nn.Embedding's weight)")
+        params = [p for p in params if id(p) not in sparse_ids]
+        if not params and not self.sparse_params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameters that require grad")
         if compression is not None and any(p.dtype != torch.float32 for p in params):
             raise TypeError(f"compression={compression!r} needs float32 parameters")
@@ -262,7 +273,8 @@ class DistributedOptimizer:
                 current, size = [], 0
             current.append(p)
             size += nbytes
-        self._add_bucket(current)
+        if current:
+            self._add_bucket(current)
         self._next = 0  # the next bucket to launch (in order, the same on every rank)
         self._hooks = []
         self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
@@ -318,7 +330,28 @@ class DistributedOptimizer:
                         p.grad.copy_(avg[a:z].view_as(p))
                 bucket.handle = None
                 bucket.ready.clear()
+            for p in self.sparse_params:
+                self._sparse_average(p)
         self._next = 0
+
+    def _sparse_average(self, p: torch.Tensor) -> None:
+        """p's sparse gradient: every rank's rows summed in rank order, divided by the world size."""
+        n, width = p.shape
+        dtype = p.dtype
+        if p.grad is None:
+            idx, val = np.empty(0, np.int64), np.empty((0, width), to_array(p.detach()[:0]).dtype)
+        elif not p.grad.is_sparse:
+            raise TypeError(
+                f"DistributedOptimizer: a parameter in sparse_params got a dense gradient ({tuple(p.shape)}); "
+                "give it sparse gradients (nn.Embedding(sparse=True)) or leave it out of sparse_params"
+            )
+        else:
+            g = p.grad.coalesce()
+            idx = g.indices()[0].numpy().astype(np.int64)
+            val = to_array(g.values().contiguous())
+        out = self.group.sparse_all_reduce(SparseRows(idx, val, n))
+        rows = from_array(out.values) / self.group.world_size
+        p.grad = torch.sparse_coo_tensor(from_array(out.indices)[None], rows.to(dtype), (n, width)).coalesce()
 
     def step(self, closure: Any = None) -> Any:
         self.synchronize()

@@ -105,6 +105,24 @@ SCRIPT = textwrap.dedent(
     assert base.param_groups[0]["lr"] == 0.1 and len(base.state) > 0
     buf = base.state[next(model.parameters())]["momentum_buffer"]
     assert len({float(d[0]) for d in g.all_gather(np.array([float(buf.double().sum())]))}) == 1
+    # sparse gradients (nn.Embedding(sparse=True)): their rows summed in rank order and averaged
+    emb = torch.nn.Embedding(20, 3, sparse=True)
+    pt.broadcast_parameters(emb, g)
+    sopt = pt.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), g, sparse_params=[emb.weight])
+    ids = torch.tensor([r, r + 5, 5, 5])  # row 5 on every rank, twice
+    emb(ids).sum().backward()
+    mine = emb.weight.grad.to_dense().clone()
+    sopt.step()
+    assert emb.weight.grad.is_sparse
+    others = g.all_gather(mine.numpy())
+    assert torch.allclose(emb.weight.grad.to_dense(), torch.from_numpy(sum(others) / n), atol=1e-6)
+    assert len({float(d[0]) for d in g.all_gather(np.array([float(emb.weight.double().sum())]))}) == 1
+    try:
+        pt.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), g, sparse_params=[torch.zeros(2, 2)])
+    except ValueError as exc:
+        assert "sparse_params must be the optimizer's parameters" in str(exc)
+    else:
+        raise AssertionError("a sparse_params tensor outside the optimizer was accepted")
     print("ALL OK rank", r, flush=True)
     g.close()
     """
