@@ -234,7 +234,6 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
-    p.add_argument("--model", choices=("mlp",), default="mlp")
     p.add_argument("--dataset", choices=("digits",), default="digits")
     add_train_flags(p)
     p.add_argument("--entrypoint", default=None, help="package.module:function run on every worker with a Group")

@@ -58,12 +58,20 @@ class _Progress:
             self.bar.close()
 
 
+EMBED_LR = 0.02  # the embed model's tables take the summed loss's gradient: a smaller step
+
+
+def learning_rate(args: argparse.Namespace) -> float:
+    """--lr, or the model's default."""
+    return float(args.lr) if args.lr is not None else (EMBED_LR if args.model == "embed" else TRAIN_DEFAULTS["lr"])
+
+
 def add_train_flags(p: argparse.ArgumentParser) -> None:
     """The main job's flags, shared by ``psring train`` and ``psring submit`` (defaults: TRAIN_DEFAULTS)."""
     d = TRAIN_DEFAULTS
     p.add_argument("--epochs", type=int, default=d["epochs"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="samples per worker per step")
-    p.add_argument("--lr", type=float, default=d["lr"])
+    p.add_argument("--lr", type=float, default=None, help=f"default {d['lr']} (--model embed: {EMBED_LR})")
     p.add_argument("--momentum", type=float, default=d["momentum"])
     p.add_argument(
         "--optimizer", choices=("sgd", "adam"), default=d["optimizer"], help="sgd (with --momentum) or adam"
@@ -72,6 +80,12 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
     p.add_argument("--accumulate", type=int, default=d["accumulate"], help="micro-batches per optimizer step")
     p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument(
+        "--model",
+        choices=("mlp", "embed"),
+        default=d["model"],
+        help="mlp (digits) or embed (a recommendation model whose two embedding tables are sparse)",
+    )
 
 
 def train_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,7 +94,7 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
         {
             "epochs": args.epochs,
             "batch_size": args.batch_size,
-            "lr": args.lr,
+            "lr": learning_rate(args),
             "momentum": args.momentum,
             "optimizer": args.optimizer,
             "compression": None if args.compression == "none" else args.compression,
@@ -88,6 +102,7 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device,
             "seed": args.seed,
             "checkpoint_every": args.checkpoint_every,
+            "model": args.model,
         }
     )
 
@@ -225,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         return bad("--servers applies to --topology ps only")
     if args.servers is not None and args.servers < 1:
         return bad(f"--servers must be at least 1, got {args.servers}")
+    args.lr = learning_rate(args)
     if args.epochs < 1 or args.batch_size < 1 or not args.lr > 0:
         return bad("--epochs, --batch-size and --lr must be positive")
     if args.accumulate < 1:
@@ -245,6 +261,10 @@ def run(args: argparse.Namespace) -> int:
         return bad("--backup takes no --elastic, --accumulate or --compression (each agrees over every worker)")
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
+    if args.model == "embed" and (args.device != "cpu" or args.elastic or args.backup or args.accumulate > 1
+                                  or args.compression != "none" or args.checkpoint_dir):  # fmt: skip
+        return bad("--model embed trains sparse tables: on --device cpu, without --elastic, --backup, --accumulate, "
+                   "--compression or --checkpoint-dir (not yet)")  # fmt: skip
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")

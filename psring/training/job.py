@@ -23,6 +23,7 @@ from ..core.arrays import cupy_module
 from ..core.optim import SGD, Adam
 from ..errors import PeerLostError
 from ..topology.api import init_group
+from . import embed
 from .data import load_digits_split, shard_indices
 from .model import accuracy, forward_backward, init_params
 from .sgd import SyncSGD
@@ -43,6 +44,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "out": None,
     "checkpoint_every": 10,
+    "model": "mlp",  # or "embed": the recommendation model with two sparse tables (psring.training.embed)
 }
 
 
@@ -77,7 +79,12 @@ class _Run:
     ) -> None:
         self.group, self.spec, self.emit, self.report = group, spec, emit, report
         self._reported = (time.perf_counter(), 0, 0.0, 0.0)  # when, steps, compute, comm at the last report
-        self.xtr, self.ytr, self.xte, self.yte = load_digits_split(spec["seed"])
+        #: --model embed: the recommendation model whose two tables are sparse (psring.training.embed)
+        self.embed = spec.get("model") == "embed"
+        if self.embed:
+            self.xtr, self.ytr, self.xte, self.yte = embed.make_data(spec["seed"])
+        else:
+            self.xtr, self.ytr, self.xte, self.yte = load_digits_split(spec["seed"])
         self.xp: Any = np
         if spec["device"] == "cuda":
             self.xp = cupy_module()
@@ -85,7 +92,8 @@ class _Run:
                 self.xp.asarray(v) for v in (self.xtr, self.ytr, self.xte, self.yte)
             )
         # ranks start from different seeds and agree on rank 0's parameters in start()
-        self.params = {k: self.xp.asarray(v) for k, v in init_params(spec["seed"] + group.rank).items()}
+        start = embed.init_params if self.embed else init_params
+        self.params = {k: self.xp.asarray(v) for k, v in start(spec["seed"] + group.rank).items()}
         self.opt = SyncSGD(
             group,
             self.params,
@@ -94,6 +102,7 @@ class _Run:
             compression=spec.get("compression"),
             elastic=bool(spec.get("elastic")),
             backup=int(spec.get("backup") or 0),
+            sparse=embed.SPARSE if self.embed else (),
         )
         self.comm = self.compute = 0.0
         self.steps = 0  # batches done (with accumulate=k, k per optimizer step), resumed runs included
@@ -177,8 +186,17 @@ class _Run:
             if self.opt.backup and self.opt.step_count > epoch * self.per_epoch + (first // batch_size) + i:
                 continue  # backup workers: the others took this step without this (late) worker
             batch = self.xp.asarray(idx[start : start + batch_size])
-            t0 = time.perf_counter()
-            loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
+            if self.embed:  # the rows this batch needs, from the shards (ps) or this rank's tables (ring)
+                t_pull = time.perf_counter()
+                pairs = self.xtr[batch]
+                u_rows = await self.opt.pull_rows("users", pairs[:, 0])
+                v_rows = await self.opt.pull_rows("items", pairs[:, 1])
+                self.comm += time.perf_counter() - t_pull
+                t0 = time.perf_counter()
+                loss, grads = embed.forward_backward(u_rows, v_rows, self.params["bias"], pairs, self.ytr[batch])
+            else:
+                t0 = time.perf_counter()
+                loss, grads = forward_backward(self.params, self.xtr[batch], self.ytr[batch])
             t1 = time.perf_counter()
             self.params = await self.opt.step(grads)
             self.compute += t1 - t0
@@ -207,7 +225,7 @@ class _Run:
             logger.warning("%r: epoch %d's loss all_reduce lost a %s (%s); reporting the local mean", group,
                            epoch + 1, "worker" if worker_lost else "server", exc)  # fmt: skip
             mean_loss = float(np.mean(losses))
-        acc = accuracy(self.params, self.xte, self.yte)
+        acc = await self._accuracy()
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
         if self.opt.elastic and epoch + 1 < spec["epochs"]:  # new workers join at epoch boundaries
@@ -215,11 +233,20 @@ class _Run:
         if every and self.steps % self.opt.accumulate == 0:
             await self.save()
 
+    async def _accuracy(self) -> float:
+        if not self.embed:
+            return accuracy(self.params, self.xte, self.yte)
+        u_rows = await self.opt.pull_rows("users", self.xte[:, 0])
+        v_rows = await self.opt.pull_rows("items", self.xte[:, 1])
+        return embed.accuracy(u_rows, v_rows, self.params["bias"], self.yte)
+
     async def summary(self) -> dict[str, Any] | None:
         """Rank 0's summary (None elsewhere). Every rank must hold identical parameters: this
         checks it rather than assumes it."""
         group = self.opt.live_group() if self.opt.elastic else self.group
         host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
+        for name in self.opt.sparse:  # the tables too (over ps, pulled from the shards)
+            host[name] = await self.opt.pull_rows(name, np.arange(self.opt._table_shape[name][0]))
         data = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
         digest = int((data * (np.arange(data.size) % 251 + 1)).sum())
         digests = await group.all_gather(np.array([digest], np.int64))

@@ -127,3 +127,20 @@ def test_sampler_shards_are_disjoint_even_and_reshuffled(n: int, world: int) -> 
         assert all(np.array_equal(a, b) for a, b in zip(shards, again, strict=True))  # shared seed
     if n > 10:
         assert not np.array_equal(shard_indices(n, 0, 3, 0, world), shard_indices(n, 1, 3, 0, world))
+
+
+def test_the_embed_model_learns_with_ring_and_ps_bit_identical() -> None:
+    """The second main job: two sparse tables (users, items) on data with a known structure."""
+    proc = run_tree(
+        [sys.executable, "-m", "psring", "train", "--model", "embed", "--compare", "--workers", "2", "--epochs", "2",
+         "--batch-size", "64", "--optimizer", "adam", "--lr", "0.01", "--json"],
+        capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert results["ring"]["param_digest"] == results["ps"]["param_digest"]  # the tables included
+    assert all(results[t]["ranks_agree"] for t in ("ring", "ps"))
+    assert results["ring"]["test_accuracy"] >= 0.85, results["ring"]["history"]  # chance is 0.5
+    bad = run_tree([sys.executable, "-m", "psring", "train", "--model", "embed", "--backup", "1", "--topology", "ps"],
+                   capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--model embed trains sparse tables" in bad.stderr
