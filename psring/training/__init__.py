@@ -2,6 +2,8 @@
 
 - ``sgd``: SyncSGD (buckets, either topology, identical parameters).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
+- ``embed``: the second main job (``psring train --model embed``): a recommendation model whose two
+  embedding tables are sparse tables, on generated data.
 - ``bench_ranks``: the rank program ``psring bench`` starts (all_reduce and SyncSGD timings).
 - ``checkpoint``: where the main job keeps its checkpoints (a directory, or a cluster's store).
 """
