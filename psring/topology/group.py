@@ -145,15 +145,11 @@ class Group(CollectiveRuntime, abc.ABC):
             check_codec(compression, host.dtype, op)
             amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
             agree = self._begin("all_reduce", amax, "max")
-            seq = self._seq  # reserved now, so concurrent calls take the same numbers on every rank
-            self._seq += 1
-            self._reserved.add(seq)
+            (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
             try:
                 amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
             except BaseException:
-                self._reserved.discard(seq)
-                if self._seq == seq + 1:  # give the number back: ranks that made a plain call never took it
-                    self._seq = seq
+                self._give_back([seq])
                 raise
             e = scale_exponent(float(amax[0]), self.world_size)
             coll = self._begin("all_reduce", host, codec_op(op, compression, e), seq=seq)
@@ -217,7 +213,47 @@ class Group(CollectiveRuntime, abc.ABC):
         val, _ = self._host(rows.values)
         problem = rows.problem()
         meta = np.array([idx.size, rows.width, rows.num_rows, val.dtype.num, problem is not None], np.int64)
-        metas = np.array(await self.all_gather(meta))
+        # three collectives, all numbered now, before any wait: calls made while this one runs take
+        # later numbers on every rank, whichever of them the loop resumes first
+        first = self._begin("all_gather", meta)
+        seqs = self._reserve(2)
+        try:
+            metas = np.array(await self._run(first, self._all_gather(first, meta))).reshape(self.world_size, -1)
+        except BaseException:  # as a compressed all_reduce's agreement: give the numbers back
+            self._give_back(seqs)
+            raise
+        try:
+            merged = await self._sparse_merge(rows, idx, val, metas, problem, seqs)
+        finally:  # numbers not begun (every rank stopped at the same check): skipped alike everywhere
+            self._reserved.difference_update(seqs)
+        if xp is np:
+            return merged
+        return SparseRows(self._back(merged.indices, xp), self._back(merged.values, xp), merged.num_rows)
+
+    def _reserve(self, k: int) -> list[int]:
+        """The next k sequence numbers, taken now for collectives begun later (``_begin(seq=)``)."""
+        seqs = list(range(self._seq, self._seq + k))
+        self._seq += k
+        self._reserved.update(seqs)
+        return seqs
+
+    async def _all_gather_at(self, x: np.ndarray, seq: int) -> list[np.ndarray]:
+        """all_gather of a host array as collective number ``seq`` (reserved)."""
+        coll = self._begin("all_gather", x, seq=seq)
+        out = await self._run(coll, self._all_gather(coll, x.reshape(-1)))
+        return [out[r].reshape(x.shape) for r in range(self.world_size)]
+
+    def _give_back(self, seqs: list[int]) -> None:
+        """Reserved numbers of a call whose first collective failed: ranks that made another call
+        in its place never took them; give them back unless later calls took numbers since."""
+        self._reserved.difference_update(seqs)
+        if self._seq == seqs[-1] + 1:
+            self._seq = seqs[0]
+
+    async def _sparse_merge(
+        self, rows: SparseRows, idx: np.ndarray, val: np.ndarray, metas: np.ndarray, problem: str | None,
+        seqs: list[int],
+    ) -> SparseRows:  # fmt: skip
         bad = [r for r in range(self.world_size) if metas[r, 4]]
         if bad:
             mine = f" (this rank: {problem})" if problem is not None else ""
@@ -234,20 +270,16 @@ class Group(CollectiveRuntime, abc.ABC):
                 )
         top = int(metas[:, 0].max())
         if top == 0:
-            merged = merge_rows([], rows.num_rows, rows.width, val.dtype)
-        else:
-            pad_idx = np.zeros(top, np.int64)
-            pad_idx[: idx.size] = idx
-            pad_val = np.zeros((top, rows.width), val.dtype)
-            pad_val[: idx.size] = val
-            all_idx = await self.all_gather(pad_idx)
-            all_val = await self.all_gather(pad_val)
-            counts = [int(c) for c in metas[:, 0]]
-            parts = [(all_idx[r][: counts[r]], all_val[r][: counts[r]]) for r in range(self.world_size)]
-            merged = merge_rows(parts, rows.num_rows, rows.width, val.dtype)
-        if xp is np:
-            return merged
-        return SparseRows(self._back(merged.indices, xp), self._back(merged.values, xp), merged.num_rows)
+            return merge_rows([], rows.num_rows, rows.width, val.dtype)
+        pad_idx = np.zeros(top, np.int64)
+        pad_idx[: idx.size] = idx
+        pad_val = np.zeros((top, rows.width), val.dtype)
+        pad_val[: idx.size] = val
+        all_idx = await self._all_gather_at(pad_idx, seqs[0])
+        all_val = await self._all_gather_at(pad_val, seqs[1])
+        counts = [int(c) for c in metas[:, 0]]
+        parts = [(all_idx[r][: counts[r]], all_val[r][: counts[r]]) for r in range(self.world_size)]
+        return merge_rows(parts, rows.num_rows, rows.width, val.dtype)
 
     async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """This rank's 1/world_size share of the reduction of x.

@@ -31,6 +31,7 @@ names the rank) and the psring error as ``psring_error``.
 from __future__ import annotations
 
 import datetime
+import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.arrays import cupy_module
+from ..core.sparse import SparseRows
 from ..errors import CollectiveTimeoutError, PsringError
 from ..rendezvous.torchstore import TorchStoreClient
 from ..settings import current as current_settings
@@ -226,14 +228,6 @@ class Work(dist._Work):
         pass
 
 
-async def _after(gate: Any, coro: Any) -> Any:
-    """coro, begun once the composite call ``gate`` (a concurrent future) is done, however it ended."""
-    import asyncio
-
-    await asyncio.wait([asyncio.wrap_future(gate)])
-    return await coro
-
-
 def _unwrap(done: torch.futures.Future) -> Any:
     return done.value()  # raises the error, which marks the chained future failed
 
@@ -281,7 +275,6 @@ class ProcessGroupPsring(dist.ProcessGroup):
         self.psring_group = group
         self._world = world
         self._closed = False
-        self._composite: Any = None  # the last composite call's concurrent future (see _start)
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self) -> str:
@@ -309,22 +302,13 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupPsring(rank={self.rank()}, size={self.size()}, {self.psring_group!r})"
 
-    def _start(self, coro: Any, finish: Callable[[Any], Any], composite: bool = False) -> Work:
-        """Run ``coro`` (psring calls) on the loop; a Work now, the tensors filled by ``finish``.
-
-        Calls begin in the order they are made, so every rank numbers them alike. A composite call
-        (several psring collectives, one after another: sparse all_reduce) would let calls made after
-        it begin between its parts -- in another order on another rank -- so the calls made after
-        one wait until it is done before they begin."""
+    def _start(self, coro: Any, finish: Callable[[Any], Any]) -> Work:
+        """Run ``coro`` (one psring call) on the loop; a Work now, the tensors filled by ``finish``.
+        Calls begin in the order they are made, so every rank numbers their collectives alike."""
         if self._closed:
             raise BackendError("psring: this process group was shut down (destroy_process_group)")
         future: torch.futures.Future = torch.futures.Future()
-        gate = self._composite
-        if gate is not None and not gate.done():
-            coro = _after(gate, coro)
         cf = self.psring_group.portal.submit(coro)
-        if composite:
-            self._composite = cf
         cf.add_done_callback(lambda cf: _completer.put((cf, finish, future)))
         return Work(future)
 
@@ -351,43 +335,31 @@ class ProcessGroupPsring(dist.ProcessGroup):
         return self._start(self._g.all_reduce(_view(x), op), finish)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, tensors: list[torch.Tensor]) -> Work:
-        """SUM of a sparse COO tensor, as gloo does it: every rank's coalesced indices and values
-        gathered (padded to the largest count), concatenated in rank order and coalesced, so an
-        index several ranks hold is summed in the canonical order; the result replaces ``t``."""
+        """SUM of a sparse COO tensor: its sparse coordinates flattened to one row index, the dense
+        rest to a row, and ``sparse_all_reduce`` (each index's rows added in rank order, one call
+        whose collectives are numbered at once); the result replaces ``t``."""
         if op != "sum":
             raise ValueError(f"psring: all_reduce of a sparse tensor supports SUM only, got {op.upper()}")
         if t.is_complex():
             raise ValueError("psring: all_reduce of a sparse complex tensor is not supported")
         c = t.detach().coalesce()
-        indices, values = c.indices().contiguous(), c.values().contiguous()
+        lead, rest = tuple(c.shape[: c.sparse_dim()]), tuple(c.shape[c.sparse_dim() :])
+        values = c.values().contiguous()
         if values.dtype == torch.bfloat16:
             values = values.float()  # summed in float32, rounded once (as the dense path)
-        group = self._g
+        nnz = values.shape[0]
+        flat = np.ravel_multi_index(tuple(c.indices().numpy()), lead) if nnz else np.empty(0, np.int64)
+        rows = SparseRows(flat, _view(values).reshape(nnz, math.prod(rest)), max(math.prod(lead), 1))
 
-        async def run() -> torch.Tensor:
-            counts = await group.all_gather(np.array([values.shape[0]], np.int64))
-            top = int(max(int(n[0]) for n in counts))
-            idx = np.zeros((indices.shape[0], top), np.int64)
-            idx[:, : indices.shape[1]] = indices.numpy()
-            val = np.zeros((top, *values.shape[1:]), _view(values).dtype)
-            val[: values.shape[0]] = _view(values)
-            all_idx = await group.all_gather(idx)
-            all_val = await group.all_gather(val)
-            kept = []
-            for i, v, n in zip(all_idx, all_val, counts, strict=True):
-                k = int(n[0])
-                kept.append((torch.from_numpy(np.ascontiguousarray(i[:, :k])), _from(np.ascontiguousarray(v[:k]))))
-            merged = torch.sparse_coo_tensor(
-                torch.cat([i for i, _ in kept], dim=1), torch.cat([v for _, v in kept]), c.shape
-            )
-            return merged.coalesce()
-
-        def finish(out: torch.Tensor) -> list[torch.Tensor]:
+        def finish(out: SparseRows) -> list[torch.Tensor]:
+            index = torch.from_numpy(np.stack(np.unravel_index(out.indices, lead)).astype(np.int64))
+            summed = _from(np.ascontiguousarray(out.values)).reshape(len(out.indices), *rest)
+            merged = torch.sparse_coo_tensor(index, summed, c.shape)
             with torch.no_grad():
-                t.copy_(out.to(t.dtype))
+                t.copy_(merged.coalesce().to(t.dtype))
             return tensors
 
-        return self._start(run(), finish, composite=True)
+        return self._start(self._g.sparse_all_reduce(rows), finish)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         op = _reduce_op(opts if opts is not None else dist.AllreduceCoalescedOptions())

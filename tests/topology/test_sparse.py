@@ -97,3 +97,24 @@ def test_sparse_rows_checks_its_shape_at_once() -> None:
 
 def test_the_blocking_facade_has_it() -> None:
     assert callable(getattr(psring.BlockingGroup, "sparse_all_reduce", None))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+async def test_a_call_made_while_one_runs_is_numbered_after_it_on_every_rank(make_groups, topology: str) -> None:
+    """sparse_all_reduce is three collectives; a call made after it begins takes the number after all
+    three on every rank, however far each rank got: here rank 0 calls all_reduce once its sparse call
+    has moved on to its later collectives, rank 1 at once (before: a MismatchError, as DDP met it)."""
+    groups = await make_groups(2, topology)
+
+    async def calls(g: psring.Group) -> tuple[psring.SparseRows, np.ndarray]:
+        sparse = asyncio.ensure_future(g.sparse_all_reduce(_rows(g.rank)))
+        await asyncio.sleep(0.2 if g.rank == 0 else 0)  # the sparse call has begun on both
+        dense = await g.all_reduce(np.full(3, g.rank + 1.0))
+        return await sparse, dense
+
+    outs = await asyncio.gather(*(calls(g) for g in groups))
+    want = _sequential([_rows(0), _rows(1)])
+    for rows, dense in outs:
+        assert rows.indices.tolist() == sorted(want) and dense.tolist() == [3.0, 3.0, 3.0]
+        assert all(np.array_equal(rows.values[k], want[i]) for k, i in enumerate(rows.indices.tolist()))
