@@ -42,6 +42,18 @@ class Optimizer:
     def update(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         raise NotImplementedError
 
+    def update_rows(self, table: Any, state: dict[str, Any], rows: Any, grad: Any, step: int) -> None:
+        """A sparse step: update only ``rows`` of a 2-D ``table`` (unique) with their ``grad``, at the
+        table's ``step``. The rows and their state are gathered, updated by the same elementwise
+        ``update`` as any parameter, and scattered back: state is lazy (torch's SparseAdam), a row's
+        moments change only in steps that touch it."""
+        sub = table[rows]
+        sub_state = {k: (step if k == "step" else v[rows]) for k, v in state.items()}
+        self.update(sub, grad, sub_state)
+        table[rows] = sub
+        for k, v in self.state_arrays(sub_state).items():
+            state[k][rows] = v
+
     @staticmethod
     def state_arrays(state: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in state.items() if k != "step"}

@@ -334,17 +334,10 @@ class SyncSGD:
                 continue
             if summed.indices.size == 0:
                 continue
-            table, state = self._tables[name], self._table_state[name]
-            idx = summed.indices
             grad = summed.values / summed.values.dtype.type(n)
-            sub = table[idx]
-            sub_state = {key: (v[idx] if not isinstance(v, int) else v) for key, v in state.items()}
-            sub_state["step"] = self.step_count
-            self.optimizer.update(sub, grad, sub_state)
-            table[idx] = sub
-            for key, v in sub_state.items():
-                if key != "step":
-                    state[key][idx] = v
+            self.optimizer.update_rows(
+                self._tables[name], self._table_state[name], summed.indices, grad, self.step_count
+            )
 
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter

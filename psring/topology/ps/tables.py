@@ -42,14 +42,18 @@ def pack_rows(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
     )
 
 
-def unpack_rows(payload: Any, count: int, width: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def unpack_rows(
+    payload: Any, count: int, width: int, dtype: np.dtype, owned: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, rows) of a pack_rows payload: views of it when the frame owns its buffer (a
+    payload read from the socket), copies when it lies in a shared-memory slot given back after."""
     raw = np.frombuffer(payload, np.uint8)
+    if not owned:
+        raw = raw.copy()
     want = count * 8 + count * width * dtype.itemsize
     if raw.size != want:
         raise ProtocolError(f"sparse rows frame of {raw.size} bytes, expected {want} for {count} rows of {width}")
-    idx = raw[: count * 8].view(np.int64).copy()
-    val = raw[count * 8 :].view(dtype).reshape(count, width).copy()
-    return idx, val
+    return raw[: count * 8].view(np.int64), raw[count * 8 :].view(dtype).reshape(count, width)
 
 
 class Table:
@@ -149,7 +153,7 @@ class Tables:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k}, which is at step {table.step}")
         if src in table.inbox:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k} twice")
-        idx, val = unpack_rows(payload, count, table.width, table.dtype)
+        idx, val = unpack_rows(payload, count, table.width, table.dtype, owned="pool" not in header)
         a, b = table.rows
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
             raise ProtocolError(f"rank {src} pushed rows of sparse table {k} outside this shard's {a}..{b - 1}")
@@ -166,14 +170,7 @@ class Tables:
         if merged.indices.size:
             local = merged.indices - table.rows[0]
             grad = merged.values / table.dtype.type(table.size)  # the mean over workers, as a dense avg
-            sub = table.param[local]
-            state = {key: (v[local] if isinstance(v, np.ndarray) else v) for key, v in table.state.items()}
-            state["step"] = t
-            table.optimizer.update(sub, grad, state)
-            table.param[local] = sub
-            for key, v in state.items():
-                if isinstance(v, np.ndarray):
-                    table.state[key][local] = v
+            table.optimizer.update_rows(table.param, table.state, local, grad, t)  # as the ring's SyncSGD
             self.rows_applied += int(local.size)
         table.step = t + 1
         header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
