@@ -371,8 +371,6 @@ class ParameterMode(_Host):
                     fut.add_done_callback(functools.partial(_note_arrived, got, tag))
                     if self.elastic:
                         fut.add_done_callback(self._note_members)
-                    if self.backup:
-                        fut.add_done_callback(self._note_folded)
                     futs.append(fut)
                     piece = sent[pa:pb]
                     shared = piece.nbytes >= self.links.config.ps_shm_min and conn.peer_maps_pool
@@ -380,17 +378,9 @@ class ParameterMode(_Host):
                         await self.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
         await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
-
-    def _note_folded(self, fut: asyncio.Future[Any]) -> None:
-        """Backup workers: a result that did not take this worker's push (it came late)."""
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        folded = fut.result()[1].get("folded")
-        tag = fut.result()[1].get("tag")
-        if isinstance(folded, (list, tuple)) and self.rank not in folded and isinstance(tag, tuple):
-            if tag[2] != getattr(self, "_dropped_at", None):  # once per step
-                self._dropped_at = tag[2]
-                self.backup_dropped += 1
+        # backup workers: a step whose results did not take this worker's pushes (it came late)
+        if self.backup and any(self.rank not in f.result()[1].get("folded", (self.rank,)) for f in futs):
+            self.backup_dropped += 1
 
     def _note_members(self, fut: asyncio.Future[Any]) -> None:
         """Elastic: the workers a shard averaged a piece over; the live workers are those every
