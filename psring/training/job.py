@@ -63,6 +63,11 @@ def make_optimizer(spec: dict[str, Any]) -> Any:
     return SGD(lr=spec["lr"], momentum=spec["momentum"])
 
 
+def load_data(spec: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The main job's (train x, train y, test x, test y) for spec["model"]."""
+    return embed.make_data(spec["seed"]) if spec.get("model") == "embed" else load_digits_split(spec["seed"])
+
+
 PROGRESS = "PSRING-PROGRESS "
 REPORT_S = 1.0  # how often each rank reports its step times and link bytes (where asked to)
 
@@ -76,15 +81,13 @@ class _Run:
         spec: dict[str, Any],
         emit: Callable[[dict[str, Any]], None],
         report: Callable[[dict[str, Any]], None] | None = None,
+        data: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.group, self.spec, self.emit, self.report = group, spec, emit, report
         self._reported = (time.perf_counter(), 0, 0.0, 0.0)  # when, steps, compute, comm at the last report
         #: --model embed: the recommendation model whose two tables are sparse (psring.training.embed)
         self.embed = spec.get("model") == "embed"
-        if self.embed:
-            self.xtr, self.ytr, self.xte, self.yte = embed.make_data(spec["seed"])
-        else:
-            self.xtr, self.ytr, self.xte, self.yte = load_digits_split(spec["seed"])
+        self.xtr, self.ytr, self.xte, self.yte = data if data is not None else load_data(spec)
         self.xp: Any = np
         if spec["device"] == "cuda":
             self.xp = cupy_module()
@@ -328,9 +331,12 @@ async def worker(
             print(PROGRESS + json.dumps(record), flush=True)
 
     options: dict[str, Any] = {"join": True} if spec.get("join") else {}  # a new worker for a running elastic job
+    # the data first: loading it (scikit-learn's import, seconds on a busy machine) blocks this thread,
+    # and once the group is up that would starve the heartbeats the other ranks wait for
+    data = load_data(spec)
     group = await init_group(timeout=spec["timeout"], env=env, **options)
     try:
-        run = _Run(group, spec, emit, report)
+        run = _Run(group, spec, emit, report, data)
         await run.start(checkpoints)
         first = run.first_epoch if run.opt.elastic else run.steps // run.per_epoch
         for epoch in range(first, spec["epochs"]):
