@@ -130,6 +130,7 @@ def test_a_store_gone_past_the_bound_ends_every_process_naming_it(tmp_path: Path
     bound = 3
     cluster = Cluster(tmp_path)
     cluster.env["PSRING_STORE_RECONNECT_S"] = str(bound)
+    cluster.env["PYTHONFAULTHANDLER"] = "1"  # a process that dies of a signal says where (seen once in CI: no output)
     submit = None
     try:
         for i in range(2):
@@ -154,6 +155,7 @@ def test_a_store_gone_past_the_bound_ends_every_process_naming_it(tmp_path: Path
         took = time.monotonic() - killed
         for name, proc in procs.items():
             assert proc.returncode not in (0, None), f"{name} exited {proc.returncode}:\n{outs[name][-2000:]}"
+            assert outs[name].strip(), f"{name} exited {proc.returncode} without a word after it was ready"
             last = outs[name].strip().splitlines()[-1]
             assert cluster.address in last and f"PSRING_STORE_RECONNECT_S={bound}s" in last, (name, last)
             assert "Traceback" not in outs[name] and "never retrieved" not in outs[name], outs[name][-3000:]
