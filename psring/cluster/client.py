@@ -367,8 +367,13 @@ def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> st
         r = lost[0]
         first = next(o for o in failed.values() if o.get("lost_rank") == r)
         return f"job {jid} failed: worker daemon {chosen[r]} (rank {r}) was lost mid-job ({first.get('error')})"
-    r = min((r for r, o in failed.items() if not o.get("stopped")), default=min(failed))
-    return f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}"
+    # every failure followed another's (a circle of lost peers, say): the first to fail, by the time
+    # each rank's daemon gave, and what the others said, so the message still holds the story
+    own = {r: o for r, o in failed.items() if not o.get("stopped")} or failed
+    r = min(own, key=lambda q: (float(own[q].get("at") or float("inf")), q))
+    message = f"job {jid} failed: rank {r} on worker {failed[r].get('worker')}: {failed[r].get('error')}"
+    others = [f"rank {q}: {str(o.get('error'))[:200]}" for q, o in sorted(own.items()) if q != r]
+    return message + (f" (first to fail; then {'; '.join(others)})" if others else "")
 
 
 class Job:

@@ -340,13 +340,16 @@ class WorkerDaemon(_Daemon):
                 with contextlib.suppress(BaseException):
                     await body
                 outcome["error"] = why
-                outcome["stopped"] = stop not in done  # stopped because the job ended elsewhere
+                # a consequence (the job ended elsewhere) only when the watch saw it so; a rank that
+                # lost the store or was signalled is a cause of its own
+                outcome["stopped"] = watch in done and watch.exception() is None
         except Exception as exc:
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             for t in (watch, stop):
                 t.cancel()
             outcome["seconds"] = time.monotonic() - t0
+            outcome["at"] = time.time()  # which rank failed first, when every failure names another
             if self.metrics is not None:
                 self.metrics.jobs.labels("worker", "ok" if outcome["ok"] else "failed").inc()
                 self.metrics.job.labels("worker").set(0)
@@ -386,10 +389,16 @@ class WorkerDaemon(_Daemon):
     async def _watch(self, jid: int, attempt: int) -> str:
         """Returns when the job is failed, cancelled or restarted elsewhere (so this rank stops at once)."""
         while True:
-            state = await self.store.get(key("jobs", jid, "state"))
-            if state in (b"failed", b"cancelled", b"restarting"):
-                return state.decode()
-            spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+            try:
+                state = await self.store.get(key("jobs", jid, "state"))
+                if state in (b"failed", b"cancelled", b"restarting"):
+                    return state.decode()
+                spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
+            except PeerLostError:
+                raise  # the store stayed away past PSRING_STORE_RECONNECT_S: this rank abandons the job
+            except (PsringError, ValueError) as exc:  # one refused or garbled answer costs no job
+                logger.warning("worker %s: watching job %s: %s; watching on", self.id, jid, exc)
+                spec = {}
             if spec.get("attempt", attempt) != attempt:
                 return "restarted"
             await asyncio.sleep(0.5)

@@ -115,6 +115,21 @@ def test_blame_names_the_lost_daemon_not_a_rank_stopped_after_it() -> None:
     assert _blame(6, chosen, {1: own, 2: stopped}) == "job 6 failed: rank 1 on worker w1: ValueError: bad batch"
 
 
+def test_blame_in_a_circle_of_lost_peers_names_the_first_to_fail_and_the_others() -> None:
+    """Every rank reported and each lost another (rank 2 went first and rank 0 saw it close): the
+    message names rank 2, by the time its daemon gave, and keeps what the others said (a docker CI run
+    once blamed rank 0 alone, which told nothing)."""
+    chosen = ["w0", "w1", "w2", "w3"]
+    failed = {
+        0: {"ok": False, "worker": "w0", "error": "PeerLostError: rank 2 closed", "lost_rank": 2, "at": 102.0},
+        2: {"ok": False, "worker": "w2", "error": "PeerLostError: rank 3 silent", "lost_rank": 3, "at": 101.0},
+        3: {"ok": False, "worker": "w3", "error": "job 6 was failed elsewhere", "stopped": True, "at": 103.0},
+    }
+    message = _blame(6, chosen, failed)
+    assert message.startswith("job 6 failed: rank 2 on worker w2: PeerLostError: rank 3 silent (first to fail;")
+    assert "rank 0: PeerLostError: rank 2 closed" in message and "failed elsewhere" not in message
+
+
 def test_two_jobs_in_a_row_over_both_topologies(cluster) -> None:
     c = cluster()
     c.worker("w0")

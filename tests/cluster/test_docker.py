@@ -68,9 +68,21 @@ class Compose:
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
-        if check:
-            assert proc.returncode == 0, f"docker-compose {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+        if check and proc.returncode != 0:
+            raise AssertionError(
+                f"docker-compose {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}\n"
+                f"the daemons' logs, their ends:\n{self.daemon_logs()}"
+            )
         return proc
+
+    def daemon_logs(self, lines: int = 40) -> str:
+        """The ends of the store's, the server's and the workers' logs (for a failure's message: CI keeps
+        nothing else once the project is torn down)."""
+        logs = subprocess.run(
+            [*self.base, "logs", "--no-color", "--timestamps", "--tail", str(lines), "store", "server", "worker"],
+            env=self.env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        return logs.stdout[-12000:] + logs.stderr[-2000:]
 
     def psring(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
         """A psring command in a one-off container of the submit service (on the cluster's network)."""
@@ -218,7 +230,7 @@ def test_a_killed_server_daemon_resumes_the_job(cluster: Compose) -> None:
             proc.kill()
     steps = [(line, int(m[1])) for line in out.splitlines() if (m := re.search(r"step (\d+)/", line))]
     assert steps and steps[-1][1] > at, out
-    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}"
+    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}\n{cluster.daemon_logs()}"
     summary = _summary(out)
     assert summary["param_digest"] == reference["param_digest"], (summary["param_digest"], reference["param_digest"])
     assert summary["resumed_at"] is None  # the workers never stopped: they re-sent the step in flight
@@ -248,7 +260,7 @@ def test_a_killed_store_costs_no_job(cluster: Compose) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}"
+    assert proc.returncode == 0, f"submit exited {proc.returncode}:\n{out[-4000:]}\n{cluster.daemon_logs()}"
     steps = [int(m[1]) for m in re.finditer(r"step (\d+)/", out)]
     assert steps and steps[-1] > at, out[-2000:]
     assert _summary(out)["param_digest"] == reference["param_digest"]
@@ -276,7 +288,7 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(cluster: Compose) 
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0, out
+    assert proc.returncode == 0, out + cluster.daemon_logs()
     assert re.search(
         rf"worker daemon {re.escape(victim['id'])} \(rank \d\) (was lost|stopped heartbeating).*restarting", out
     ), out
@@ -333,6 +345,6 @@ def test_the_monitoring_and_dashboard_profiles_see_every_daemon(cluster: Compose
         with urllib.request.urlopen(f"{page}?token={token[1]}", timeout=10) as resp:
             snapshot = json.loads(resp.read())
         live = [w for w in snapshot["workers"] if w["state"] != "lost"]  # a killed worker's old record shows lost
-        assert len(live) == WORKERS and len(snapshot["servers"]) == 1, snapshot
+        assert len(live) == WORKERS and len(snapshot["servers"]) == 1, (snapshot, cluster.daemon_logs())
     finally:
         cluster("rm", "-s", "-f", "prometheus", "dashboard", timeout=120, check=False)
