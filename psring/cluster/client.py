@@ -254,6 +254,10 @@ class AsyncClient:
         """None while the current attempt runs; else {"ok": bool, "result"|"error": ...}."""
         spec = json.loads(await self.store.get(key("jobs", jid, "spec")) or b"{}")
         chosen: list[str] = spec.get("workers", [])
+        verdict_key = run_key(jid, spec.get("attempt", 0), "verdict")
+        verdict = await self.store.get(verdict_key)
+        if verdict is not None:  # this attempt was judged failed already (by stream(), say): the same words
+            return {"ok": False, "error": verdict.decode(errors="replace")}
         outcomes = await self._outcomes(spec)
         now = time.monotonic()
         dead = []
@@ -274,6 +278,7 @@ class AsyncClient:
                 f"job {jid} failed: worker daemon {wid} (rank {r}) stopped heartbeating {ago:.1f}s ago "
                 "-- it died or hung"
             )
+            await self.store.set(verdict_key, error)
             await self._fail(jid, error)
             return {"ok": False, "error": error}
         failed = {r: o for r, o in outcomes.items() if not o.get("ok")}
@@ -289,6 +294,7 @@ class AsyncClient:
                 return None
         if failed:
             error = _blame(jid, chosen, failed)
+            await self.store.set(verdict_key, error)  # later polls (wait() after stream()) say the same
             await self._fail(jid, error)
             return {"ok": False, "error": error, "ranks": failed}
         if chosen and len(outcomes) == len(chosen):

@@ -217,7 +217,10 @@ class StoreClient:
         tells its age by its own clock (get_aged) and keeps it; etcd puts it on a lease."""
         if isinstance(value, str):
             value = value.encode()
-        await self._call("set", value, key=key)
+        if ttl:  # a record rewritten to stay alive: the store need not wait for its disk (see StoreServer)
+            await self._call("set", value, key=key, ttl=float(ttl))
+        else:
+            await self._call("set", value, key=key)
 
     async def get(self, key: str, timeout: float | None = None) -> bytes | None:
         """The value, waiting up to ``timeout`` seconds for the key to appear (None: don't wait)."""

@@ -152,15 +152,23 @@ class StoreServer:
                             del self._waiters[key]
         return True
 
-    async def _durable(self, key: str, token: Any, response: dict[str, Any]) -> None:
-        """Remember a change's answer by its token and, with a data dir, put the change on disk."""
+    async def _durable(self, key: str, token: Any, response: dict[str, Any], sync: bool = True) -> None:
+        """Remember a change's answer by its token and, with a data dir, put the change on disk.
+
+        ``sync=False`` (a record its owner rewrites every second: a daemon's heartbeat) appends
+        without waiting for the fsync: the write survives the store's process being killed (it is in
+        the kernel's page cache) and the next durable change's fsync takes it; only a machine crash
+        can lose it, and its owner writes it again within a second. A heartbeat that waited on the
+        disk was as slow as the disk: on a busy machine a daemon then looked dead (a CI run failed a
+        job for "stopped heartbeating")."""
         if isinstance(token, str) and len(token) <= 128:
             _remember(self._tokens, token, response)
         else:
             token = None
         if self._log is not None:
             self._log.append(key, self._data.get(key), token, response)
-            await self._log.sync()
+            if sync:
+                await self._log.sync()
             if self._log is not None and self._log.wants_compaction():
                 await self._log.compact(self._data, self._tokens)
 
@@ -177,7 +185,7 @@ class StoreServer:
         if op == "set":
             key = _key(req)
             self._set(key, bytes(payload))
-            await self._durable(key, token, {})
+            await self._durable(key, token, {}, sync=not req.get("ttl"))
             return {}, b""
         if op == "get":
             key = _key(req)

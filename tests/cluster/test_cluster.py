@@ -257,6 +257,34 @@ def test_sigkilled_daemon_fails_the_job_naming_it(cluster) -> None:
         assert client.submit("ring", 2, train={"epochs": 1}).wait(timeout=60)["workers"] == 2
 
 
+def test_a_hung_daemon_is_named_alike_by_stream_and_by_wait_after_it(cluster) -> None:
+    """A worker daemon hangs (SIGSTOP) mid-job: stream() ends on "stopped heartbeating"; the daemon
+    wakes, its rank reports (stopped, the job failed elsewhere); wait() then says what stream() found,
+    not a blame recomputed from outcomes that only followed it (CI printed a bystander's PeerLost)."""
+    c = cluster()
+    c.worker("h0")
+    victim = c.worker("h1")
+    c.worker("h2")
+    with c.client() as client:
+        job = client.submit("ring", 3, train={"epochs": 500})
+        for rec in job.stream():
+            if rec.get("step", 0) >= 20:
+                break
+        os.kill(victim.pid, signal.SIGSTOP)
+        try:
+            for _ in job.stream():  # ends when the submitter's verdict is in
+                pass
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the woken rank reported and its daemon is idle again
+            if {w["id"]: w["state"] for w in client.status()["workers"]}.get("h1") == "idle":
+                break
+            time.sleep(0.2)
+        with pytest.raises(JobError, match=r"worker daemon h1 \(rank \d\) stopped heartbeating"):
+            job.wait(timeout=30)
+
+
 def test_sigterm_leaves_cleanly_idle_and_mid_job(cluster) -> None:
     c = cluster()
     idle = c.worker("t0")

@@ -269,6 +269,9 @@ def test_a_killed_store_costs_no_job(cluster: Compose) -> None:
     assert jobs_before < {j["id"] for j in status["jobs"]}  # the job table survived, the new job in it
     assert [j["state"] for j in status["jobs"] if j["id"] not in jobs_before] == ["done"]
     assert len(status["workers"]) == WORKERS and all(w["state"] == "idle" for w in status["workers"])
+    time.sleep(8)  # past LOST_AFTER_S: every daemon still beats through the restarted store
+    status = cluster.status()
+    assert all(w["state"] == "idle" for w in status["workers"]) and status["servers"], (status, cluster.daemon_logs())
     test_a_killed_store_costs_no_job.took = time.monotonic() - killed  # type: ignore[attr-defined]
 
 

@@ -197,3 +197,52 @@ async def test_past_the_bound_a_client_names_the_store_and_the_time(tmp_path: Pa
         await client.close()
     finally:
         end(proc)
+
+
+@pytest.mark.asyncio
+async def test_a_heartbeat_does_not_wait_for_the_disk_and_survives_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record set with a ttl (a daemon's heartbeat) is answered without waiting for the log's fsync;
+    a plain set still waits for it. A busy disk (each fsync 1.5 s here) made heartbeats as slow as the
+    disk and a live daemon looked dead (CI failed a docker job so)."""
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        time.sleep(1.5)
+        real_fsync(fd)
+
+    store = await psring.start_store(data_dir=str(tmp_path))
+    client = await _client(store.port)
+    try:
+        monkeypatch.setattr(storelog.os, "fsync", slow_fsync)
+        t0 = time.monotonic()
+        for beat in range(5):
+            await client.set("workers/w0", f"beat {beat}".encode(), ttl=3600)
+        beats = time.monotonic() - t0
+        t0 = time.monotonic()
+        await client.set("jobs/1/state", b"running")
+        durable = time.monotonic() - t0
+        assert beats < 1.0 and durable >= 1.5, (beats, durable)
+    finally:
+        monkeypatch.undo()
+        await client.close()
+        await store.close()
+
+    proc, port = await asyncio.to_thread(_store_process, tmp_path)
+    again = None
+    try:
+        client = await _client(port)
+        await client.set("workers/w1", b"beat 0", ttl=3600)  # appended, never waited for
+        await client.close()
+        os.kill(proc.pid, signal.SIGKILL)  # the process dies; the kernel still has what it wrote
+        await asyncio.to_thread(proc.wait, 10)
+        again, port = await asyncio.to_thread(_store_process, tmp_path)
+        client = await _client(port)
+        assert await client.get("workers/w0") == b"beat 4" and await client.get("workers/w1") == b"beat 0"
+        assert await client.get("jobs/1/state") == b"running"
+        await client.close()
+    finally:
+        for p in (proc, again):
+            if p is not None:
+                end(p)
