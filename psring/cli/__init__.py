@@ -4,7 +4,7 @@ Exit codes: 0 done, 1 a failure while running (a PsringError, a job that failed)
 arguments or a bad PSRING_* value (named in one line, no traceback).
 
 Commands: store, server, launch (``serve``); train (``train``); bench (``bench``);
-worker, submit, status, doctor, trace (``cluster``). ``psring --help-env`` lists every
+worker, submit, status, doctor, dashboard, advise, trace (``cluster``). ``psring --help-env`` lists every
 environment variable psring reads (psring.settings).
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 from typing import Any
 
@@ -212,6 +213,74 @@ def cli_trace(args: Any) -> int:
     return 0
 
 
+def cli_advise(args: Any) -> int:
+    from ..cluster import advise as adv
+
+    def fail(message: str) -> int:
+        print(f"psring advise: {message}", file=sys.stderr, flush=True)
+        return 2
+
+    try:
+        sizes = adv.parse_sizes(args.sizes) if args.sizes else adv.model_sizes(args.model or "mlp")
+        if args.server_hosts is not None and args.server_hosts < 0:
+            return fail(f"--server-hosts must be >= 0, got {args.server_hosts}")
+        if args.hosts is not None:
+            m = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", args.hosts)
+            if not m:
+                return fail(f"--hosts {args.hosts!r}: give N or NxR (N hosts, R ranks each), e.g. 4 or 2x4")
+            if args.rate is None:
+                return fail("--hosts needs --rate (each host's link: 1gbit, 25gbit, ...)")
+            links = adv.Links(adv.parse_seconds(args.latency), adv.parse_rate(args.rate))
+            hosts, per_host = int(m[1]), int(m[2] or 1)
+            servers = args.server_hosts or 0
+            measured = None
+        else:
+            if args.rate is not None:
+                return fail("--rate describes hosts (--hosts); with --store the links are measured")
+            measured, servers_seen = _probe_cluster(args)
+            hosts = len(set(measured["hosts"]))
+            per_host = max(measured["hosts"].count(h) for h in set(measured["hosts"]))
+            links = adv.fit_links(measured["world"], tuple(measured["small"]), tuple(measured["large"]))
+            if hosts == 1:  # every rank on one host: what was measured is the local path
+                links = adv.Links(links.latency, links.bandwidth, links.latency, links.bandwidth)
+            servers = servers_seen if args.server_hosts is None else args.server_hosts
+        layout = adv.Layout(hosts, per_host, servers, args.straggler_ms / 1e3, args.backup)
+        result = adv.advise(sizes, layout, links)
+    except ValueError as exc:
+        return fail(str(exc))
+    if measured is not None:
+        result["measured"] = measured
+    if args.json:
+        print(json.dumps(result), flush=True)
+        return 0
+    lay = result["layout"]
+    print(
+        f"{lay['workers']} workers on {lay['hosts']} host(s) ({lay['ranks_per_host']} each), "
+        f"{lay['server_hosts']} host(s) free for servers; links: {links.latency * 1e6:.0f} us, "
+        f"{links.bandwidth * 8 / 1e9:.2f} Gbit/s each way" + (" (measured)" if measured else " (as told)")
+    )
+    print(f"a step's tensors: {len(sizes)}, {sum(sizes) / (1 << 20):.2f} MiB in all")
+    for name, t in sorted(result["predicted_s"].items(), key=lambda kv: kv[1]):
+        mark = "  <- recommended" if name == result["recommended"] else ""
+        print(f"  {name:<16} {t * 1e3:10.2f} ms{mark}")
+    print(f"recommended: {result['recommended']}: {result['reason']}")
+    return 0
+
+
+def _probe_cluster(args: Any) -> tuple[dict[str, Any], int]:
+    """Run the probe on the cluster's idle workers; the measured times and the hosts free for servers."""
+    with Client(args.store, secret=args.secret) as client:
+        status = client.status()
+        idle = [w for w in status["workers"] if w["state"] == "idle"]
+        workers = args.workers if args.workers is not None else len(idle)
+        if workers < 2:
+            raise ValueError(f"the probe needs at least 2 idle worker daemons at {args.store}; {len(idle)} are idle")
+        measured = client.submit("ring", workers, entrypoint="psring.cluster.advise:probe").wait(timeout=600)
+        worker_hosts = {w["host"] for w in status["workers"]}
+        servers = len({s["host"] for s in status.get("servers", []) if s.get("state") != "lost"} - worker_hosts)
+    return measured, servers
+
+
 def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     fmt = argparse.ArgumentDefaultsHelpFormatter
 
@@ -285,6 +354,30 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p.add_argument("--token-file", default=None, help="with --expose: read the token here instead of making one")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between reads of the store")
     p.set_defaults(func=cli_dashboard)
+
+    p = sub.add_parser(
+        "advise",
+        help="measure the links (--store) or take them as told (--hosts), predict each topology, recommend one",
+        formatter_class=fmt,
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="a cluster's store: probe its idle worker daemons' links with a ring job")
+    where.add_argument("--hosts", help="describe hosts instead: N or NxR (N hosts, R ranks each), with --rate")
+    p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
+    p.add_argument("--workers", type=int, default=None, help="--store: probe this many workers (default: all idle)")
+    p.add_argument("--rate", default=None, help="--hosts: each host's link rate (1gbit, 25gbit, 125MB)")
+    p.add_argument("--latency", default="50us", help="--hosts: one message's latency between hosts")
+    p.add_argument(
+        "--server-hosts", type=int, default=None,
+        help="hosts free for servers (no worker on them); --store: the server daemons on hosts without a worker",
+    )  # fmt: skip
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--sizes", default=None, help="the step's tensors (bytes; 25M,4M,...); default the main job's")
+    what.add_argument("--model", default=None, help="mlp, embed (psring train's), or a torch module pkg.mod:attr")
+    p.add_argument("--straggler-ms", type=float, default=0.0, help="a rank late by a uniform 0-2x this, each step")
+    p.add_argument("--backup", type=int, default=1, help="backup workers the ps would run with, where stragglers are")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cli_advise)
 
     p = sub.add_parser("trace", help="turn event logs into a Chrome trace", formatter_class=fmt)
     p.add_argument("dir", help="directory of *.jsonl event logs (PSRING_TRACE_DIR, --trace-dir)")

@@ -1,0 +1,292 @@
+"""``psring advise``: which topology to run, from a cost model of one training step's all-reduces.
+
+The model (its assumptions, in the order they matter):
+
+- Every host has one full-duplex link of ``bandwidth`` bytes/s each way to a switch that is never
+  the bottleneck; a message between hosts costs ``latency`` seconds before its bytes flow. Ranks of
+  one host reach each other through shared memory at ``local_bandwidth``.
+- A step's communication is one all-reduce per tensor (psring buckets small tensors: give the
+  bucket sizes with ``--sizes`` if you want them counted so); tensors go one after another.
+- Each topology's time for ``S`` bytes is latency steps times ``latency`` plus the bytes the
+  busiest link carries in one direction over ``bandwidth``:
+
+  ========================  =====================  ===============================================
+  topology                  latency steps          bytes on the busiest link, one direction
+  ========================  =====================  ===============================================
+  flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
+  hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
+  ps, shards colocated      2                      2R(H-1)/H S (pushes out, other hosts' pulls out)
+  ps, k dedicated hosts     2                      max(R S, N S / k) (workers push and pull S each)
+  BytePS split              2                      the placement of a share x on the k dedicated
+                                                   hosts (rest colocated) that evens both loads
+  ========================  =====================  ===============================================
+
+  with N workers on H hosts, R per host. Pushes and pulls of successive pieces overlap (the ps
+  pipelines a tensor's pieces), so a direction's bytes, not their sum, set the time.
+- Stragglers: a ring step waits for its slowest rank; a ps step with ``backup=b`` waits for the
+  N-b fastest pushes (``SyncSGD(..., backup=b)``); the model adds the expected wait given the
+  straggler delay you name (``--straggler-ms``), a rank late by a uniform 0-2x of it.
+
+``probe`` is the job ``--store`` mode submits to the cluster's idle worker daemons: it times the
+ring's all-reduce at a small and a large size there, and the model's latency and bandwidth are
+fitted to those two times (the cluster's own links, as the ring uses them).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``25M`` -> 26214400 bytes (K, M, G: powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)[bB]?\s*", text)
+    if not m:
+        raise ValueError(f"size {text!r} does not parse (examples: 4, 1M, 25M, 1G)")
+    value = int(float(m[1]) * _UNITS[m[2].lower()])
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise ValueError(f"--sizes {text!r} names no size")
+    return sizes
+
+
+def parse_rate(text: str) -> float:
+    """A link rate as tc writes it (``1gbit``, ``100mbit``) or in bytes (``125MB``): bytes per second."""
+    m = _RATE.match(text)
+    if not m:
+        raise ValueError(f"rate {text!r} does not parse (examples: 1gbit, 10gbit, 100mbit, 125MB)")
+    scale = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m[2].lower()]
+    unit = (m[3] or "bit").lower()
+    value = float(m[1]) * scale / (8.0 if unit in ("bit", "bps") and m[3] != "B" else 1.0)
+    if value <= 0:
+        raise ValueError(f"rate {text!r} must be positive")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """``50us``, ``0.2ms``, ``1s`` -> seconds."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(us|ms|s)?\s*", text)
+    if not m:
+        raise ValueError(f"latency {text!r} does not parse (examples: 50us, 0.2ms)")
+    return float(m[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m[2]]
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the model knows of the network: between hosts, and within one."""
+
+    latency: float  # seconds per message between hosts
+    bandwidth: float  # bytes/s each way of a host's link
+    local_latency: float = 20e-6
+    local_bandwidth: float = 4e9
+
+
+@dataclass(frozen=True)
+class Layout:
+    hosts: int
+    ranks_per_host: int = 1
+    server_hosts: int = 0  # CPU hosts free for servers (no worker on them)
+    straggler: float = 0.0  # seconds: a rank is late by a uniform 0-2x of this, each step
+    backup: int = 1  # the backup workers the ps would run with where stragglers are named
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.ranks_per_host < 1:
+            raise ValueError(f"hosts ({self.hosts}) and ranks per host ({self.ranks_per_host}) must be >= 1")
+        if self.hosts * self.ranks_per_host < 2:
+            raise ValueError("one worker needs no all-reduce: give at least 2 workers")
+        if self.server_hosts < 0:
+            raise ValueError(f"server hosts must be >= 0, got {self.server_hosts}")
+        if not 0 <= self.backup < self.workers:
+            raise ValueError(f"backup must be in [0, {self.workers}) for {self.workers} workers, got {self.backup}")
+
+    @property
+    def workers(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+def split_share(layout: Layout) -> float:
+    """BytePS's share of each tensor for the dedicated hosts: the one that evens a worker host's
+    link (x S R on dedicated, the rest at the colocated cost) and a server host's (x N S / k)."""
+    h, k = layout.hosts, layout.server_hosts
+    if k == 0:
+        return 0.0
+    colocated = 2.0 * (h - 1) / h  # per byte of a worker's share, what its host's link carries
+    # r [x + (1 - x) c] = h r x / k  ->  x = c / (h / k - 1 + c)
+    denom = h / k - 1.0 + colocated
+    return 1.0 if denom <= 0 else min(1.0, max(0.0, colocated / denom))
+
+
+def _straggle(n: int, backup: int, delay: float) -> float:
+    """Expected wait for the (n - backup)-th fastest of n ranks when one of them is late by a
+    uniform 0-2x ``delay`` (the others on time): zero once a backup can drop the late one."""
+    if delay <= 0:
+        return 0.0
+    return 0.0 if backup >= 1 else delay  # the mean of uniform(0, 2 delay)
+
+
+def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
+    """Seconds one all-reduce of ``size`` bytes takes on each topology the layout allows (no
+    stragglers: :func:`step_times` adds them)."""
+    n, h, r, k = layout.workers, layout.hosts, layout.ranks_per_host, layout.server_hosts
+    a, b = links.latency, links.bandwidth
+    a_loc, b_loc = links.local_latency, links.local_bandwidth
+    s = float(size)
+    out: dict[str, float] = {}
+    if h == 1:  # one host: every link is memory
+        out["ring"] = 2 * (n - 1) * a_loc + 2 * (n - 1) / n * s / b_loc
+        out["ps colocated"] = 2 * a_loc + 2 * (n - 1) / n * s / b_loc
+    else:
+        out["ring"] = 2 * (n - 1) * a + 2 * (n - 1) / n * s / b
+        out["ps colocated"] = 2 * a + 2 * r * (h - 1) / h * s / b
+        if r > 1:
+            out["hierarchical"] = 2 * (h - 1) * a + 2 * (h - 1) / h * s / b
+            out["hierarchical"] += 2 * (r - 1) * a_loc + 2 * (r - 1) / r * s / b_loc
+    if k > 0:
+        out["ps dedicated"] = 2 * a + max(r * s, n * s / k) / b
+        x = split_share(layout)
+        worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
+        out["BytePS split"] = 2 * a + max(worker, n * s * x / k) / b
+    return out
+
+
+def step_times(sizes: list[int], layout: Layout, links: Links) -> dict[str, float]:
+    """A step's communication: the tensors' all-reduces one after another (stragglers once)."""
+    total: dict[str, float] = {}
+    for size in sizes:
+        for name, t in predict(size, layout, links).items():
+            total[name] = total.get(name, 0.0) + t
+    if layout.straggler > 0:
+        late = _straggle(layout.workers, 0, layout.straggler)
+        best_ps = min(t for name, t in total.items() if name.startswith(("ps", "BytePS")))
+        total = {name: t + late for name, t in total.items()}
+        total[f"ps backup={layout.backup}"] = best_ps + _straggle(layout.workers, layout.backup, layout.straggler)
+    return total
+
+
+def _reason(best: str, times: dict[str, float], layout: Layout, sizes: list[int]) -> str:
+    n, h, r, k = layout.workers, layout.hosts, layout.ranks_per_host, layout.server_hosts
+    ring = times["ring"]
+    edge = f"{ring / times[best]:.2f}x the flat ring" if best != "ring" else "the fastest"
+    if best == "ring":
+        if max(sizes) < 64 << 10:
+            return "small tensors: every topology is latency-bound, and the ring needs no server"
+        return (
+            f"no host is free for servers, so a ps link carries as much as a ring's ({2 * (n - 1) / n:.2f} S "
+            "each way) and the ring needs no server process"
+            if k == 0
+            else "the ring's steps cost less than the server hosts can save here"
+        )
+    if best == "hierarchical":
+        return (
+            f"{r} ranks per host: reducing within each host first leaves {2 * (h - 1) / h:.2f} S per direction "
+            f"on a host's link where the flat ring and colocated shards put more; {edge}"
+        )
+    if best == "ps dedicated":
+        return (
+            f"{k} server host(s) take the reduction off the workers' links: a worker pushes S and pulls S where "
+            f"the ring moves {2 * (n - 1) / n:.2f} S each way (BytePS); {edge}"
+        )
+    if best == "BytePS split":
+        return (
+            f"{k} server host(s) are too few to take every byte: {split_share(layout):.0%} of each tensor on them "
+            f"and the rest on colocated shards evens both links; {edge}"
+        )
+    if best.startswith("ps backup"):
+        return (
+            f"a straggler late by up to {2 * layout.straggler * 1e3:.0f} ms holds every ring step; a ps step "
+            f"with backup={layout.backup} completes without it (SyncSGD(..., backup={layout.backup})); {edge}"
+        )
+    return f"fewer latency steps (2 against the ring's {2 * (n - 1)}); {edge}"
+
+
+#: simpler first: a topology is recommended over a simpler one only when it is this much faster
+PREFERENCE = ("ring", "hierarchical", "ps colocated", "ps dedicated", "BytePS split")
+MARGIN = 0.05
+
+
+def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
+    times = step_times(sizes, layout, links)
+    fastest = min(times.values())
+    rank = {name: PREFERENCE.index(name) if name in PREFERENCE else len(PREFERENCE) for name in times}
+    near = [name for name in times if times[name] <= fastest * (1 + MARGIN)]
+    best = min(near, key=lambda name: (rank[name], times[name]))
+    return {
+        "layout": {**asdict(layout), "workers": layout.workers},
+        "links": asdict(links),
+        "sizes": sizes,
+        "predicted_s": times,
+        "recommended": best,
+        "reason": _reason(best, times, layout, sizes),
+    }
+
+
+def fit_links(workers: int, small: tuple[int, float], large: tuple[int, float], local: Links | None = None) -> Links:
+    """Latency and bandwidth from the ring's time at two sizes: T(S) = 2(N-1) a + 2(N-1)/N S / b."""
+    (s1, t1), (s2, t2) = small, large
+    if s2 <= s1:
+        raise ValueError("the large probe must be larger than the small one")
+    steps, share = 2 * (workers - 1), 2 * (workers - 1) / workers
+    slope = (t2 - t1) / (s2 - s1)
+    bandwidth = share / slope if slope > 0 else math.inf
+    latency = max((t1 - share * s1 / bandwidth) / steps, 1e-7)
+    base = local or Links(latency, bandwidth)
+    return Links(latency, bandwidth, base.local_latency, base.local_bandwidth)
+
+
+def model_sizes(name: str) -> list[int]:
+    """The tensors' sizes (bytes) of a ``psring train`` model, or of a torch module (``pkg.mod:attr``:
+    a module, or a callable that returns one)."""
+    if name in ("mlp", "embed"):
+        from ..training import embed, model
+
+        params = model.init_params(0) if name == "mlp" else embed.init_params(0)
+        return [int(v.nbytes) for v in params.values()]
+    module_name, _, attr = name.partition(":")
+    if not attr:
+        raise ValueError(f"--model {name!r}: give mlp, embed, or a torch module as pkg.module:attr")
+    import importlib
+
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--model {name!r} cannot be loaded: {exc}") from exc
+    module = obj() if callable(obj) and not hasattr(obj, "parameters") else obj
+    if not hasattr(module, "parameters"):
+        raise ValueError(f"--model {name!r} is not a torch module (it has no parameters())")
+    return [int(p.numel() * p.element_size()) for p in module.parameters() if p.requires_grad]
+
+
+async def probe(group: Any, small: int = 4 << 10, large: int = 8 << 20, iters: int = 5) -> dict[str, Any]:
+    """The cluster job of ``psring advise --store``: the ring's all-reduce timed at two sizes (median
+    of ``iters``, after a warm-up), and each rank's host, so the layout is known too."""
+    hosts = await group.all_gather(np.frombuffer(socket.gethostname().encode()[:64].ljust(64), dtype=np.uint8))
+    names = [bytes(np.asarray(h)).rstrip(b" ").decode(errors="replace") for h in hosts]
+    out: dict[str, Any] = {"world": group.world_size, "hosts": names}
+    for label, size in (("small", small), ("large", large)):
+        buf = np.ones(size // 4, dtype=np.float32)
+        await group.all_reduce(buf)  # warm-up: connections, buffers
+        times = []
+        for _ in range(iters):
+            await group.barrier()
+            t0 = time.perf_counter()
+            await group.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        slowest = await group.all_reduce(np.array([statistics.median(times)], dtype=np.float64), op="max")
+        out[label] = [size, float(np.asarray(slowest)[0])]
+    return out

@@ -1,0 +1,127 @@
+"""``psring advise``: the cost model against figures worked by hand, bad input named, and the probe
+run as a real job on real worker daemons (``--store``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from psring.cluster.advise import Layout, Links, advise, fit_links, parse_rate, predict, split_share, step_times
+
+from .test_cluster import Cluster
+
+GBIT = 1e9 / 8
+
+
+def test_the_model_gives_the_bytes_each_topology_moves() -> None:
+    links = Links(latency=0.0, bandwidth=GBIT)
+    s = 100e6
+    four = predict(int(s), Layout(4), links)
+    assert four["ring"] == pytest.approx(1.5 * s / GBIT)  # 2(N-1)/N S
+    assert four["ps colocated"] == pytest.approx(1.5 * s / GBIT)  # 2R(H-1)/H S, R = 1
+    dedicated = predict(int(s), Layout(4, server_hosts=4), links)
+    assert dedicated["ps dedicated"] == pytest.approx(s / GBIT)  # S each way: BytePS's 1.5x at 4 + 4
+    assert dedicated["ring"] / dedicated["ps dedicated"] == pytest.approx(1.5)
+    eight = predict(int(s), Layout(8, server_hosts=8), links)
+    assert eight["ring"] / eight["ps dedicated"] == pytest.approx(1.75)
+    two_by_two = predict(int(s), Layout(2, 2), Links(0.0, GBIT, 0.0, 1e15))
+    assert two_by_two["hierarchical"] == pytest.approx(s / GBIT)  # 2(H-1)/H S between the hosts
+    assert two_by_two["ps colocated"] == pytest.approx(2 * s / GBIT)  # 2 S: what made ps 0.72x here
+    # the split: 4 workers, 2 server hosts: x = c / (H/k - 1 + c) with c = 1.5 -> 0.6, both links even
+    layout = Layout(4, server_hosts=2)
+    assert split_share(layout) == pytest.approx(0.6)
+    split = predict(int(s), layout, links)["BytePS split"]
+    assert split == pytest.approx(4 * s * 0.6 / 2 / GBIT)
+    assert split < min(predict(int(s), layout, links)[t] for t in ("ring", "ps dedicated", "ps colocated"))
+
+
+def test_latency_steps_decide_small_messages() -> None:
+    links = Links(latency=100e-6, bandwidth=GBIT)
+    t = predict(4, Layout(8), links)
+    assert t["ring"] == pytest.approx(14 * 100e-6, rel=1e-3) and t["ps colocated"] == pytest.approx(200e-6, rel=1e-3)
+
+
+def test_recommendations_and_their_reasons() -> None:
+    links = Links(50e-6, GBIT)
+    assert advise([25 << 20], Layout(4), links)["recommended"] == "ring"  # ties go to the simpler
+    dedicated = advise([25 << 20], Layout(4, server_hosts=4), links)
+    assert dedicated["recommended"] == "ps dedicated" and "1.50x the flat ring" in dedicated["reason"]
+    assert advise([25 << 20], Layout(4, server_hosts=2), links)["recommended"] == "BytePS split"
+    assert advise([25 << 20], Layout(2, 2), links)["recommended"] == "hierarchical"
+    late = advise([1 << 20], Layout(4, straggler=0.05), links)
+    assert late["recommended"] == "ps backup=1" and "backup=1" in late["reason"]
+    assert step_times([1 << 20], Layout(4, straggler=0.05), links)["ring"] == pytest.approx(
+        predict(1 << 20, Layout(4), links)["ring"] + 0.05
+    )
+
+
+def test_fitting_the_ring_gives_back_the_links() -> None:
+    links = Links(80e-6, 0.3e9)
+    small, large = 4096, 8 << 20
+    t = [predict(n, Layout(4), links)["ring"] for n in (small, large)]
+    fitted = fit_links(4, (small, t[0]), (large, t[1]))
+    assert fitted.latency == pytest.approx(80e-6, rel=1e-6) and fitted.bandwidth == pytest.approx(0.3e9, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--hosts", "4x", "--rate", "1gbit"], "--hosts '4x': give N or NxR"),
+        (["--hosts", "4", "--rate", "fast"], "rate 'fast' does not parse"),
+        (["--hosts", "4"], "--hosts needs --rate"),
+        (["--hosts", "4", "--rate", "1gbit", "--sizes", "2Q"], "size '2Q' does not parse"),
+        (["--hosts", "4", "--rate", "1gbit", "--backup", "4"], "backup must be in [0, 4) for 4 workers"),
+        (["--hosts", "4", "--rate", "1gbit", "--server-hosts", "-1"], "--server-hosts must be >= 0"),
+        (["--hosts", "1", "--rate", "1gbit"], "one worker needs no all-reduce"),
+        (["--hosts", "4", "--rate", "1gbit", "--model", "nosuch.module:Net"], "cannot be loaded"),
+    ],
+)
+def test_bad_input_is_named(argv: list[str], says: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "psring", "advise", *argv], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and says in run.stderr, (run.returncode, run.stdout, run.stderr)
+
+
+def test_described_hosts_print_a_table_and_a_recommendation() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "psring", "advise", "--hosts", "4", "--rate", "1gbit", "--server-hosts", "4",
+         "--sizes", "25M,25M"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "recommended: ps dedicated" in run.stdout and "50.00 MiB in all" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_store_mode_probes_the_clusters_workers_with_a_real_job(tmp_path) -> None:
+    cluster = Cluster(tmp_path)
+    try:
+        for i in range(3):
+            cluster.worker(f"a{i}")
+        run = subprocess.run(
+            [sys.executable, "-m", "psring", "advise", "--store", cluster.address, "--sizes", "4M", "--json"],
+            capture_output=True, text=True, timeout=150,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        measured = result["measured"]
+        assert measured["world"] == 3 and len(measured["hosts"]) == 3 and len(set(measured["hosts"])) == 1
+        assert measured["large"][1] > measured["small"][1] > 0  # 8 MiB takes longer than 4 KiB
+        assert result["layout"]["hosts"] == 1 and result["layout"]["workers"] == 3
+        assert result["links"]["bandwidth"] > 0 and result["recommended"] in result["predicted_s"]
+        # the daemons are idle again: the probe was an ordinary job
+        status = subprocess.run(
+            [sys.executable, "-m", "psring", "status", "--store", cluster.address, "--json"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert {w["state"] for w in json.loads(status.stdout)["workers"]} == {"idle"}
+    finally:
+        cluster.close()
+
+
+def test_parse_rate_reads_tc_and_byte_units() -> None:
+    assert parse_rate("1gbit") == pytest.approx(GBIT) and parse_rate("125MB") == pytest.approx(125e6)
+    assert parse_rate("100mbit") == pytest.approx(12.5e6)
