@@ -15,14 +15,17 @@ The model (its assumptions, in the order they matter):
   ========================  =====================  ===============================================
   flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
-  ps, shards colocated      2                      2R(H-1)/H S (pushes out, other hosts' pulls out)
-  ps, k dedicated hosts     2                      max(R S, N S / k) (workers push and pull S each)
-  BytePS split              2                      the placement of a share x on the k dedicated
+  ps, shards colocated      2, and 2N messages     2R(H-1)/H S (pushes out, other hosts' pulls out)
+  ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each)
+  BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
                                                    hosts (rest colocated) that evens both loads
   ========================  =====================  ===============================================
 
-  with N workers on H hosts, R per host. Pushes and pulls of successive pieces overlap (the ps
-  pipelines a tensor's pieces), so a direction's bytes, not their sum, set the time.
+  with N workers on H hosts, R per host. A latency step costs ``latency`` plus ``per_message`` (a
+  process's CPU time per message); a shard handles the N pushes and N pulls of its piece one after
+  another (2N ``per_message``). Pushes and pulls of successive pieces overlap (the ps pipelines a
+  tensor's pieces), so a direction's bytes, not their sum, set the time. With R > 1 the ps moves
+  each rank's bytes (psring does not reduce within a host before pushing, as BytePS does).
 - Stragglers: a ring step waits for its slowest rank; a ps step with ``backup=b`` waits for the
   N-b fastest pushes (``SyncSGD(..., backup=b)``); the model adds the expected wait given the
   straggler delay you name (``--straggler-ms``), a rank late by a uniform 0-2x of it.
@@ -91,10 +94,13 @@ def parse_seconds(text: str) -> float:
 class Links:
     """What the model knows of the network: between hosts, and within one."""
 
-    latency: float  # seconds per message between hosts
+    latency: float  # seconds per message between hosts (the wire and the kernels)
     bandwidth: float  # bytes/s each way of a host's link
     local_latency: float = 20e-6
     local_bandwidth: float = 4e9
+    #: a process's CPU time per message it sends or takes in (psring's Python path: ~20 us); a ring
+    #: rank pays it at each of its sequential steps, a shard for each of the N pushes and N pulls of a piece
+    per_message: float = 20e-6
 
 
 @dataclass(frozen=True)
@@ -147,21 +153,23 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     a, b = links.latency, links.bandwidth
     a_loc, b_loc = links.local_latency, links.local_bandwidth
     s = float(size)
+    c = links.per_message
+    fan = 2 * n * c  # a shard takes N pushes of a piece and sends N pulls
     out: dict[str, float] = {}
     if h == 1:  # one host: every link is memory
-        out["ring"] = 2 * (n - 1) * a_loc + 2 * (n - 1) / n * s / b_loc
-        out["ps colocated"] = 2 * a_loc + 2 * (n - 1) / n * s / b_loc
+        out["ring"] = 2 * (n - 1) * (a_loc + c) + 2 * (n - 1) / n * s / b_loc
+        out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
     else:
-        out["ring"] = 2 * (n - 1) * a + 2 * (n - 1) / n * s / b
-        out["ps colocated"] = 2 * a + 2 * r * (h - 1) / h * s / b
+        out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
+        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b
         if r > 1:
-            out["hierarchical"] = 2 * (h - 1) * a + 2 * (h - 1) / h * s / b
-            out["hierarchical"] += 2 * (r - 1) * a_loc + 2 * (r - 1) / r * s / b_loc
+            out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
+            out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
     if k > 0:
-        out["ps dedicated"] = 2 * a + max(r * s, n * s / k) / b
+        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b
         x = split_share(layout)
         worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
-        out["BytePS split"] = 2 * a + max(worker, n * s * x / k) / b
+        out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b
     return out
 
 
@@ -245,8 +253,10 @@ def fit_links(workers: int, small: tuple[int, float], large: tuple[int, float], 
     slope = (t2 - t1) / (s2 - s1)
     bandwidth = share / slope if slope > 0 else math.inf
     latency = max((t1 - share * s1 / bandwidth) / steps, 1e-7)
-    base = local or Links(latency, bandwidth)
-    return Links(latency, bandwidth, base.local_latency, base.local_bandwidth)
+    # what was fitted is a ring step's whole cost: the wire's latency and the per-message CPU time
+    per_message = min(latency / 2, (local or Links(0, 1)).per_message)
+    base = local or Links(latency - per_message, bandwidth)
+    return Links(latency - per_message, bandwidth, base.local_latency, base.local_bandwidth, per_message)
 
 
 def model_sizes(name: str) -> list[int]:

@@ -17,7 +17,7 @@ GBIT = 1e9 / 8
 
 
 def test_the_model_gives_the_bytes_each_topology_moves() -> None:
-    links = Links(latency=0.0, bandwidth=GBIT)
+    links = Links(latency=0.0, bandwidth=GBIT, per_message=0.0)
     s = 100e6
     four = predict(int(s), Layout(4), links)
     assert four["ring"] == pytest.approx(1.5 * s / GBIT)  # 2(N-1)/N S
@@ -27,7 +27,7 @@ def test_the_model_gives_the_bytes_each_topology_moves() -> None:
     assert dedicated["ring"] / dedicated["ps dedicated"] == pytest.approx(1.5)
     eight = predict(int(s), Layout(8, server_hosts=8), links)
     assert eight["ring"] / eight["ps dedicated"] == pytest.approx(1.75)
-    two_by_two = predict(int(s), Layout(2, 2), Links(0.0, GBIT, 0.0, 1e15))
+    two_by_two = predict(int(s), Layout(2, 2), Links(0.0, GBIT, 0.0, 1e15, 0.0))
     assert two_by_two["hierarchical"] == pytest.approx(s / GBIT)  # 2(H-1)/H S between the hosts
     assert two_by_two["ps colocated"] == pytest.approx(2 * s / GBIT)  # 2 S: what made ps 0.72x here
     # the split: 4 workers, 2 server hosts: x = c / (H/k - 1 + c) with c = 1.5 -> 0.6, both links even
@@ -39,9 +39,10 @@ def test_the_model_gives_the_bytes_each_topology_moves() -> None:
 
 
 def test_latency_steps_decide_small_messages() -> None:
-    links = Links(latency=100e-6, bandwidth=GBIT)
+    links = Links(latency=100e-6, bandwidth=GBIT, per_message=10e-6)
     t = predict(4, Layout(8), links)
-    assert t["ring"] == pytest.approx(14 * 100e-6, rel=1e-3) and t["ps colocated"] == pytest.approx(200e-6, rel=1e-3)
+    assert t["ring"] == pytest.approx(14 * 110e-6, rel=1e-3)  # 2(N-1) steps of latency and CPU
+    assert t["ps colocated"] == pytest.approx(200e-6 + 16 * 10e-6, rel=1e-3)  # 2 latencies, 2N messages
 
 
 def test_recommendations_and_their_reasons() -> None:
@@ -63,7 +64,8 @@ def test_fitting_the_ring_gives_back_the_links() -> None:
     small, large = 4096, 8 << 20
     t = [predict(n, Layout(4), links)["ring"] for n in (small, large)]
     fitted = fit_links(4, (small, t[0]), (large, t[1]))
-    assert fitted.latency == pytest.approx(80e-6, rel=1e-6) and fitted.bandwidth == pytest.approx(0.3e9, rel=1e-6)
+    assert fitted.latency + fitted.per_message == pytest.approx(100e-6, rel=1e-6)  # a step's whole cost
+    assert fitted.bandwidth == pytest.approx(0.3e9, rel=1e-6)
 
 
 @pytest.mark.parametrize(
