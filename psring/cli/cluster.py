@@ -262,6 +262,8 @@ def cli_advise(args: Any) -> int:
     print(f"a step's tensors: {len(sizes)}, {sum(sizes) / (1 << 20):.2f} MiB in all")
     for name, t in sorted(result["predicted_s"].items(), key=lambda kv: kv[1]):
         mark = "  <- recommended" if name == result["recommended"] else ""
+        if name in result["model_only"]:
+            mark = f"  (the model only: {result['model_only'][name]})"
         print(f"  {name:<16} {t * 1e3:10.2f} ms{mark}")
     print(f"recommended: {result['recommended']}: {result['reason']}")
     return 0
