@@ -9,6 +9,8 @@ machine hits them alike:
   flat  psring ring, PSRING_HIERARCHICAL=off (every ring link carries 2(N-1)/N of the tensor)
   hier  psring ring, PSRING_HIERARCHICAL=on (reduce within hosts, then across; psring.topology.ring.hier)
   ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N)
+  psd   psring ps with its shards on ``--server-hosts K`` dedicated hosts (namespaces of their own,
+        shaped alike, no rank on them; one ``psring server --shard i --num-shards K`` each)
   gloo  torch.distributed gloo (needs torch), meeting through a file, GLOO_SOCKET_IFNAME=eth0
 
 Needs root (network namespaces, tc). Prints one table per rate (median time of the slowest rank,
@@ -20,6 +22,7 @@ busbw = size/time·2(N-1)/N) and the ratios; ``--json FILE`` writes the rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 from psring.cli.bench import human, parse_size  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
 
-VARIANTS = ("flat", "hier", "ps", "gloo")
+VARIANTS = ("flat", "hier", "ps", "psd", "gloo")
 
 
 def shape(cluster: NetnsCluster, host: str, rate: str) -> None:
@@ -86,7 +89,10 @@ def run_variant(
 ) -> list[dict[str, Any]]:
     """Start every rank in its namespace, wait for all, return rank 0's rows (one per size)."""
     world = hosts * ranks
-    names = list(cluster.hosts)
+    names = [n for n in cluster.hosts if n.startswith("host")]
+    server_hosts = [n for n in cluster.hosts if n.startswith("srv")]
+    if variant == "psd" and not server_hosts:
+        raise ValueError("the psd variant needs --server-hosts K >= 1")
     with tempfile.TemporaryDirectory(prefix="psring-hosts-") as tmp:
         out = os.path.join(tmp, "result.json")
         spec = {
@@ -102,6 +108,15 @@ def run_variant(
         }
         port, job = _free_port(), f"hosts-{variant}-{uuid.uuid4().hex[:6]}"
         procs = []
+        if variant == "psd":  # the shards, one per dedicated host; they reach the store rank 0 serves
+            for i, srv in enumerate(server_hosts):
+                cmd = [sys.executable, "-m", "psring", "server", "--store", f"{cluster.addresses[names[0]]}:{port}",
+                       "--shard", str(i), "--num-shards", str(len(server_hosts)), "--host", "0.0.0.0",
+                       "--advertise", cluster.addresses[srv], "--job", job, "--timeout", str(timeout)]  # fmt: skip
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
+                       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+                procs.append(cluster.run(srv, cmd, env))
+        servers = list(procs)
         for r in range(world):
             host = names[r // ranks]
             env = {
@@ -125,17 +140,25 @@ def run_variant(
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(cluster.run(host, cmd, env))
         deadline = time.monotonic() + timeout
-        for proc in procs:
+        for proc in procs[len(servers):]:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 break
+        for proc in servers:  # the job is over: the shards go
+            proc.terminate()
         failed = []
         for r, proc in enumerate(procs):  # ended by PID, whatever happened
+            if proc in servers:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
             late = proc.poll() is None
             if late:
                 proc.kill()
             said = proc.communicate(timeout=30)[0] or ""
+            if proc in servers:
+                continue
+            r -= len(servers)
             if late or proc.returncode != 0:
                 what = f"did not finish within {timeout:g}s" if late else f"exited {proc.returncode}"
                 failed.append(f"rank {r} {what}: {said[-1500:]}")
@@ -163,9 +186,11 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for h in range(args.hosts):
             cluster.host(f"host{h}")
+        for k in range(args.server_hosts):
+            cluster.host(f"srv{k}")
         for rate in args.rates:
-            for h in range(args.hosts):
-                shape(cluster, f"host{h}", rate)
+            for name in cluster.hosts:
+                shape(cluster, name, rate)
             runs: dict[str, list[list[dict[str, Any]]]] = {v: [] for v in args.variants}
             for _ in range(args.rounds):
                 for variant in args.variants:
@@ -177,7 +202,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     row = dict(per_size[0])
                     row["time_s"] = statistics.median(r["time_s"] for r in per_size)
                     row["busbw_GBps"] = statistics.median(r["busbw_GBps"] for r in per_size)
-                    row.update(variant=variant, rate=rate, hosts=args.hosts, ranks=args.ranks, rounds=args.rounds)
+                    row.update(variant=variant, rate=rate, hosts=args.hosts, ranks=args.ranks, rounds=args.rounds,
+                               server_hosts=args.server_hosts)  # fmt: skip
                     results.append(row)
     finally:
         cluster.close()
@@ -213,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=2, help="ranks per host")
+    parser.add_argument("--server-hosts", type=int, default=0, help="dedicated server hosts (the psd variant)")
     parser.add_argument("--rates", default="1gbit,10gbit", help="tc rates, comma-separated (as tc writes them)")
     parser.add_argument("--sizes", default="4,64M", help="all_reduce sizes in bytes (4, 1M, 64M)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
@@ -224,6 +251,8 @@ def main() -> None:
     args.rates = [r for r in args.rates.split(",") if r]
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.variants = [v for v in args.variants.split(",") if v]
+    if args.server_hosts == 0 and "psd" in args.variants:
+        args.variants.remove("psd")  # nothing to put the shards on
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown or args.hosts < 1 or args.ranks < 1 or not args.rates:
         parser.error(f"variants are {', '.join(VARIANTS)} (not {unknown}); --hosts, --ranks and --rates need values")

@@ -25,6 +25,40 @@ from psring.topology.ps.server import ShardServer, start_servers
 TOPOLOGIES = list(TOPOLOGY_NAMES)
 
 
+#: Variants that repeat what a sibling in the default run already covers, on the slow side; they run
+#: with ``python -m pytest -m long`` (CI runs the default selection, README's command). Each entry
+#: is a test id; one that no longer names a collected test stops the run, so the list cannot rot.
+LONG_FORMS = (
+    "tests/torch/test_torch_suite.py::test_a_slice_of_torchs_own_suite_passes_as_on_gloo[ps]",
+    "tests/torch/test_frameworks.py::test_ray_train_trains_over_psring_like_gloo[ps]",
+    "tests/torch/test_frameworks.py::test_lightning_trains_over_psring_like_gloo[ring-ddp_spawn]",
+    "tests/torch/test_frameworks.py::test_lightning_trains_over_psring_like_gloo[ps-ddp]",
+    "tests/topology/test_stall.py::test_every_pair_of_calls_is_named_on_every_rank[ring-medium]",
+    "tests/topology/test_stall.py::test_every_pair_of_calls_is_named_on_every_rank[ring-large]",
+    "tests/topology/test_stall.py::test_every_pair_of_calls_is_named_on_every_rank[ps-small]",
+    "tests/topology/test_stall.py::test_every_pair_of_calls_is_named_on_every_rank[ps-medium]",
+    "tests/torch/test_torch_backend.py::test_tutorial_program_prints_what_it_prints_on_gloo[train_sync_sgd.py]",
+    "tests/torch/test_torch_backend.py::test_tutorial_program_prints_what_it_prints_on_gloo[allreduce_group.py]",
+    "tests/torch/test_torch_backend.py::test_tutorial_program_prints_what_it_prints_on_gloo[ring_allreduce.py]",
+    "tests/torch/test_torch_backend.py::test_tutorial_program_prints_what_it_prints_on_gloo[p2p_immediate.py]",
+    "tests/cluster/test_cluster.py::test_a_lost_worker_daemon_restarts_the_job_from_its_checkpoint[ps-False]",
+    "tests/cluster/test_store_restart.py::test_a_store_restart_mid_job_costs_nothing[ring-True]",
+    "tests/topology/test_hierarchical.py::test_ring_and_ps_fold_in_the_two_level_order_across_hosts[6-block:2]",
+    "tests/rendezvous/test_etcd.py::test_a_cluster_job_over_etcd_survives_a_member_lost[one member down throughout]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    by_id = {item.nodeid: item for item in items}
+    for test_id in LONG_FORMS:
+        item = by_id.get(test_id)
+        if item is not None:
+            item.add_marker(pytest.mark.long)
+        elif any(i.startswith(test_id.split("[")[0] + "[") for i in by_id):  # its siblings are here, it is not
+            raise pytest.UsageError(f"tests/conftest.py LONG_FORMS names {test_id}, which is not a test any more")
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
     """Every async test runs on uvloop, as psring's entry points do."""
     return {"uvloop": uvloop.new_event_loop}
