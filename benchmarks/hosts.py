@@ -78,6 +78,11 @@ def _rate_bytes(rate: str) -> int:
     return int(number * unit / 8)
 
 
+def _tuning() -> dict[str, str]:
+    """The ps's tuning settings this benchmark was run with (PSRING_PS_*), for ranks and shards alike."""
+    return {k: v for k, v in os.environ.items() if k.startswith("PSRING_PS_") and k != "PSRING_PS_COLOCATE"}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -114,7 +119,7 @@ def run_variant(
                        "--shard", str(i), "--num-shards", str(len(server_hosts)), "--host", "0.0.0.0",
                        "--advertise", cluster.addresses[srv], "--job", job, "--timeout", str(timeout)]  # fmt: skip
                 env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
-                       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+                       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **_tuning()}  # fmt: skip
                 procs.append(cluster.run(srv, cmd, env))
         servers = list(procs)
         for r in range(world):
@@ -137,6 +142,7 @@ def run_variant(
             }
             if variant == "ps":
                 env["PSRING_PS_COLOCATE"] = "1"
+            env.update(_tuning())
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(cluster.run(host, cmd, env))
         deadline = time.monotonic() + timeout

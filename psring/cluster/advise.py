@@ -252,8 +252,11 @@ def fit_links(workers: int, small: tuple[int, float], large: tuple[int, float], 
     slope = (t2 - t1) / (s2 - s1)
     bandwidth = share / slope if slope > 0 else math.inf
     latency = max((t1 - share * s1 / bandwidth) / steps, 1e-7)
-    # what was fitted is a ring step's whole cost: the wire's latency and the per-message CPU time
-    per_message = min(latency / 2, (local or Links(0, 1)).per_message)
+    # what was fitted is a ring step's whole cost, the wire's latency and the processes' time per
+    # message together; two sizes cannot tell them apart. Counted as 90% CPU: on the hosts bed a step
+    # of ~150 us is nearly all processes' time (a LAN's wire latency is tens of us), and that split
+    # predicts the ps's and the hierarchical ring's small messages there best (benchmarks/advise_check.py)
+    per_message = 0.9 * latency
     base = local or Links(latency - per_message, bandwidth)
     return Links(latency - per_message, bandwidth, base.local_latency, base.local_bandwidth, per_message)
 
