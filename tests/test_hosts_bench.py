@@ -28,7 +28,7 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
         pytest.skip(f"needs network namespaces: {why}")
     if shutil.which("tc") is None:
         pytest.skip("needs tc (iproute2)")
-    variants = ["flat", "hier", "ps"]
+    variants = ["flat", "hier", "ps", "psd"]  # psd: the shards on a dedicated server host (#36)
     try:
         import torch  # noqa: F401
 
@@ -38,9 +38,10 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
     out = tmp_path / "rows.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "hosts.py"), "--rates", "400mbit", "--sizes", "4,2M"]
     cmd += ["--iters", "1", "--rounds", "1", "--variants", ",".join(variants), "--timeout", "120", "--json", str(out)]
+    cmd += ["--server-hosts", "1"]
     proc = run_tree(cmd, timeout=380, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert sorted((r["variant"], r["size"]) for r in rows) == sorted((v, s) for v in variants for s in (4, 2 << 20))
-    assert all(r["time_s"] > 0 and r["hosts"] == 2 and r["ranks"] == 2 for r in rows), rows
+    assert all(r["time_s"] > 0 and r["hosts"] == 2 and r["ranks"] == 2 and r["server_hosts"] == 1 for r in rows), rows
     assert "hier/flat busbw" in proc.stdout, proc.stdout
