@@ -220,30 +220,60 @@ def cli_advise(args: Any) -> int:
         print(f"psring advise: {message}", file=sys.stderr, flush=True)
         return 2
 
+    def names(text: str) -> list[str]:
+        return [n.strip() for n in text.split(",") if n.strip()]
+
     try:
         sizes = adv.parse_sizes(args.sizes) if args.sizes else adv.model_sizes(args.model or "mlp")
-        if args.server_hosts is not None and args.server_hosts < 0:
-            return fail(f"--server-hosts must be >= 0, got {args.server_hosts}")
+        server_names: list[str] | None = None  # --server-hosts as host names
+        server_count: int | None = None
+        if args.server_hosts is not None:
+            if re.fullmatch(r"\s*-?\d+\s*", args.server_hosts):
+                server_count = int(args.server_hosts)
+                if server_count < 0:
+                    return fail(f"--server-hosts must be >= 0, got {server_count}")
+            else:
+                server_names = names(args.server_hosts)
+                if not server_names or len(set(server_names)) != len(server_names):
+                    return fail(f"--server-hosts {args.server_hosts!r}: give a count or distinct host names")
         if args.hosts is not None:
             m = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", args.hosts)
-            if not m:
-                return fail(f"--hosts {args.hosts!r}: give N or NxR (N hosts, R ranks each), e.g. 4 or 2x4")
+            worker_names = None if m else names(args.hosts)
+            half_count = re.match(r"\s*\d+\s*[xX]", args.hosts) is not None  # "4x", "2x4x": a count gone wrong
+            if not m and (
+                half_count or not worker_names or not all(re.fullmatch(r"[\w.:\-]+", n) for n in worker_names)
+            ):
+                return fail(f"--hosts {args.hosts!r}: give N, NxR (N hosts, R ranks each) or host names, "
+                            "e.g. 4, 2x4 or node1,node2")  # fmt: skip
             if args.rate is None:
                 return fail("--hosts needs --rate (each host's link: 1gbit, 25gbit, ...)")
             links = adv.Links(adv.parse_seconds(args.latency), adv.parse_rate(args.rate))
-            hosts, per_host = int(m[1]), int(m[2] or 1)
-            servers = args.server_hosts or 0
+            if m:
+                hosts, per_host = int(m[1]), int(m[2] or 1)
+            else:
+                assert worker_names is not None
+                if len(set(worker_names)) != len(worker_names):
+                    return fail(f"--hosts {args.hosts!r} names a host twice")
+                hosts, per_host = len(worker_names), args.ranks_per_host
+                taken = sorted(set(server_names or ()) & set(worker_names))
+                if taken:
+                    return fail(f"--server-hosts names {', '.join(taken)}, which --hosts runs workers on: "
+                                "a server host must be free of workers")  # fmt: skip
+            servers = server_count if server_count is not None else len(server_names or ())
             measured = None
         else:
             if args.rate is not None:
                 return fail("--rate describes hosts (--hosts); with --store the links are measured")
-            measured, servers_seen = _probe_cluster(args)
+            measured, servers_seen = _probe_cluster(args, server_names)
             hosts = len(set(measured["hosts"]))
             per_host = max(measured["hosts"].count(h) for h in set(measured["hosts"]))
             links = adv.fit_links(measured["world"], tuple(measured["small"]), tuple(measured["large"]))
             if hosts == 1:  # every rank on one host: what was measured is the local path
-                links = adv.Links(links.latency, links.bandwidth, links.latency, links.bandwidth)
-            servers = servers_seen if args.server_hosts is None else args.server_hosts
+                links = adv.Links(links.latency, links.bandwidth, links.latency, links.bandwidth, links.per_message)
+            if server_names is not None:
+                servers = len(server_names)
+            else:
+                servers = servers_seen if server_count is None else server_count
         layout = adv.Layout(hosts, per_host, servers, args.straggler_ms / 1e3, args.backup)
         result = adv.advise(sizes, layout, links)
     except ValueError as exc:
@@ -254,9 +284,10 @@ def cli_advise(args: Any) -> int:
         print(json.dumps(result), flush=True)
         return 0
     lay = result["layout"]
+    step = links.latency + links.per_message
     print(
         f"{lay['workers']} workers on {lay['hosts']} host(s) ({lay['ranks_per_host']} each), "
-        f"{lay['server_hosts']} host(s) free for servers; links: {links.latency * 1e6:.0f} us, "
+        f"{lay['server_hosts']} host(s) free for servers; links: {step * 1e6:.0f} us a message, "
         f"{links.bandwidth * 8 / 1e9:.2f} Gbit/s each way" + (" (measured)" if measured else " (as told)")
     )
     print(f"a step's tensors: {len(sizes)}, {sum(sizes) / (1 << 20):.2f} MiB in all")
@@ -269,16 +300,23 @@ def cli_advise(args: Any) -> int:
     return 0
 
 
-def _probe_cluster(args: Any) -> tuple[dict[str, Any], int]:
-    """Run the probe on the cluster's idle workers; the measured times and the hosts free for servers."""
+def _probe_cluster(args: Any, server_names: list[str] | None) -> tuple[dict[str, Any], int]:
+    """Run the probe on the cluster's idle workers: the measured times and the hosts free for
+    servers (server daemons' hosts without a worker). Server host names that a worker daemon runs
+    on are refused before anything runs."""
     with Client(args.store, secret=args.secret) as client:
         status = client.status()
+        live = [w for w in status["workers"] if w["state"] != "lost"]
+        worker_hosts = {w["host"] for w in live} | {w.get("hostname", "") for w in live} - {""}
+        taken = sorted(set(server_names or ()) & worker_hosts)
+        if taken:
+            raise ValueError(f"--server-hosts names {', '.join(taken)}, where a worker daemon of {args.store} "
+                             "runs: a server host must be free of workers")  # fmt: skip
         idle = [w for w in status["workers"] if w["state"] == "idle"]
         workers = args.workers if args.workers is not None else len(idle)
         if workers < 2:
             raise ValueError(f"the probe needs at least 2 idle worker daemons at {args.store}; {len(idle)} are idle")
         measured = client.submit("ring", workers, entrypoint="psring.cluster.advise:probe").wait(timeout=600)
-        worker_hosts = {w["host"] for w in status["workers"]}
         servers = len({s["host"] for s in status.get("servers", []) if s.get("state") != "lost"} - worker_hosts)
     return measured, servers
 
@@ -370,9 +408,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p.add_argument("--rate", default=None, help="--hosts: each host's link rate (1gbit, 25gbit, 125MB)")
     p.add_argument("--latency", default="50us", help="--hosts: one message's latency between hosts")
     p.add_argument(
-        "--server-hosts", type=int, default=None,
-        help="hosts free for servers (no worker on them); --store: the server daemons on hosts without a worker",
+        "--server-hosts", default=None,
+        help="hosts free for servers (no worker on them): a count or host names; "
+        "--store: by default the server daemons on hosts without a worker",
     )  # fmt: skip
+    p.add_argument("--ranks-per-host", type=int, default=1, help="--hosts as names: ranks on each")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--sizes", default=None, help="the step's tensors (bytes; 25M,4M,...); default the main job's")
     what.add_argument("--model", default=None, help="mlp, embed (psring train's), or a torch module pkg.mod:attr")

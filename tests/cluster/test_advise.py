@@ -73,7 +73,7 @@ def test_fitting_the_ring_gives_back_the_links() -> None:
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--hosts", "4x", "--rate", "1gbit"], "--hosts '4x': give N or NxR"),
+        (["--hosts", "4x", "--rate", "1gbit"], "--hosts '4x': give N, NxR (N hosts, R ranks each) or host names"),
         (["--hosts", "4", "--rate", "fast"], "rate 'fast' does not parse"),
         (["--hosts", "4"], "--hosts needs --rate"),
         (["--hosts", "4", "--rate", "1gbit", "--sizes", "2Q"], "size '2Q' does not parse"),
@@ -81,11 +81,26 @@ def test_fitting_the_ring_gives_back_the_links() -> None:
         (["--hosts", "4", "--rate", "1gbit", "--server-hosts", "-1"], "--server-hosts must be >= 0"),
         (["--hosts", "1", "--rate", "1gbit"], "one worker needs no all-reduce"),
         (["--hosts", "4", "--rate", "1gbit", "--model", "nosuch.module:Net"], "cannot be loaded"),
+        (["--hosts", "n1,n2", "--rate", "1gbit", "--server-hosts", "s1,n2"], "--server-hosts names n2, which"),
+        (["--hosts", "n1,n1", "--rate", "1gbit"], "names a host twice"),
+        (["--hosts", "4", "--rate", "1gbit", "--server-hosts", "s1,s1"], "a count or distinct host names"),
     ],
 )
 def test_bad_input_is_named(argv: list[str], says: str) -> None:
     run = subprocess.run([sys.executable, "-m", "psring", "advise", *argv], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and says in run.stderr, (run.returncode, run.stdout, run.stderr)
+
+
+def test_hosts_and_server_hosts_by_name() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "psring", "advise", "--hosts", "n1,n2,n3,n4", "--rate", "1gbit", "--server-hosts",
+         "s1,s2,s3,s4", "--sizes", "25M", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    assert result["layout"]["hosts"] == 4 and result["layout"]["server_hosts"] == 4
+    assert result["recommended"] == "ps dedicated"
 
 
 def test_described_hosts_print_a_table_and_a_recommendation() -> None:
@@ -122,6 +137,15 @@ def test_store_mode_probes_the_clusters_workers_with_a_real_job(tmp_path) -> Non
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert {w["state"] for w in json.loads(status.stdout)["workers"]} == {"idle"}
+        # a server host named where a worker daemon runs (this machine): refused before any probe
+        import socket
+
+        taken = subprocess.run(
+            [sys.executable, "-m", "psring", "advise", "--store", cluster.address, "--server-hosts",
+             socket.gethostname()],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert taken.returncode == 2 and "a server host must be free of workers" in taken.stderr, taken.stderr
     finally:
         cluster.close()
 

@@ -199,6 +199,19 @@ def test_jobs_status_doctor_metrics_and_checkpoints(cluster: Compose) -> None:
     assert "daemon-id" in listing and re.search(rf"psring-job{ps_job}-shard0-of{WORKERS}\.npz", listing), listing
 
 
+def test_advise_probes_the_containers_links(cluster: Compose) -> None:
+    """psring advise --store from a container: the probe runs as a job on the worker containers
+    (each its own host), the model is fitted to what it measured, and the server daemon's container
+    counts as a host free for servers (#36)."""
+    out = cluster.psring("advise", "--store", cluster.store, "--sizes", "16M", "--json").stdout
+    result = _summary(out)
+    assert result["measured"]["world"] == WORKERS and len(set(result["measured"]["hosts"])) == WORKERS, result
+    assert result["layout"]["hosts"] == WORKERS and result["layout"]["ranks_per_host"] == 1
+    assert result["layout"]["server_hosts"] == 1 and "ps dedicated" in result["predicted_s"], result
+    assert result["links"]["bandwidth"] > 0 and result["recommended"] in result["predicted_s"]
+    assert all(w["state"] == "idle" for w in cluster.status()["workers"])  # an ordinary job, over
+
+
 def _follow(proc: subprocess.Popen[str], until_step: int) -> tuple[int, list[tuple[float, int, str]]]:
     """Read a submit's progress lines until the step given; returns that step and the lines."""
     lines: list[tuple[float, int, str]] = []
