@@ -262,6 +262,8 @@ def cli_advise(args: Any) -> int:
             servers = server_count if server_count is not None else len(server_names or ())
             measured = None
         else:
+            if args.store is None:
+                return fail("give --store HOST:PORT (measure a cluster's links) or --hosts N|NxR|names --rate R")
             if args.rate is not None:
                 return fail("--rate describes hosts (--hosts); with --store the links are measured")
             measured, servers_seen = _probe_cluster(args, server_names)
@@ -400,8 +402,11 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         help="measure the links (--store) or take them as told (--hosts), predict each topology, recommend one",
         formatter_class=fmt,
     )
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--store", help="a cluster's store: probe its idle worker daemons' links with a ring job")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--store", default=env.store,
+        help="a cluster's store: probe its idle worker daemons' links with a ring job (PSRING_STORE)",
+    )  # fmt: skip
     where.add_argument("--hosts", help="describe hosts instead: N or NxR (N hosts, R ranks each), with --rate")
     p.add_argument("--secret", default=env.secret, help="shared secret (PSRING_SECRET, PSRING_SECRET_FILE)")
     p.add_argument("--workers", type=int, default=None, help="--store: probe this many workers (default: all idle)")

@@ -4,6 +4,7 @@ run as a real job on real worker daemons (``--store``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -83,11 +84,15 @@ def test_fitting_the_ring_gives_back_the_links() -> None:
         (["--hosts", "4", "--rate", "1gbit", "--model", "nosuch.module:Net"], "cannot be loaded"),
         (["--hosts", "n1,n2", "--rate", "1gbit", "--server-hosts", "s1,n2"], "--server-hosts names n2, which"),
         (["--hosts", "n1,n1", "--rate", "1gbit"], "names a host twice"),
+        (["--sizes", "4M"], "give --store HOST:PORT (measure a cluster's links) or --hosts"),
         (["--hosts", "4", "--rate", "1gbit", "--server-hosts", "s1,s1"], "a count or distinct host names"),
     ],
 )
 def test_bad_input_is_named(argv: list[str], says: str) -> None:
-    run = subprocess.run([sys.executable, "-m", "psring", "advise", *argv], capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "PSRING_STORE"}
+    run = subprocess.run(
+        [sys.executable, "-m", "psring", "advise", *argv], capture_output=True, text=True, timeout=60, env=env
+    )
     assert run.returncode == 2 and says in run.stderr, (run.returncode, run.stdout, run.stderr)
 
 
