@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from hosts import run_variant, shape  # noqa: E402
 
 from psring.cli.bench import human  # noqa: E402
-from psring.cluster.advise import MARGIN, PREFERENCE, Layout, fit_links, parse_rate, predict  # noqa: E402
+from psring.cluster.advise import MARGIN, Layout, advise, fit_links, parse_rate, predict  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available  # noqa: E402
 
 #: (hosts, ranks per host, server hosts, rate, size)
@@ -70,10 +70,8 @@ def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]
         measured = {MODEL[v]: measure(cluster, v, hosts, ranks, [size], rounds)[0] for v in variants}
     finally:
         cluster.close()
+    recommended = advise([size], layout, links)["recommended"]  # what psring advise says, as it says it
     predicted = {name: t for name, t in predicted.items() if name in measured}
-    fastest = min(predicted.values())
-    near = [n for n, t in predicted.items() if t <= fastest * (1 + MARGIN)]
-    recommended = min(near, key=lambda n: (PREFERENCE.index(n), predicted[n]))
     best_measured = min(measured, key=lambda n: measured[n])
     return {
         "config": {"hosts": hosts, "ranks": ranks, "server_hosts": servers, "rate": rate, "size": size},

@@ -138,14 +138,6 @@ def split_share(layout: Layout) -> float:
     return 1.0 if denom <= 0 else min(1.0, max(0.0, colocated / denom))
 
 
-def _straggle(n: int, backup: int, delay: float) -> float:
-    """Expected wait for the (n - backup)-th fastest of n ranks when one of them is late by a
-    uniform 0-2x ``delay`` (the others on time): zero once a backup can drop the late one."""
-    if delay <= 0:
-        return 0.0
-    return 0.0 if backup >= 1 else delay  # the mean of uniform(0, 2 delay)
-
-
 def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     """Seconds one all-reduce of ``size`` bytes takes on each topology the layout allows (no
     stragglers: :func:`step_times` adds them)."""
@@ -179,11 +171,11 @@ def step_times(sizes: list[int], layout: Layout, links: Links) -> dict[str, floa
     for size in sizes:
         for name, t in predict(size, layout, links).items():
             total[name] = total.get(name, 0.0) + t
-    if layout.straggler > 0:
-        late = _straggle(layout.workers, 0, layout.straggler)
-        best_ps = min(t for name, t in total.items() if name.startswith(("ps", "BytePS")))
-        total = {name: t + late for name, t in total.items()}
-        total[f"ps backup={layout.backup}"] = best_ps + _straggle(layout.workers, layout.backup, layout.straggler)
+    if layout.straggler > 0:  # one rank late by a uniform 0-2x: every step waits for it, the delay on average
+        best_ps = min(t for name, t in total.items() if name.startswith("ps"))  # psring's own placements
+        total = {name: t + layout.straggler for name, t in total.items()}
+        if layout.backup >= 1:  # the ps takes the first N - b pushes of a piece: the late one is dropped
+            total[f"ps backup={layout.backup}"] = best_ps
     return total
 
 
