@@ -47,16 +47,17 @@ from typing import Any
 
 import numpy as np
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+from ..settings import parse_bytes
+
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """``25M`` -> 26214400 bytes (K, M, G: powers of 1024)."""
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgG]?)[bB]?\s*", text)
-    if not m:
-        raise ValueError(f"size {text!r} does not parse (examples: 4, 1M, 25M, 1G)")
-    value = int(float(m[1]) * _UNITS[m[2].lower()])
+    """``25M`` -> 26214400 bytes (K, M, G: powers of 1024; the settings' byte counts)."""
+    try:
+        value = parse_bytes(text)
+    except ValueError:
+        raise ValueError(f"size {text!r} does not parse (examples: 4, 1M, 25M, 1G)") from None
     if value <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return value
