@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from psring.cli.bench import human, parse_size  # noqa: E402
+from psring.cluster.advise import parse_rate  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
 
 VARIANTS = ("flat", "hier", "ps", "psd", "gloo")
@@ -48,7 +49,7 @@ VARIANTS = ("flat", "hier", "ps", "psd", "gloo")
 def shape(cluster: NetnsCluster, host: str, rate: str) -> None:
     """tbf at ``rate`` on both ends of a host's link, with a burst the rate can refill in 4 ms
     (a fixed 64 KiB burst caps a 10 Gbit/s tbf well below its rate)."""
-    rate_bytes = _rate_bytes(rate)
+    rate_bytes = int(parse_rate(rate))
     burst = max(64 << 10, rate_bytes // 250)
     bridge_ns, bridge_dev = cluster.link(host)
     for ns, dev in ((cluster.hosts[host], "eth0"), (bridge_ns, bridge_dev)):
@@ -69,13 +70,6 @@ def shape(cluster: NetnsCluster, host: str, rate: str) -> None:
             "latency",
             "50ms",
         )
-
-
-def _rate_bytes(rate: str) -> int:
-    text = rate.lower().removesuffix("bit").removesuffix("bps")
-    unit = {"k": 1e3, "m": 1e6, "g": 1e9}.get(text[-1:], 1.0)
-    number = float(text[:-1] if text[-1:] in "kmg" else text)
-    return int(number * unit / 8)
 
 
 def _tuning() -> dict[str, str]:
