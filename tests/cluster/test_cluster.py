@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import pytest
 
@@ -232,16 +233,22 @@ def test_two_queued_jobs_share_two_daemons(cluster) -> None:
             assert fut.result(timeout=150)["topology"] == "ps"
 
 
+def _long_job_under_way(client: Client) -> Any:
+    """A ring job over the three daemons that will not end by itself, past its 20th step."""
+    job = client.submit("ring", 3, train={"epochs": 500})
+    for rec in job.stream():
+        if rec.get("step", 0) >= 20:
+            break
+    return job
+
+
 def test_sigkilled_daemon_fails_the_job_naming_it(cluster) -> None:
     c = cluster()
     c.worker("k0")
     victim = c.worker("k1")
     c.worker("k2")
     with c.client() as client:
-        job = client.submit("ring", 3, train={"epochs": 500})
-        for rec in job.stream():
-            if rec.get("step", 0) >= 20:
-                break
+        job = _long_job_under_way(client)
         t0 = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         with pytest.raises(JobError, match=r"worker daemon k1 \(rank \d\) (was lost|stopped heartbeating)"):
@@ -266,10 +273,7 @@ def test_a_hung_daemon_is_named_alike_by_stream_and_by_wait_after_it(cluster) ->
     victim = c.worker("h1")
     c.worker("h2")
     with c.client() as client:
-        job = client.submit("ring", 3, train={"epochs": 500})
-        for rec in job.stream():
-            if rec.get("step", 0) >= 20:
-                break
+        job = _long_job_under_way(client)
         os.kill(victim.pid, signal.SIGSTOP)
         try:
             for _ in job.stream():  # ends when the submitter's verdict is in
