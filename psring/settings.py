@@ -235,6 +235,8 @@ class Settings:
     # - spinning 500 us (PSRING_SPIN_US) before sleeping: waking a sleeping process costs more than the wait
     #   on a VM; at 4 ranks 100 us cut the back-to-back 4-byte time by 10-20% and 500 us another 10-15%
     #   (medians of 5 alternating runs: 100 us 636, 300 us 566, 500 us 544, 1000 us 628).
+    # - the board up to 16 KiB: a 4-byte all_reduce between 2 processes 18 us back to back (45 before the
+    #   caller's thread ran it, 52-57 over the Unix links); see docs/performance.md.
     ring_piece: int = _var(
         "PSRING_RING_PIECE", 1 << 20, parse_bytes, "ring: pipeline piece on the event loop", tuning=True
     )
@@ -243,6 +245,13 @@ class Settings:
         3,
         parse_count,
         "ring: world size from which small calls use a root (0: never)",
+        tuning=True,
+    )
+    ring_board: int = _var(
+        "PSRING_RING_BOARD",
+        16 << 10,
+        parse_bytes,
+        "ring: all_reduces up to this size between ranks of one host go through shared-memory boards (0: never)",
         tuning=True,
     )
     ring_threads: bool = _var(

@@ -2,7 +2,9 @@
 
 Each blocking method submits the coroutine to that loop and waits; ``async_op=True``
 returns a :class:`Handle` instead (isend/irecv-style overlap from plain scripts).
-The async Group is the only implementation.
+The async Group is the only implementation; where it offers ``<name>_now`` (the ring's
+small same-host all_reduce), a blocking call with nothing of this group in flight runs
+there, on the caller's thread, without the hop to the loop and back.
 """
 
 from __future__ import annotations
@@ -43,10 +45,21 @@ _live: weakref.WeakSet[BlockingGroup] = weakref.WeakSet()
 
 
 def _blocking(name: str) -> Any:
+    now = f"{name}_now"  # a group's way to run the call on the caller's thread (NotImplemented: not this one)
+
     def method(self: BlockingGroup, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        if not async_op and not self._pending:
+            run_now = getattr(self._group, now, None)
+            if run_now is not None:
+                out = run_now(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+        elif self._pending:
+            self._pending = [f for f in self._pending if not f.done()]
         coro = getattr(self._group, name)(*args, **kwargs)
         fut = self._portal.submit(coro)
         if async_op:
+            self._pending.append(fut)
             return Handle(fut)
         try:
             return fut.result()
@@ -67,6 +80,8 @@ class BlockingGroup:
         self._portal = portal
         self._owns_portal = owns_portal
         self._closed = False
+        #: async_op calls not known to be done: while there are any, every call takes the loop (in order)
+        self._pending: list[concurrent.futures.Future[Any]] = []
         _live.add(self)
 
     @property

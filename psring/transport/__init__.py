@@ -6,6 +6,7 @@
 - ``listener``: one listening port per process, dialing out, TLS.
 - ``mailbox``: tag-matched delivery of frames to posted receives.
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.
+- ``board``: same-host posting boards in shared memory, polled, for the smallest messages.
 - ``unixnet``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
 """

@@ -180,6 +180,14 @@ class UnixMesh:
         link.bytes_sent += len(msg)
         link.frames_sent += 1
 
+    def poke(self, peer: int, msg: bytes) -> None:
+        """Send a message that may be lost (a wake-up): from any thread, never blocking, never queued."""
+        link = self.links.get(peer)
+        if link is None or link.closed:
+            return
+        with contextlib.suppress(OSError):  # full, or ending: the sleeper looks again within its nap
+            link.sock.send(msg, socket.MSG_DONTWAIT)
+
     async def drain(self) -> None:
         """Wait until every queued message is with the kernel (or its link has ended)."""
         while self.backlog:

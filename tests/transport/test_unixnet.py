@@ -26,6 +26,13 @@ from ..conftest import run_tree
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(90)]
 
 
+@pytest.fixture(autouse=True)
+def _links_not_boards(monkeypatch) -> None:
+    """Small all_reduces between ranks of one host go through shared-memory boards by default
+    (test_board.py); these tests are about the links under them."""
+    monkeypatch.setenv("PSRING_RING_BOARD", "0")
+
+
 def _tcp_sent(g: psring.Group) -> int:
     return sum(c.bytes_sent for c in g.net._all_conns())  # type: ignore[attr-defined]
 
@@ -81,13 +88,17 @@ async def _battery(groups: list[psring.Group], world: int) -> list[bytes]:
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 async def test_unix_links_and_tcp_give_the_same_bits(make_groups, monkeypatch, world: int) -> None:
+    """The same bits over the boards, the Unix links and TCP."""
     results = {}
-    for mode in ("auto", "off"):
+    for mode, board in (("auto", "16K"), ("auto", "0"), ("off", "16K")):
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
+        monkeypatch.setenv("PSRING_RING_BOARD", board)
         groups = await make_groups(world)
         assert all((g.net.mesh is not None) == (mode == "auto") for g in groups)  # type: ignore[attr-defined]
-        results[mode] = await _battery(groups, world)
-    assert results["auto"] == results["off"]
+        boards = (mode, board) == ("auto", "16K")
+        assert all((g.net.board is not None) == boards for g in groups)  # type: ignore[attr-defined]
+        results[mode, board] = await _battery(groups, world)
+    assert results["auto", "16K"] == results["auto", "0"] == results["off", "16K"]
 
 
 async def test_a_small_call_against_a_large_one_is_a_named_mismatch(make_groups) -> None:
@@ -244,14 +255,16 @@ g.close()
 """
 
 
+@pytest.mark.parametrize("board", ["0", "16K"])
 @pytest.mark.parametrize("spin_us", ["0", "2000"])
-async def test_one_rank_per_process_polls_before_it_sleeps(tmp_path, spin_us: str) -> None:
-    """With one rank per process a rank polls its links (PSRING_SPIN_US) before sleeping: the
-    same bits either way, a long spin included. fp16 calls are in the mix: their messages come
-    early for a number already reserved, and must be kept (a spin once made that a hang)."""
+async def test_one_rank_per_process_polls_before_it_sleeps(tmp_path, spin_us: str, board: str) -> None:
+    """With one rank per process a rank polls its links or boards (PSRING_SPIN_US) before sleeping:
+    the same bits either way, a long spin included. fp16 calls are in the mix: their messages come
+    early for a number already reserved, and must be kept (a spin once made that a hang); with the
+    boards, the blocking calls run on the caller's thread between them."""
     script = tmp_path / "job.py"
     script.write_text(SPIN_JOB)
-    env = {**os.environ, "PSRING_SPIN_US": spin_us, "PSRING_TIMEOUT": "20"}  # a hang fails, not waits
+    env = {**os.environ, "PSRING_SPIN_US": spin_us, "PSRING_TIMEOUT": "20", "PSRING_RING_BOARD": board}
     proc = await asyncio.to_thread(
         run_tree,
         [sys.executable, "-m", "psring", "launch", "-n", "3", "--", sys.executable, str(script)],

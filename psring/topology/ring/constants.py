@@ -27,3 +27,6 @@ PLANE_GRACE = 1.0
 HIER = 16
 HIER_BLOCK = 4 << 20
 HIER_DEPTH = 4
+
+#: the phase of a same-host message that only wakes a rank asleep on the board (psring.topology.ring.board)
+BOARD_WAKE = 99

@@ -29,6 +29,7 @@ from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
+from .board import BoardPath
 from .constants import SCATTER
 from .fp16 import Fp16Ring
 from .hier import Hierarchical
@@ -41,7 +42,7 @@ from .small import SmallPaths, _MeshSlot
 logger = logging.getLogger(__name__)
 
 
-class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
+class RingGroup(BoardPath, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
     """Collectives over a ring of peer links.
 
     This module holds what every path shares (set-up, links, subgroups) and which path a
@@ -60,6 +61,7 @@ class RingGroup(SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group
         #: receives posted on the same-host links, by (seq, phase); and messages that came first
         self._mesh_slots: dict[tuple[int, int], _MeshSlot] = {}
         self._mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
+        self._init_board()
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
             self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))

@@ -1,6 +1,6 @@
 """What the ring's path mixins need from RingGroup and from each other: read by type checkers only.
 
-``RingGroup`` is assembled from mixins (``small``, ``pipeline``, ``fp16``, ``plane``, ``hier``),
+``RingGroup`` is assembled from mixins (``board``, ``small``, ``pipeline``, ``fp16``, ``plane``, ``hier``),
 each of which calls into the group's plumbing and into its siblings. Each mixin names this class
 as its base under ``TYPE_CHECKING`` (and ``object`` at run time), so the interface between them
 is written down once, here, and checked (mypy in CI): a signature that drifts is an error.
@@ -32,6 +32,16 @@ class RingHost(Group):
     _local: dict[int, int]
     _mesh_slots: dict[tuple[int, int], Any]
     _mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]]
+
+    # ------------------------------------------------ ring/board.py: small all_reduces through shared memory
+    @abc.abstractmethod
+    def _board(self, x: Any, compression: str | None) -> Any: ...
+
+    @abc.abstractmethod
+    async def _board_all_reduce(self, board: Any, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    @abc.abstractmethod
+    def on_board_wake(self) -> None: ...
 
     # ------------------------------------------------ ring/group.py: plumbing and the path decision
     @abc.abstractmethod

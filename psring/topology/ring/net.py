@@ -17,6 +17,7 @@ from ...errors import CollectiveTimeoutError, MismatchError, PeerLostError, Prot
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
+from ...transport.board import Board, board_possible
 from ...transport.connection import Connection
 from ...transport.listener import Listener, open_connection
 from ...transport.mailbox import Mailbox
@@ -63,6 +64,10 @@ class PeerNet(PlaneLinks):
         self.prefix = prefix
         self._counted = False
         self.mailbox = Mailbox()
+        try:  # the loop this rank runs on (other threads hand it work: the board's caller-thread path)
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
         self.mailbox.on_lost = self._on_conn_lost
         self.mailbox.on_control = self._on_control
         self.links: dict[int, Connection] = {}
@@ -89,6 +94,8 @@ class PeerNet(PlaneLinks):
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
         if world_size > 1 and mesh_possible(self.config):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
+        #: the same-host posting board for small all_reduces (psring.transport.board), when every rank has one
+        self.board: Board | None = None
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray
@@ -114,10 +121,19 @@ class PeerNet(PlaneLinks):
         unix = b"-"
         if self.mesh is not None:
             try:
-                unix = msgpack.packb(self.mesh.bind())
+                record = self.mesh.bind()
             except OSError as exc:
                 logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
                 self.mesh = None
+            else:
+                if board_possible() and self.config.ring_board > 0:
+                    try:
+                        self.board = Board(self.config.ring_board)
+                        record["board"] = self.board.describe()
+                    except OSError as exc:
+                        logger.info("rank %d: no same-host board (%s): small all_reduces use the links", self.rank, exc)
+                        self.board = None
+                unix = msgpack.packb(record)
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
         await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(self.path_settings()))
         where = [self.config.host_id or host_key(), self.config.hierarchical]
@@ -222,6 +238,38 @@ class PeerNet(PlaneLinks):
                 logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
                 self.mesh.close()
                 self.mesh = None
+        await self._agree_board(timeout)
+
+    async def _agree_board(self, timeout: float) -> None:
+        """Small all_reduces go through the boards only if every rank mapped every other's (the
+        same answer on every rank, or some would post where others wait on the links); up to the
+        smallest board's room (each rank's limit is that already, from the boards it mapped)."""
+        board = self.board
+        ok = False
+        if board is not None and self.mesh is not None:
+            try:
+                board.attach({r: info.get("board") for r, info in self.mesh_peers.items()})
+                ok = True
+            except (OSError, ValueError) as exc:
+                logger.info("rank %d: cannot map a peer's same-host board (%s)", self.rank, exc)
+        await self.store.set(f"{self.prefix}/board/{self.rank}", str(board.limit if ok and board else 0).encode())
+        keys = [f"{self.prefix}/board/{r}" for r in range(self.world_size)]
+        try:
+            await self.store.wait(keys, timeout)
+        except StoreError:
+            raise CollectiveTimeoutError(
+                f"rendezvous: not every rank said within {timeout:g}s whether it can use the same-host board"
+            ) from None
+        for key in keys:
+            try:
+                room = int(await self.store.get(key) or b"0")
+            except ValueError:
+                room = 0
+            if room < 1:
+                ok = False
+        if not ok and board is not None:
+            board.close()
+            self.board = None
 
     async def _agree_hierarchy(self) -> None:
         """Whether all_reduce goes hierarchical, the same answer on every rank: only if no rank turned
@@ -454,6 +502,8 @@ class PeerNet(PlaneLinks):
             self.plane.close()
         if self.mesh is not None:
             self.mesh.close()
+        if self.board is not None:
+            self.board.close()
         if self.listener is not None:
             await self.listener.close()
         with contextlib.suppress(Exception):

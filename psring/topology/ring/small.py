@@ -19,7 +19,7 @@ from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from .constants import DIRECT, MESH_EARLY_MAX, MESH_MAX_BYTES, RESULT, ROOT_REPORT_GRACE, TO_ROOT
+from .constants import BOARD_WAKE, DIRECT, MESH_EARLY_MAX, MESH_MAX_BYTES, RESULT, ROOT_REPORT_GRACE, TO_ROOT
 from .net import PeerNet
 from .paths import SMALL_BYTES, Path
 
@@ -36,6 +36,9 @@ class SmallPaths(_Host):
 
     # ---------------------------------------------------------- same-host links
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        board = self._board(x, compression)
+        if board is not None:  # all ranks on one host, each with a board: through shared memory
+            return await self._board_all_reduce(board, x, op)
         # The latency path: a small, contiguous numpy array between ranks of one host goes
         # straight to the one-hop exchange, past the generic staging and dispatch. The same
         # checks hold (the pair (op, dtype) was validated once); the same bits come out.
@@ -60,6 +63,9 @@ class SmallPaths(_Host):
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
         """A message from a same-host link (psring.transport.unixnet): into its posted receive, or kept."""
+        if phase == BOARD_WAKE:
+            self.on_board_wake()
+            return
         src = self._local.get(peer)
         if src is None:
             return  # not a member of this group: nothing of ours

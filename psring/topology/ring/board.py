@@ -1,0 +1,320 @@
+"""The ring's board path: small all_reduces between the ranks of one host through shared-memory
+posting boards (psring.transport.board), from the event loop or straight from the caller's thread.
+
+Every rank posts its tensor on its own board and reads every other rank's post, then folds in the
+canonical order (the bits of every other path). Which all_reduces take it depends only on the call
+(the job's group, no compression, at most the board's bytes), so every rank takes it for the same
+calls and numbers their posts alike. A rank waits for its peers' posts by polling shared memory:
+spinning for up to PSRING_SPIN_US (a lone rank in its process), then asleep until a peer that
+posted pokes it over the same-host link (a short timed sleep covers a poke that crossed its
+going to sleep).
+
+The blocking API (``psring.init()``) runs the call on the caller's thread when nothing else of the
+group is in flight (:meth:`BoardPath.all_reduce_now`): it posts, and when every peer's post comes
+within its spin it folds there, with no hop to the event loop and back (which costs more than the
+exchange itself). A call whose peers are late is handed to the event loop where it stands, and from
+there on is a collective like any other: timed out, reported when it stalls, abandoned on an abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import byte_view, dtype_name
+from ...core.fold import canonical_fold, check_op, finish_avg, reduce_op, ring_chunk_bounds
+from ...errors import MismatchError
+from ...transport.board import Board
+from ..collective import Collective, mismatch_message
+from ..recorder import OBSERVERS
+from ..runtime import RECENT
+from .constants import BOARD_WAKE
+from .net import PeerNet
+
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
+#: the call descriptor of a wake-up message (it carries no call; messages must name one)
+_WAKE = ("wake", None, None, None, None)
+#: the longest a waiting rank sleeps before it looks at the board again (a poke may cross its sleep)
+NAP = 0.002
+
+
+class BoardPath(_Host):
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: small all_reduces through the boards."""
+
+    def _init_board(self) -> None:
+        self._unposted: set[int] = set()  # the loop's board calls begun and not posted yet, in call order
+        self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
+        self._tags: dict[tuple[Any, ...], bytes] = {}
+        self._valid: set[tuple[str, np.dtype]] = set()
+
+    def _board(self, x: Any, compression: str | None) -> Board | None:
+        """The board, when this call takes it (the same answer on every rank for the same call)."""
+        board = self.net.board
+        if (
+            board is None
+            or compression is not None
+            or self.gid != "0"
+            or type(x) is not np.ndarray
+            or x.nbytes > board.limit
+        ):
+            return None
+        return board
+
+    def _tag(self, desc: tuple[Any, ...]) -> bytes:
+        tag = self._tags.get(desc)
+        if tag is None:
+            tag = msgpack.packb(desc)
+            if len(self._tags) < 1024:
+                self._tags[desc] = tag
+        return tag
+
+    def _checked(self, x: np.ndarray, op: str) -> np.ndarray:
+        key = (op, x.dtype)
+        if key not in self._valid:
+            dtype_name(x.dtype)  # TypeError for a dtype psring does not carry, as on every path
+            check_op(op, x.dtype)
+            self._valid.add(key)
+        return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+    # ---------------------------------------------------------------- the loop
+    async def _board_all_reduce(self, board: Board, x: np.ndarray, op: str) -> np.ndarray:
+        x = self._checked(x, op)
+        coll = self._begin("all_reduce", x, op)
+        self._unposted.add(coll.seq)
+        try:
+            return await self._run(coll, self._board_body(coll, board, x, op))
+        finally:
+            self._unposted.discard(coll.seq)
+            if self._wake_futs:  # a call after it may wait for its turn
+                self.on_board_wake()
+
+    async def _board_body(self, coll: Collective, board: Board, x: np.ndarray, op: str) -> np.ndarray:
+        k = coll.seq
+        unposted = self._unposted
+        if min(unposted) != k or not board.clear_to_post(k):  # calls still in flight before it (async_op)
+            await self._board_sleep(lambda: min(unposted) == k and board.clear_to_post(k), board, -1)
+        self._board_post(board, k, coll.desc, x)
+        unposted.discard(k)
+        if self._wake_futs:
+            self.on_board_wake()
+        return await self._board_rest(coll, board, x, op)
+
+    async def _board_rest(self, coll: Collective, board: Board, x: np.ndarray, op: str) -> np.ndarray:
+        """Posted: wait for every peer's post, then fold."""
+        k = coll.seq
+        if not board.all_posted(k):
+            await self._board_sleep(lambda: board.all_posted(k), board, k, coll)
+            coll.waiting_on.clear()
+        return self._board_fold(board, k, coll.desc, x, op)
+
+    async def _board_adopt(self, board: Board, seq: int, x: np.ndarray, op: str, started: float) -> np.ndarray:
+        """A call the caller's thread numbered and posted, and whose peers were not all there within
+        its spin: from here on a collective like any other (deadline, stall reports, aborts)."""
+        coll = self._begin("all_reduce", x, op, seq=seq)
+        coll.started, coll.deadline = started, started + self.timeout
+        return await self._run(coll, self._board_rest(coll, board, x, op))
+
+    async def _board_sleep(self, ready: Any, board: Board, k: int, coll: Collective | None = None) -> None:
+        """Until ready(): spin (a lone rank), then sleep until poked (k >= 0: waiting on post k) or NAP;
+        with ``coll``, keep its ``waiting_on`` (who has not posted k) for a timeout to name."""
+        if self.net.config.spin_us > 0 and PeerNet.live == 1:
+            end = time.perf_counter() + self.net.config.spin_s
+            while time.perf_counter() < end:
+                if ready():
+                    return
+                os.sched_yield()
+        loop = asyncio.get_running_loop()
+        while not ready():
+            if coll is not None:
+                coll.waiting_on = {self._local[p] for p in board.missing(k)}
+            fut = loop.create_future()
+            self._wake_futs.add(fut)
+            if k >= 0:
+                board.sleep_on(k)
+            try:
+                if ready():
+                    return
+                handle = loop.call_later(NAP, _settle, fut)
+                try:
+                    await fut
+                finally:
+                    handle.cancel()
+            finally:
+                if k >= 0:
+                    board.sleep_on(-1)
+                self._wake_futs.discard(fut)
+
+    # ------------------------------------------------------- the caller's thread
+    def all_reduce_now(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        """all_reduce from the caller's thread, or ``NotImplemented`` where the call must take the
+        event loop (not a board call, or something of this group in flight there).
+
+        The thread numbers the call, posts it and, when every peer's post is there within its spin
+        (a lone rank in its process; PSRING_SPIN_US), folds: nothing crosses threads. Otherwise the
+        event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
+        """
+        board = self._board(x, compression)
+        loop = self.net.loop
+        if (
+            board is None
+            or loop is None
+            or self._active
+            or self._reserved
+            or self._aborted
+            or self._late_error is not None
+            or not board.clear_to_post(self._seq)
+        ):
+            return NotImplemented
+        x = self._checked(x, op)
+        self._check_usable()
+        seq = self._seq
+        desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+        self._seq += 1
+        self._reserved.add(seq)  # a peer's abort or early frame for it is kept, as for any number taken
+        started = time.monotonic()
+        self._board_post(board, seq, desc, x)
+        if not board.all_posted(seq) and not self._board_spin(board, seq):
+            fut = asyncio.run_coroutine_threadsafe(self._board_adopt(board, seq, x, op, started), loop)
+            try:
+                return fut.result()
+            except KeyboardInterrupt:
+                fut.cancel()
+                raise
+        error: BaseException | None = None
+        try:
+            return self._board_fold(board, seq, desc, x, op)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._reserved.discard(seq)
+            self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
+            board.ack(self.stopped_at() - 1)
+            if OBSERVERS:
+                self._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
+
+    def _board_spin(self, board: Board, k: int) -> bool:
+        """Poll for every peer's post k for up to PSRING_SPIN_US (a lone rank in its process); whether
+        they all came."""
+        if self.net.config.spin_us <= 0 or PeerNet.live != 1:
+            return False
+        end = time.perf_counter() + self.net.config.spin_s
+        while time.perf_counter() < end:
+            os.sched_yield()
+            if board.all_posted(k):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ shared
+    def _board_post(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray) -> None:
+        board.post(k, self._tag(desc), _bytes_of(x) if x.nbytes else None)
+        sleepers = board.sleepers(k)
+        if sleepers and self.net.mesh is not None:
+            for peer in sleepers:
+                self.net.mesh.poke(peer, self._wake_msg)
+
+    def _board_fold(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> np.ndarray:
+        """Every rank's post k, folded in the canonical order (read in place: the peers keep their
+        posts until this rank finishes k)."""
+        n, me = self.world_size, self.rank
+        tag = self._tag(desc)
+        peer = board.differs(k, tag, x.nbytes)
+        if peer is not None:
+            raise MismatchError(self._board_mismatch(board, k, peer, desc))
+        flat = x.reshape(-1) if x.ndim != 1 else x
+        parts = board.arrays(k, x.dtype, flat.size)
+        parts = [*parts[:me], flat, *parts[me:]]
+        hosts = self._hier_hosts()
+        plan = _plan(flat.size, n) if hosts is None else None
+        if plan is None:  # many chunks, or two levels: stack the rows and fold them as every other path does
+            bufs = np.empty((n, flat.size), x.dtype)
+            for r in range(n):
+                bufs[r] = parts[r]
+            return canonical_fold(bufs, op, np.empty_like(flat), hosts=hosts).reshape(x.shape)
+        ufunc = reduce_op(op)
+        if len(plan) == 1 and plan[0][0] == 0:  # one chunk holds every element
+            order = plan[0][2]
+            out = ufunc(parts[order[0]], parts[order[1]])
+            for r in order[2:]:
+                ufunc(out, parts[r], out=out)
+        else:
+            out = np.empty_like(flat)
+            for a, b, order in plan:  # chunk [a, b): ranks c, c+1, ..., c-1 (core.fold's order)
+                dst = out[a:b]
+                ufunc(parts[order[0]][a:b], parts[order[1]][a:b], out=dst)
+                for r in order[2:]:
+                    ufunc(dst, parts[r][a:b], out=dst)
+        if op == "avg":
+            finish_avg(out, n)
+        return out if x.ndim == 1 else out.reshape(x.shape)
+
+    def _board_mismatch(self, board: Board, seq: int, peer: int, desc: tuple[Any, ...]) -> str:
+        src = self._local[peer]
+        their_seq, their_tag, payload = board.read(peer, seq)
+        try:
+            call = msgpack.unpackb(their_tag, use_list=False)
+        except Exception:
+            call = None
+        if their_seq == seq:
+            if call == desc:  # the same call, another size: cannot be (the shape is in the call)
+                return f"rank {src} posted {payload.nbytes} bytes for all_reduce #{seq}, rank {self.rank} another size"
+            return mismatch_message(seq, src, call, self.rank, desc)
+        return (
+            f"rank {src} called all_reduce as collective #{their_seq}, rank {self.rank} as #{seq}: the ranks' "
+            "calls diverged before it (every rank must make the same calls, in the same order)"
+        )
+
+    def on_board_wake(self) -> None:
+        """A peer posted what this rank may be sleeping on (the loop thread)."""
+        for fut in self._wake_futs:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _end(self, coll: Collective, ok: bool) -> None:
+        super()._end(coll, ok)
+        board = self.net.board
+        if board is not None and self.gid == "0":
+            board.ack(self.stopped_at() - 1)  # every collective up to there ended: their slots may be reused
+
+    @property
+    def _wake_msg(self) -> bytes:
+        msg = self.__dict__.get("_wake_bytes")
+        if msg is None:
+            msg = self.__dict__["_wake_bytes"] = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
+        return msg
+
+
+
+def _bytes_of(x: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes (memoryview's cast where its format allows, else core.arrays')."""
+    try:
+        return memoryview(x).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+    except (TypeError, ValueError):  # a format memoryview does not know (bfloat16, ...)
+        return byte_view(x)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(size: int, n_ranks: int) -> tuple[tuple[int, int, tuple[int, ...]], ...] | None:
+    """The canonical order of a small fold as whole-chunk ufunc calls: (a, b, ranks) per non-empty ring
+    chunk; None when that takes more calls than stacking the rows (core.fold.canonical_fold)."""
+    chunks = [(c, a, b) for c, (a, b) in enumerate(ring_chunk_bounds(size, n_ranks)) if a < b]
+    if n_ranks < 2 or len(chunks) * (n_ranks - 1) > 4:
+        return None
+    return tuple((a, b, tuple((c + i) % n_ranks for i in range(n_ranks))) for c, a, b in chunks)
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
