@@ -36,7 +36,7 @@ from ...transport.board import Board
 from ..collective import Collective, mismatch_message
 from ..recorder import OBSERVERS
 from ..runtime import RECENT
-from .constants import BOARD_WAKE
+from .constants import BOARD_HERE, BOARD_WAKE, MESH_EARLY_MAX
 from .net import PeerNet
 
 if TYPE_CHECKING:
@@ -55,6 +55,9 @@ class BoardPath(_Host):
 
     def _init_board(self) -> None:
         self._unposted: set[int] = set()  # the loop's board calls begun and not posted yet, in call order
+        #: blocking calls the caller's thread finished itself, and those the loop took over (peers late)
+        self.board_on_thread = 0
+        self.board_adopted = 0
         self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
@@ -136,9 +139,16 @@ class BoardPath(_Host):
                     return
                 os.sched_yield()
         loop = asyncio.get_running_loop()
+        told = False
         while not ready():
             if coll is not None:
-                coll.waiting_on = {self._local[p] for p in board.missing(k)}
+                missing = board.missing(k)
+                coll.waiting_on = {self._local[p] for p in missing}
+                if not told and self.net.mesh is not None:  # a peer in another call there says so now
+                    told = True
+                    here = wire.encode_message((self.gid, k, BOARD_HERE, coll.desc), None)
+                    for peer in missing:
+                        self.net.mesh.poke(peer, here)
             fut = loop.create_future()
             self._wake_futs.add(fut)
             if k >= 0:
@@ -186,12 +196,14 @@ class BoardPath(_Host):
         started = time.monotonic()
         self._board_post(board, seq, desc, x)
         if not board.all_posted(seq) and not self._board_spin(board, seq):
+            self.board_adopted += 1
             fut = asyncio.run_coroutine_threadsafe(self._board_adopt(board, seq, x, op, started), loop)
             try:
                 return fut.result()
             except KeyboardInterrupt:
                 fut.cancel()
                 raise
+        self.board_on_thread += 1
         error: BaseException | None = None
         try:
             return self._board_fold(board, seq, desc, x, op)
@@ -281,6 +293,21 @@ class BoardPath(_Host):
         for fut in self._wake_futs:
             if not fut.done():
                 fut.set_result(None)
+
+    def on_board_here(self, peer: int, seq: int, call: tuple[Any, ...]) -> None:
+        """Peer waits on the board for this rank's post of collective seq, as ``call``: if this rank
+        is in (or was in) another call there, that is a mismatch to name now, not a stall."""
+        src = self._local.get(peer)
+        if src is None:
+            return
+        coll = self._active.get(seq)
+        if coll is not None:
+            if call != coll.desc and not coll.done.done():
+                self._abort_everywhere(coll, self._mismatch_error(coll, src, call), "mismatch")
+        elif seq < self._seq and seq not in self._reserved:
+            self.on_stray(seq, call, src)  # ended here: a mismatch found late, if the calls differ
+        elif len(self._mesh_early) < MESH_EARLY_MAX:  # not begun: a one-hop call there checks it (_check_early)
+            self._mesh_early[(seq, BOARD_HERE, src)] = (call, b"")
 
     def _end(self, coll: Collective, ok: bool) -> None:
         super()._end(coll, ok)

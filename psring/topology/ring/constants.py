@@ -28,5 +28,7 @@ HIER = 16
 HIER_BLOCK = 4 << 20
 HIER_DEPTH = 4
 
-#: the phase of a same-host message that only wakes a rank asleep on the board (psring.topology.ring.board)
+#: phases of same-host messages about the boards (psring.topology.ring.board): a wake-up for a rank asleep
+#: on one, and a rank's call, told to the peers it waits on (so that another call there is a mismatch now)
 BOARD_WAKE = 99
+BOARD_HERE = 98

@@ -43,6 +43,9 @@ class RingHost(Group):
     @abc.abstractmethod
     def on_board_wake(self) -> None: ...
 
+    @abc.abstractmethod
+    def on_board_here(self, peer: int, seq: int, call: tuple[Any, ...]) -> None: ...
+
     # ------------------------------------------------ ring/group.py: plumbing and the path decision
     @abc.abstractmethod
     async def _link(self, local_rank: int) -> Connection: ...

@@ -514,6 +514,9 @@ class PeerNet(PlaneLinks):
     def stats(self) -> dict[str, int]:
         plane = self.plane
         mesh_sent, mesh_received = self.mesh.stats() if self.mesh is not None else (0, 0)
+        if self.board is not None:  # a post is sent once; every peer reads it
+            mesh_sent += self.board.bytes_posted
+            mesh_received += self.board.bytes_read
         return {
             "bytes_sent": sum(c.bytes_sent for c in self._all_conns()) + (plane.bytes_sent if plane else 0) + mesh_sent,
             "bytes_received": sum(c.bytes_received for c in self._all_conns())
@@ -523,7 +526,7 @@ class PeerNet(PlaneLinks):
 
     def link_stats(self) -> dict[str, list[int]]:
         """Bytes [sent, received] per link: each peer's TCP or Unix connections, the host's shared
-        memory plane and Unix mesh (the same-host paths) apart."""
+        memory plane, Unix mesh and boards (the same-host paths) apart."""
         out: dict[str, list[int]] = {}
         for c in self._all_conns():
             rank = c.peer.get("rank")
@@ -535,6 +538,8 @@ class PeerNet(PlaneLinks):
             out["shared memory"] = [self.plane.bytes_sent, self.plane.bytes_received]
         if self.mesh is not None:
             out["unix mesh"] = list(self.mesh.stats())
+        if self.board is not None:
+            out["shared-memory board"] = [self.board.bytes_posted, self.board.bytes_read]
         return out
 
     def _all_conns(self) -> list[Connection]:

@@ -19,7 +19,16 @@ from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from .constants import BOARD_WAKE, DIRECT, MESH_EARLY_MAX, MESH_MAX_BYTES, RESULT, ROOT_REPORT_GRACE, TO_ROOT
+from .constants import (
+    BOARD_HERE,
+    BOARD_WAKE,
+    DIRECT,
+    MESH_EARLY_MAX,
+    MESH_MAX_BYTES,
+    RESULT,
+    ROOT_REPORT_GRACE,
+    TO_ROOT,
+)
 from .net import PeerNet
 from .paths import SMALL_BYTES, Path
 
@@ -65,6 +74,9 @@ class SmallPaths(_Host):
         """A message from a same-host link (psring.transport.unixnet): into its posted receive, or kept."""
         if phase == BOARD_WAKE:
             self.on_board_wake()
+            return
+        if phase == BOARD_HERE:
+            self.on_board_here(peer, seq, call)
             return
         src = self._local.get(peer)
         if src is None:

@@ -1,0 +1,209 @@
+"""Same-host posting boards (psring.transport.board) and the ring's board path (psring.topology.ring.board):
+small all_reduces through shared memory, from the event loop and from the blocking API's own thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import psring
+from psring.core.fold import canonical_fold
+from psring.transport.board import Board, board_possible
+
+from ..conftest import run_tree
+
+pytestmark = pytest.mark.skipif(not board_possible(), reason="the boards need x86's store order; not offered here")
+
+
+def _pair() -> tuple[Board, Board]:
+    a, b = Board(64), Board(32)
+    a.attach({1: b.describe()})
+    b.attach({0: a.describe()})
+    return a, b
+
+
+def test_a_post_is_seen_whole_checked_and_its_slot_reused_only_after_every_ack() -> None:
+    a, b = _pair()
+    try:
+        assert a.limit == b.limit == 32  # the smaller board decides what every rank may post
+        x = np.arange(4, dtype=np.float32)
+        assert not a.all_posted(4) and a.missing(4) == [1]
+        b.post(4, b"tag-4", memoryview(x).cast("B"))
+        assert a.all_posted(4) and not a.all_posted(6) and a.missing(6) == [1]
+        assert a.differs(4, b"tag-4", 16) is None
+        assert a.differs(4, b"tag-X", 16) == 1 and a.differs(4, b"tag-4", 12) == 1 and a.differs(6, b"tag-4", 16) == 1
+        (view,) = a.arrays(4, np.dtype(np.float32), 4)
+        assert view.tobytes() == x.tobytes()
+        assert a.read(1, 4)[:2] == (4, b"tag-4")
+        # slot 0 holds post 4 until a says it is done with it
+        assert not b.clear_to_post(6) and b.clear_to_post(5)
+        a.ack(5)
+        a.ack(3)  # an ack never goes back
+        assert b.clear_to_post(6)
+        with pytest.raises(ValueError, match="at most 32 bytes"):
+            b.post(6, b"t", memoryview(np.zeros(9, np.float32)).cast("B"))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_description_that_is_not_a_board_is_refused() -> None:
+    a, b = Board(64), Board(64)
+    try:
+        with pytest.raises(ValueError, match="is not a board"):
+            a.attach({1: {**b.describe(), "max_bytes": 1 << 20}})  # more room than its slots have
+        with pytest.raises(ValueError, match="is not a board"):
+            a.attach({1: "board"})
+        with pytest.raises(ValueError, match="token differs"):
+            a.attach({1: {**b.describe(), "token": bytes(16)}})
+        with pytest.raises(ValueError, match="1 byte to 1 GiB"):
+            Board(0)
+    finally:
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------------ groups in one event loop
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_small_all_reduces_cross_no_socket_and_give_the_canonical_bits(make_groups, monkeypatch) -> None:
+    monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat bytes meanwhile
+    groups = await make_groups(3)
+    nets = [g.net for g in groups]  # type: ignore[attr-defined]
+    assert all(n.board is not None and n.mesh is not None for n in nets)
+    await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # warm-up
+    sockets = [n.stats()["bytes_sent"] - n.board.bytes_posted for n in nets]
+    rng = np.random.default_rng(7)
+    for size, dtype, op in [
+        (1, np.float32, "sum"),
+        (5, np.float64, "avg"),
+        (4096, np.float32, "max"),
+        (7, np.int64, "prod"),
+    ]:
+        xs = [(rng.standard_normal(size) * 100).astype(dtype) for _ in groups]
+        posted = [n.board.bytes_posted for n in nets]
+        ys = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(groups, xs, strict=True)))
+        ref = canonical_fold(xs, op, np.empty(size, dtype))
+        assert all(y.tobytes() == ref.tobytes() for y in ys), (size, op)
+        assert all(
+            n.board.bytes_posted - p == size * np.dtype(dtype).itemsize for n, p in zip(nets, posted, strict=True)
+        )
+    assert [n.stats()["bytes_sent"] - n.board.bytes_posted for n in nets] == sockets  # not one byte on a socket
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_many_calls_in_flight_post_in_call_order_and_reuse_slots_safely(make_groups) -> None:
+    """Forty all_reduces in flight on every rank at once (two board slots each): each waits for its
+    turn to post, and a slot is reused only once every peer is done with it."""
+    groups = await make_groups(3)
+    rng = np.random.default_rng(11)
+    xs = [[rng.standard_normal(1 + i % 9).astype(np.float32) for i in range(40)] for _ in groups]
+    ys = await asyncio.gather(*(asyncio.gather(*(g.all_reduce(x) for x in xs[g.rank])) for g in groups))
+    for i in range(40):
+        ref = canonical_fold([xs[r][i] for r in range(3)], "sum", np.empty_like(xs[0][i]))
+        assert all(ys[r][i].tobytes() == ref.tobytes() for r in range(3)), i
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_a_board_call_against_another_call_is_a_named_mismatch_and_the_group_goes_on(make_groups) -> None:
+    groups = await make_groups(2, timeout=30)
+    t0 = time.monotonic()
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].broadcast(np.zeros(4)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert all("broadcast(src=0) #0" in str(r) and "all_reduce(sum) #0" in str(r) for r in results), results
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].all_reduce(np.zeros(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any("shape [5]" in str(r) and "expected [4]" in str(r) for r in results), results
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4), "max"), groups[1].all_reduce(np.zeros(4)), return_exceptions=True
+    )
+    assert all("rank 0 called all_reduce(max) #2" in str(r) for r in results), results
+    # the other call comes while the board call sleeps: its rank learns of the board call when it begins
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), _late(groups[1].barrier()), return_exceptions=True
+    )
+    assert all("rank 0 called all_reduce(sum) #3, rank 1 called barrier #3" in str(r) for r in results), results
+    assert time.monotonic() - t0 < 10  # named, not timed out (nor left to the stall inspector)
+    ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
+    assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
+
+
+async def _late(call: Any) -> Any:
+    await asyncio.sleep(0.3)
+    return await call
+
+
+# ------------------------------------------------------------------ the blocking API, one rank a process
+BLOCKING_JOB = """
+import os, sys, numpy as np, psring
+from psring.core.fold import canonical_fold
+g = psring.init()
+n, grp = g.world_size, g.group
+for i in range(400):
+    xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 37).astype(np.float32) for r in range(n)]
+    if i % 50 == 7:  # a large call in flight: the small ones after it must take the loop, in order
+        h = g.all_reduce(np.ones(300_000, np.float32), async_op=True)
+        y = g.all_reduce(xs[g.rank])
+        assert np.all(h.wait() == n), i
+    elif i % 50 == 23:
+        y = g.all_reduce(xs[g.rank], compression="fp16")  # a reserved number, then one more
+        assert np.allclose(y, sum(xs), rtol=1e-2, atol=1e-2), i
+        continue
+    else:
+        y = g.all_reduce(xs[g.rank], "max" if i % 3 == 0 else "sum")
+    ref = canonical_fold(xs, "max" if i % 3 == 0 and i % 50 != 7 else "sum", np.empty_like(xs[0]))
+    assert y.tobytes() == ref.tobytes(), i
+    if g.rank == 1 and i % 100 == 99:
+        import time; time.sleep(0.2)  # a late rank: the others' calls are handed to the loop
+g.barrier()
+print("ok", grp.board_on_thread, grp.board_adopted, flush=True)
+if os.environ.get("DIE") == str(g.rank):
+    os._exit(0)  # gone without a word, as a crash
+try:
+    g.all_reduce(np.ones(2, np.float32))
+    print("no error", flush=True)
+except psring.PsringError as exc:
+    print("raised", type(exc).__name__, str(exc)[:200], flush=True)
+g.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop(tmp_path, world: int) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(BLOCKING_JOB)
+    env = {**os.environ, "PSRING_TIMEOUT": "20", "DIE": "1"}  # a hang fails, not waits
+    res = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", str(world), "--", sys.executable, str(script)],
+        timeout=110,
+        env=env,
+    )
+    out = res.stdout + res.stderr
+    for r in range(world):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ok ")), None)
+        assert line is not None, out[-4000:]
+        on_thread, adopted = map(int, line.split()[-2:])
+        assert on_thread > 200, line  # most calls never left the caller's thread
+        if r != 1:
+            assert adopted > 0, line  # rank 1's naps made the others wait past their spin
+    # rank 1 vanished: every other rank's next call says so, by name, long before its timeout
+    for r in range(world):
+        if r != 1:
+            assert f"[rank {r}] raised PeerLostError" in out and "rank 1" in out, out[-4000:]
