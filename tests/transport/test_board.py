@@ -171,7 +171,7 @@ for i in range(400):
     if g.rank == 1 and i % 100 == 99:
         import time; time.sleep(0.2)  # a late rank: the others' calls are handed to the loop
 g.barrier()
-print("ok", grp.board_on_thread, grp.board_adopted, flush=True)
+print("ok", grp.board_now, grp.board_adopted, flush=True)
 if os.environ.get("DIE") == str(g.rank):
     os._exit(0)  # gone without a word, as a crash
 try:

@@ -90,15 +90,15 @@ async def _battery(groups: list[psring.Group], world: int) -> list[bytes]:
 async def test_unix_links_and_tcp_give_the_same_bits(make_groups, monkeypatch, world: int) -> None:
     """The same bits over the boards, the Unix links and TCP."""
     results = {}
-    for mode, board in (("auto", "16K"), ("auto", "0"), ("off", "16K")):
+    for mode, board in (("auto", "256K"), ("auto", "0"), ("off", "256K")):
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
         monkeypatch.setenv("PSRING_RING_BOARD", board)
         groups = await make_groups(world)
         assert all((g.net.mesh is not None) == (mode == "auto") for g in groups)  # type: ignore[attr-defined]
-        boards = (mode, board) == ("auto", "16K")
+        boards = (mode, board) == ("auto", "256K")
         assert all((g.net.board is not None) == boards for g in groups)  # type: ignore[attr-defined]
         results[mode, board] = await _battery(groups, world)
-    assert results["auto", "16K"] == results["auto", "0"] == results["off", "16K"]
+    assert results["auto", "256K"] == results["auto", "0"] == results["off", "256K"]
 
 
 async def test_a_small_call_against_a_large_one_is_a_named_mismatch(make_groups) -> None:

@@ -55,9 +55,10 @@ class BoardPath(_Host):
 
     def _init_board(self) -> None:
         self._unposted: set[int] = set()  # the loop's board calls begun and not posted yet, in call order
-        #: blocking calls the caller's thread finished itself, and those the loop took over (peers late)
-        self.board_on_thread = 0
+        #: calls that took the short way (_board_start) and ended there, and those the loop took over
+        self.board_now = 0
         self.board_adopted = 0
+        self._board_started: dict[int, float] = {}  # when each call on the short way began
         self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
@@ -93,6 +94,12 @@ class BoardPath(_Host):
 
     # ---------------------------------------------------------------- the loop
     async def _board_all_reduce(self, board: Board, x: np.ndarray, op: str) -> np.ndarray:
+        started = self._board_start(x, op, None)  # nothing else in flight: no Collective, no timer
+        if started is not None:
+            board, seq, desc, x, ready = started
+            if ready:
+                return self._board_end(board, seq, desc, x, op)
+            return await self._board_adopt(board, seq, x, op)
         x = self._checked(x, op)
         coll = self._begin("all_reduce", x, op)
         self._unposted.add(coll.seq)
@@ -122,9 +129,10 @@ class BoardPath(_Host):
             coll.waiting_on.clear()
         return self._board_fold(board, k, coll.desc, x, op)
 
-    async def _board_adopt(self, board: Board, seq: int, x: np.ndarray, op: str, started: float) -> np.ndarray:
-        """A call the caller's thread numbered and posted, and whose peers were not all there within
-        its spin: from here on a collective like any other (deadline, stall reports, aborts)."""
+    async def _board_adopt(self, board: Board, seq: int, x: np.ndarray, op: str) -> np.ndarray:
+        """A call _board_start numbered and posted, and whose peers were not all there within its
+        spin: from here on a collective like any other (deadline, stall reports, aborts)."""
+        started = self._board_started.pop(seq)
         coll = self._begin("all_reduce", x, op, seq=seq)
         coll.started, coll.deadline = started, started + self.timeout
         return await self._run(coll, self._board_rest(coll, board, x, op))
@@ -175,35 +183,54 @@ class BoardPath(_Host):
         (a lone rank in its process; PSRING_SPIN_US), folds: nothing crosses threads. Otherwise the
         event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
         """
-        board = self._board(x, compression)
         loop = self.net.loop
+        started = self._board_start(x, op, compression) if loop is not None else None
+        if started is None:
+            return NotImplemented
+        board, seq, desc, x, ready = started
+        if not ready:
+            assert loop is not None
+            fut = asyncio.run_coroutine_threadsafe(self._board_adopt(board, seq, x, op), loop)
+            try:
+                return fut.result()
+            except KeyboardInterrupt:
+                fut.cancel()
+                raise
+        return self._board_end(board, seq, desc, x, op)
+
+    def _board_start(
+        self, x: Any, op: str, compression: str | None
+    ) -> tuple[Board, int, tuple[Any, ...], np.ndarray, bool] | None:
+        """The short way (any thread, nothing of this group in flight): number the call and post it;
+        (board, seq, call, x, whether every peer's post came within the spin), or None: take the
+        long way (_board_all_reduce)."""
+        board = self._board(x, compression)
         if (
             board is None
-            or loop is None
             or self._active
             or self._reserved
             or self._aborted
             or self._late_error is not None
             or not board.clear_to_post(self._seq)
         ):
-            return NotImplemented
+            return None
         x = self._checked(x, op)
         self._check_usable()
         seq = self._seq
         desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
         self._seq += 1
         self._reserved.add(seq)  # a peer's abort or early frame for it is kept, as for any number taken
-        started = time.monotonic()
+        self._board_started[seq] = time.monotonic()
         self._board_post(board, seq, desc, x)
-        if not board.all_posted(seq) and not self._board_spin(board, seq):
+        ready = board.all_posted(seq) or self._board_spin(board, seq)
+        if ready:
+            self.board_now += 1
+        else:
             self.board_adopted += 1
-            fut = asyncio.run_coroutine_threadsafe(self._board_adopt(board, seq, x, op, started), loop)
-            try:
-                return fut.result()
-            except KeyboardInterrupt:
-                fut.cancel()
-                raise
-        self.board_on_thread += 1
+        return board, seq, desc, x, ready
+
+    def _board_end(self, board: Board, seq: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> np.ndarray:
+        """Fold a call _board_start numbered and found ready, and close its books."""
         error: BaseException | None = None
         try:
             return self._board_fold(board, seq, desc, x, op)
@@ -211,6 +238,7 @@ class BoardPath(_Host):
             error = exc
             raise
         finally:
+            started = self._board_started.pop(seq)
             self._reserved.discard(seq)
             self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
             board.ack(self.stopped_at() - 1)
