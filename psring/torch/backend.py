@@ -275,6 +275,9 @@ class ProcessGroupPsring(dist.ProcessGroup):
         self.psring_group = group
         self._world = world
         self._closed = False
+        #: calls submitted to the loop and not ended there: while there are any, every call takes the loop
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self) -> str:
@@ -308,9 +311,41 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if self._closed:
             raise BackendError("psring: this process group was shut down (destroy_process_group)")
         future: torch.futures.Future = torch.futures.Future()
+        with self._inflight_lock:
+            self._inflight += 1
         cf = self.psring_group.portal.submit(coro)
-        cf.add_done_callback(lambda cf: _completer.put((cf, finish, future)))
+        cf.add_done_callback(lambda cf: self._ended(cf, finish, future))
         return Work(future)
+
+    def _ended(self, cf: Any, finish: Callable[[Any], Any], future: torch.futures.Future) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+        _completer.put((cf, finish, future))
+
+    def _all_reduce(self, x: np.ndarray, op: str, finish: Callable[[Any], Any]) -> Work:
+        """all_reduce of x; on the calling thread when the group offers its short way for it and
+        nothing is in flight (the ring's same-host board: no hop to the event loop, none back)."""
+        soon = getattr(self._g, "all_reduce_soon", None)
+        if soon is not None and not self._inflight and not self._closed:
+            try:
+                got = soon(x, op)
+            except BaseException as exc:
+                future: torch.futures.Future = torch.futures.Future()
+                future.set_exception(_as_torch_error(exc))
+                return Work(future)
+            if got is not None:
+                done, value = got
+                if not done:
+                    return self._start(value, finish)
+                future = torch.futures.Future()
+                try:
+                    result = finish(value)
+                except BaseException as exc:
+                    future.set_exception(_as_torch_error(exc))
+                else:
+                    future.set_result(result)
+                return Work(future)
+        return self._start(self._g.all_reduce(x, op), finish)
 
     @property
     def _g(self) -> Any:
@@ -332,7 +367,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
             _store_into(t if not t.is_complex() else torch.view_as_real(t), post(out))
             return tensors
 
-        return self._start(self._g.all_reduce(_view(x), op), finish)
+        return self._all_reduce(_view(x), op, finish)
 
     def _sparse_allreduce(self, t: torch.Tensor, op: str, tensors: list[torch.Tensor]) -> Work:
         """SUM of a sparse COO tensor: its sparse coordinates flattened to one row index, the dense
@@ -378,7 +413,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
                 off += view.numel()
             return tensors
 
-        return self._start(self._g.all_reduce(_view(flat), op), finish)
+        return self._all_reduce(_view(flat), op, finish)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts if opts is not None else dist.BroadcastOptions()

@@ -183,20 +183,32 @@ class BoardPath(_Host):
         (a lone rank in its process; PSRING_SPIN_US), folds: nothing crosses threads. Otherwise the
         event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
         """
-        loop = self.net.loop
-        started = self._board_start(x, op, compression) if loop is not None else None
-        if started is None:
+        soon = self.all_reduce_soon(x, op, compression)
+        if soon is None:
             return NotImplemented
+        done, value = soon
+        if done:
+            return value
+        assert self.net.loop is not None
+        fut = asyncio.run_coroutine_threadsafe(value, self.net.loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    def all_reduce_soon(self, x: Any, op: str = "sum", compression: str | None = None) -> tuple[bool, Any] | None:
+        """all_reduce's short way for a caller off the event loop that waits in its own way (the
+        blocking API, the torch backend), when nothing of this group is in flight on the loop:
+        (True, the result) when it ended on the caller's thread; (False, a coroutine to run on the
+        loop) when a peer was late; None: not this call, use all_reduce."""
+        started = self._board_start(x, op, compression) if self.net.loop is not None else None
+        if started is None:
+            return None
         board, seq, desc, x, ready = started
-        if not ready:
-            assert loop is not None
-            fut = asyncio.run_coroutine_threadsafe(self._board_adopt(board, seq, x, op), loop)
-            try:
-                return fut.result()
-            except KeyboardInterrupt:
-                fut.cancel()
-                raise
-        return self._board_end(board, seq, desc, x, op)
+        if ready:
+            return True, self._board_end(board, seq, desc, x, op)
+        return False, self._board_adopt(board, seq, x, op)
 
     def _board_start(
         self, x: Any, op: str, compression: str | None

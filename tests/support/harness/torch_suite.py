@@ -3,6 +3,7 @@ distributed_test.py, shipped in the torch wheel; the suite torch runs for gloo, 
 test/distributed/test_distributed_spawn.py) against the psring backend, or gloo, on one selection.
 
     python tests/support/harness/torch_suite.py --backend psring --world-size 2 [--topology ps] [-k PATTERN] [--json]
+        [--progress FILE [--skip-done]]   # a line per test as it ends; --skip-done goes on where a run stopped
 
 Run the same selection with ``--backend gloo`` and compare: every test gloo passes, psring must.
 
@@ -108,28 +109,37 @@ class TestDistBackendWithSpawn(suite.TestDistBackend, suite.DistributedTest._Dis
 
 
 class _Record(unittest.TextTestResult):
+    #: a file that gets one line per test as it ends (--progress): a long run cut short keeps what it did
+    progress: str | None = None
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rows: dict[str, str] = {}
         self.why: dict[str, str] = {}
 
+    def _row(self, test: Any, outcome: str) -> None:
+        self.rows[test._testMethodName] = outcome
+        if self.progress:
+            with open(self.progress, "a") as f:
+                f.write(f"{test._testMethodName} {outcome}\n")
+
     def addSuccess(self, test: Any) -> None:
         super().addSuccess(test)
-        self.rows[test._testMethodName] = "passed"
+        self._row(test, "passed")
 
     def addFailure(self, test: Any, err: Any) -> None:
         super().addFailure(test, err)
-        self.rows[test._testMethodName] = "failed"
         self.why[test._testMethodName] = self._exc_info_to_string(err, test)[-1500:]
+        self._row(test, "failed")
 
     def addError(self, test: Any, err: Any) -> None:
         super().addError(test, err)
-        self.rows[test._testMethodName] = "failed"
         self.why[test._testMethodName] = self._exc_info_to_string(err, test)[-1500:]
+        self._row(test, "failed")
 
     def addSkip(self, test: Any, reason: str) -> None:
         super().addSkip(test, reason)
-        self.rows[test._testMethodName] = "skipped"
+        self._row(test, "skipped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", action="append", default=[], help="run tests whose name contains this (repeatable)")
     p.add_argument("--tests", default="", help="run exactly these tests (comma-separated names)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--progress", default="", help="append 'NAME OUTCOME' to this file as each test ends")
+    p.add_argument("--skip-done", action="store_true", help="leave out the tests already in --progress's file")
     args = p.parse_args(argv)
     if args.backend != TARGET or str(args.world_size) != os.environ["WORLD_SIZE"] or (
         args.topology and os.environ.get("PSRING_TOPOLOGY") != args.topology
@@ -156,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"--tests: no such test in torch's suite: {unknown}")
         names = [n for n in names if n in wanted]
+    if args.progress:
+        _Record.progress = args.progress
+        if args.skip_done and os.path.exists(args.progress):
+            with open(args.progress) as f:
+                done = {line.split()[0] for line in f if line.strip()}
+            names = [n for n in names if n not in done]
     tests = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     t0 = time.monotonic()
     runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=1, resultclass=_Record)
