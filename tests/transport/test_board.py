@@ -139,6 +139,15 @@ async def test_a_board_call_against_another_call_is_a_named_mismatch_and_the_gro
     )
     assert all("rank 0 called all_reduce(sum) #3, rank 1 called barrier #3" in str(r) for r in results), results
     assert time.monotonic() - t0 < 10  # named, not timed out (nor left to the stall inspector)
+    # a broadcast's root sent (and returned) before the other rank's board call began: named there, and
+    # the root's next call is abandoned on every rank (it had returned from the mismatched one)
+    results = await asyncio.gather(
+        _late(groups[0].all_reduce(np.zeros(4))), groups[1].broadcast(np.zeros(4), src=1), return_exceptions=True
+    )
+    assert isinstance(results[0], psring.MismatchError) and isinstance(results[1], np.ndarray), results
+    assert "rank 1 called broadcast(src=1) #4, rank 0 called all_reduce(sum) #4" in str(results[0]), results
+    results = await asyncio.gather(*(g.all_reduce(np.ones(3)) for g in groups), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) and "had returned from" in str(r) for r in results), results
     ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
     assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
 

@@ -125,6 +125,8 @@ class BoardPath(_Host):
         """Posted: wait for every peer's post, then fold."""
         k = coll.seq
         if not board.all_posted(k):
+            if self._mesh_early:  # a peer's message for this number that came first: another call?
+                self._check_early(coll)
             await self._board_sleep(lambda: board.all_posted(k), board, k, coll)
             coll.waiting_on.clear()
         return self._board_fold(board, k, coll.desc, x, op)

@@ -46,6 +46,10 @@ class RingHost(Group):
     @abc.abstractmethod
     def on_board_here(self, peer: int, seq: int, call: tuple[Any, ...]) -> None: ...
 
+    # ------------------------------------------------ ring/small.py: the same-host links
+    @abc.abstractmethod
+    def _check_early(self, coll: Collective) -> None: ...
+
     # ------------------------------------------------ ring/group.py: plumbing and the path decision
     @abc.abstractmethod
     async def _link(self, local_rank: int) -> Connection: ...
