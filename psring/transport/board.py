@@ -22,6 +22,7 @@ This module knows posts and peers, not collectives: the ring's board path
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from typing import Any
 
@@ -206,14 +207,13 @@ class Board:
         self._checks.clear()
         self._bodies.clear()
         self._sleeps.clear()
-        for views in (self._head, self._tag, self._body, *self._peer_head.values()):
-            for v in views:
+        views = [*self._head, *self._tag, *self._body, self._ack, self._sleep]
+        for group in (*self._peer_head.values(), *self._peer_tag.values(), *self._peer_body.values()):
+            views.extend(group)
+        views.extend([*self._peer_ack.values(), *self._peer_sleep.values(), *self._mems])
+        for v in views:  # a view still exported (an array someone kept) keeps its mapping until it goes
+            with contextlib.suppress(BufferError):
                 v.release()
-        for views in (*self._peer_tag.values(), *self._peer_body.values()):
-            for v in views:
-                v.release()
-        for v in (self._ack, self._sleep, *self._peer_ack.values(), *self._peer_sleep.values(), *self._mems):
-            v.release()
         for pool in self.peers.values():
             pool.close()
         self.pool.close()
