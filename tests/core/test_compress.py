@@ -86,9 +86,10 @@ async def test_fp16_halves_the_bytes(make_groups, topology: str) -> None:
 
 
 @pytest.mark.asyncio
-async def test_fp16_halves_the_bytes_of_small_ring_calls_through_the_root(make_groups) -> None:
+async def test_fp16_halves_the_bytes_of_small_ring_calls_through_the_root(make_groups, monkeypatch) -> None:
     """A small fp16 all_reduce from 3 ranks goes through the rotating root like a plain one, and
     the root's result travels as float16 too: all ranks together send about half the bytes."""
+    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the plain call on the links, not the same-host boards
     groups = await make_groups(4)
     x = np.ones(16_000, np.float32)  # 64 kB: the small path
     totals = {}
