@@ -49,9 +49,10 @@ def _blocking(name: str) -> Any:
 
     def method(self: BlockingGroup, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
         if not async_op and not self._pending:
-            run_now = getattr(self._group, now, None)
+            # looked up on the class: a non-member subgroup answers every name (with a refusal)
+            run_now = getattr(type(self._group), now, None)
             if run_now is not None:
-                out = run_now(*args, **kwargs)
+                out = run_now(self._group, *args, **kwargs)
                 if out is not NotImplemented:
                     return out
         elif self._pending:

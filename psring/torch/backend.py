@@ -325,27 +325,19 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def _all_reduce(self, x: np.ndarray, op: str, finish: Callable[[Any], Any]) -> Work:
         """all_reduce of x; on the calling thread when the group offers its short way for it and
         nothing is in flight (the ring's same-host board: no hop to the event loop, none back)."""
-        soon = getattr(self._g, "all_reduce_soon", None)
-        if soon is not None and not self._inflight and not self._closed:
-            try:
-                got = soon(x, op)
-            except BaseException as exc:
-                future: torch.futures.Future = torch.futures.Future()
-                future.set_exception(_as_torch_error(exc))
-                return Work(future)
-            if got is not None:
-                done, value = got
-                if not done:
-                    return self._start(value, finish)
-                future = torch.futures.Future()
-                try:
-                    result = finish(value)
-                except BaseException as exc:
-                    future.set_exception(_as_torch_error(exc))
-                else:
-                    future.set_result(result)
-                return Work(future)
-        return self._start(self._g.all_reduce(x, op), finish)
+        # looked up on the class: a non-member subgroup answers every name (with a refusal)
+        soon = getattr(type(self._g), "all_reduce_soon", None)
+        if soon is None or self._inflight or self._closed:
+            return self._start(self._g.all_reduce(x, op), finish)
+        future: torch.futures.Future = torch.futures.Future()
+        try:
+            got = soon(self._g, x, op)
+            if got is None or not got[0]:  # not a board call, or a late peer: the loop runs (the rest of) it
+                return self._start(got[1] if got else self._g.all_reduce(x, op), finish)
+            future.set_result(finish(got[1]))
+        except BaseException as exc:
+            future.set_exception(_as_torch_error(exc))
+        return Work(future)
 
     @property
     def _g(self) -> Any:

@@ -218,3 +218,20 @@ def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop
     for r in range(world):
         if r != 1:
             assert f"[rank {r}] raised PeerLostError" in out and "rank 1" in out, out[-4000:]
+
+
+def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> None:
+    """The blocking API looks for a group's caller-thread way by its class: a non-member subgroup
+    answers every name with a refusing coroutine, which must raise, not come back as a result."""
+    from psring.errors import GroupClosedError
+    from psring.topology.blocking import BlockingGroup
+    from psring.topology.group import NonMemberGroup
+    from psring.transport.loop import Portal
+
+    portal = Portal()
+    try:
+        sub = BlockingGroup(NonMemberGroup(2, [0, 1], "1"), portal, owns_portal=False)
+        with pytest.raises(GroupClosedError, match="not a member of subgroup 1"):
+            sub.all_reduce(np.ones(2, np.float32))
+    finally:
+        portal.stop()
