@@ -115,7 +115,12 @@ def check_array(x: Any, what: str = "x") -> Any:
 
 def byte_view(x: np.ndarray) -> memoryview:
     """A flat, writable-if-possible byte memoryview of a C-contiguous host array (no copy)."""
-    flat = x.reshape(-1)
+    if x.ndim:
+        try:  # the buffer's own bytes: a third of the time of the reshape and view below (small calls)
+            return memoryview(x).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
+        except (TypeError, ValueError):  # a format memoryview does not know (bfloat16, ...)
+            pass
+    flat = x.reshape(-1)  # (a 0-d array's own memoryview is read-only)
     return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 

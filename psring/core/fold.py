@@ -106,6 +106,14 @@ def canonical_fold(
     n_ranks = len(parts)
     ufunc = reduce_op(op)
     if (
+        not isinstance(parts, np.ndarray)
+        and total is None
+        and n_ranks >= 3
+        and 0 < out.size <= _STACK_FOLD
+        and len(_chunks_in(out.size, n_ranks, offset, offset + out.size)) > 1
+    ):
+        parts = np.stack(parts)  # separate small rows (a board's views): the gather path beats N chunk loops
+    if (
         total is None
         and isinstance(parts, np.ndarray)
         and parts.ndim == 2
@@ -123,23 +131,33 @@ def canonical_fold(
         if op == "avg":
             finish_avg(out, n_ranks)
         return out
-    lo, hi = offset, offset + out.size
-    for c, (a, b) in enumerate(ring_chunk_bounds(out.size if total is None else total, n_ranks)):
-        a, b = max(a, lo) - lo, min(b, hi) - lo
-        if a >= b:
-            continue
-        acc = out[a:b]
-        if n_ranks == 1:
-            acc[...] = parts[c][a:b]
-            continue
-        ufunc(parts[c][a:b], parts[(c + 1) % n_ranks][a:b], out=acc)  # no copy of the first operand first
-        for k in range(2, n_ranks):
-            ufunc(acc, parts[(c + k) % n_ranks][a:b], out=acc)
+    size = out.size
+    for c, a, b in _chunks_in(size if total is None else total, n_ranks, offset, offset + size):
+        if a == 0 and b == size:  # one chunk holds the whole window (small calls): no slicing
+            acc, rows = out, [parts[(c + k) % n_ranks] for k in range(n_ranks)]
+        else:
+            acc, rows = out[a:b], [parts[(c + k) % n_ranks][a:b] for k in range(n_ranks)]
+        fold_rows(rows, ufunc, acc)  # no copy of the first operand first
     if op == "avg":
         finish_avg(out, n_ranks)
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _chunks_in(total: int, n_ranks: int, lo: int, hi: int) -> tuple[tuple[int, int, int], ...]:
+    """(c, a, b) for each ring chunk c of a ``total``-element tensor that meets the window [lo, hi),
+    a and b relative to lo (a call's plan: the same for every call of one size)."""
+    chunks = []
+    for c, (a, b) in enumerate(ring_chunk_bounds(total, n_ranks)):
+        a, b = max(a, lo) - lo, min(b, hi) - lo
+        if a < b:
+            chunks.append((c, a, b))
+    return tuple(chunks)
+
+
+#: separate rows of up to this many elements are stacked for it, from 3 ranks (measured: 4 ranks x 256
+#: elements 11.7 against 14.9 us; x 4096, 42.9 against 21.0)
+_STACK_FOLD = 1024
 #: canonical folds of up to this many elements per rank take the gather-index path
 _SMALL_FOLD = 1 << 14
 

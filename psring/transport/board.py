@@ -46,6 +46,26 @@ def board_possible() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
+class _Views:
+    """Views of one board's fields: its own (writable) or a peer's (read-only)."""
+
+    __slots__ = ("ack", "body", "head", "rank", "sleep", "tag")
+
+    def __init__(self, rank: int, mem: memoryview, slot_bytes: int) -> None:
+        self.rank = rank
+        slots = [(PAGE + p * slot_bytes, PAGE + (p + 1) * slot_bytes) for p in (0, 1)]
+        self.head = [mem[a : a + 32].cast("q") for a, _b in slots]  # post number, spare, payload bytes, tag bytes
+        self.tag = [mem[a + 32 : a + HEAD] for a, _b in slots]
+        self.body = [mem[a + HEAD : b] for a, b in slots]
+        self.ack = mem[_ACK_AT : _ACK_AT + 8].cast("q")
+        self.sleep = mem[_SLEEP_AT : _SLEEP_AT + 8].cast("q")
+
+    def release(self) -> None:
+        for v in (*self.head, *self.tag, *self.body, self.ack, self.sleep):
+            with contextlib.suppress(BufferError):  # still exported (an array kept somewhere): it goes with it
+                v.release()
+
+
 class Board:
     """This process's posting board, and read-only maps of its peers' boards."""
 
@@ -55,29 +75,14 @@ class Board:
         self.max_bytes = max_bytes
         self.limit = max_bytes  # the most every rank's board holds (see attach)
         self.pool = ShmPool(2, HEAD + max_bytes)
-        mem = memoryview(self.pool.mm)
-        base = PAGE
-        size = self.pool.slot_bytes
-        self._head = [mem[base + p * size : base + p * size + 32].cast("q") for p in (0, 1)]
-        self._tag = [mem[base + p * size + 32 : base + p * size + HEAD] for p in (0, 1)]
-        self._body = [mem[base + p * size + HEAD : base + (p + 1) * size] for p in (0, 1)]
-        self._ack = mem[_ACK_AT : _ACK_AT + 8].cast("q")
-        self._sleep = mem[_SLEEP_AT : _SLEEP_AT + 8].cast("q")
-        self._head[0][0] = self._head[1][0] = -1  # nothing posted yet (a post number is >= 0)
-        self._ack[0] = self._sleep[0] = -1
-        self._mems = [mem]
+        self._mems = [memoryview(self.pool.mm)]
+        self._own = _Views(-1, self._mems[0], self.pool.slot_bytes)
+        self._own.head[0][0] = self._own.head[1][0] = -1  # nothing posted yet (a post number is >= 0)
+        self._own.ack[0] = self._own.sleep[0] = -1
         self.peers: dict[int, PeerPool] = {}
-        self._peer_head: dict[int, list[memoryview]] = {}
-        self._peer_tag: dict[int, list[memoryview]] = {}
-        self._peer_body: dict[int, list[memoryview]] = {}
-        self._peer_ack: dict[int, memoryview] = {}
-        self._peer_sleep: dict[int, memoryview] = {}
-        #: the same, in rank order, for the per-call loops
-        self._heads: list[list[memoryview]] = []
-        self._checks: list[tuple[int, list[memoryview], list[memoryview]]] = []
-        self._bodies: list[tuple[int, list[memoryview]]] = []
+        self._peers: list[_Views] = []  # in rank order
+        self._by_rank: dict[int, _Views] = {}
         self._arrays: dict[tuple[int, np.dtype, int], list[np.ndarray]] = {}
-        self._sleeps: list[memoryview] = []
         self.last = [-1, -1]  # the number of the post each own slot holds
         self.bytes_posted = 0
         self.bytes_read = 0
@@ -97,41 +102,33 @@ class Board:
             pool = PeerPool.open(desc)
             self.limit = min(self.limit, room)
             self.peers[peer] = pool
-            mem = memoryview(pool.mm)
-            self._mems.append(mem)
-            size = pool.slot_bytes
-            self._peer_head[peer] = [mem[PAGE + p * size : PAGE + p * size + 32].cast("q") for p in (0, 1)]
-            self._peer_tag[peer] = [mem[PAGE + p * size + 32 : PAGE + p * size + HEAD] for p in (0, 1)]
-            self._peer_body[peer] = [mem[PAGE + p * size + HEAD : PAGE + (p + 1) * size] for p in (0, 1)]
-            self._peer_ack[peer] = mem[_ACK_AT : _ACK_AT + 8].cast("q")
-            self._peer_sleep[peer] = mem[_SLEEP_AT : _SLEEP_AT + 8].cast("q")
-            self._heads.append(self._peer_head[peer])
-            self._sleeps.append(self._peer_sleep[peer])
-            self._checks.append((peer, self._peer_head[peer], self._peer_tag[peer]))
-            self._bodies.append((peer, self._peer_body[peer]))
+            self._mems.append(memoryview(pool.mm))
+            views = _Views(peer, self._mems[-1], pool.slot_bytes)
+            self._peers.append(views)
+            self._by_rank[peer] = views
 
     # ----------------------------------------------------------------- posting
     def clear_to_post(self, k: int) -> bool:
         """Whether every peer is done with the post that slot k % 2 holds (post k may replace it)."""
         before = self.last[k & 1]
-        for ack in self._peer_ack.values():
-            if ack[0] < before:
+        for peer in self._peers:
+            if peer.ack[0] < before:
                 return False
         return True
 
     def post(self, k: int, tag: bytes, payload: memoryview | None) -> None:
         """Post number k: ``payload`` (a byte memoryview of at most max_bytes) with the caller's tag
         (at most TAG_MAX bytes), into slot k % 2 (see clear_to_post)."""
-        p = k & 1
+        p, own = k & 1, self._own
         n = len(tag)
         size = payload.nbytes if payload is not None else 0
         if size > self.limit or n > TAG_MAX:
             raise ValueError(f"a post carries at most {self.limit} bytes and a {TAG_MAX}-byte tag")
-        head = self._head[p]
+        head = own.head[p]
         if size:
-            self._body[p][:size] = payload  # type: ignore[assignment]  # not None when size > 0
+            own.body[p][:size] = payload  # type: ignore[assignment]  # not None when size > 0
             self.bytes_posted += size
-        self._tag[p][:n] = tag
+        own.tag[p][:n] = tag
         head[2] = size
         head[3] = n
         head[0] = k  # last: a reader that sees k finds everything above
@@ -139,13 +136,13 @@ class Board:
 
     def missing(self, k: int) -> list[int]:
         """The peers that have not posted number k yet."""
-        return [peer for peer, head in self._peer_head.items() if head[k & 1][0] < k]
+        return [peer.rank for peer in self._peers if peer.head[k & 1][0] < k]
 
     def all_posted(self, k: int) -> bool:
         """Whether every peer has posted number k (or a later one in its slot: a mismatch to name)."""
         p = k & 1
-        for heads in self._heads:
-            if heads[p][0] < k:
+        for peer in self._peers:
+            if peer.head[p][0] < k:
                 return False
         return True
 
@@ -153,67 +150,58 @@ class Board:
         """The first peer (by rank) whose slot k % 2 does not hold post k with this tag and
         ``nbytes`` of payload, or None (call once all_posted(k))."""
         p, n = k & 1, len(tag)
-        for peer, heads, tags in self._checks:
-            head = heads[p]
-            if head[0] != k or head[2] != nbytes or head[3] != n or tags[p][:n] != tag:
-                return peer
+        for peer in self._peers:
+            head = peer.head[p]
+            if head[0] != k or head[2] != nbytes or head[3] != n or peer.tag[p][:n] != tag:
+                return peer.rank
         return None
 
-    def read(self, peer: int, k: int) -> tuple[int, bytes, memoryview]:
-        """What peer's slot k % 2 holds: (its post number, its tag, its payload), views valid until
-        this process acks k."""
-        head = self._peer_head[peer][k & 1]
-        seen, size, n = head[0], head[2], head[3]
-        if not (0 <= size <= self.limit and 0 <= n <= TAG_MAX):
-            return seen, b"", self._peer_body[peer][k & 1][:0]
-        return seen, bytes(self._peer_tag[peer][k & 1][:n]), self._peer_body[peer][k & 1][:size]
+    def read(self, peer: int, k: int) -> tuple[int, bytes]:
+        """What peer's slot k % 2 holds: (its post number, its tag)."""
+        views = self._by_rank[peer]
+        head = views.head[k & 1]
+        n = head[3]
+        return head[0], bytes(views.tag[k & 1][:n]) if 0 <= n <= TAG_MAX else b""
 
     def arrays(self, k: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every peer's post k (checked with :meth:`differs`) as ``count`` elements of dtype, in rank
-        order: views of the peers' boards, valid until this process finishes k."""
+        order: views of the peers' boards, valid until this process acks k."""
         key = (k & 1, dtype, count)
         views = self._arrays.get(key)
         if views is None:
             if len(self._arrays) >= 64:
                 self._arrays.clear()
-            views = self._arrays[key] = [np.frombuffer(body[k & 1], dtype, count) for _p, body in self._bodies]
+            views = self._arrays[key] = [np.frombuffer(peer.body[k & 1], dtype, count) for peer in self._peers]
         self.bytes_read += count * dtype.itemsize * len(views)
         return views
 
     def ack(self, k: int) -> None:
         """This process is done with every post numbered up to k, its own and its peers' (their
         slots may be reused); never goes back."""
-        if k > self._ack[0]:
-            self._ack[0] = k
+        if k > self._own.ack[0]:
+            self._own.ack[0] = k
 
     # ---------------------------------------------------------------- sleeping
     def sleep_on(self, k: int) -> None:
         """Say that this process sleeps until post k is in (-1: awake), for the peers that post it."""
-        self._sleep[0] = k
+        self._own.sleep[0] = k
 
     def sleepers(self, k: int) -> list[int]:
         """The peers asleep on post k (to poke once this process posted it)."""
-        for sleep in self._sleeps:
-            if sleep[0] == k:
-                return [peer for peer, sleep in self._peer_sleep.items() if sleep[0] == k]
-        return []
+        return [peer.rank for peer in self._peers if peer.sleep[0] == k]
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self._arrays.clear()
-        self._heads.clear()
-        self._checks.clear()
-        self._bodies.clear()
-        self._sleeps.clear()
-        views = [*self._head, *self._tag, *self._body, self._ack, self._sleep]
-        for group in (*self._peer_head.values(), *self._peer_tag.values(), *self._peer_body.values()):
-            views.extend(group)
-        views.extend([*self._peer_ack.values(), *self._peer_sleep.values(), *self._mems])
-        for v in views:  # a view still exported (an array someone kept) keeps its mapping until it goes
+        for views in (self._own, *self._peers):
+            views.release()
+        self._peers.clear()
+        self._by_rank.clear()
+        for mem in self._mems:
             with contextlib.suppress(BufferError):
-                v.release()
+                mem.release()
         for pool in self.peers.values():
             pool.close()
         self.pool.close()

@@ -19,7 +19,6 @@ there on is a collective like any other: timed out, reported when it stalls, aba
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import time
 from types import SimpleNamespace
@@ -30,7 +29,7 @@ import numpy as np
 
 from ...core import wire
 from ...core.arrays import byte_view, dtype_name
-from ...core.fold import canonical_fold, check_op, finish_avg, reduce_op, ring_chunk_bounds
+from ...core.fold import canonical_fold, check_op
 from ...errors import MismatchError
 from ...transport.board import Board
 from ..collective import Collective, mismatch_message
@@ -58,10 +57,10 @@ class BoardPath(_Host):
         #: calls that took the short way (_board_start) and ended there, and those the loop took over
         self.board_now = 0
         self.board_adopted = 0
-        self._board_started: dict[int, float] = {}  # when each call on the short way began
         self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
+        self._wake_msg = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
 
     def _board(self, x: Any, compression: str | None) -> Board | None:
         """The board, when this call takes it (the same answer on every rank for the same call)."""
@@ -94,12 +93,10 @@ class BoardPath(_Host):
 
     # ---------------------------------------------------------------- the loop
     async def _board_all_reduce(self, board: Board, x: np.ndarray, op: str) -> np.ndarray:
-        started = self._board_start(x, op, None)  # nothing else in flight: no Collective, no timer
-        if started is not None:
-            board, seq, desc, x, ready = started
-            if ready:
-                return self._board_end(board, seq, desc, x, op)
-            return await self._board_adopt(board, seq, x, op)
+        soon = self.all_reduce_soon(x, op)  # nothing else in flight: no Collective, no timer
+        if soon is not None:
+            done, value = soon
+            return value if done else await value
         x = self._checked(x, op)
         coll = self._begin("all_reduce", x, op)
         self._unposted.add(coll.seq)
@@ -131,10 +128,9 @@ class BoardPath(_Host):
             coll.waiting_on.clear()
         return self._board_fold(board, k, coll.desc, x, op)
 
-    async def _board_adopt(self, board: Board, seq: int, x: np.ndarray, op: str) -> np.ndarray:
+    async def _board_adopt(self, board: Board, seq: int, x: np.ndarray, op: str, started: float) -> np.ndarray:
         """A call _board_start numbered and posted, and whose peers were not all there within its
         spin: from here on a collective like any other (deadline, stall reports, aborts)."""
-        started = self._board_started.pop(seq)
         coll = self._begin("all_reduce", x, op, seq=seq)
         coll.started, coll.deadline = started, started + self.timeout
         return await self._run(coll, self._board_rest(coll, board, x, op))
@@ -204,23 +200,25 @@ class BoardPath(_Host):
         blocking API, the torch backend), when nothing of this group is in flight on the loop:
         (True, the result) when it ended on the caller's thread; (False, a coroutine to run on the
         loop) when a peer was late; None: not this call, use all_reduce."""
-        started = self._board_start(x, op, compression) if self.net.loop is not None else None
-        if started is None:
+        begun = self._board_start(x, op, compression)
+        if begun is None:
             return None
-        board, seq, desc, x, ready = started
-        if ready:
-            return True, self._board_end(board, seq, desc, x, op)
-        return False, self._board_adopt(board, seq, x, op)
+        board, seq, desc, x, started = begun
+        if board.all_posted(seq) or self._board_spin(board, seq):
+            self.board_now += 1
+            return True, self._board_end(board, seq, desc, x, op, started)
+        self.board_adopted += 1
+        return False, self._board_adopt(board, seq, x, op, started)
 
     def _board_start(
         self, x: Any, op: str, compression: str | None
-    ) -> tuple[Board, int, tuple[Any, ...], np.ndarray, bool] | None:
+    ) -> tuple[Board, int, tuple[Any, ...], np.ndarray, float] | None:
         """The short way (any thread, nothing of this group in flight): number the call and post it;
-        (board, seq, call, x, whether every peer's post came within the spin), or None: take the
-        long way (_board_all_reduce)."""
+        (board, seq, call, x, when it began), or None: take the long way (_board_all_reduce)."""
         board = self._board(x, compression)
         if (
             board is None
+            or self.net.loop is None
             or self._active
             or self._reserved
             or self._aborted
@@ -234,16 +232,13 @@ class BoardPath(_Host):
         desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
         self._seq += 1
         self._reserved.add(seq)  # a peer's abort or early frame for it is kept, as for any number taken
-        self._board_started[seq] = time.monotonic()
+        started = time.monotonic()
         self._board_post(board, seq, desc, x)
-        ready = board.all_posted(seq) or self._board_spin(board, seq)
-        if ready:
-            self.board_now += 1
-        else:
-            self.board_adopted += 1
-        return board, seq, desc, x, ready
+        return board, seq, desc, x, started
 
-    def _board_end(self, board: Board, seq: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> np.ndarray:
+    def _board_end(
+        self, board: Board, seq: int, desc: tuple[Any, ...], x: np.ndarray, op: str, started: float
+    ) -> np.ndarray:
         """Fold a call _board_start numbered and found ready, and close its books."""
         error: BaseException | None = None
         try:
@@ -252,7 +247,6 @@ class BoardPath(_Host):
             error = exc
             raise
         finally:
-            started = self._board_started.pop(seq)
             self._reserved.discard(seq)
             self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
             board.ack(self.stopped_at() - 1)
@@ -273,7 +267,7 @@ class BoardPath(_Host):
 
     # ------------------------------------------------------------------ shared
     def _board_post(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray) -> None:
-        board.post(k, self._tag(desc), _bytes_of(x) if x.nbytes else None)
+        board.post(k, self._tag(desc), byte_view(x) if x.nbytes else None)
         sleepers = board.sleepers(k)
         if sleepers and self.net.mesh is not None:
             for peer in sleepers:
@@ -282,48 +276,24 @@ class BoardPath(_Host):
     def _board_fold(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> np.ndarray:
         """Every rank's post k, folded in the canonical order (read in place: the peers keep their
         posts until this rank finishes k)."""
-        n, me = self.world_size, self.rank
-        tag = self._tag(desc)
-        peer = board.differs(k, tag, x.nbytes)
+        me = self.rank
+        peer = board.differs(k, self._tag(desc), x.nbytes)
         if peer is not None:
             raise MismatchError(self._board_mismatch(board, k, peer, desc))
         flat = x.reshape(-1) if x.ndim != 1 else x
         parts = board.arrays(k, x.dtype, flat.size)
         parts = [*parts[:me], flat, *parts[me:]]
-        hosts = self._hier_hosts()
-        plan = _plan(flat.size, n) if hosts is None else None
-        if plan is None:  # many chunks, or two levels: stack the rows and fold them as every other path does
-            bufs = np.empty((n, flat.size), x.dtype)
-            for r in range(n):
-                bufs[r] = parts[r]
-            return canonical_fold(bufs, op, np.empty_like(flat), hosts=hosts).reshape(x.shape)
-        ufunc = reduce_op(op)
-        if len(plan) == 1 and plan[0][0] == 0:  # one chunk holds every element
-            order = plan[0][2]
-            out = ufunc(parts[order[0]], parts[order[1]])
-            for r in order[2:]:
-                ufunc(out, parts[r], out=out)
-        else:
-            out = np.empty_like(flat)
-            for a, b, order in plan:  # chunk [a, b): ranks c, c+1, ..., c-1 (core.fold's order)
-                dst = out[a:b]
-                ufunc(parts[order[0]][a:b], parts[order[1]][a:b], out=dst)
-                for r in order[2:]:
-                    ufunc(dst, parts[r][a:b], out=dst)
-        if op == "avg":
-            finish_avg(out, n)
+        out = canonical_fold(parts, op, np.empty_like(flat), hosts=self._hier_hosts())  # views: no row copied
         return out if x.ndim == 1 else out.reshape(x.shape)
 
     def _board_mismatch(self, board: Board, seq: int, peer: int, desc: tuple[Any, ...]) -> str:
         src = self._local[peer]
-        their_seq, their_tag, payload = board.read(peer, seq)
+        their_seq, their_tag = board.read(peer, seq)
         try:
             call = msgpack.unpackb(their_tag, use_list=False)
         except Exception:
             call = None
         if their_seq == seq:
-            if call == desc:  # the same call, another size: cannot be (the shape is in the call)
-                return f"rank {src} posted {payload.nbytes} bytes for all_reduce #{seq}, rank {self.rank} another size"
             return mismatch_message(seq, src, call, self.rank, desc)
         return (
             f"rank {src} called all_reduce as collective #{their_seq}, rank {self.rank} as #{seq}: the ranks' "
@@ -356,32 +326,6 @@ class BoardPath(_Host):
         board = self.net.board
         if board is not None and self.gid == "0":
             board.ack(self.stopped_at() - 1)  # every collective up to there ended: their slots may be reused
-
-    @property
-    def _wake_msg(self) -> bytes:
-        msg = self.__dict__.get("_wake_bytes")
-        if msg is None:
-            msg = self.__dict__["_wake_bytes"] = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
-        return msg
-
-
-
-def _bytes_of(x: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes (memoryview's cast where its format allows, else core.arrays')."""
-    try:
-        return memoryview(x).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
-    except (TypeError, ValueError):  # a format memoryview does not know (bfloat16, ...)
-        return byte_view(x)
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(size: int, n_ranks: int) -> tuple[tuple[int, int, tuple[int, ...]], ...] | None:
-    """The canonical order of a small fold as whole-chunk ufunc calls: (a, b, ranks) per non-empty ring
-    chunk; None when that takes more calls than stacking the rows (core.fold.canonical_fold)."""
-    chunks = [(c, a, b) for c, (a, b) in enumerate(ring_chunk_bounds(size, n_ranks)) if a < b]
-    if n_ranks < 2 or len(chunks) * (n_ranks - 1) > 4:
-        return None
-    return tuple((a, b, tuple((c + i) % n_ranks for i in range(n_ranks))) for c, a, b in chunks)
 
 
 def _settle(fut: asyncio.Future[None]) -> None:
