@@ -236,9 +236,9 @@ class Settings:
     #   on a VM; at 4 ranks 100 us cut the back-to-back 4-byte time by 10-20% and 500 us another 10-15%
     #   (medians of 5 alternating runs: 100 us 636, 300 us 566, 500 us 544, 1000 us 628).
     # - the board up to 256 KiB: a 4-byte all_reduce between 2 processes 11 us back to back (52-57 over the
-    #   Unix links); 256 KiB at 2 ranks 80-170 us against 770 (links), at 4 ranks 1.0 ms against 4.0; at 1 MiB
-    #   still ahead of the plane (4 ranks 4.1 against 5.8 ms), but every rank folds the whole tensor, which
-    #   grows with the ranks of a host; see docs/performance.md.
+    #   Unix links); 256 KiB at 2 ranks 54 us against 770 (links), at 4 ranks 0.54 ms against 4.0 (folded from
+    #   the peers' boards in place); every rank folds the whole tensor, which grows with the ranks of a host,
+    #   so larger calls keep the ring; see docs/performance.md.
     ring_piece: int = _var(
         "PSRING_RING_PIECE", 1 << 20, parse_bytes, "ring: pipeline piece on the event loop", tuning=True
     )
