@@ -235,10 +235,11 @@ class Settings:
     # - spinning 500 us (PSRING_SPIN_US) before sleeping: waking a sleeping process costs more than the wait
     #   on a VM; at 4 ranks 100 us cut the back-to-back 4-byte time by 10-20% and 500 us another 10-15%
     #   (medians of 5 alternating runs: 100 us 636, 300 us 566, 500 us 544, 1000 us 628).
-    # - the board up to 256 KiB: a 4-byte all_reduce between 2 processes 11 us back to back (52-57 over the
-    #   Unix links); 256 KiB at 2 ranks 54 us against 770 (links), at 4 ranks 0.54 ms against 4.0 (folded from
-    #   the peers' boards in place); every rank folds the whole tensor, which grows with the ranks of a host,
-    #   so larger calls keep the ring; see docs/performance.md.
+    # - the board up to 16 MiB: a 4-byte all_reduce between 2 processes 11 us back to back (52-57 over the
+    #   Unix links); 256 KiB at 2 ranks 54 us against 770 (links); from 64 KiB each rank folds one ring chunk
+    #   and copies the others' (psring.topology.ring.board): at 4 ranks 1 MiB 1.0-1.2 ms against 5.0 (links),
+    #   4 MiB 5.2-5.9 against 8.3-9.1, 16 MiB 20.5-21.3 against 26.7-30.0 (plane), 64 MiB 110-121 against
+    #   79-112 (plane: the board stops below it); see docs/performance.md.
     ring_piece: int = _var(
         "PSRING_RING_PIECE", 1 << 20, parse_bytes, "ring: pipeline piece on the event loop", tuning=True
     )
@@ -251,7 +252,7 @@ class Settings:
     )
     ring_board: int = _var(
         "PSRING_RING_BOARD",
-        256 << 10,
+        16 << 20,
         parse_bytes,
         "ring: all_reduces up to this size between ranks of one host go through shared-memory boards (0: never)",
         tuning=True,

@@ -11,6 +11,11 @@ order, and loads in order: on other architectures the board is not offered, see
 (a 4-byte exchange between two processes costs a few microseconds this way, against tens
 through sockets and an event loop).
 
+A post may be *marked* once its owner rewrote part of it in place (``mark``: the spare header field
+set to the post's number, written after what it covers): the ring folds one chunk of every rank's
+post into its own post's copy of that chunk, marks it, and reads its peers' folded chunks once
+they are all marked (a reduce-scatter and an all-gather through the same two slots).
+
 A writer may reuse a slot only once every peer has finished reading what it holds: each
 board's header page carries an *ack*, a number up to which its owner has finished everything
 (the caller's: for a collective, every collective up to it ended), and
@@ -32,7 +37,7 @@ from .shmpool import PAGE, TOKEN_BYTES, PeerPool, ShmPool
 
 #: the largest payload a post carries (a slot is this plus its header, page-rounded)
 BOARD_BYTES = 16 << 10
-#: bytes before a slot's payload: 4 int64 fields (post number, spare, payload bytes, tag bytes)
+#: bytes before a slot's payload: 4 int64 fields (post number, mark, payload bytes, tag bytes)
 #: and the caller's tag (what the post is, to check it against the reader's own)
 HEAD = 256
 TAG_MAX = HEAD - 32
@@ -54,7 +59,7 @@ class _Views:
     def __init__(self, rank: int, mem: memoryview, slot_bytes: int) -> None:
         self.rank = rank
         slots = [(PAGE + p * slot_bytes, PAGE + (p + 1) * slot_bytes) for p in (0, 1)]
-        self.head = [mem[a : a + 32].cast("q") for a, _b in slots]  # post number, spare, payload bytes, tag bytes
+        self.head = [mem[a : a + 32].cast("q") for a, _b in slots]  # post number, mark, payload bytes, tag bytes
         self.tag = [mem[a + 32 : a + HEAD] for a, _b in slots]
         self.body = [mem[a + HEAD : b] for a, b in slots]
         self.ack = mem[_ACK_AT : _ACK_AT + 8].cast("q")
@@ -77,7 +82,8 @@ class Board:
         self.pool = ShmPool(2, HEAD + max_bytes)
         self._mems = [memoryview(self.pool.mm)]
         self._own = _Views(-1, self._mems[0], self.pool.slot_bytes)
-        self._own.head[0][0] = self._own.head[1][0] = -1  # nothing posted yet (a post number is >= 0)
+        for head in self._own.head:
+            head[0] = head[1] = -1  # nothing posted or marked yet (a post number is >= 0)
         self._own.ack[0] = self._own.sleep[0] = -1
         self.peers: dict[int, PeerPool] = {}
         self._peers: list[_Views] = []  # in rank order
@@ -138,6 +144,23 @@ class Board:
         """The peers that have not posted number k yet."""
         return [peer.rank for peer in self._peers if peer.head[k & 1][0] < k]
 
+    def mark(self, k: int) -> None:
+        """Say that this process's post k was rewritten in place as its caller intended (call
+        after the writes: a reader that sees the mark finds them)."""
+        self._own.head[k & 1][1] = k
+
+    def all_marked(self, k: int) -> bool:
+        """Whether every peer has marked its post number k."""
+        p = k & 1
+        for peer in self._peers:
+            if peer.head[p][1] < k:
+                return False
+        return True
+
+    def unmarked(self, k: int) -> list[int]:
+        """The peers that have not marked post number k yet."""
+        return [peer.rank for peer in self._peers if peer.head[k & 1][1] < k]
+
     def all_posted(self, k: int) -> bool:
         """Whether every peer has posted number k (or a later one in its slot: a mismatch to name)."""
         p = k & 1
@@ -165,15 +188,25 @@ class Board:
 
     def arrays(self, k: int, dtype: np.dtype, count: int) -> list[np.ndarray]:
         """Every peer's post k (checked with :meth:`differs`) as ``count`` elements of dtype, in rank
-        order: views of the peers' boards, valid until this process acks k."""
+        order: views of the peers' boards, valid until this process acks k. The caller counts what
+        it reads (``bytes_read``)."""
         key = (k & 1, dtype, count)
         views = self._arrays.get(key)
         if views is None:
             if len(self._arrays) >= 64:
                 self._arrays.clear()
             views = self._arrays[key] = [np.frombuffer(peer.body[k & 1], dtype, count) for peer in self._peers]
-        self.bytes_read += count * dtype.itemsize * len(views)
         return views
+
+    def own_array(self, k: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """This process's post k as ``count`` elements of dtype, writable (see :meth:`mark`)."""
+        key = (k & 1 | 2, dtype, count)
+        views = self._arrays.get(key)
+        if views is None:
+            if len(self._arrays) >= 64:
+                self._arrays.clear()
+            views = self._arrays[key] = [np.frombuffer(self._own.body[k & 1], dtype, count)]
+        return views[0]
 
     def ack(self, k: int) -> None:
         """This process is done with every post numbered up to k, its own and its peers' (their
@@ -182,13 +215,15 @@ class Board:
             self._own.ack[0] = k
 
     # ---------------------------------------------------------------- sleeping
-    def sleep_on(self, k: int) -> None:
-        """Say that this process sleeps until post k is in (-1: awake), for the peers that post it."""
-        self._own.sleep[0] = k
+    def sleep_on(self, k: int, marked: bool = False) -> None:
+        """Say that this process sleeps until post k is in (or marked) everywhere (k = -1: awake),
+        for the peers that post (or mark) it to poke it."""
+        self._own.sleep[0] = 2 * k + marked if k >= 0 else -1
 
-    def sleepers(self, k: int) -> list[int]:
-        """The peers asleep on post k (to poke once this process posted it)."""
-        return [peer.rank for peer in self._peers if peer.sleep[0] == k]
+    def sleepers(self, k: int, marked: bool = False) -> list[int]:
+        """The peers asleep on post k (or its mark: to poke once this process posted or marked it)."""
+        want = 2 * k + marked
+        return [peer.rank for peer in self._peers if peer.sleep[0] == want]
 
     def close(self) -> None:
         if self.closed:

@@ -14,6 +14,7 @@ import pytest
 
 import psring
 from psring.core.fold import canonical_fold
+from psring.topology.ring.board import SPLIT_BYTES
 from psring.transport.board import Board, board_possible
 
 from ..conftest import run_tree
@@ -86,6 +87,11 @@ async def test_small_all_reduces_cross_no_socket_and_give_the_canonical_bits(mak
         (5, np.float64, "avg"),
         (4096, np.float32, "max"),
         (7, np.int64, "prod"),
+        # from SPLIT_BYTES on each rank folds its ring chunk over its own post and copies the others'
+        (100_003, np.float32, "sum"),
+        (SPLIT_BYTES // 8, np.float64, "avg"),
+        (70_001, np.int64, "prod"),
+        (SPLIT_BYTES // 2 + 1, np.float16, "max"),
     ]:
         xs = [(rng.standard_normal(size) * 100).astype(dtype) for _ in groups]
         posted = [n.board.bytes_posted for n in nets]
@@ -133,11 +139,18 @@ async def test_a_board_call_against_another_call_is_a_named_mismatch_and_the_gro
         groups[0].all_reduce(np.zeros(4), "max"), groups[1].all_reduce(np.zeros(4)), return_exceptions=True
     )
     assert all("rank 0 called all_reduce(max) #2" in str(r) for r in results), results
+    n = SPLIT_BYTES  # calls whose folds split over the ranks: checked before a rank writes over its post
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(n)), groups[1].all_reduce(np.zeros(n + 1)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    ys = await asyncio.gather(*(g.all_reduce(np.full(n, g.rank + 1.0)) for g in groups))
+    assert all(np.array_equal(y, np.full(n, 3.0)) for y in ys)
     # the other call comes while the board call sleeps: its rank learns of the board call when it begins
     results = await asyncio.gather(
         groups[0].all_reduce(np.zeros(4)), _late(groups[1].barrier()), return_exceptions=True
     )
-    assert all("rank 0 called all_reduce(sum) #3, rank 1 called barrier #3" in str(r) for r in results), results
+    assert all("rank 0 called all_reduce(sum) #5, rank 1 called barrier #5" in str(r) for r in results), results
     assert time.monotonic() - t0 < 10  # named, not timed out (nor left to the stall inspector)
     # a broadcast's root sent (and returned) before the other rank's board call began: named there, and
     # the root's next call is abandoned on every rank (it had returned from the mismatched one)
@@ -145,7 +158,7 @@ async def test_a_board_call_against_another_call_is_a_named_mismatch_and_the_gro
         _late(groups[0].all_reduce(np.zeros(4))), groups[1].broadcast(np.zeros(4), src=1), return_exceptions=True
     )
     assert isinstance(results[0], psring.MismatchError) and isinstance(results[1], np.ndarray), results
-    assert "rank 1 called broadcast(src=1) #4, rank 0 called all_reduce(sum) #4" in str(results[0]), results
+    assert "rank 1 called broadcast(src=1) #6, rank 0 called all_reduce(sum) #6" in str(results[0]), results
     results = await asyncio.gather(*(g.all_reduce(np.ones(3)) for g in groups), return_exceptions=True)
     assert all(isinstance(r, psring.MismatchError) and "had returned from" in str(r) for r in results), results
     ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
@@ -169,6 +182,12 @@ for i in range(400):
         h = g.all_reduce(np.ones(300_000, np.float32), async_op=True)
         y = g.all_reduce(xs[g.rank])
         assert np.all(h.wait() == n), i
+    elif i % 25 == 13:  # split over the ranks (SPLIT_BYTES and more): each folds its chunk, copies the rest
+        xs = [np.random.default_rng(1000 * i + r).standard_normal(20_000 + i).astype(np.float32) for r in range(n)]
+        y = g.all_reduce(xs[g.rank], "avg")
+        ref = canonical_fold(xs, "avg", np.empty_like(xs[0]))
+        assert y.tobytes() == ref.tobytes(), i
+        continue
     elif i % 50 == 23:
         y = g.all_reduce(xs[g.rank], compression="fp16")  # a reserved number, then one more
         assert np.allclose(y, sum(xs), rtol=1e-2, atol=1e-2), i

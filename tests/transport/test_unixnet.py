@@ -64,7 +64,7 @@ async def _battery(groups: list[psring.Group], world: int) -> list[bytes]:
     """Every small collective once, with data that makes the fold order visible."""
     rng = np.random.default_rng(world)
     out: list[bytes] = []
-    for n in (1, 1000, 16384):
+    for n in (1, 1000, 16384, 100_003):  # the last splits its fold over the ranks on the boards
         xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-6, 6, n)).astype(np.float32) for _ in groups]
         for op in ("sum", "avg", "max", "prod"):
             ys = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(groups, xs, strict=True)))
@@ -90,15 +90,15 @@ async def _battery(groups: list[psring.Group], world: int) -> list[bytes]:
 async def test_unix_links_and_tcp_give_the_same_bits(make_groups, monkeypatch, world: int) -> None:
     """The same bits over the boards, the Unix links and TCP."""
     results = {}
-    for mode, board in (("auto", "256K"), ("auto", "0"), ("off", "256K")):
+    for mode, board in (("auto", "16M"), ("auto", "0"), ("off", "16M")):
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
         monkeypatch.setenv("PSRING_RING_BOARD", board)
         groups = await make_groups(world)
         assert all((g.net.mesh is not None) == (mode == "auto") for g in groups)  # type: ignore[attr-defined]
-        boards = (mode, board) == ("auto", "256K")
+        boards = (mode, board) == ("auto", "16M")
         assert all((g.net.board is not None) == boards for g in groups)  # type: ignore[attr-defined]
         results[mode, board] = await _battery(groups, world)
-    assert results["auto", "256K"] == results["auto", "0"] == results["off", "256K"]
+    assert results["auto", "16M"] == results["auto", "0"] == results["off", "16M"]
 
 
 async def test_a_small_call_against_a_large_one_is_a_named_mismatch(make_groups) -> None:
