@@ -6,6 +6,11 @@ peak resident memory against the table's size.
 
     python benchmarks/sparse.py [--workers 4] [--rows 1000000] [--width 64] [--touch 0.01]
                                 [--steps 20] [--variants dense-ring,sparse-ring,sparse-ps] [--rounds 1] [--json]
+                                [--bed 1gbit]
+
+With ``--bed RATE`` (root: network namespaces and tc, as benchmarks/hosts.py) every worker is a host
+of its own, its link shaped to RATE both ways; over ps each worker process hosts one shard
+(PSRING_PS_COLOCATE=1: a host per worker and shard, as a cluster without spare server hosts runs it).
 
 Each step a worker draws its batch's row ids (uniform, --touch of the table), pulls those rows
 (opt.pull_rows), makes a gradient of them (rows x 0.01: the exchange is what is measured) and steps.
@@ -20,11 +25,15 @@ import argparse
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,24 +94,84 @@ sys.exit(new_event_loop().run_until_complete(launch(int(sys.argv[1]), [sys.execu
 VARIANTS = ("dense-ring", "sparse-ring", "sparse-ps")
 
 
-def run(variant: str, args: argparse.Namespace, script: str) -> dict:  # type: ignore[type-arg]
+def run(variant: str, args: argparse.Namespace, script: str, bed: Any = None) -> dict:  # type: ignore[type-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
     env.update(PYTHONPATH=str(ROOT), VARIANT=variant, ROWS=str(args.rows), WIDTH=str(args.width),
                TOUCH=str(args.touch), STEPS=str(args.steps), OMP_NUM_THREADS="1")  # fmt: skip
     if args.servers:
         env["PSRING_SERVERS"] = str(args.servers)
     topology = "ps" if variant == "sparse-ps" else "ring"
-    res = subprocess.run([sys.executable, "-c", LAUNCH, str(args.workers), script, topology], env=env,
-                         capture_output=True, text=True, timeout=3600)  # fmt: skip
-    if res.returncode != 0:
-        raise RuntimeError(f"{variant} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    done = [json.loads(m) for m in re.findall(r"DONE (\{.*\})", res.stdout)]
+    if bed is not None:
+        stdout = run_on_bed(bed, env, topology, args, script)
+    else:
+        res = subprocess.run([sys.executable, "-c", LAUNCH, str(args.workers), script, topology], env=env,
+                             capture_output=True, text=True, timeout=3600)  # fmt: skip
+        if res.returncode != 0:
+            raise RuntimeError(f"{variant} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+        stdout = res.stdout
+    done = [json.loads(m) for m in re.findall(r"DONE (\{.*\})", stdout)]
     if len(done) != args.workers:
-        raise RuntimeError(f"{variant}: {len(done)} of {args.workers} workers reported\n{res.stdout[-3000:]}")
+        raise RuntimeError(f"{variant}: {len(done)} of {args.workers} workers reported\n{stdout[-3000:]}")
     return {"steps_per_s": args.steps / max(d["seconds"] for d in done),
             "worker_peak_rss": max(d["peak_rss"] for d in done),
             "rank0_peak_rss": max(d["peak_rss"] for d in done if d["rank"] == 0),
             "others_peak_rss": max((d["peak_rss"] for d in done if d["rank"] != 0), default=0)}  # fmt: skip
+
+
+def make_bed(workers: int, rate: str) -> Any:
+    """A host (network namespace) per worker on one bridge, each link shaped to ``rate`` both ways."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from hosts import shape  # benchmarks/hosts.py: the same bed and shaping
+
+    from tests.support.harness.netns import NetnsCluster, netns_available
+
+    why = netns_available()
+    if why is not None:
+        raise SystemExit(f"sparse.py --bed: {why} (run as root)")
+    cluster = NetnsCluster(uuid.uuid4().hex[:6])
+    try:
+        for h in range(workers):
+            cluster.host(f"host{h}")
+            shape(cluster, f"host{h}", rate)
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def run_on_bed(cluster: Any, env: dict[str, str], topology: str, args: argparse.Namespace, script: str) -> str:
+    """Every worker in its own host, meeting at rank 0's store; their output, once all ended (by PID)."""
+    names = [n for n in cluster.hosts if n.startswith("host")]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs, job = [], f"sparse-{uuid.uuid4().hex[:6]}"
+    for r in range(args.workers):
+        renv = {**env, "RANK": str(r), "WORLD_SIZE": str(args.workers), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": cluster.addresses[names[0]], "MASTER_PORT": str(port),
+                "PSRING_JOB": job, "PSRING_TOPOLOGY": topology,
+                "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        if topology == "ps":
+            renv["PSRING_PS_COLOCATE"] = "1"
+        procs.append(cluster.run(names[r], [sys.executable, script], renv))
+    out, failed = [], []
+    deadline = time.monotonic() + 3600
+    for r, proc in enumerate(procs):
+        try:
+            said = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            said = proc.communicate(timeout=30)[0] or ""
+        out.append(said)
+        if proc.returncode != 0:
+            failed.append(f"rank {r} exited {proc.returncode}: {said[-1500:]}")
+    cluster.procs = [p for p in cluster.procs if p not in procs]
+    if failed:
+        for proc in procs:  # ended by PID, whatever happened
+            if proc.poll() is None:
+                proc.kill()
+        raise RuntimeError("; ".join(failed))
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -116,6 +185,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--bed", metavar="RATE", help="a host per worker, links shaped to RATE (1gbit; root)")
     args = p.parse_args()
     variants = args.variants.split(",")
     for v in variants:
@@ -124,12 +194,18 @@ def main() -> None:
     if not (args.workers >= 1 and args.rows >= 1 and args.width >= 1 and 0 < args.touch <= 1 and args.steps >= 1):
         p.error("--workers, --rows, --width and --steps must be positive and --touch in (0, 1]")
     results: dict[str, list[dict]] = {v: [] for v in variants}  # type: ignore[type-arg]
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "worker.py")
-        Path(script).write_text(WORKER)
-        for _ in range(args.rounds):  # alternating: drift hits all alike
-            for v in variants:
-                results[v].append(run(v, args, script))
+    bed = make_bed(args.workers, args.bed) if args.bed else None
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            script = os.path.join(tmp, "worker.py")
+            Path(script).write_text(WORKER)
+            os.chmod(tmp, 0o755)
+            for _ in range(args.rounds):  # alternating: drift hits all alike
+                for v in variants:
+                    results[v].append(run(v, args, script, bed))
+    finally:
+        if bed is not None:
+            bed.close()
     table_bytes = args.rows * args.width * 4
     base = statistics.median(r["steps_per_s"] for r in results[variants[0]])
     rows = [{"variant": v, "steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
@@ -141,7 +217,8 @@ def main() -> None:
         print(json.dumps({"args": vars(args), "table_bytes": table_bytes, "rows": rows}))
         return
     print(f"{args.workers} workers, a {args.rows} x {args.width} float32 table ({table_bytes / 2**20:.0f} MiB), "
-          f"{args.touch:.1%} of its rows touched per worker and step, {args.steps} steps")  # fmt: skip
+          f"{args.touch:.1%} of its rows touched per worker and step, {args.steps} steps"
+          + (f", a host each, links shaped to {args.bed}" if args.bed else ", one host"))  # fmt: skip
     print("peak RSS per worker: rank 0 (which makes the initial table) and the largest of the others")
     head = f"{'variant':<12} {'steps/s':>9} {'x ' + variants[0]:>16} {'rank 0 RSS':>12} {'others RSS':>12}"
     print(head + f" {'x table':>8}")
