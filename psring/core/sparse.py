@@ -74,7 +74,9 @@ def _host(x: Any) -> np.ndarray:
 def merge_rows(parts: list[tuple[np.ndarray, np.ndarray]], num_rows: int, width: int, dtype: Any) -> SparseRows:
     """(indices, values) of every rank, in rank order -> unique sorted indices, rows summed in
     that order (rank, then position within the rank)."""
-    if parts:
+    if len(parts) == 1:
+        idx, val = parts[0][0], parts[0][1].reshape(-1, width)  # only read: gathered from below
+    elif parts:
         idx = np.concatenate([i for i, _ in parts])
         val = np.concatenate([v.reshape(-1, width) for _, v in parts])
     else:
@@ -82,13 +84,19 @@ def merge_rows(parts: list[tuple[np.ndarray, np.ndarray]], num_rows: int, width:
     if idx.size == 0:
         return SparseRows(idx.astype(np.int64), val.astype(dtype, copy=False), num_rows)
     order = np.argsort(idx, kind="stable")
-    idx, val = idx[order], val[order]
-    unique, starts = np.unique(idx, return_index=True)
-    counts = np.diff(np.append(starts, idx.size))
+    sorted_idx = idx[order]
+    head = np.empty(sorted_idx.size, bool)  # where a new index begins (the rows stay where they are:
+    head[0] = True  # each is gathered once, by its place in ``order``, not sorted first)
+    np.not_equal(sorted_idx[1:], sorted_idx[:-1], out=head[1:])
+    starts = np.flatnonzero(head)
+    unique = sorted_idx[starts]
+    counts = np.diff(np.append(starts, sorted_idx.size))
     # each index's rows added one after another in that order, vectorized over indices: round k
     # adds every index's k-th row (the same bits on every rank, and the order the docs promise)
-    out = val[starts].astype(dtype, copy=True)
+    out = val[order[starts]]  # a new array
+    if out.dtype != dtype:
+        out = out.astype(dtype)
     for k in range(1, int(counts.max())):
         more = counts > k
-        out[more] += val[starts[more] + k]
+        out[more] += val[order[starts[more] + k]]
     return SparseRows(unique, out, num_rows)

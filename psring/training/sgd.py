@@ -322,15 +322,15 @@ class SyncSGD:
                                  f"the table is {rows} x {width} {dtype}")  # fmt: skip
             # every rank checks every rank's rows first: bad ones are named everywhere, nothing applied
             summed = await self.group.sparse_all_reduce(g) if self.topology != "ps" else None
-            if summed is None:
+            if summed is None:  # ps: each rank's word on its rows goes with its push; shards apply none if one is bad
                 problem = g.problem()
-                flags = await self.group.all_gather(np.array([problem is not None], np.int64))
-                bad = [r for r, f in enumerate(flags) if int(f[0])]
+                bad = await self.group.sparse_step(
+                    k, self.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None
+                )
                 if bad:
                     mine = f" (this rank: {problem})" if problem is not None else ""
                     raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
                                      f"the table's rows{mine}; nothing was applied")  # fmt: skip
-                await self.group.sparse_step(k, self.step_count, _to_host(g.indices), _to_host(g.values), rows)
                 continue
             if summed.indices.size == 0:
                 continue

@@ -118,3 +118,24 @@ async def test_a_call_made_while_one_runs_is_numbered_after_it_on_every_rank(mak
     for rows, dense in outs:
         assert rows.indices.tolist() == sorted(want) and dense.tolist() == [3.0, 3.0, 3.0]
         assert all(np.array_equal(rows.values[k], want[i]) for k, i in enumerate(rows.indices.tolist()))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_a_workers_push_packs_each_shards_rows_in_their_own_order(shards: int) -> None:
+    """pack_by_shard (one gather per row) carries what a mask per shard would: the rows of the
+    shard's range, in the order the rank had them (the merge adds duplicates in that order)."""
+    from psring.topology.ps.tables import pack_by_shard, pack_rows, row_range, unpack_rows
+
+    rng = np.random.default_rng(shards)
+    for n in (0, 1, 57, 2000):
+        idx = rng.integers(0, 1000, n).astype(np.int64)
+        val = rng.standard_normal((n, 5)).astype(np.float32)
+        packed = pack_by_shard(idx, val, 1000, shards)
+        assert len(packed) == shards
+        for s, (count, payload) in enumerate(packed):
+            a, b = row_range(1000, shards, s)
+            mine = (idx >= a) & (idx < b)
+            assert count == int(mine.sum())
+            assert payload.tobytes() == pack_rows(idx[mine], val[mine]).tobytes()
+            got_idx, got_val = unpack_rows(payload, count, 5, np.dtype(np.float32))
+            assert np.array_equal(got_idx, idx[mine]) and np.array_equal(got_val, val[mine])

@@ -20,7 +20,7 @@ from ...core.compress import check_codec, quantize, scale_exponent
 from ...core.fold import pieces
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from .plan import per_piece, plan
-from .tables import pack_rows, row_range
+from .tables import pack_by_shard, row_range
 
 if TYPE_CHECKING:
     from ..group import Group as _Host
@@ -467,18 +467,25 @@ class SparseTables(_Host):
                     conn.send_tensor({**base, "first": first, "count": count}, table[first : first + count])
         await self.sparse_pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
 
-    async def sparse_step(self, k: int, t: int, indices: np.ndarray, values: np.ndarray, num_rows: int) -> None:
+    async def sparse_step(
+        self, k: int, t: int, indices: np.ndarray, values: np.ndarray, num_rows: int, bad: bool = False
+    ) -> list[int]:
         """Push step t's rows of table k (each shard its range, empty where none) and wait until
-        every shard applied the step."""
+        every shard applied the step. ``bad``: this rank's rows are not fit to apply (an index out
+        of range): every shard hears every rank's word with its push and applies nothing if any
+        said so. Returns the ranks that did (the same list on every rank; empty: applied)."""
         futs = []
-        for s, (a, b) in enumerate(self._shard_rows(num_rows)):
-            mine = (indices >= a) & (indices < b)
-            idx, val = indices[mine], values[mine]
+        if bad:  # nothing will be applied: every shard gets the word and no rows
+            indices, values = indices[:0], values[:0]
+        packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.num_servers)
+        for s, (count, payload) in enumerate(packed):
             futs.append(self.mailbox.expect(("param", k, "sp_done", s, t)))
             header = {"kind": "ps_param", "op": "sp_push", "tag": ("param", k, "sp_push"), "step": t,
-                      "src": self.rank, "count": int(idx.size)}  # fmt: skip
-            self.links.shards[s].send_tensor(header, pack_rows(idx, val))
+                      "src": self.rank, "count": count, "bad": bool(bad)}  # fmt: skip
+            self.links.shards[s].send_tensor(header, payload)
         await self._param_wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
+        said = futs[0].result()[1].get("bad") or []
+        return [int(r) for r in said]
 
     async def sparse_pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
         """The current rows ``indices`` of table k, in that order (duplicates allowed)."""

@@ -42,6 +42,32 @@ def pack_rows(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
     )
 
 
+def pack_by_shard(
+    indices: np.ndarray, values: np.ndarray, num_rows: int, shards: int
+) -> list[tuple[int, np.ndarray]]:
+    """(rows, pack_rows payload) of each shard's share of int64 ``indices`` and 2-D ``values``, for
+    shards 0..shards-1 (none where it has none), each row gathered once straight into its payload;
+    a shard's rows keep the order they had (the merge adds them in it). Every index must lie in
+    0..num_rows-1."""
+    width = values.shape[1]
+    if shards == 1:
+        return [(int(indices.size), pack_rows(indices, values))]
+    bounds = np.array([row_range(num_rows, shards, s)[0] for s in range(1, shards)], np.int64)
+    which = np.searchsorted(bounds, indices, side="right").astype(np.int16 if shards < 1 << 15 else np.int64)
+    order = np.argsort(which, kind="stable")  # by shard, each shard's rows in their own order
+    counts = np.bincount(which, minlength=shards)
+    out, at = [], 0
+    for s in range(shards):
+        n = int(counts[s])
+        sel = order[at : at + n]
+        at += n
+        payload = np.empty(n * 8 + n * width * values.itemsize, np.uint8)
+        np.take(indices, sel, out=payload[: n * 8].view(np.int64))
+        np.take(values, sel, axis=0, out=payload[n * 8 :].view(values.dtype).reshape(n, width))
+        out.append((n, payload))
+    return out
+
+
 def unpack_rows(
     payload: Any, count: int, width: int, dtype: np.dtype, owned: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -72,6 +98,7 @@ class Table:
         self.step = 0
         self.ready = False
         self.inbox: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # src -> its rows of this step
+        self.bad: set[int] = set()  # the ranks that said their rows of this step are not fit to apply
         self.conns: dict[int, Connection] = {}
         self.waiting_pulls: list[tuple[Connection, dict[str, Any], Any]] = []
 
@@ -158,22 +185,33 @@ class Tables:
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
             raise ProtocolError(f"rank {src} pushed rows of sparse table {k} outside this shard's {a}..{b - 1}")
         table.inbox[src] = (idx, val)
+        if header.get("bad"):
+            table.bad.add(src)
         table.conns[src] = conn
         if len(table.inbox) == table.size:
             self._apply(table)
 
     def _apply(self, table: Table) -> None:
         parts = [table.inbox[r] for r in range(table.size)]
-        table.inbox = {}
-        merged = merge_rows(parts, table.num_rows, table.width, table.dtype)
+        bad, table.inbox, table.bad = sorted(table.bad), {}, set()
         t = table.step
+        header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
+        if bad:  # a rank's rows do not fit the table: nothing applied, the step taken again (every shard alike)
+            header["bad"] = bad
+            self._reply(table, header)
+            return
+        merged = merge_rows(parts, table.num_rows, table.width, table.dtype)
         if merged.indices.size:
             local = merged.indices - table.rows[0]
-            grad = merged.values / table.dtype.type(table.size)  # the mean over workers, as a dense avg
+            grad = merged.values  # merge_rows's own array: divided in place into the mean, as a dense avg
+            np.divide(grad, table.dtype.type(table.size), out=grad)
             table.optimizer.update_rows(table.param, table.state, local, grad, t)  # as the ring's SyncSGD
             self.rows_applied += int(local.size)
         table.step = t + 1
-        header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
+        self._reply(table, header)
+
+    @staticmethod
+    def _reply(table: Table, header: dict[str, Any]) -> None:
         for r in range(table.size):
             conn = table.conns.get(r)
             if conn is not None:
