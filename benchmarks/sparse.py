@@ -13,7 +13,9 @@ of its own, its link shaped to RATE both ways; over ps each worker process hosts
 (PSRING_PS_COLOCATE=1: a host per worker and shard, as a cluster without spare server hosts runs it).
 
 Each step a worker draws its batch's row ids (uniform, --touch of the table), pulls those rows
-(opt.pull_rows), makes a gradient of them (rows x 0.01: the exchange is what is measured) and steps.
+(opt.pull_rows), makes a gradient of them (rows x 0.01: the exchange is what is measured) and steps,
+naming the next batch's ids (``step(..., prefetch=...)``: over ps they come back with the step's
+answer, so that pull asks nobody; ``--no-prefetch``: a pull of its own each step).
 Over ps, ranks other than 0 pass an untouched np.empty table (no pages: rank 0's rows are what the
 shards start from), so a worker never holds the table; the shards do (--servers, default one per
 worker).
@@ -51,6 +53,7 @@ def peak_rss():
 async def main():
     variant, rows, width = os.environ["VARIANT"], int(os.environ["ROWS"]), int(os.environ["WIDTH"])
     touch, steps = float(os.environ["TOUCH"]), int(os.environ["STEPS"])
+    PREFETCH = os.environ.get("PREFETCH") == "1"
     g = await psring.init_group(timeout=300)
     if g.rank == 0 or variant != "sparse-ps":
         table = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
@@ -67,15 +70,16 @@ async def main():
     await g.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
+        nxt = rng.integers(0, rows, k)  # the next batch
         if sparse:
-            cur = await opt.pull_rows("emb", ids)
+            cur = await opt.pull_rows("emb", ids)  # after the first step: the rows came with it (prefetch)
             grad = {"emb": psring.SparseRows(ids, cur * np.float32(0.01), rows)}
+            await opt.step(grad, prefetch={"emb": nxt} if PREFETCH else None)
         else:
             dense = np.zeros((rows, width), np.float32)
             dense[ids] = opt.params["emb"][ids] * np.float32(0.01)
-            grad = {"emb": dense}
-        await opt.step(grad)
-        ids = rng.integers(0, rows, k)  # the next batch
+            await opt.step({"emb": dense})
+        ids = nxt
     seconds = time.perf_counter() - t0
     print("DONE " + json.dumps({"rank": g.rank, "seconds": seconds, "peak_rss": peak_rss()}), flush=True)
     await g.close()
@@ -97,7 +101,8 @@ VARIANTS = ("dense-ring", "sparse-ring", "sparse-ps")
 def run(variant: str, args: argparse.Namespace, script: str, bed: Any = None) -> dict:  # type: ignore[type-arg]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
     env.update(PYTHONPATH=str(ROOT), VARIANT=variant, ROWS=str(args.rows), WIDTH=str(args.width),
-               TOUCH=str(args.touch), STEPS=str(args.steps), OMP_NUM_THREADS="1")  # fmt: skip
+               TOUCH=str(args.touch), STEPS=str(args.steps), OMP_NUM_THREADS="1",
+               PREFETCH="0" if args.no_prefetch else "1")  # fmt: skip
     if args.servers:
         env["PSRING_SERVERS"] = str(args.servers)
     topology = "ps" if variant == "sparse-ps" else "ring"
@@ -185,6 +190,8 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="pull each batch's rows after the step (not with it: step(..., prefetch=...))")
     p.add_argument("--bed", metavar="RATE", help="a host per worker, links shaped to RATE (1gbit; root)")
     args = p.parse_args()
     variants = args.variants.split(",")

@@ -139,6 +139,8 @@ class SyncSGD:
         self.sparse = sparse
         self._tables: dict[str, Any] = {k: check_array(params[k], f"params[{k!r}]") for k in sparse}
         self._table_state: dict[str, dict[str, Any]] = {}
+        #: rows that came back with the last step (step(..., prefetch=...)): name -> (indices, rows)
+        self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._table_shape = {
             k: (int(v.shape[0]), int(v.shape[1]), dtype_name(v.dtype)) for k, v in self._tables.items()
         }
@@ -290,24 +292,34 @@ class SyncSGD:
         """The current rows ``indices`` (any order, duplicates allowed) of sparse table ``name``:
         what the next batch needs. Over ps from the shards that hold them; over the ring a copy of
         this rank's. An index out of range: IndexError, naming it (nothing is sent)."""
-        if name not in self._table_shape:
-            raise KeyError(f"{name!r} is not a sparse table of this SyncSGD (sparse={self.sparse})")
+        idx = self._row_ids(name, indices, "pull_rows")
         if not self.started:
             await self.start()
-        idx = _to_host(check_array(indices, "indices")).reshape(-1)
         rows, width, dtype = self._table_shape[name]
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"pull_rows({name!r}): indices must be integers, got {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-            raise IndexError(f"pull_rows({name!r}): index {bad} is outside the table's rows 0..{rows - 1}")
         if self.topology == "ps":
+            got = self._prefetched.pop(name, None)
+            if got is not None and np.array_equal(got[0], idx):  # they came back with the last step
+                return _like(self.xp, got[1])
             k = self.sparse.index(name)
             out = await self.group.sparse_pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
             return _like(self.xp, out)
         return self._tables[name][self.xp.asarray(idx)]
 
-    async def _sparse_step(self, grads: Mapping[str, Any]) -> None:
+    def _row_ids(self, name: str, indices: Any, what: str) -> np.ndarray:
+        """Row indices of sparse table ``name`` as a flat host array; KeyError, TypeError or IndexError
+        (naming the index) for what does not fit it."""
+        if name not in self._table_shape:
+            raise KeyError(f"{name!r} is not a sparse table of this SyncSGD (sparse={self.sparse})")
+        idx = _to_host(check_array(indices, "indices")).reshape(-1)
+        rows = self._table_shape[name][0]
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"{what}({name!r}): indices must be integers, got {idx.dtype}")
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
+            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
+            raise IndexError(f"{what}({name!r}): index {bad} is outside the table's rows 0..{rows - 1}")
+        return idx
+
+    async def _sparse_step(self, grads: Mapping[str, Any], prefetch: Mapping[str, np.ndarray]) -> None:
         """Every sparse table's step: the rows summed over the workers in rank order, divided by
         their number, and the optimizer run on those rows only (the ring here, ps on the shards)."""
         n = self.group.world_size
@@ -324,9 +336,13 @@ class SyncSGD:
             summed = await self.group.sparse_all_reduce(g) if self.topology != "ps" else None
             if summed is None:  # ps: each rank's word on its rows goes with its push; shards apply none if one is bad
                 problem = g.problem()
-                bad = await self.group.sparse_step(
-                    k, self.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None
-                )
+                pull = prefetch.get(name)
+                bad, pulled = await self.group.sparse_step(
+                    k, self.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None,
+                    pull=None if pull is None else pull.astype(np.int64, copy=False),
+                )  # fmt: skip
+                if pulled is not None and pull is not None:
+                    self._prefetched[name] = (pull, pulled)
                 if bad:
                     mine = f" (this rank: {problem})" if problem is not None else ""
                     raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
@@ -435,14 +451,22 @@ class SyncSGD:
                 f"accumulate, backup or parameter layout than rank 0 (this is rank {self.group.rank}: {shown})"
             )
 
-    async def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
+    async def step(self, grads: Mapping[str, Any], prefetch: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Average grads over the group, apply the optimizer; returns the new parameters.
+
+        ``prefetch``: sparse table name -> the row indices the next ``pull_rows`` of that table will
+        ask for (the next batch's). Over ps they come back with this step's answer from the shards,
+        read after its update, and that ``pull_rows`` returns them without asking again (one round
+        trip a step saved; the same rows a pull after the step reads). Over the ring it changes
+        nothing (``pull_rows`` reads this rank's own copy).
 
         With ``accumulate=k`` the gradients of k calls are summed locally and exchanged
         once, divided by k (so the step equals one over a k-times larger batch and the
         learning rate needs no change); the k-1 calls in between return the unchanged
         parameters.
         """
+        wanted = {name: self._row_ids(name, ids, "step(prefetch)") for name, ids in (prefetch or {}).items()}
+        self._prefetched.clear()  # rows from before this step are no longer current
         if not self.started:
             await self.start()
         missing = [n for n in [*self._names, *self.sparse] if n not in grads]
@@ -479,7 +503,7 @@ class SyncSGD:
                 self.optimizer.update(flat, avg, state)
             t2 = time.perf_counter()
         if self.sparse:
-            await self._sparse_step(grads)
+            await self._sparse_step(grads, wanted)
             t2 = time.perf_counter()
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
@@ -541,8 +565,8 @@ class BlockingSyncSGD:
     def start(self) -> dict[str, Any]:
         return self._portal.call(self._inner.start())
 
-    def step(self, grads: Mapping[str, Any]) -> dict[str, Any]:
-        return self._portal.call(self._inner.step(grads))
+    def step(self, grads: Mapping[str, Any], prefetch: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self._portal.call(self._inner.step(grads, prefetch))
 
     def pull_rows(self, name: str, indices: Any) -> Any:
         return self._portal.call(self._inner.pull_rows(name, indices))

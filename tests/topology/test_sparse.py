@@ -137,5 +137,10 @@ def test_a_workers_push_packs_each_shards_rows_in_their_own_order(shards: int) -
             mine = (idx >= a) & (idx < b)
             assert count == int(mine.sum())
             assert payload.tobytes() == pack_rows(idx[mine], val[mine]).tobytes()
-            got_idx, got_val = unpack_rows(payload, count, 5, np.dtype(np.float32))
-            assert np.array_equal(got_idx, idx[mine]) and np.array_equal(got_val, val[mine])
+            got_idx, got_val, none = unpack_rows(payload, count, 5, np.dtype(np.float32))
+            assert np.array_equal(got_idx, idx[mine]) and np.array_equal(got_val, val[mine]) and none.size == 0
+        # rows to send back with the step's answer ride after each shard's rows
+        pulls = [np.arange(s, s + 3, dtype=np.int64) for s in range(shards)]
+        for s, (count, payload) in enumerate(pack_by_shard(idx, val, 1000, shards, pulls)):
+            got_idx, got_val, want = unpack_rows(payload, count, 5, np.dtype(np.float32), pull=3)
+            assert count == got_idx.size and np.array_equal(want, pulls[s])

@@ -93,6 +93,42 @@ async def test_pull_rows_in_any_order_with_duplicates(make_groups, topology: str
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("topology", ["ring", "ps"])
+async def test_rows_prefetched_with_a_step_are_those_a_pull_after_it_reads(make_groups, topology: str) -> None:
+    """step(grads, prefetch={name: ids}): over ps the shards send those rows back with the step's
+    answer (after its update) and the next pull_rows of the same ids asks nobody; the table follows
+    the same rule as without prefetching, and a pull of other ids still asks."""
+    want = _reference(SGD(lr=0.1, momentum=0.9), 2, 3)
+    groups = await make_groups(2, topology)
+    opts = [psring.SyncSGD(g, _params(), SGD(lr=0.1, momentum=0.9), sparse=["emb"]) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    everything = np.arange(ROWS)
+
+    def asked(g: psring.Group) -> int:
+        return int(getattr(g, "_pull_requests", 0))
+
+    for t in range(3):
+        ids = [np.array([49, 0, 7, 7, 25 + t]), np.arange(ROWS)[:: 3 + t]]
+        await asyncio.gather(
+            *(o.step(_grads(t, g.rank), prefetch={"emb": ids[g.rank]}) for o, g in zip(opts, groups, strict=True))
+        )
+        before = [asked(g) for g in groups]
+        rows = await asyncio.gather(*(o.pull_rows("emb", ids[g.rank]) for o, g in zip(opts, groups, strict=True)))
+        assert [asked(g) for g in groups] == before  # nothing asked: they came with the step
+        fresh = await asyncio.gather(*(o.pull_rows("emb", ids[g.rank]) for o, g in zip(opts, groups, strict=True)))
+        for r in range(2):
+            assert np.array_equal(rows[r], fresh[r])  # what a pull after the step reads, bit for bit
+        if topology == "ps":
+            assert [asked(g) for g in groups] == [b + 1 for b in before]  # used once: the second one asked
+    tables = await asyncio.gather(*(o.pull_rows("emb", everything) for o in opts))
+    assert all(np.array_equal(t, want) for t in tables)  # the rule, as without prefetching
+    with pytest.raises(IndexError, match=r"step\(prefetch\)\('emb'\): index 50 is outside"):
+        await opts[0].step(_grads(3, 0), prefetch={"emb": np.array([50])})
+    with pytest.raises(KeyError, match="'w' is not a sparse table"):
+        await opts[0].step(_grads(3, 0), prefetch={"w": np.array([1])})
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("topology", ["ring", "ps"])
 async def test_bad_rows_are_named_on_every_rank_and_nothing_is_applied(make_groups, topology: str) -> None:
     groups = await make_groups(2, topology)
     opts = [psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"]) for g in groups]
@@ -126,7 +162,7 @@ async def test_what_a_sparse_table_refuses(make_groups) -> None:
     opt.started = True  # no other rank here: the checks below come before any exchange
     opt._tables["emb"] = _params()["emb"]
     with pytest.raises(TypeError, match=r"grads\['emb'\] must be a psring.SparseRows"):
-        await opt._sparse_step({"emb": np.zeros((ROWS, WIDTH), np.float32)})
+        await opt._sparse_step({"emb": np.zeros((ROWS, WIDTH), np.float32)}, {})
     narrow = psring.SparseRows(np.array([1]), np.ones((1, 3), np.float32), ROWS)
     with pytest.raises(ValueError, match=r"grads\['emb'\] has rows of 50 x 3 float32; the table is 50 x 4"):
-        await opt._sparse_step({"emb": narrow})
+        await opt._sparse_step({"emb": narrow}, {})

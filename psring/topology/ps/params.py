@@ -468,24 +468,51 @@ class SparseTables(_Host):
         await self.sparse_pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
 
     async def sparse_step(
-        self, k: int, t: int, indices: np.ndarray, values: np.ndarray, num_rows: int, bad: bool = False
-    ) -> list[int]:
+        self,
+        k: int,
+        t: int,
+        indices: np.ndarray,
+        values: np.ndarray,
+        num_rows: int,
+        bad: bool = False,
+        pull: np.ndarray | None = None,
+    ) -> tuple[list[int], np.ndarray | None]:
         """Push step t's rows of table k (each shard its range, empty where none) and wait until
         every shard applied the step. ``bad``: this rank's rows are not fit to apply (an index out
         of range): every shard hears every rank's word with its push and applies nothing if any
-        said so. Returns the ranks that did (the same list on every rank; empty: applied)."""
+        said so. ``pull``: int64 row indices (in range) that come back with the shards' answers,
+        read after the update (a pull saved). Returns the ranks that said bad (the same list on
+        every rank; empty: applied) and the pulled rows (None when bad or not asked)."""
         futs = []
         if bad:  # nothing will be applied: every shard gets the word and no rows
-            indices, values = indices[:0], values[:0]
-        packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.num_servers)
+            indices, values, pull = indices[:0], values[:0], None
+        wheres = None
+        if pull is not None:
+            wheres = [np.nonzero((pull >= a) & (pull < b))[0] for a, b in self._shard_rows(num_rows)]
+        pulls = [pull[w] for w in wheres] if pull is not None and wheres is not None else None
+        packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.num_servers, pulls)
         for s, (count, payload) in enumerate(packed):
             futs.append(self.mailbox.expect(("param", k, "sp_done", s, t)))
             header = {"kind": "ps_param", "op": "sp_push", "tag": ("param", k, "sp_push"), "step": t,
                       "src": self.rank, "count": count, "bad": bool(bad)}  # fmt: skip
+            if pulls is not None:
+                header["pull"] = int(pulls[s].size)
             self.links.shards[s].send_tensor(header, payload)
         await self._param_wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
-        said = futs[0].result()[1].get("bad") or []
-        return [int(r) for r in said]
+        said = [int(r) for r in futs[0].result()[1].get("bad") or []]
+        if said or pull is None or wheres is None:
+            return said, None
+        width = values.shape[1]
+        out = np.empty((pull.size, width), values.dtype)
+        for fut, where in zip(futs, wheres, strict=True):
+            _c, hdr, payload = fut.result()
+            size = where.size * width * out.itemsize
+            if hdr.get("pull", 0) != where.size or (where.size and hdr.get("nbytes") != size):
+                raise ProtocolError(f"sparse table {k}: a shard answered step {t} with {hdr.get('pull')!r} rows, "
+                                    f"asked for {where.size}")  # fmt: skip
+            if where.size:
+                out[where] = np.frombuffer(payload, values.dtype).reshape(-1, width)
+        return said, out
 
     async def sparse_pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
         """The current rows ``indices`` of table k, in that order (duplicates allowed)."""

@@ -43,14 +43,14 @@ def pack_rows(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 
 def pack_by_shard(
-    indices: np.ndarray, values: np.ndarray, num_rows: int, shards: int
+    indices: np.ndarray, values: np.ndarray, num_rows: int, shards: int, pulls: list[np.ndarray] | None = None
 ) -> list[tuple[int, np.ndarray]]:
     """(rows, pack_rows payload) of each shard's share of int64 ``indices`` and 2-D ``values``, for
     shards 0..shards-1 (none where it has none), each row gathered once straight into its payload;
     a shard's rows keep the order they had (the merge adds them in it). Every index must lie in
-    0..num_rows-1."""
+    0..num_rows-1. ``pulls``: int64 indices to append to each shard's payload (rows to send back)."""
     width = values.shape[1]
-    if shards == 1:
+    if shards == 1 and not pulls:
         return [(int(indices.size), pack_rows(indices, values))]
     bounds = np.array([row_range(num_rows, shards, s)[0] for s in range(1, shards)], np.int64)
     which = np.searchsorted(bounds, indices, side="right").astype(np.int16 if shards < 1 << 15 else np.int64)
@@ -61,25 +61,34 @@ def pack_by_shard(
         n = int(counts[s])
         sel = order[at : at + n]
         at += n
-        payload = np.empty(n * 8 + n * width * values.itemsize, np.uint8)
+        body = n * 8 + n * width * values.itemsize
+        extra = pulls[s] if pulls else indices[:0]
+        payload = np.empty(body + extra.size * 8, np.uint8)
         np.take(indices, sel, out=payload[: n * 8].view(np.int64))
-        np.take(values, sel, axis=0, out=payload[n * 8 :].view(values.dtype).reshape(n, width))
+        np.take(values, sel, axis=0, out=payload[n * 8 : body].view(values.dtype).reshape(n, width))
+        payload[body:].view(np.int64)[:] = extra
         out.append((n, payload))
     return out
 
 
 def unpack_rows(
-    payload: Any, count: int, width: int, dtype: np.dtype, owned: bool = True
-) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, rows) of a pack_rows payload: views of it when the frame owns its buffer (a
-    payload read from the socket), copies when it lies in a shared-memory slot given back after."""
+    payload: Any, count: int, width: int, dtype: np.dtype, owned: bool = True, pull: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(indices, rows, pull indices) of a pack_by_shard payload (``pull`` of them after the rows):
+    views of it when the frame owns its buffer (a payload read from the socket), copies when it
+    lies in a shared-memory slot given back after."""
     raw = np.frombuffer(payload, np.uint8)
     if not owned:
         raw = raw.copy()
-    want = count * 8 + count * width * dtype.itemsize
-    if raw.size != want:
-        raise ProtocolError(f"sparse rows frame of {raw.size} bytes, expected {want} for {count} rows of {width}")
-    return raw[: count * 8].view(np.int64), raw[count * 8 :].view(dtype).reshape(count, width)
+    body = count * 8 + count * width * dtype.itemsize
+    if raw.size != body + pull * 8:
+        raise ProtocolError(
+            f"sparse rows frame of {raw.size} bytes, expected {body + pull * 8} for {count} rows of {width}"
+            f" and {pull} to pull"
+        )
+    return raw[: count * 8].view(np.int64), raw[count * 8 : body].view(dtype).reshape(count, width), raw[body:].view(
+        np.int64
+    )
 
 
 class Table:
@@ -99,6 +108,7 @@ class Table:
         self.ready = False
         self.inbox: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # src -> its rows of this step
         self.bad: set[int] = set()  # the ranks that said their rows of this step are not fit to apply
+        self.pulls: dict[int, np.ndarray] = {}  # src -> the rows it wants back with this step's answer
         self.conns: dict[int, Connection] = {}
         self.waiting_pulls: list[tuple[Connection, dict[str, Any], Any]] = []
 
@@ -171,20 +181,32 @@ class Tables:
 
     def _push(self, conn: Connection, k: int, header: dict[str, Any], payload: Any) -> None:
         table = self._table(k)
-        t, src, count = header.get("step"), header.get("src"), header.get("count")
-        if not (type(t) is int and type(src) is int and 0 <= src < table.size and type(count) is int and count >= 0):
-            raise ProtocolError(f"sparse push to table {k} with step={t!r} src={src!r} count={count!r}")
+        t, src, count, pull = header.get("step"), header.get("src"), header.get("count"), header.get("pull", 0)
+        if not (
+            type(t) is int
+            and type(src) is int
+            and 0 <= src < table.size
+            and type(count) is int
+            and count >= 0
+            and type(pull) is int
+            and pull >= 0
+        ):
+            raise ProtocolError(f"sparse push to table {k} with step={t!r} src={src!r} count={count!r} pull={pull!r}")
         if not table.ready:
             raise ProtocolError(f"sparse push to table {k} before its initial rows arrived")
         if t != table.step:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k}, which is at step {table.step}")
         if src in table.inbox:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k} twice")
-        idx, val = unpack_rows(payload, count, table.width, table.dtype, owned="pool" not in header)
+        idx, val, want = unpack_rows(payload, count, table.width, table.dtype, owned="pool" not in header, pull=pull)
         a, b = table.rows
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
             raise ProtocolError(f"rank {src} pushed rows of sparse table {k} outside this shard's {a}..{b - 1}")
+        if want.size and (int(want.min()) < a or int(want.max()) >= b):
+            raise ProtocolError(f"rank {src} asked for rows of sparse table {k} outside this shard's {a}..{b - 1}")
         table.inbox[src] = (idx, val)
+        if want.size:
+            table.pulls[src] = want
         if header.get("bad"):
             table.bad.add(src)
         table.conns[src] = conn
@@ -194,6 +216,7 @@ class Tables:
     def _apply(self, table: Table) -> None:
         parts = [table.inbox[r] for r in range(table.size)]
         bad, table.inbox, table.bad = sorted(table.bad), {}, set()
+        pulls, table.pulls = table.pulls, {}
         t = table.step
         header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
         if bad:  # a rank's rows do not fit the table: nothing applied, the step taken again (every shard alike)
@@ -208,13 +231,20 @@ class Tables:
             table.optimizer.update_rows(table.param, table.state, local, grad, t)  # as the ring's SyncSGD
             self.rows_applied += int(local.size)
         table.step = t + 1
-        self._reply(table, header)
+        self._reply(table, header, pulls)
 
     @staticmethod
-    def _reply(table: Table, header: dict[str, Any]) -> None:
+    def _reply(table: Table, header: dict[str, Any], pulls: dict[int, np.ndarray] | None = None) -> None:
+        """sp_done to every worker, with the rows it asked for (taken after the step's update: what a
+        pull right after it would read)."""
+        a = table.rows[0]
         for r in range(table.size):
             conn = table.conns.get(r)
-            if conn is not None:
+            want = pulls.get(r) if pulls else None
+            if conn is not None and want is not None:
+                with contextlib.suppress(PsringError):
+                    conn.send_tensor({**header, "pull": int(want.size)}, table.param[want - a])
+            elif conn is not None:
                 with contextlib.suppress(PsringError):
                     conn.send_frame(dict(header))
 
