@@ -219,7 +219,7 @@ class Settings:
         "PSRING_SPIN_US",
         500,
         parse_count,
-        "microseconds a lone rank polls same-host links before sleeping",
+        "microseconds a lone rank polls for a small call's peers (same-host links, boards, TCP) before sleeping",
         tuning=True,
     )
     # ------------------------------------------------------------ ring
