@@ -54,12 +54,14 @@ async def main():
     variant, rows, width = os.environ["VARIANT"], int(os.environ["ROWS"]), int(os.environ["WIDTH"])
     touch, steps = float(os.environ["TOUCH"]), int(os.environ["STEPS"])
     PREFETCH = os.environ.get("PREFETCH") == "1"
-    g = await psring.init_group(timeout=300)
-    if g.rank == 0 or variant != "sparse-ps":
+    # the table first: making a large one holds this thread (and a loop on it) for seconds, longer
+    # than the peers wait for a silent rank's heartbeat once the group is up
+    if int(os.environ["RANK"]) == 0 or variant != "sparse-ps":
         table = np.random.default_rng(0).standard_normal((rows, width), dtype=np.float32)
         table *= np.float32(0.01)
     else:
         table = np.empty((rows, width), np.float32)  # untouched: no memory; the shards hold the rows
+    g = await psring.init_group(timeout=300)
     sparse = [] if variant == "dense-ring" else ["emb"]
     opt = psring.SyncSGD(g, {"emb": table}, SGD(lr=0.1), sparse=sparse)
     del table

@@ -434,6 +434,10 @@ def _same(payload: Any, out: np.ndarray) -> bool:
         return False
 
 
+#: rank 0 waits for the kernel to take a sparse table's initial rows once this much is queued to a shard
+INIT_QUEUE = 64 << 20
+
+
 class SparseTables(_Host):
     """Part of :class:`~psring.topology.ps.client.PsGroup`: sparse tables that live on the shards
     (SyncSGD(..., sparse=[...]) over ps; the shard side is ``tables``)."""
@@ -465,6 +469,9 @@ class SparseTables(_Host):
                 for first in range(a, max(b, a + 1), per):
                     count = max(0, min(per, b - first))
                     conn.send_tensor({**base, "first": first, "count": count}, table[first : first + count])
+                    transport = conn.transport
+                    if transport is not None and transport.get_write_buffer_size() > INIT_QUEUE:
+                        await conn.flush()  # not the whole table queued in a second copy (a 4 GiB one: 8 GiB)
         await self.sparse_pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
 
     async def sparse_step(
