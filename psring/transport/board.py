@@ -142,7 +142,7 @@ class Board:
 
     def missing(self, k: int) -> list[int]:
         """The peers that have not posted number k yet."""
-        return [peer.rank for peer in self._peers if peer.head[k & 1][0] < k]
+        return self._behind(k, 0)
 
     def mark(self, k: int) -> None:
         """Say that this process's post k was rewritten in place as its caller intended (call
@@ -151,23 +151,26 @@ class Board:
 
     def all_marked(self, k: int) -> bool:
         """Whether every peer has marked its post number k."""
-        p = k & 1
-        for peer in self._peers:
-            if peer.head[p][1] < k:
-                return False
-        return True
+        return self._all_at(k, 1)
 
     def unmarked(self, k: int) -> list[int]:
         """The peers that have not marked post number k yet."""
-        return [peer.rank for peer in self._peers if peer.head[k & 1][1] < k]
+        return self._behind(k, 1)
 
     def all_posted(self, k: int) -> bool:
         """Whether every peer has posted number k (or a later one in its slot: a mismatch to name)."""
+        return self._all_at(k, 0)
+
+    def _all_at(self, k: int, field: int) -> bool:
+        """Whether every peer's slot k % 2 has header ``field`` (0: post number, 1: mark) at k or past it."""
         p = k & 1
         for peer in self._peers:
-            if peer.head[p][0] < k:
+            if peer.head[p][field] < k:
                 return False
         return True
+
+    def _behind(self, k: int, field: int) -> list[int]:
+        return [peer.rank for peer in self._peers if peer.head[k & 1][field] < k]
 
     def differs(self, k: int, tag: bytes, nbytes: int) -> int | None:
         """The first peer (by rank) whose slot k % 2 does not hold post k with this tag and

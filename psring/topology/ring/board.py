@@ -174,7 +174,7 @@ class BoardPath(_Host):
         with ``marked`` on its marks) or NAP; with ``coll``, keep its ``waiting_on`` (who has not posted
         or marked k) for a timeout to name."""
         if self.net.config.spin_us > 0 and PeerNet.live == 1:
-            end = time.perf_counter() + min(self.net.config.spin_s + nbytes * self.world_size * SPIN_PER_BYTE, SPIN_MAX)
+            end = time.perf_counter() + self._spin_budget(nbytes)
             while time.perf_counter() < end:
                 if ready():
                     return
@@ -318,7 +318,7 @@ class BoardPath(_Host):
         share (SPIN_PER_BYTE; a lone rank in its process); whether it came true."""
         if self.net.config.spin_us <= 0 or PeerNet.live != 1:
             return False
-        end = time.perf_counter() + min(self.net.config.spin_s + nbytes * self.world_size * SPIN_PER_BYTE, SPIN_MAX)
+        end = time.perf_counter() + self._spin_budget(nbytes)
         while time.perf_counter() < end:
             os.sched_yield()
             if ready(k):
@@ -326,12 +326,24 @@ class BoardPath(_Host):
         return False
 
     # ------------------------------------------------------------------ shared
+    def _spin_budget(self, nbytes: int) -> float:
+        """Seconds a waiting rank polls before it sleeps: PSRING_SPIN_US and the call's share."""
+        return min(self.net.config.spin_s + nbytes * self.world_size * SPIN_PER_BYTE, SPIN_MAX)
+
     def _board_post(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray) -> None:
         board.post(k, self._tag(desc), byte_view(x) if x.nbytes else None)
-        sleepers = board.sleepers(k)
+        self._poke(board.sleepers(k))
+
+    def _poke(self, sleepers: list[int]) -> None:
+        """Wake the peers asleep on what this rank just posted or marked."""
         if sleepers and self.net.mesh is not None:
             for peer in sleepers:
                 self.net.mesh.poke(peer, self._wake_msg)
+
+    def _board_rows(self, board: Board, k: int, x: np.ndarray) -> list[np.ndarray]:
+        """Every rank's post k as flat arrays in rank order, this rank's own (writable) among them."""
+        parts = board.arrays(k, x.dtype, x.size)
+        return [*parts[: self.rank], board.own_array(k, x.dtype, x.size), *parts[self.rank :]]
 
     def _board_fold(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> np.ndarray:
         """Every rank's post k, folded in the canonical order (read in place: the peers keep their
@@ -358,30 +370,24 @@ class BoardPath(_Host):
         peer = board.differs(k, self._tag(desc), x.nbytes)
         if peer is not None:
             raise MismatchError(self._board_mismatch(board, k, peer, desc))
-        count = x.size
-        parts = board.arrays(k, x.dtype, count)
-        parts = [*parts[:me], board.own_array(k, x.dtype, count), *parts[me:]]
-        a, b = ring_chunk_bounds(count, n)[me]
+        parts = self._board_rows(board, k, x)
+        a, b = ring_chunk_bounds(x.size, n)[me]
         mine = parts[me][a:b]
         fold_rows([parts[(me + j) % n][a:b] for j in range(n)], reduce_op(op), mine)  # mine is the first row
         if op == "avg":
             finish_avg(mine, n)
         board.bytes_read += (b - a) * x.itemsize * (n - 1)
         board.mark(k)
-        sleepers = board.sleepers(k, marked=True)
-        if sleepers and self.net.mesh is not None:
-            for p in sleepers:
-                self.net.mesh.poke(p, self._wake_msg)
+        self._poke(board.sleepers(k, marked=True))
 
     def _board_gather(self, board: Board, k: int, x: np.ndarray) -> np.ndarray:
         """Split fold, second half: every rank's folded chunk (all marked), copied out in rank order."""
-        me, count = self.rank, x.size
-        parts = board.arrays(k, x.dtype, count)
-        parts = [*parts[:me], board.own_array(k, x.dtype, count), *parts[me:]]
-        out = np.empty(count, x.dtype)
-        for r, (a, b) in enumerate(ring_chunk_bounds(count, self.world_size)):
+        parts = self._board_rows(board, k, x)
+        out = np.empty(x.size, x.dtype)
+        for r, (a, b) in enumerate(ring_chunk_bounds(x.size, self.world_size)):
             out[a:b] = parts[r][a:b]
-        board.bytes_read += (count - (count * (me + 1) // self.world_size - count * me // self.world_size)) * x.itemsize
+            if r != self.rank:
+                board.bytes_read += (b - a) * x.itemsize
         return out if x.ndim == 1 else out.reshape(x.shape)
 
     def _board_mismatch(self, board: Board, seq: int, peer: int, desc: tuple[Any, ...]) -> str:
