@@ -493,10 +493,10 @@ class SparseTables(_Host):
         futs = []
         if bad:  # nothing will be applied: every shard gets the word and no rows
             indices, values, pull = indices[:0], values[:0], None
-        wheres = None
+        wheres = pulls = None
         if pull is not None:
             wheres = [np.nonzero((pull >= a) & (pull < b))[0] for a, b in self._shard_rows(num_rows)]
-        pulls = [pull[w] for w in wheres] if pull is not None and wheres is not None else None
+            pulls = [pull[w] for w in wheres]
         packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.num_servers, pulls)
         for s, (count, payload) in enumerate(packed):
             futs.append(self.mailbox.expect(("param", k, "sp_done", s, t)))
