@@ -213,7 +213,12 @@ class Settings:
     )
     max_frame: int = _var("PSRING_MAX_FRAME", 2 << 30, parse_bytes, "the largest frame accepted", tuning=True)
     buffer_pool: int = _var(
-        "PSRING_BUFFER_POOL", 512 << 20, parse_bytes, "bytes of large results kept for reuse (0: none)", tuning=True
+        "PSRING_BUFFER_POOL",
+        512 << 20,
+        parse_bytes,
+        "bytes of large results kept for reuse, and of freed heap memory psring's own processes (servers, "
+        "daemons, `psring train`'s ranks) keep mapped instead of faulting in fresh pages (0: none)",
+        tuning=True,
     )
     spin_us: int = _var(
         "PSRING_SPIN_US",

@@ -13,6 +13,7 @@ from ..cluster.client import Client
 from ..cluster.daemons import ServerDaemon, WorkerDaemon, _Daemon
 from ..cluster.doctor import doctor, job_report
 from ..cluster.trace import read_events, to_chrome_trace
+from ..core.arrays import keep_freed_memory
 from ..errors import PsringError
 from ..settings import TOPOLOGY_NAMES, Settings
 from ..transport.loop import new_event_loop
@@ -30,6 +31,7 @@ def _run(coro: Any) -> Any:
 
 
 def _serve(daemon: _Daemon, label: str) -> int:
+    keep_freed_memory()  # a daemon's process is psring's: reuse freed memory (see keep_freed_memory)
     try:
         _run(daemon.serve())  # type: ignore[attr-defined]
     except (PsringError, OSError) as exc:

@@ -6,6 +6,8 @@ which array module an array belongs to.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -195,6 +197,48 @@ class _Owner:
 
 
 _POOL = _BufferPool()
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+#: glibc's largest mmap threshold on 64-bit systems (allocations above it always get fresh pages)
+_MMAP_THRESHOLD_MAX = 32 << 20
+_kept_memory: int | None = None
+
+
+def keep_freed_memory(nbytes: int | None = None) -> bool:
+    """Have this process's allocator (glibc) keep up to ``nbytes`` of freed heap memory for reuse
+    instead of handing it back to the kernel at once (default: PSRING_BUFFER_POOL; 0: leave it).
+
+    For psring's own long-lived processes only (shard servers, the main job's ranks), never a
+    user's: it is process-wide. Arrays of a few MiB whose size changes every step (a sparse step's
+    rows: no two steps alike, so :func:`pooled_empty` cannot help) are otherwise served from fresh
+    pages each time, because glibc trims its heap and maps large blocks anew; on these VMs a fresh
+    page costs a fault (~60 ms per 64 MiB), which measured as a third of a shard's time in a sparse
+    step. Returns whether the setting took (False off glibc or when nbytes is 0)."""
+    global _kept_memory
+    if nbytes is None:
+        nbytes = settings.current().buffer_pool
+    if nbytes <= 0 or sys.platform != "linux":
+        return False
+    if _kept_memory == nbytes:
+        return True
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    limit = min(nbytes, (1 << 31) - 1)
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_MMAP_THRESHOLD, min(_MMAP_THRESHOLD_MAX, limit)),  # blocks up to 32 MiB from the heap
+            (_M_TRIM_THRESHOLD, limit),  # freed memory up to this stays mapped
+            (_M_TOP_PAD, min(64 << 20, limit)),  # and the heap grows in steps, not page by page
+        )
+    )
+    if ok:
+        _kept_memory = nbytes
+    return ok
 
 
 def pinned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:

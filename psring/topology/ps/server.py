@@ -14,6 +14,7 @@ import signal
 from typing import Any
 
 from ... import settings as settings_mod
+from ...core.arrays import keep_freed_memory
 from ...errors import PeerLostError, ProtocolError
 from ...settings import Settings
 from ...transport.connection import Connection
@@ -314,6 +315,7 @@ async def run_shards(
     config = settings_mod.current()
     if num_shards < 1:
         raise ValueError(f"--shards must be at least 1, got {num_shards}")
+    keep_freed_memory()  # this process is the shards': a sparse step's rows would fault in fresh pages
     address = parse_store_address(store)
     secret = secret if secret is not None else config.secret_bytes
     client = await connect_store(address, secret=secret, timeout=store_timeout, role="server")
