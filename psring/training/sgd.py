@@ -303,7 +303,7 @@ class SyncSGD:
             k = self.sparse.index(name)
             out = await self.group.sparse_pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
             return _like(self.xp, out)
-        return self._tables[name][self.xp.asarray(idx)]
+        return self.xp.take(self._tables[name], self.xp.asarray(idx), axis=0)
 
     def _row_ids(self, name: str, indices: Any, what: str) -> np.ndarray:
         """Row indices of sparse table ``name`` as a flat host array; KeyError, TypeError or IndexError

@@ -243,7 +243,7 @@ class Tables:
             want = pulls.get(r) if pulls else None
             if conn is not None and want is not None:
                 with contextlib.suppress(PsringError):
-                    conn.send_tensor({**header, "pull": int(want.size)}, table.param[want - a])
+                    conn.send_tensor({**header, "pull": int(want.size)}, np.take(table.param, want - a, axis=0))
             elif conn is not None:
                 with contextlib.suppress(PsringError):
                     conn.send_frame(dict(header))
@@ -273,7 +273,7 @@ class Tables:
         a, b = table.rows
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
             raise ProtocolError(f"sparse pull of table {k}: rows outside this shard's {a}..{b - 1}")
-        rows = np.ascontiguousarray(table.param[idx - a]) if idx.size else np.empty((0, table.width), table.dtype)
+        rows = np.take(table.param, idx - a, axis=0) if idx.size else np.empty((0, table.width), table.dtype)
         reply = {
             "kind": "ps_param",
             "op": "sp_rows",
