@@ -83,6 +83,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_for_port(addr: str, port: int, host: str, cluster: NetnsCluster, timeout: float = 30.0) -> None:
+    """Until something listens on addr:port, as seen from inside ``host``'s namespace."""
+    probe = f"import socket; socket.create_connection(({addr!r}, {port}), 1).close()"
+    deadline = time.monotonic() + timeout
+    while subprocess.run(["ip", "netns", "exec", cluster.hosts[host], sys.executable, "-c", probe],
+                         capture_output=True).returncode != 0:  # fmt: skip
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nothing listens on {addr}:{port} in {host} after {timeout:g}s")
+        time.sleep(0.2)
+
+
 def run_variant(
     cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: list[int], iters: int, timeout: float
 ) -> list[dict[str, Any]]:
@@ -107,15 +118,22 @@ def run_variant(
         }
         port, job = _free_port(), f"hosts-{variant}-{uuid.uuid4().hex[:6]}"
         procs = []
-        if variant == "psd":  # the shards, one per dedicated host; they reach the store rank 0 serves
+        store_at = f"{cluster.addresses[names[0]]}:{port}"
+        if variant == "psd":
+            # a store of its own (on the first worker host), as a cluster with dedicated servers runs one:
+            # a rank 0 that served the store itself would start shards of its own beside them
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+            procs.append(cluster.run(names[0], [sys.executable, "-m", "psring", "store", "--port", str(port)], env))
+            _wait_for_port(cluster.addresses[names[0]], port, names[0], cluster)
+            # the shards, one per dedicated host
             for i, srv in enumerate(server_hosts):
-                cmd = [sys.executable, "-m", "psring", "server", "--store", f"{cluster.addresses[names[0]]}:{port}",
+                cmd = [sys.executable, "-m", "psring", "server", "--store", store_at,
                        "--shard", str(i), "--num-shards", str(len(server_hosts)), "--host", "0.0.0.0",
                        "--advertise", cluster.addresses[srv], "--job", job, "--timeout", str(timeout)]  # fmt: skip
                 env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
                        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **_tuning()}  # fmt: skip
                 procs.append(cluster.run(srv, cmd, env))
-        servers = list(procs)
+        servers = list(procs)  # the store and shards, ended once the ranks are done
         for r in range(world):
             host = names[r // ranks]
             env = {
@@ -129,13 +147,16 @@ def run_variant(
                 "MASTER_ADDR": cluster.addresses[names[0]],
                 "MASTER_PORT": str(port),
                 "PSRING_JOB": job,
-                "PSRING_TOPOLOGY": "ps" if variant == "ps" else "ring",
+                "PSRING_TOPOLOGY": "ps" if variant in ("ps", "psd") else "ring",
                 "PSRING_HIERARCHICAL": "on" if variant == "hier" else "off",
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1",
             }
             if variant == "ps":
                 env["PSRING_PS_COLOCATE"] = "1"
+            if variant == "psd":  # the ranks meet in the store the shards registered in
+                env["PSRING_STORE"] = store_at
+                del env["MASTER_ADDR"], env["MASTER_PORT"]
             env.update(_tuning())
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(cluster.run(host, cmd, env))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from psring.settings import load
 from tests.conftest import run_tree
 from tests.support.harness.netns import netns_available
 
@@ -45,3 +46,7 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
     assert sorted((r["variant"], r["size"]) for r in rows) == sorted((v, s) for v in variants for s in (4, 2 << 20))
     assert all(r["time_s"] > 0 and r["hosts"] == 2 and r["ranks"] == 2 and r["server_hosts"] == 1 for r in rows), rows
     assert "hier/flat busbw" in proc.stdout, proc.stdout
+    # each variant ran the topology it names; the ps variants push across hosts, so in the wire's pieces
+    wire = load({}).ps_wire_piece
+    assert all(r["topology"] == ("ps" if r["variant"] in ("ps", "psd") else "ring") for r in rows if "topology" in r)
+    assert {r["ps_piece"] for r in rows if r["variant"] in ("ps", "psd")} == {wire}, rows

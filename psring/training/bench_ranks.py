@@ -125,6 +125,8 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "count": count,
                 "time_s": float(np.median(slowest)),
                 "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
+                "topology": group.topology,
+                "ps_piece": getattr(group, "piece_bytes", None),
             }
         )
     return {"results": results} if group.rank == 0 else None

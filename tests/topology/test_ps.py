@@ -124,9 +124,10 @@ __all__ = ["connect_store", "parse_store_address", "start_servers"]
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_workers_and_servers_with_different_piece_sizes_get_a_named_error(store) -> None:
-    """PSRING_PS_PIECE is read by every process: a server set up with another piece size is a
-    clear ProtocolError on the workers that says which setting to check, not a hang."""
+async def test_a_collective_is_split_as_its_workers_say_whatever_the_servers_setting(store) -> None:
+    """Each join names the piece size its worker splits the tensor into: a server set up with another
+    PSRING_PS_PIECE folds the workers' pieces right; workers that split differently get a
+    MismatchError that names the settings, on every worker, not a hang or a wrong sum."""
     from ..conftest import end, ps_workers, spawn_server
 
     job = "pieces"
@@ -135,10 +136,14 @@ async def test_workers_and_servers_with_different_piece_sizes_get_a_named_error(
     groups = []
     try:
         groups = await ps_workers(store.port, job, 2, timeout=20)
-        x = np.ones(4 << 20, np.float32)  # 16 MiB: 8 MiB per shard, two pieces on the workers' side
+        assert [g.links.piece for g in groups] == [4 << 20] * 2  # one host: no wire pieces
+        x = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: 8 MiB per shard, two pieces on the workers' side
+        results = await asyncio.gather(*(g.all_reduce(x) for g in groups))
+        assert all(np.array_equal(r, x * 2) for r in results)
+        groups[1].links.piece = 1 << 20  # as if its PSRING_PS_PIECE were another
         results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
-        assert all(isinstance(r, psring.ProtocolError) for r in results), results
-        assert all("PSRING_PS_PIECE" in str(r) for r in results), results
+        assert all(isinstance(r, psring.MismatchError) for r in results), results
+        assert all("PSRING_PS_PIECE" in str(r) and "pieces of" in str(r) for r in results), results
     finally:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         end(server)

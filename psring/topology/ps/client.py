@@ -74,6 +74,12 @@ class PsGroup(ParameterMode, SparseTables, Group):
     def num_servers(self) -> int:
         return len(self.links.shards)
 
+    @property
+    def piece_bytes(self) -> int:
+        """The pieces this job's collectives are split into (PSRING_PS_PIECE, or PSRING_PS_WIRE_PIECE
+        where some worker reaches a shard on another host)."""
+        return self.links.piece
+
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
         servers = options.pop("servers", None)
@@ -126,7 +132,9 @@ class PsGroup(ParameterMode, SparseTables, Group):
             await links.resolve(settings.timeout)
             await links.connect(settings.timeout)
             group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
+            await links.tell_piece(f"{prefix}/wire")
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            await links.learn_piece(f"{prefix}/wire")
             logger.info("%r ready with %d server shard(s)", group, len(links.shards))
             return group
 
@@ -152,6 +160,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
             links.reconnect_servers = True
             await links.resolve(settings.timeout)
             await links.connect(settings.timeout)
+            await links.learn_piece(f"{prefix}/wire")
             group = cls(links, rank, rank + 1, list(range(rank + 1)), "0", settings.timeout)
             group.joining = True
             group.elastic = True
@@ -233,6 +242,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
             "call": coll.desc,
             "src": self.rank,
             "size": self.world_size,
+            "piece": self.links.piece,  # the shard splits its slice alike
         }
 
     def _push(self, coll: Collective, j: int) -> dict[str, Any]:
@@ -250,7 +260,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
         gid, seq = self.gid, coll.seq
         layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
-        step = per_piece(itemsize, self.links.config.ps_piece)
+        step = per_piece(itemsize, self.links.piece)
         total = sum(len(pieces(a, b, step)) for _, a, b in layout)
         if total == 0 and coll.kind != "scatter":
             expects = [((gid, seq, "done"), None)]
@@ -304,7 +314,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
 
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
-        step = per_piece(itemsize, self.links.config.ps_piece)
+        step = per_piece(itemsize, self.links.piece)
         tags = []
         for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
             for j, (pa, pb) in enumerate(pieces(a, b, step)):

@@ -51,11 +51,10 @@ class Folding:
         assert dtype is not None
         targets = [pending.conns[r] for r in _result_ranks(pending, pa, pb)]
         # the result goes into a slot of this process's pool when the workers map it: written once, read by all
-        pool = (
-            next((c.pool for c in targets if c.peer_maps_pool), None)
-            if (pb - pa) * dtype.itemsize >= self.settings.ps_shm_min
-            else None
-        )
+        nbytes = (pb - pa) * dtype.itemsize
+        pool = next((c.pool for c in targets if c.peer_maps_pool), None) if nbytes >= self.settings.ps_shm_min else None
+        if pool is not None and nbytes > pool.slot_bytes:  # pieces coarser than this process's PSRING_PS_PIECE
+            pool = None
         slot = pool.take() if pool is not None else None
         header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
         local, out = None, None

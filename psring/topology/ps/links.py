@@ -51,6 +51,9 @@ class ServerLinks:
         self._pool_failed = False
         self._pool_checked: set[int] = set()  # ids of the shard connections offered it (or not able to)
         self.stalls = StallInspector(self, self._stall_send)
+        #: the bytes a collective's slice is split into: PSRING_PS_PIECE, or PSRING_PS_WIRE_PIECE once
+        #: some worker of the job reaches a shard on another host (agree_on_piece); every join says it
+        self.piece = self.config.ps_piece
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -137,6 +140,23 @@ class ServerLinks:
             # which host this rank counts as for all_reduce's two-level order, and whether that order is on
             "where": [self.config.host_id or host_key(), self.config.hierarchical],
         }
+
+    def reaches_other_hosts(self) -> bool:
+        """Whether some shard connection of this worker leaves its host (its handshake says so)."""
+        me = host_key()
+        return any(not c.is_local and (me is None or c.peer.get("host") != me) for c in self.shards)
+
+    async def tell_piece(self, key: str) -> None:
+        """Count, in the store, whether this worker reaches a shard on another host (before the ranks'
+        ready barrier; :meth:`learn_piece` reads the count after it)."""
+        await self.store.add(key, 1 if self.reaches_other_hosts() else 0)
+
+    async def learn_piece(self, key: str) -> None:
+        """The job's piece, the same on every worker: PSRING_PS_WIRE_PIECE when any worker reaches a
+        shard on another host, else PSRING_PS_PIECE. A worker joining a running job takes it as it is."""
+        wire = self.config.ps_wire_piece
+        if 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0:
+            self.piece = wire
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""

@@ -33,6 +33,7 @@ class _Pending:
         "kind",
         "n",
         "op",
+        "piece_bytes",
         "pieces",
         "root",
         "seq",
@@ -62,6 +63,7 @@ class _Pending:
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
         mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq) if s == shard]
         self.slice = mine[0] if mine else (0, 0)
+        self.piece_bytes = piece_bytes  # as the workers' joins said
         self.pieces = pieces(*self.slice, per_piece(itemsize, piece_bytes))
         self.conns: dict[int, Connection] = {}
         self.inbox: dict[int, dict[int, np.ndarray]] = {}  # piece -> src -> data (folds), or queued relays

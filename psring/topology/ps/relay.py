@@ -35,7 +35,9 @@ def send_once(
     ``send`` sends on a socket (default: send_tensor, a lost worker ignored); payloads of
     ``shm_min`` bytes and more use the pool (PSRING_PS_SHM_MIN)."""
     pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= shm_min else None
-    slot = pool.take() if pool is not None else None
+    # a piece larger than the pool's slots (its workers split more coarsely than this process's
+    # PSRING_PS_PIECE) goes on the sockets
+    slot = pool.take() if pool is not None and data.nbytes <= pool.slot_bytes else None
     if slot is None or pool is None:
         data = data if stable or not conns else data.copy()
         for conn in conns:

@@ -233,10 +233,13 @@ class Shard(Folding):
         desc: Any = header.get("call")
         src: Any = header.get("src")
         size: Any = header.get("size")
+        piece: Any = header.get("piece", self.settings.ps_piece)  # a worker that does not say: the setting
         if not (isinstance(tag, tuple) and len(tag) == 3 and isinstance(tag[0], str) and type(tag[1]) is int):
             raise ProtocolError(f"join frame with a malformed tag {tag!r}")
         if not (type(size) is int and 1 <= size <= 1 << 16 and type(src) is int and 0 <= src < size):
             raise ProtocolError(f"join frame with src={src!r} size={size!r}")
+        if not (type(piece) is int and 1 <= piece <= self.settings.max_frame):
+            raise ProtocolError(f"join frame with piece={piece!r}")
         _check_desc(desc, self.settings.max_tensor)
         key = (tag[0], tag[1])
         if key in self.finished:
@@ -262,10 +265,16 @@ class Shard(Folding):
                 # join): they and any later join must meet an abandoned collective, not a stranger
                 self._finish(key, "lost", lost=gone[0])
                 return
-            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, self.settings.ps_piece)
+            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, piece)
             self.pending[key] = pending
-        elif desc != pending.desc or size != pending.size:
-            if size != pending.size:
+        elif desc != pending.desc or size != pending.size or piece != pending.piece_bytes:
+            if piece != pending.piece_bytes:
+                message = (
+                    f"rank {src} splits {desc[0]} #{key[1]} into pieces of {piece} bytes, rank {pending.first} "
+                    f"into {pending.piece_bytes}: PSRING_PS_PIECE and PSRING_PS_WIRE_PIECE must be the same "
+                    f"on every worker"
+                )
+            elif size != pending.size:
                 message = (
                     f"rank {src} joined {desc[0]} #{key[1]} in a group of {size}, "
                     f"rank {pending.first} in a group of {pending.size}"
@@ -311,7 +320,7 @@ class Shard(Folding):
         if not 0 <= j < len(pending.pieces):
             raise ProtocolError(
                 f"piece {j} of {pending.label} is out of range (this shard has {len(pending.pieces)}"
-                f" of {self.settings.ps_piece} bytes: is PSRING_PS_PIECE the same for workers and servers?)"
+                f" of {pending.piece_bytes} bytes)"
             )
         pa, pb = pending.pieces[j]
         assert pending.dtype is not None
@@ -321,11 +330,6 @@ class Shard(Folding):
             raise ProtocolError(
                 f"piece {j} of {pending.label} from rank {src} has {header['nbytes']} bytes of "
                 f"{header.get('dtype')}, expected {want} bytes of {dtype_name(wire_dtype)}"
-                + (
-                    " (is PSRING_PS_PIECE the same for workers and servers?)"
-                    if header.get("dtype") == dtype_name(wire_dtype)
-                    else ""
-                )
             )
         data = np.frombuffer(payload, dtype=wire_dtype, count=pb - pa)
         if pending.kind in FOLD_KINDS:
