@@ -301,12 +301,15 @@ class Settings:
     # Between hosts a shard can fold and answer a piece only once every worker's copy of it is in, so a
     # worker's slice that is one piece (16 MiB over 4 shards at 4 MiB) crosses the link twice in a row:
     # dedicated servers at 4+4 hosts, 1 Gbit/s, 16 MiB: 294 ms with 4 MiB pieces, 192 with 256 KiB
-    # (the flat ring: 217). On one host, through shared memory, 256 KiB pieces were 2-3x slower than 4 MiB.
+    # (the flat ring: 217), 197 with 8 pieces a slice (512 KiB). A piece costs CPU too: at 10 Gbit/s on
+    # the bed, 64 MiB in 256 KiB pieces took 312-372 ms, in 8 a slice (2 MiB) 196-266, in 4 MiB 219-260.
+    # On one host, through shared memory, 256 KiB pieces were 2-3x slower than 4 MiB.
     ps_wire_piece: int = _var(
         "PSRING_PS_WIRE_PIECE",
         256 << 10,
         parse_bytes,
-        "ps: the piece of a collective when some worker reaches a shard on another host (0: PSRING_PS_PIECE)",
+        "ps: where some worker reaches a shard on another host, a collective goes in pieces small enough for "
+        "8 per shard's slice, down to this size (0: PSRING_PS_PIECE throughout)",
         tuning=True,
     )
     ps_shm_slots: int = _var(

@@ -126,7 +126,7 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "time_s": float(np.median(slowest)),
                 "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
                 "topology": group.topology,
-                "ps_piece": getattr(group, "piece_bytes", None),
+                "ps_piece": group.piece_for(count * dtype.itemsize) if hasattr(group, "piece_for") else None,
             }
         )
     return {"results": results} if group.rank == 0 else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -136,11 +137,11 @@ async def test_a_collective_is_split_as_its_workers_say_whatever_the_servers_set
     groups = []
     try:
         groups = await ps_workers(store.port, job, 2, timeout=20)
-        assert [g.links.piece for g in groups] == [4 << 20] * 2  # one host: no wire pieces
+        assert [g.piece_for(16 << 20) for g in groups] == [4 << 20] * 2  # one host: no wire pieces
         x = np.arange(4 << 20, dtype=np.float32)  # 16 MiB: 8 MiB per shard, two pieces on the workers' side
         results = await asyncio.gather(*(g.all_reduce(x) for g in groups))
         assert all(np.array_equal(r, x * 2) for r in results)
-        groups[1].links.piece = 1 << 20  # as if its PSRING_PS_PIECE were another
+        groups[1].links.config = dataclasses.replace(groups[1].links.config, ps_piece=1 << 20)  # as if set so
         results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
         assert all(isinstance(r, psring.MismatchError) for r in results), results
         assert all("PSRING_PS_PIECE" in str(r) and "pieces of" in str(r) for r in results), results

@@ -74,11 +74,10 @@ class PsGroup(ParameterMode, SparseTables, Group):
     def num_servers(self) -> int:
         return len(self.links.shards)
 
-    @property
-    def piece_bytes(self) -> int:
-        """The pieces this job's collectives are split into (PSRING_PS_PIECE, or PSRING_PS_WIRE_PIECE
-        where some worker reaches a shard on another host)."""
-        return self.links.piece
+    def piece_for(self, nbytes: int) -> int:
+        """The bytes a collective of nbytes is pushed and folded in (PSRING_PS_PIECE; smaller where
+        some worker of the job reaches a shard on another host: PSRING_PS_WIRE_PIECE)."""
+        return self.links.piece_for(nbytes)
 
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> PsGroup:
@@ -235,14 +234,14 @@ class PsGroup(ParameterMode, SparseTables, Group):
             super()._check_usable(peer, receiving, seq)
 
     # ------------------------------------------------------------- the engine
-    def _join(self, coll: Collective) -> dict[str, Any]:
+    def _join(self, coll: Collective, piece: int) -> dict[str, Any]:
         return {
             "kind": "ps_req",
             "tag": (self.gid, coll.seq, "join"),
             "call": coll.desc,
             "src": self.rank,
             "size": self.world_size,
-            "piece": self.links.piece,  # the shard splits its slice alike
+            "piece": piece,  # the shard splits its slice alike
         }
 
     def _push(self, coll: Collective, j: int) -> dict[str, Any]:
@@ -260,7 +259,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
         gid, seq = self.gid, coll.seq
         layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
-        step = per_piece(itemsize, self.links.piece)
+        step = per_piece(itemsize, self.links.piece_for(n * itemsize))
         total = sum(len(pieces(a, b, step)) for _, a, b in layout)
         if total == 0 and coll.kind != "scatter":
             expects = [((gid, seq, "done"), None)]
@@ -297,7 +296,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         owner = (gid, seq)
         for shard, a, b in layout:
             conn = self.links.shards[shard]
-            conn.send_frame(self._join(coll))
+            conn.send_frame(self._join(coll, step * itemsize))
             if push and x is not None:
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
                     if lend and isinstance(conn, LocalConnection):
@@ -314,7 +313,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
 
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
-        step = per_piece(itemsize, self.links.piece)
+        step = per_piece(itemsize, self.links.piece_for(n * itemsize))
         tags = []
         for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
             for j, (pa, pb) in enumerate(pieces(a, b, step)):
@@ -396,7 +395,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         if me == src:
             assert xs is not None and meta is not None
             for s, conn in enumerate(self.links.shards):
-                conn.send_frame(self._join(coll))
+                conn.send_frame(self._join(coll, self.links.config.ps_piece))  # rows: no pieces
                 for r in range(self.world_size):
                     if r != me and r % shards == s:
                         conn.send_tensor(
@@ -409,7 +408,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         fut = self.mailbox.expect(tag)
         try:
             for conn in self.links.shards:
-                conn.send_frame(self._join(coll))
+                conn.send_frame(self._join(coll, self.links.config.ps_piece))
             _conn, hdr, payload = await fut
         finally:
             self.mailbox.unpost(tag)
