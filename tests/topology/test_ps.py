@@ -105,6 +105,21 @@ async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> No
 
 
 @pytest.mark.asyncio
+async def test_shard_refuses_a_join_whose_piece_size_would_split_it_into_too_many_pieces(store, make_groups) -> None:
+    from psring.topology.ps.pending import MAX_PIECES
+
+    groups = await make_groups(2, "ps", servers_n=1)
+    conn = groups[1].links.shards[0]
+    desc = ("all_reduce", "float32", (MAX_PIECES * 4,), "sum", None)
+    # one element a piece: more pieces than the shard keeps books for; the join is refused, not obeyed
+    conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2, "piece": 4})
+    with pytest.raises(psring.PsringError, match=r"rank 1 was dropped.*more than 65536"):
+        await asyncio.wait_for(groups[0].all_reduce(np.ones(MAX_PIECES * 4, np.float32)), 20)
+    with pytest.raises(psring.PsringError):  # the liar's connection was dropped
+        await asyncio.wait_for(groups[1].all_reduce(np.ones(4, np.float32)), 20)
+
+
+@pytest.mark.asyncio
 async def test_worker_that_stops_reading_is_dropped_and_named(store, make_groups, monkeypatch) -> None:
     monkeypatch.setenv("PSRING_SERVER_BACKLOG", str(8 << 20))
     groups = await make_groups(2, "ps", servers_n=1)

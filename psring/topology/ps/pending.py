@@ -14,6 +14,9 @@ from ...errors import ProtocolError
 from ...transport.connection import Connection
 from .plan import FOLD_KINDS, KINDS, per_piece, plan
 
+#: the most pieces one collective's slice may have on a shard (the piece size is the workers' word)
+MAX_PIECES = 1 << 16
+
 
 # ------------------------------------------------------------ collective state
 class _Pending:
@@ -64,7 +67,13 @@ class _Pending:
         mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq) if s == shard]
         self.slice = mine[0] if mine else (0, 0)
         self.piece_bytes = piece_bytes  # as the workers' joins said
-        self.pieces = pieces(*self.slice, per_piece(itemsize, piece_bytes))
+        step = per_piece(itemsize, piece_bytes)
+        if -(-(self.slice[1] - self.slice[0]) // step) > MAX_PIECES:  # a worker's word: bounded before use
+            raise ProtocolError(
+                f"{kind} #{seq}: pieces of {piece_bytes} bytes would split this shard's "
+                f"{(self.slice[1] - self.slice[0]) * itemsize} bytes into more than {MAX_PIECES}"
+            )
+        self.pieces = pieces(*self.slice, step)
         self.conns: dict[int, Connection] = {}
         self.inbox: dict[int, dict[int, np.ndarray]] = {}  # piece -> src -> data (folds), or queued relays
         # piece j (or a relayed piece ("w", src, j) not yet forwarded) -> the workers' shared-memory slots it is in
