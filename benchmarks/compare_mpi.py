@@ -2,7 +2,8 @@
 
 For each world size and path (one host; TCP only), every size goes through MPICH
 (``COMM_WORLD.Allreduce(IN_PLACE, buf)``), psring's blocking API (``psring.init()``, the way a
-training loop calls it) and psring's asyncio API (``await group.all_reduce``), alternating
+training loop calls it) and psring's asyncio API (``await group.all_reduce`` under
+``uvloop.run``, as docs/api.md recommends; ``--apis async-asyncio``: under ``asyncio.run``), alternating
 rounds so that drift on a noisy machine hits all alike. Each rank runs ITERS back-to-back calls
 after a warm-up; a call's time is the slowest rank's total / ITERS; the median over rounds is
 reported, with busbw (2(N-1)/N x size / time) and the ratio to MPICH. Every rank checks its
@@ -117,8 +118,11 @@ async def drive_async():
 
 if api == "blocking":
     drive_blocking()
-else:
+elif api == "async-asyncio":
     asyncio.run(drive_async())
+else:
+    import uvloop
+    uvloop.run(drive_async())
 """
 
 LAUNCH = """
@@ -224,7 +228,8 @@ def main() -> None:
     p.add_argument("--workers", default="2,4")
     p.add_argument("--sizes", default="4,1K,64K,1M,16M,64M")
     p.add_argument("--paths", default="host,tcp", help="host (shared memory allowed), tcp (TCP only), or both")
-    p.add_argument("--apis", default="blocking,async", help="psring's blocking API, asyncio API, or both")
+    p.add_argument("--apis", default="blocking,async",
+                   help="psring's blocking API, asyncio API (under uvloop.run), async-asyncio (under asyncio.run)")
     p.add_argument("--iters", type=int, default=10, help="calls per size (at least 200 up to 64 KiB)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
@@ -234,8 +239,8 @@ def main() -> None:
         if what not in ("host", "tcp"):
             p.error(f"--paths: {what!r} is neither host nor tcp")
     for what in args.apis.split(","):
-        if what not in ("blocking", "async"):
-            p.error(f"--apis: {what!r} is neither blocking nor async")
+        if what not in ("blocking", "async", "async-asyncio"):
+            p.error(f"--apis: {what!r} is none of blocking, async, async-asyncio")
     try:
         import mpi4py  # noqa: F401
     except ImportError:
