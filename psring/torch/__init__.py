@@ -227,6 +227,15 @@ class DistributedOptimizer:
     passes accumulate into ``.grad`` before the exchange. ``compression="fp16"`` as in
     :class:`psring.SyncSGD`. Everything else (``zero_grad``, ``param_groups``, ``state_dict``)
     is the wrapped optimizer's.
+
+    ``backup=b`` (ps only): backup workers, as ``SyncSGD(..., backup=b)``. The parameters then live on
+    the shards, which apply each piece once all but b workers pushed it and run the wrapped
+    optimizer's update there (torch.optim.SGD, Adam or AdamW, translated to :mod:`psring.optim` with
+    their hyperparameters; any other is refused); ``step()`` pushes the gradients and writes the
+    shards' parameters into the model, the same on every worker. The wrapped optimizer itself is not
+    stepped, so a changed learning rate (a scheduler) is an error, not silently ignored; no
+    compression, no sparse_params, and no ``synchronize()`` (the average is never on a worker). A
+    straggler skips the steps completed without it: end the loop on ``opt.step_count``.
     """
 
     def __init__(
@@ -239,9 +248,12 @@ class DistributedOptimizer:
         backward_passes_per_step: int = 1,
         overlap: bool = True,
         sparse_params: Sequence[torch.Tensor] = (),
+        backup: int = 0,
     ) -> None:
         self.optimizer = optimizer
         self.group = _blocking(group)
+        self.backup = backup
+        self._shards: Any = None  # backup: the BlockingSyncSGD whose shards hold the parameters
         #: parameters whose gradients come sparse (nn.Embedding(sparse=True)): not in the buckets;
         #: their rows are summed with sparse_all_reduce (rank order) and averaged, in this order
         self.sparse_params = list(sparse_params)
@@ -277,10 +289,57 @@ class DistributedOptimizer:
             self._add_bucket(current)
         self._next = 0  # the next bucket to launch (in order, the same on every rank)
         self._hooks = []
+        if backup:
+            if compression is not None or self.sparse_params:
+                raise ValueError(f"DistributedOptimizer: backup={backup} takes no compression and no sparse_params")
+            self._start_on_shards(params, backup)
+            overlap = False  # nothing is averaged on the workers
         self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
         if self.overlap:
             for p in params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    # ------------------------------------------------------- backup workers
+    def _start_on_shards(self, params: list[torch.Tensor], backup: int) -> None:
+        from ..training.sgd import BlockingSyncSGD
+
+        if type(backup) is not int or backup < 0:
+            raise ValueError(f"DistributedOptimizer: backup={backup!r} must be a non-negative integer")
+        self._params = params
+        self._hyper = _shard_optimizer(self.optimizer)
+        arrays = {f"p{i}": to_array(p.detach()) for i, p in enumerate(params)}
+        self._shards = BlockingSyncSGD(self.group, arrays, self._hyper[0], backup=backup)
+        self._write_params(self._shards.start())  # rank 0's parameters, now the shards'
+
+    def _write_params(self, arrays: Mapping[str, Any]) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(self._params):
+                p.copy_(from_array(np.asarray(arrays[f"p{i}"])).view_as(p))
+
+    def _step_on_shards(self) -> None:
+        now = _shard_optimizer(self.optimizer)[1]
+        if now != self._hyper[1]:
+            raise ValueError(
+                f"DistributedOptimizer(backup={self.backup}): the optimizer's hyperparameters changed from "
+                f"{self._hyper[1]} to {now}; the shards run it as it was at construction (no schedules with backup)"
+            )
+        grads = {  # a parameter that got no gradient counts as zero, as in the averaged path
+            f"p{i}": to_array((p.grad if p.grad is not None else torch.zeros_like(p)).detach())
+            for i, p in enumerate(self._params)
+        }
+        self._write_params(self._shards.step(grads))
+
+    @property
+    def step_count(self) -> int:
+        """Backup workers: the steps the job has taken, as this worker last saw them. A straggler skips
+        the steps the others completed without it, so loop on this (``while opt.step_count < T``),
+        not on a count of your own: a worker still stepping after the others stopped waits forever."""
+        return self._shards.step_count if self._shards is not None else 0
+
+    @property
+    def skipped(self) -> int:
+        """Backup workers: the steps this worker skipped, the others having completed them without it."""
+        return self._shards.skipped if self._shards is not None else 0
 
     def _add_bucket(self, params: list[torch.Tensor]) -> None:
         b = len(self.buckets)
@@ -318,6 +377,11 @@ class DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Average every gradient now (launching what backward did not) and write them into ``.grad``."""
+        if self._shards is not None:
+            raise RuntimeError(
+                f"DistributedOptimizer(backup={self.backup}): gradients are averaged on the shards, never on a "
+                "worker; call step()"
+            )
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         with torch.no_grad():
@@ -354,6 +418,13 @@ class DistributedOptimizer:
         p.grad = torch.sparse_coo_tensor(from_array(out.indices)[None], rows.to(dtype), (n, width)).coalesce()
 
     def step(self, closure: Any = None) -> Any:
+        if self._shards is not None:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._step_on_shards()
+            return loss
         self.synchronize()
         return self.optimizer.step(closure)
 
@@ -370,6 +441,31 @@ class DistributedOptimizer:
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r}, {len(self.buckets)} buckets, overlap={self.overlap})"
+
+
+def _shard_optimizer(optimizer: torch.optim.Optimizer) -> tuple[Any, dict[str, Any]]:
+    """The psring.optim twin of a torch SGD, Adam or AdamW (one set of hyperparameters for every
+    parameter group), and those hyperparameters; TypeError/ValueError for what has none."""
+    from ..core import optim as popt
+
+    kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
+    kind = kinds.get(type(optimizer))
+    if kind is None:
+        raise TypeError(
+            f"DistributedOptimizer(backup=...): the shards run torch.optim.SGD, Adam or AdamW, not "
+            f"{type(optimizer).__name__}"
+        )
+    adam = ("lr", "betas", "eps", "weight_decay")
+    keys = {"sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov"), "adam": adam, "adamw": adam}[kind]
+    groups = [{k: (tuple(g[k]) if k == "betas" else g[k]) for k in keys} for g in optimizer.param_groups]
+    if any(g != groups[0] for g in groups):
+        raise ValueError("DistributedOptimizer(backup=...): every parameter group must have the same hyperparameters")
+    for flag in ("maximize", "amsgrad", "differentiable"):
+        if any(g.get(flag) for g in optimizer.param_groups):
+            raise ValueError(f"DistributedOptimizer(backup=...): {flag}=True is not run on the shards")
+    hyper = groups[0]
+    cls = {"sgd": popt.SGD, "adam": popt.Adam, "adamw": popt.AdamW}[kind]
+    return cls(**{k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in hyper.items()}), hyper
 
 
 __all__ = [

@@ -160,6 +160,90 @@ def test_example_equals_a_single_process_full_batch_run(tmp_path, topology: str)
     assert moved < 1e-5
 
 
+BACKUP_SCRIPT = textwrap.dedent(
+    """
+    import time, numpy as np, torch, psring, psring.torch as pt
+    g = psring.init()
+    r, n = g.rank, g.world_size
+    torch.manual_seed(r)  # different initial weights: the shards take rank 0's
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), g, backup=1)
+    digest = lambda: float(sum(p.detach().double().sum() for p in model.parameters()))
+    assert len({float(d[0]) for d in g.all_gather(np.array([digest()]))}) == 1  # rank 0's, on every rank
+    w = torch.linspace(-1, 1, 8)[:, None]
+    losses = []
+    while opt.step_count < 60:  # the job's steps: the straggler skips those done without it
+        step = opt.step_count
+        torch.manual_seed(1000 * step + r)
+        x = torch.randn(32, 8)
+        loss = (model(x) - x @ w).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if r == n - 1 and step % 3 == 0:
+            time.sleep(0.15)  # the straggler: the others' steps complete without it
+        opt.step()
+        losses.append(float(loss.detach()))
+    g.barrier()
+    assert len({float(d[0]) for d in g.all_gather(np.array([digest()]))}) == 1  # the same parameters everywhere
+    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10]), (losses[:10], losses[-10:])
+    left_out = g.all_gather(np.array([opt.skipped + g.stats().get("backup_dropped", 0)]))
+    assert int(left_out[n - 1][0]) > 0, left_out  # the straggler was left out of some steps
+    try:
+        opt.synchronize()
+    except RuntimeError as exc:
+        assert "averaged on the shards" in str(exc)
+    else:
+        raise AssertionError("synchronize() with backup did not refuse")
+    opt.param_groups[0]["lr"] = 0.01  # a scheduler would do this: refused, not ignored
+    try:
+        opt.step()
+    except ValueError as exc:
+        assert "hyperparameters changed" in str(exc) and "0.01" in str(exc)
+    else:
+        raise AssertionError("a changed learning rate was silently ignored")
+    for bad, kind in ((lambda: torch.optim.RMSprop(model.parameters()), TypeError),
+                      (lambda: torch.optim.Adam(model.parameters(), amsgrad=True), ValueError)):
+        try:
+            pt.DistributedOptimizer(bad(), g, backup=1)
+        except kind as exc:
+            assert "backup" in str(exc), exc
+        else:
+            raise AssertionError(f"{bad} was accepted with backup")
+    print("BACKUP OK rank", r, flush=True)
+    g.close()
+    """
+)
+
+
+@pytest.mark.timeout(170)
+def test_distributed_optimizer_with_a_backup_worker_leaves_a_straggler_out(tmp_path) -> None:
+    script = tmp_path / "backup.py"
+    script.write_text(BACKUP_SCRIPT)
+    proc = launch(3, "ps", [sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum("BACKUP OK rank" in line for line in proc.stdout.splitlines()) == 3
+
+
+def test_distributed_optimizer_refuses_backup_over_the_ring(tmp_path) -> None:
+    script = tmp_path / "ring.py"
+    script.write_text(textwrap.dedent(
+        """
+        import torch, psring, psring.torch as pt
+        g = psring.init()
+        model = torch.nn.Linear(2, 1)
+        try:
+            pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), g, backup=1)
+        except ValueError as exc:
+            assert "needs the ps topology" in str(exc), exc
+            print("REFUSED rank", g.rank, flush=True)
+        g.close()
+        """
+    ))
+    proc = launch(2, "ring", [sys.executable, str(script)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sum("REFUSED rank" in line for line in proc.stdout.splitlines()) == 2
+
+
 def test_ddp_benchmark_smoke() -> None:
     args = "--params 100K --steps 2 --warmup 1 --rounds 1 --json".split()
     proc = run_tree(
