@@ -16,7 +16,8 @@ The model (its assumptions, in the order they matter):
   flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
   ps, shards colocated      2, and 2N messages     2R(H-1)/H S (pushes out, other hosts' pulls out)
-  ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each)
+  ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each),
+                                                   then the drain (below)
   BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
                                                    hosts (rest colocated) that evens both loads
   ========================  =====================  ===============================================
@@ -24,7 +25,11 @@ The model (its assumptions, in the order they matter):
   with N workers on H hosts, R per host. A latency step costs ``latency`` plus ``per_message`` (a
   process's CPU time per message); a shard handles the N pushes and N pulls of its piece one after
   another (2N ``per_message``). Pushes and pulls of successive pieces overlap (the ps pipelines a
-  tensor's pieces), so a direction's bytes, not their sum, set the time. With R > 1 the ps moves
+  tensor's pieces), so a direction's bytes, not their sum, set the time -- but for the last piece:
+  a shard answers a piece only once every worker's copy is in, so after the bytes its link still
+  sends that piece to each worker on another host (``drain``: those workers x the piece / bandwidth;
+  pieces as psring cuts them across hosts, 8 per shard's slice between PSRING_PS_WIRE_PIECE and
+  PSRING_PS_PIECE). With R > 1 the ps moves
   each rank's bytes (psring does not reduce within a host before pushing, as BytePS does).
 - Stragglers: a ring step waits for its slowest rank; a ps step with ``backup=b`` waits for the
   N-b fastest pushes (``SyncSGD(..., backup=b)``); the model adds the expected wait given the
@@ -47,7 +52,9 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..settings import parse_bytes
+from ..topology.ps.links import WIRE_PIECES
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
 
@@ -139,6 +146,14 @@ def split_share(layout: Layout) -> float:
     return 1.0 if denom <= 0 else min(1.0, max(0.0, colocated / denom))
 
 
+def _piece(size: float, shards: int) -> float:
+    """The bytes of the last piece of a shard's slice, as psring cuts a collective across hosts."""
+    config = settings.current()
+    slice_ = size / max(shards, 1)
+    wire = config.ps_wire_piece if 0 < config.ps_wire_piece < config.ps_piece else config.ps_piece
+    return min(slice_, max(wire, min(config.ps_piece, slice_ / WIRE_PIECES)))
+
+
 def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     """Seconds one all-reduce of ``size`` bytes takes on each topology the layout allows (no
     stragglers: :func:`step_times` adds them)."""
@@ -154,12 +169,13 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
         out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
     else:
         out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
-        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b
+        # a shard per worker; its last piece goes to the workers on the other hosts after the bytes
+        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b + (n - r) * _piece(s, n) / b
         if r > 1:
             out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
             out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
     if k > 0:
-        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b
+        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b + n * _piece(s, k) / b
         x = split_share(layout)
         worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
         out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b
