@@ -314,7 +314,7 @@ class DistributedOptimizer:
     def _write_params(self, arrays: Mapping[str, Any]) -> None:
         with torch.no_grad():
             for i, p in enumerate(self._params):
-                p.copy_(from_array(np.asarray(arrays[f"p{i}"])).view_as(p))
+                p.copy_(from_array(arrays[f"p{i}"]).view_as(p))  # numpy or cupy, as the parameters
 
     def _step_on_shards(self) -> None:
         now = _shard_optimizer(self.optimizer)[1]
