@@ -54,7 +54,7 @@ import numpy as np
 
 from .. import settings
 from ..settings import parse_bytes
-from ..topology.ps.links import WIRE_PIECES
+from ..topology.ps.plan import piece_bytes
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
 
@@ -149,9 +149,8 @@ def split_share(layout: Layout) -> float:
 def _piece(size: float, shards: int) -> float:
     """The bytes of the last piece of a shard's slice, as psring cuts a collective across hosts."""
     config = settings.current()
-    slice_ = size / max(shards, 1)
-    wire = config.ps_wire_piece if 0 < config.ps_wire_piece < config.ps_piece else config.ps_piece
-    return min(slice_, max(wire, min(config.ps_piece, slice_ / WIRE_PIECES)))
+    piece = piece_bytes(int(size), shards, config.ps_piece, config.ps_wire_piece, across_hosts=True)
+    return min(size / max(shards, 1), piece)
 
 
 def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:

@@ -272,11 +272,15 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer: the optimizer has no parameters that require grad")
         if compression is not None and any(p.dtype != torch.float32 for p in params):
             raise TypeError(f"compression={compression!r} needs float32 parameters")
+        if type(backup) is not int or backup < 0:
+            raise ValueError(f"DistributedOptimizer: backup={backup!r} must be a non-negative integer")
+        if backup and (compression is not None or self.sparse_params):
+            raise ValueError(f"DistributedOptimizer: backup={backup} takes no compression and no sparse_params")
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
         current: list[torch.Tensor] = []
         size = 0
-        for p in reversed(params):  # gradients of the last layers come first
+        for p in [] if backup else reversed(params):  # last layers' gradients come first; backup: no buckets
             nbytes = p.numel() * p.element_size()
             if current and (
                 size + nbytes > bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device
@@ -290,8 +294,6 @@ class DistributedOptimizer:
         self._next = 0  # the next bucket to launch (in order, the same on every rank)
         self._hooks = []
         if backup:
-            if compression is not None or self.sparse_params:
-                raise ValueError(f"DistributedOptimizer: backup={backup} takes no compression and no sparse_params")
             self._start_on_shards(params, backup)
             overlap = False  # nothing is averaged on the workers
         self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
@@ -303,8 +305,6 @@ class DistributedOptimizer:
     def _start_on_shards(self, params: list[torch.Tensor], backup: int) -> None:
         from ..training.sgd import BlockingSyncSGD
 
-        if type(backup) is not int or backup < 0:
-            raise ValueError(f"DistributedOptimizer: backup={backup!r} must be a non-negative integer")
         self._params = params
         self._hyper = _shard_optimizer(self.optimizer)
         arrays = {f"p{i}": to_array(p.detach()) for i, p in enumerate(params)}

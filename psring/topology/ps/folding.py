@@ -21,7 +21,7 @@ from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
-from .relay import release_held, send_once
+from .relay import release_held, send_once, shared_pool
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,7 @@ class Folding:
         assert dtype is not None
         targets = [pending.conns[r] for r in _result_ranks(pending, pa, pb)]
         # the result goes into a slot of this process's pool when the workers map it: written once, read by all
-        nbytes = (pb - pa) * dtype.itemsize
-        pool = next((c.pool for c in targets if c.peer_maps_pool), None) if nbytes >= self.settings.ps_shm_min else None
-        if pool is not None and nbytes > pool.slot_bytes:  # pieces coarser than this process's PSRING_PS_PIECE
-            pool = None
+        pool = shared_pool(targets, (pb - pa) * dtype.itemsize, self.settings.ps_shm_min)
         slot = pool.take() if pool is not None else None
         header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
         local, out = None, None

@@ -18,13 +18,10 @@ from ...transport.samehost import host_key
 from ...transport.shmpool import ShmPool
 from ..group import farewell
 from ..stall import StallInspector
+from .plan import piece_bytes
 from .server import ShardServer
 
 logger = logging.getLogger(__name__)
-
-
-#: across hosts, a shard's slice of a collective goes in this many pieces (see ServerLinks.piece_for)
-WIRE_PIECES = 8
 
 
 class ServerLinks:
@@ -162,16 +159,9 @@ class ServerLinks:
         self.wire = 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0
 
     def piece_for(self, nbytes: int) -> int:
-        """The piece size of a collective of nbytes: PSRING_PS_PIECE; across hosts small enough that
-        each shard's slice is WIRE_PIECES pieces, but not below PSRING_PS_WIRE_PIECE. A shard folds and
-        answers a piece only once every worker's copy is in, so a slice of one piece would cross a
-        link twice in a row (pushes, then results); pieces much smaller than needed cost CPU per piece
-        (at 10 Gbit/s on the bed 256 KiB pieces of 64 MiB took 1.4x the time of 4 MiB ones)."""
-        base = self.config.ps_piece
-        if not self.wire:
-            return base
-        per_shard = nbytes // max(len(self.shards), 1)
-        return min(base, max(self.config.ps_wire_piece, per_shard // WIRE_PIECES))
+        """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
+        c = self.config
+        return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire)
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""

@@ -20,6 +20,16 @@ def release_held(held: Any) -> None:
             conn.release_slot(slot)
 
 
+def shared_pool(conns: list[Connection], nbytes: int, shm_min: int) -> Any:
+    """This process's pool, where some of conns maps it and a payload of nbytes belongs there: from
+    ``shm_min`` bytes (PSRING_PS_SHM_MIN) up to a slot (a piece its workers split more coarsely than
+    this process's PSRING_PS_PIECE goes on the sockets); else None."""
+    if nbytes < shm_min:
+        return None
+    pool = next((c.pool for c in conns if c.peer_maps_pool), None)
+    return pool if pool is not None and nbytes <= pool.slot_bytes else None
+
+
 def send_once(
     conns: list[Connection],
     header: dict[str, Any],
@@ -34,10 +44,8 @@ def send_once(
     ``stable`` (unchanged until the sockets are done with it), else one private copy.
     ``send`` sends on a socket (default: send_tensor, a lost worker ignored); payloads of
     ``shm_min`` bytes and more use the pool (PSRING_PS_SHM_MIN)."""
-    pool = next((c.pool for c in conns if c.peer_maps_pool), None) if data.nbytes >= shm_min else None
-    # a piece larger than the pool's slots (its workers split more coarsely than this process's
-    # PSRING_PS_PIECE) goes on the sockets
-    slot = pool.take() if pool is not None and data.nbytes <= pool.slot_bytes else None
+    pool = shared_pool(conns, data.nbytes, shm_min)
+    slot = pool.take() if pool is not None else None
     if slot is None or pool is None:
         data = data if stable or not conns else data.copy()
         for conn in conns:
