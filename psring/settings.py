@@ -255,6 +255,14 @@ class Settings:
         "ring: world size from which small calls use a root (0: never)",
         tuning=True,
     )
+    ring_tcp_mesh: int = _var(
+        "PSRING_RING_TCP_MESH",
+        16,
+        parse_count,
+        "ring: across hosts, jobs of up to this many ranks send small messages on TCP links of their own, "
+        "read from the caller's thread (0: never)",
+        tuning=True,
+    )
     ring_board: int = _var(
         "PSRING_RING_BOARD",
         16 << 20,

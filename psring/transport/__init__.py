@@ -8,5 +8,6 @@
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.
 - ``board``: same-host posting boards in shared memory, polled, for the smallest messages.
 - ``unixnet``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
+- ``tcpmesh``: TCP links of their own for small messages between hosts, readable from any thread.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
 """

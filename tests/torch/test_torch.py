@@ -185,7 +185,8 @@ BACKUP_SCRIPT = textwrap.dedent(
         losses.append(float(loss.detach()))
     g.barrier()
     assert len({float(d[0]) for d in g.all_gather(np.array([digest()]))}) == 1  # the same parameters everywhere
-    assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10]), (losses[:10], losses[-10:])
+    if r != n - 1:  # the straggler's own losses are of the steps it made, which load decides: not a measure
+        assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10]), (losses[:10], losses[-10:])
     left_out = g.all_gather(np.array([opt.skipped + g.stats().get("backup_dropped", 0)]))
     assert int(left_out[n - 1][0]) > 0, left_out  # the straggler was left out of some steps
     try:

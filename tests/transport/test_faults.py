@@ -308,6 +308,8 @@ async def test_small_ring_all_reduce_goes_through_a_rotating_root(
     monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat frames in the count
     monkeypatch.setenv("PSRING_SAME_HOST", same_host)
     monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the links, not the shared-memory boards (test_board.py)
+    # the connections' frames, not the TCP small-message links, which send to every rank (test_tcp_mesh.py)
+    monkeypatch.setenv("PSRING_RING_TCP_MESH", "0")
     groups = await make_groups(world)
     assert all((g.net.mesh is not None) == (same_host == "auto") for g in groups)  # type: ignore[attr-defined]
     rng = np.random.default_rng(world)

@@ -237,7 +237,7 @@ class BoardPath(_Host):
         loop) when a peer was late; None: not this call, use all_reduce."""
         begun = self._board_start(x, op, compression)
         if begun is None:
-            return None
+            return self._tcp_soon(x, op, compression)  # between hosts: the TCP small-message links
         board, seq, desc, x, started = begun
         if not (board.all_posted(seq) or self._board_spin(board.all_posted, seq, x.nbytes)):
             self.board_adopted += 1

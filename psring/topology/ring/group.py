@@ -38,11 +38,12 @@ from .paths import Path, choose_all_reduce, choose_reduce
 from .pipeline import Pipeline
 from .plane import PlaneDriver
 from .small import SmallPaths, _MeshSlot
+from .tcpnow import TcpNow
 
 logger = logging.getLogger(__name__)
 
 
-class RingGroup(BoardPath, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
+class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
     """Collectives over a ring of peer links.
 
     This module holds what every path shares (set-up, links, subgroups) and which path a
@@ -62,6 +63,9 @@ class RingGroup(BoardPath, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarch
         self._mesh_slots: dict[tuple[int, int], _MeshSlot] = {}
         self._mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
         self._init_board()
+        #: small all_reduces between hosts that ended on the caller's thread (tcpnow), and those the loop took over
+        self.tcp_now = 0
+        self.tcp_adopted = 0
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
             self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
@@ -87,6 +91,8 @@ class RingGroup(BoardPath, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarch
                 await net.open_plane(settings.timeout)
             if net.mesh is not None:
                 await net.open_mesh(settings.timeout)
+            if net.tcp_mesh is not None:
+                await net.open_tcp_mesh(settings.timeout)
             net.freeze_paths()
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)

@@ -46,6 +46,16 @@ class RingHost(Group):
     @abc.abstractmethod
     def on_board_here(self, peer: int, seq: int, call: tuple[Any, ...]) -> None: ...
 
+    @abc.abstractmethod
+    def _checked(self, x: np.ndarray, op: str) -> np.ndarray: ...
+
+    # ------------------------------------------------ ring/tcpnow.py: small all_reduces between hosts
+    tcp_now: int
+    tcp_adopted: int
+
+    @abc.abstractmethod
+    def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+
     # ------------------------------------------------ ring/small.py: the same-host links
     @abc.abstractmethod
     def _check_early(self, coll: Collective) -> None: ...

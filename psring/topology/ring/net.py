@@ -22,6 +22,7 @@ from ...transport.connection import Connection
 from ...transport.listener import Listener, open_connection
 from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key, same_host_paths
+from ...transport.tcpmesh import TcpMesh
 from ...transport.unixnet import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
@@ -37,6 +38,12 @@ def plane_possible(settings: Settings) -> bool:
     """Whether this process can run the threaded data plane (plain TCP, no per-frame checksums)."""
     # a TLS stream cannot leave its transport
     return settings.ring_threads and not settings.tls and settings.checksum is None
+
+
+def tcp_mesh_possible(settings: Settings) -> bool:
+    """Whether this process offers TCP small-message links (a detached socket: plain TCP, no per-frame
+    checksums, as the data plane's)."""
+    return settings.ring_tcp_mesh > 0 and not settings.tls and settings.checksum is None
 
 
 def mesh_possible(settings: Settings) -> bool:
@@ -96,6 +103,13 @@ class PeerNet(PlaneLinks):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
         #: the same-host posting board for small all_reduces (psring.transport.board), when every rank has one
         self.board: Board | None = None
+        #: TCP links of their own for small messages (psring.transport.tcpmesh): jobs on several hosts
+        #: (no Unix links), up to PSRING_RING_TCP_MESH ranks, when every rank offers them (agreed in resolve)
+        self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
+        self.tcp_mesh: TcpMesh | None = None
+        if 2 <= world_size <= self.tcp_mesh_max:  # made now: a lower rank may dial before this one agreed
+            self.tcp_mesh = TcpMesh(rank, self._on_mesh_message, self._on_mesh_closed)
+            self.tcp_mesh.expected = world_size - 1
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray
@@ -148,6 +162,7 @@ class PeerNet(PlaneLinks):
             "PSRING_RING_ROOTED_MIN": self.config.ring_rooted_min,
             "PSRING_RING_PIECE": self.config.ring_piece,
             "PSRING_RING_PLANE_PIECE": self.config.ring_plane_piece,
+            "PSRING_RING_TCP_MESH": self.tcp_mesh_max,
         }
 
     async def _agree_paths(self) -> None:
@@ -164,6 +179,10 @@ class PeerNet(PlaneLinks):
                 offers[r] = offer
         rooted = [o.get("PSRING_RING_ROOTED_MIN") or NEVER for o in offers.values()]
         self.rooted_min = max([*rooted, self.rooted_min])
+        tcp_mesh = [o.get("PSRING_RING_TCP_MESH") for o in offers.values()]  # a rank that has none: never
+        self.tcp_mesh_max = min(v if type(v) is int else 0 for v in [*tcp_mesh, self.tcp_mesh_max])
+        if len(offers) < self.world_size:
+            self.tcp_mesh_max = 0
         for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
             values = {r: o.get(name) for r, o in offers.items()}
             if len(set(values.values())) > 1:
@@ -177,7 +196,8 @@ class PeerNet(PlaneLinks):
     def freeze_paths(self) -> None:
         """Fix the thresholds the ranks agreed (resolve) and the links they opened as this job's RingPaths."""
         self.paths = RingPaths(
-            rooted_min=self.rooted_min,
+            # with the TCP small-message links every rank sends to every other (tcpnow): one hop, not two
+            rooted_min=self.rooted_min if self.tcp_mesh is None else NEVER,
             plane_min=self.plane_min if self.plane is not None else NEVER,
             hierarchical=self.hosts is not None,
         )
@@ -239,6 +259,9 @@ class PeerNet(PlaneLinks):
                 self.mesh.close()
                 self.mesh = None
         await self._agree_board(timeout)
+        if self.tcp_mesh is not None and (self.mesh is not None or self.world_size > self.tcp_mesh_max):
+            self.tcp_mesh.close()  # the same answer on every rank: one host (Unix links), or a rank said no
+            self.tcp_mesh = None
 
     async def _agree_board(self, timeout: float) -> None:
         """Small all_reduces go through the boards only if every rank mapped every other's (the
@@ -297,6 +320,33 @@ class PeerNet(PlaneLinks):
             )
         self.hosts = layout
 
+    async def open_tcp_mesh(self, timeout: float) -> None:
+        """Dial the small-message link to every higher rank, wait for the lower ranks' (each
+        authenticated as any connection, then taken out of the event loop)."""
+        mesh = self.tcp_mesh
+        assert mesh is not None
+        higher = [r for r in range(self.rank + 1, self.world_size)]
+        conns = await asyncio.gather(*(self.dial(r, timeout, data="mesh") for r in higher))
+        for r, conn in zip(higher, conns, strict=True):
+            mesh.add(r, conn.detach())
+        try:
+            await asyncio.wait_for(mesh.all_in.wait(), timeout)
+        except TimeoutError:
+            missing = sorted(set(range(self.rank)) - set(mesh.links))
+            raise CollectiveTimeoutError(
+                f"rank(s) {missing} did not open their small-message links to rank {self.rank} within {timeout:g}s",
+                missing=tuple(missing),
+            ) from None
+
+    def _accept_mesh_link(self, conn: Connection, peer_rank: int) -> None:
+        mesh = self.tcp_mesh
+        if mesh is None or peer_rank >= self.rank:
+            raise ProtocolError(
+                f"rank {peer_rank} offered a small-message link to rank {self.rank}: only lower ranks may, "
+                "and only when every rank agreed to them"
+            )
+        mesh.add(peer_rank, conn.detach())
+
     async def open_mesh(self, timeout: float) -> None:
         """Open the same-host links to every other rank (each checked by its pid)."""
         assert self.mesh is not None
@@ -324,7 +374,8 @@ class PeerNet(PlaneLinks):
             gone = self.lost.get(peer)
             if gone is None:
                 how = f"broke: {error}" if error is not None else "closed"
-                self._peer_lost(peer, PeerLostError(f"the same-host link from rank {peer} {how}", rank=peer))
+                kind = "same-host" if self.mesh is not None else "small-message"
+                self._peer_lost(peer, PeerLostError(f"the {kind} link from rank {peer} {how}", rank=peer))
                 return
             for group in list(self.groups.values()):
                 if peer in group.members:
@@ -345,20 +396,24 @@ class PeerNet(PlaneLinks):
             raise ProtocolError(f"peer from job {conn.peer.get('job')!r} dialed job {self.settings.job!r}")
         if type(peer_rank) is not int or not 0 <= peer_rank < self.world_size:
             raise ProtocolError(f"peer claims rank {peer_rank!r}, outside 0..{self.world_size - 1}")
+        if conn.peer.get("data") == "mesh":
+            self._accept_mesh_link(conn, peer_rank)
+            return
         if conn.peer.get("data"):
             self._accept_data_link(conn, peer_rank)
             return
         self._register(conn, peer_rank)
 
-    async def dial(self, rank: int, timeout: float, *, data: bool = False) -> Connection:
-        """Open an authenticated connection to ``rank`` (a data link for the plane with ``data``: no
-        router, detached by the caller) and check that rank answered; a wrong answer is a ProtocolError."""
+    async def dial(self, rank: int, timeout: float, *, data: bool | str = False) -> Connection:
+        """Open an authenticated connection to ``rank`` (a data link for the plane with ``data``, or
+        with ``data="mesh"`` a small-message link: no router, detached by the caller) and check that
+        rank answered; a wrong answer is a ProtocolError."""
         host, port = self.addresses[rank]
         conn = await open_connection(
             host,
             port,
             secret=self.settings.secret,
-            hello={**self.hello(), "data": 1} if data else self.hello(),
+            hello={**self.hello(), "data": 1 if data is True else data} if data else self.hello(),
             router=None if data else self.mailbox,
             timeout=timeout,
             name=f"rank {self.rank} data" if data else f"rank {self.rank}",
@@ -502,6 +557,8 @@ class PeerNet(PlaneLinks):
             self.plane.close()
         if self.mesh is not None:
             self.mesh.close()
+        if self.tcp_mesh is not None:
+            self.tcp_mesh.close()
         if self.board is not None:
             self.board.close()
         if self.listener is not None:
@@ -514,6 +571,10 @@ class PeerNet(PlaneLinks):
     def stats(self) -> dict[str, int]:
         plane = self.plane
         mesh_sent, mesh_received = self.mesh.stats() if self.mesh is not None else (0, 0)
+        if self.tcp_mesh is not None:
+            tcp_sent, tcp_received = self.tcp_mesh.stats()
+            mesh_sent += tcp_sent
+            mesh_received += tcp_received
         if self.board is not None:  # a post is sent once; every peer reads it
             mesh_sent += self.board.bytes_posted
             mesh_received += self.board.bytes_read
@@ -534,6 +595,11 @@ class PeerNet(PlaneLinks):
             pair = out.setdefault(name, [0, 0])
             pair[0] += c.bytes_sent
             pair[1] += c.bytes_received
+        if self.tcp_mesh is not None:  # TCP to that rank too: counted with its connections
+            for rank, link in self.tcp_mesh.links.items():
+                pair = out.setdefault(f"rank {rank}", [0, 0])
+                pair[0] += link.bytes_sent
+                pair[1] += link.bytes_received
         if self.plane is not None:
             out["shared memory"] = [self.plane.bytes_sent, self.plane.bytes_received]
         if self.mesh is not None:

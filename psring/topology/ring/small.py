@@ -18,6 +18,8 @@ from ...core.arrays import DTYPES, byte_view, dtype_name, prod
 from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
+from ...transport.tcpmesh import TcpMesh
+from ...transport.unixnet import UnixMesh
 from ..collective import Collective
 from .constants import (
     BOARD_HERE,
@@ -53,7 +55,7 @@ class SmallPaths(_Host):
         # checks hold (the pair (op, dtype) was validated once); the same bits come out.
         if (
             compression is None
-            and self.net.mesh is not None
+            and (self.net.mesh is not None or self.net.tcp_mesh is not None)
             and type(x) is np.ndarray
             and x.nbytes <= SMALL_BYTES
             and x.flags.c_contiguous
@@ -169,10 +171,15 @@ class SmallPaths(_Host):
         receivers: list[int],
         recv_phase: int,
     ) -> None:
-        """_direct_exchange over the same-host links: one message per receiver, one per sender.
+        """_direct_exchange over the same-host links, or the TCP small-message links between hosts: one
+        message per receiver, one per sender.
 
         ``out`` is None (no payloads), an array with one row per rank, or {src: array}."""
-        me, seq, mesh = self.rank, coll.seq, self.net.mesh
+        me, seq = self.rank, coll.seq
+        mesh: UnixMesh | TcpMesh | None = self.net.mesh
+        tcp = self.net.tcp_mesh if mesh is None else None
+        if tcp is not None:
+            mesh = tcp
         assert mesh is not None
         slot: _MeshSlot | None = None
         if len(senders) > (me in senders):
@@ -196,6 +203,9 @@ class SmallPaths(_Host):
                         self._mesh_deliver(slot, src, *item)
         if self._mesh_early:
             self._check_early(coll)
+        held = tcp is not None and slot is not None
+        if held:
+            tcp.hold()  # type: ignore[union-attr]  # the loop reads the TCP links while it waits on them
         try:
             if len(receivers) > (me in receivers):
                 payload = byte_view(x) if x is not None and x.nbytes else None
@@ -205,10 +215,12 @@ class SmallPaths(_Host):
                     if d != me:
                         send(members[d], msg)
             if slot is not None:
-                if self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
+                if tcp is None and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
                 await slot.done
         finally:
+            if held:
+                tcp.release()  # type: ignore[union-attr]
             if slot is not None:
                 del self._mesh_slots[(seq, recv_phase)]
         if mesh.backlog:
@@ -243,7 +255,8 @@ class SmallPaths(_Host):
         """
         me, gid, seq = self.rank, self.gid, coll.seq
         recv_phase = phase if recv_phase is None else recv_phase
-        if self.net.mesh is not None and _call_bytes(coll.desc) <= MESH_MAX_BYTES:  # alike on every rank
+        net = self.net
+        if (net.mesh is not None or net.tcp_mesh is not None) and _call_bytes(coll.desc) <= MESH_MAX_BYTES:
             return await self._mesh_exchange(coll, x, phase, out, senders, receivers, recv_phase)
         expect = [s for s in senders if s != me]
         left = len(expect)

@@ -1,0 +1,182 @@
+"""The ring's small all_reduce between hosts, from the caller's thread over the TCP small-message links.
+
+Between hosts a small all_reduce is one message from every rank to every other (the DIRECT one-hop
+path), and the blocking API used to pay more for the trip to the event loop and back than for the
+exchange. When the job has its TCP small-message links (psring.transport.tcpmesh) and nothing of the
+group is in flight, :meth:`TcpNow._tcp_soon` does it all on the caller's thread: it numbers the call,
+sends its message to every peer, reads theirs straight off the sockets (blocking in ``poll``), and
+folds in the canonical order -- the bits of every other path. Which calls take it depends only on the
+call (the job's group, no compression, a DIRECT all_reduce: ring.paths), so every rank sends the same
+messages whichever thread sends them; the event loop's path for the same call (small.py) reads them
+too.
+
+Anything out of the ordinary -- a peer not there within ADOPT_AFTER, a message for another call or
+another number, a link that ended, bytes the kernel did not take -- hands the call to the event loop
+where it stands, and from there it is a collective like any other: timed out, reported when it
+stalls, named as a mismatch, abandoned on an abort (the messages read so far are kept; what was not
+read stays in the links for the loop to read).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import byte_view, dtype_name
+from ...core.fold import canonical_fold
+from ..recorder import OBSERVERS
+from ..runtime import RECENT
+from .constants import DIRECT, MESH_MAX_BYTES
+from .paths import Path
+
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
+#: seconds the caller's thread waits for its peers' messages before the event loop takes the call over
+ADOPT_AFTER = 0.2
+#: and how often, meanwhile, it looks whether the group failed (a lost peer, an abort)
+LOOK_EVERY = 0.02
+
+
+class TcpNow(_Host):
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: small all_reduces between hosts from the
+    caller's thread."""
+
+    def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+        """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
+        loop) when it must end there; None: not this call, or not now (take all_reduce)."""
+        mesh = self.net.tcp_mesh
+        if (
+            mesh is None
+            or compression is not None
+            or self.gid != "0"
+            or type(x) is not np.ndarray
+            or x.nbytes > MESH_MAX_BYTES
+            or self.net.loop is None
+            or self._active
+            or self._reserved
+            or self._aborted
+            or self._late_error is not None
+            or mesh.holds
+            or mesh.backlog
+            or self._all_reduce_path(x.nbytes) is not Path.DIRECT
+        ):
+            return None
+        x = self._checked(x, op)
+        self._check_usable()
+        seq = self._seq
+        desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+        self._seq += 1
+        self._reserved.add(seq)  # a peer's abort for it is kept, as for any number taken
+        started = time.monotonic()
+        me, n_ranks, members = self.rank, self.world_size, self.members
+        bufs = np.empty((n_ranks, x.size), x.dtype)
+        flat = x.reshape(-1)
+        bufs[me] = flat
+        try:
+            head = (self.gid, seq, DIRECT, desc)
+            msg = wire.encode_message(head, byte_view(x) if x.nbytes else None)
+            sent = True
+            missing = [(me + k) % n_ranks for k in range(1, n_ranks)]  # not everyone to rank 0 first
+            for d in missing:
+                if not mesh.send_now(members[d], msg):
+                    sent = False
+            if self._mesh_early:  # messages the loop read for this call before it began
+                for src in list(missing):
+                    item = self._mesh_early.get((seq, DIRECT, src))
+                    if item is not None and item[0] == desc and len(item[1]) == x.nbytes:
+                        del self._mesh_early[(seq, DIRECT, src)]
+                        byte_view(bufs[src])[:] = item[1]
+                        missing.remove(src)
+            if sent and missing:
+                missing = self._tcp_read(seq, head, bufs, missing)
+        except BaseException as exc:
+            self._tcp_books(seq, desc, started, exc)
+            raise
+        if missing or not sent:
+            return False, self._tcp_adopt(seq, x, op, bufs, missing, started, flushed=sent)
+        try:
+            out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self._hier_hosts())
+        except BaseException as exc:
+            self._tcp_books(seq, desc, started, exc)
+            raise
+        self._tcp_books(seq, desc, started, None)
+        self.tcp_now += 1
+        return True, out.reshape(x.shape)
+
+    def _tcp_read(self, seq: int, head: tuple[Any, ...], bufs: np.ndarray, missing: list[int]) -> list[int]:
+        """Read the peers' messages for this call off their links into ``bufs``; the local ranks still
+        missing when something is out of the ordinary or ADOPT_AFTER passed (left for the loop)."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        links = [mesh.links[self.members[r]] for r in missing]
+        row = bufs.shape[1] * bufs.itemsize
+        end = time.monotonic() + ADOPT_AFTER
+        while True:
+            for i in range(len(links) - 1, -1, -1):
+                link = links[i]
+                got = mesh.peek(link)
+                if got is None:
+                    if mesh.fill(link) < 0:
+                        return missing  # ended: the loop reads its end and names it
+                    got = mesh.peek(link)
+                    if got is None:
+                        continue
+                their, payload = got
+                if their != head or len(payload) != row:
+                    return missing  # another call, number or size: the loop's to name
+                src = missing[i]
+                byte_view(bufs[src])[:] = payload
+                mesh.consume(link)
+                del links[i], missing[i]
+            if not missing:
+                return missing
+            left = end - time.monotonic()
+            if left <= 0 or self._broken is not None or self._aborted or self._closed:
+                return missing
+            mesh.wait(links, min(left, LOOK_EVERY))
+
+    async def _tcp_adopt(
+        self,
+        seq: int,
+        x: np.ndarray,
+        op: str,
+        bufs: np.ndarray,
+        missing: list[int],
+        started: float,
+        flushed: bool,
+    ) -> np.ndarray:
+        """A call _tcp_soon numbered and sent, whose peers' messages did not all come its way: from here
+        on a collective like any other (deadline, stall reports, aborts, mismatches named)."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        if not flushed:
+            mesh.flush()
+        coll = self._begin("all_reduce", x, op, seq=seq)
+        coll.started, coll.deadline = started, started + self.timeout
+        return await self._run(coll, self._tcp_rest(coll, x, op, bufs, missing))
+
+    async def _tcp_rest(
+        self, coll: Any, x: np.ndarray, op: str, bufs: np.ndarray, missing: list[int]
+    ) -> np.ndarray:
+        self.tcp_adopted += 1
+        if missing:
+            await self._direct_exchange(coll, None, DIRECT, bufs, [self.rank, *missing], [])
+        elif self.net.tcp_mesh is not None and self.net.tcp_mesh.backlog:
+            await self.net.tcp_mesh.drain()
+        out = canonical_fold(bufs, op, np.empty(x.size, x.dtype), hosts=self._hier_hosts())
+        return out.reshape(x.shape)
+
+    def _tcp_books(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
+        """A call the caller's thread ended: as the loop's _end would (its number released, kept
+        among the recent calls, observers told)."""
+        self._reserved.discard(seq)
+        self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
+        if OBSERVERS:
+            self._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]

@@ -1,0 +1,328 @@
+"""TCP links for small messages between the ranks of a job on several hosts: one raw socket per pair.
+
+The ring's one-hop paths (a small all_reduce, a barrier) exchange one message per peer. Between
+hosts they went through the connection layer (a protocol object, a frame header map, the
+transport's buffers) on the event loop, and a blocking caller paid two thread hops on top: about
+10x MPICH's time for a 4-byte all_reduce over TCP. Here each pair of ranks holds one more TCP
+connection, authenticated like any other (psring.transport.handshake) and then taken out of the
+event loop (:meth:`Connection.detach`), and a message is a 4-byte length and one
+:func:`psring.core.wire.encode_message` -- the same messages the same-host Unix links carry
+(psring.transport.unixnet), and the same interface, so the ring's one-hop code drives either.
+
+Unlike the Unix links, nobody reads these sockets when nobody waits on them: the event loop reads
+them only while one of its collectives waits for a message (:meth:`TcpMesh.hold` /
+:meth:`TcpMesh.release`), so that a blocking caller with nothing else in flight can send and read
+them itself, on its own thread, with no hop to the loop and back (:meth:`send_now`, :meth:`fill`,
+:meth:`peek`, :meth:`wait`). Bytes one reader took and did not use stay in the link's buffer for the
+next. This module knows messages and peers, not collectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import select
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from ..core import wire
+from ..errors import PeerLostError, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+#: the largest message a link carries (the one-hop paths send at most 64 KiB of payload)
+MAX_MESSAGE = 256 << 10
+
+_LEN = struct.Struct("<I")
+_READ = 256 << 10
+
+
+class TcpLink:
+    """One socket to one peer rank: what the kernel did not take yet, and what was read and not used."""
+
+    __slots__ = (
+        "buf",
+        "bytes_received",
+        "bytes_sent",
+        "closed",
+        "deferred",
+        "end",
+        "error",
+        "fd",
+        "frames_sent",
+        "peer",
+        "pending",
+        "sock",
+        "start",
+    )
+
+    def __init__(self, peer: int, sock: socket.socket) -> None:
+        self.peer = peer
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.pending: collections.deque[memoryview] = collections.deque()
+        self.buf = bytearray(_READ + MAX_MESSAGE + _LEN.size)
+        self.start = 0  #: buf[start:end] was read and not used yet
+        self.end = 0
+        self.closed = False
+        self.error: BaseException | None = None  #: why it ended, once it did (None: an orderly end, or open)
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.frames_sent = 0
+        self.deferred = 0  #: messages that had to wait for room in the kernel's buffer
+
+
+class TcpMesh:
+    """This rank's TCP small-message links to every other rank of the job.
+
+    ``on_message(peer, head, payload)`` runs on the event loop for every message read there, in the
+    order each peer sent them (``payload`` is a view valid during the call); ``on_closed(peer,
+    error)`` once per link that ends while the mesh is open. Any thread may send and read while the
+    loop does not hold the mesh (see the module's docstring); the loop sends with :meth:`send`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        on_message: Callable[[int, tuple[Any, ...], memoryview], None],
+        on_closed: Callable[[int, BaseException | None], None],
+    ) -> None:
+        self.rank = rank
+        self.on_message = on_message
+        self.on_closed = on_closed
+        self.links: dict[int, TcpLink] = {}
+        self.backlog = 0  #: links with bytes the kernel has not taken yet
+        self.holds = 0  #: the loop's waiters: while there are any, the loop reads every link
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drained: asyncio.Future[None] | None = None
+        self._closing = False
+        self.all_in = asyncio.Event()
+        self.expected = 0
+
+    def __repr__(self) -> str:
+        return f"TcpMesh(rank {self.rank}, {len(self.links)} links)"
+
+    def add(self, peer: int, sock: socket.socket) -> None:
+        """Keep a detached, authenticated socket as the link to ``peer``."""
+        if peer in self.links:
+            sock.close()
+            raise ProtocolError(f"rank {peer} opened a second small-message link to rank {self.rank}")
+        sock.setblocking(False)
+        self.links[peer] = TcpLink(peer, sock)
+        if len(self.links) >= self.expected:
+            self.all_in.set()
+
+    # ---------------------------------------------------------------- sending
+    def send(self, peer: int, msg: bytes) -> None:
+        """From the event loop: queue one message to ``peer`` (at once, when the kernel takes it)."""
+        link = self.links[peer]
+        if link.closed:
+            raise PeerLostError(f"the TCP small-message link from rank {self.rank} to rank {peer} is closed", rank=peer)
+        if not self._push(link, msg):
+            self._want_writer(link)
+
+    def send_now(self, peer: int, msg: bytes) -> bool:
+        """From a thread, the loop not holding the mesh: send one message; False if the kernel did not
+        take it all (the rest is queued: the loop must :meth:`flush` it) or the link is closed."""
+        link = self.links[peer]
+        if link.closed:
+            return False
+        return self._push(link, msg)
+
+    def _push(self, link: TcpLink, msg: bytes) -> bool:
+        if len(msg) > MAX_MESSAGE:
+            raise ProtocolError(f"a {len(msg)}-byte message is over the small-message limit of {MAX_MESSAGE} bytes")
+        data = _LEN.pack(len(msg)) + msg
+        if link.pending:
+            link.pending.append(memoryview(data))
+            link.deferred += 1
+            return False
+        try:
+            n = link.sock.send(data)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            link.error = exc
+            return False
+        link.bytes_sent += n
+        if n == len(data):
+            link.frames_sent += 1
+            return True
+        link.pending.append(memoryview(data)[n:])
+        link.deferred += 1
+        self.backlog += 1
+        return False
+
+    def flush(self) -> None:
+        """From the event loop: send what threads left queued, as the kernel takes it."""
+        for link in self.links.values():
+            if link.pending and not link.closed:
+                self._want_writer(link)
+
+    def _want_writer(self, link: TcpLink) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        if link.error is not None:
+            self._ended(link, link.error)
+            return
+        if link.pending:
+            loop.add_writer(link.fd, self._writable, link)
+
+    def _writable(self, link: TcpLink) -> None:
+        while link.pending:
+            data = link.pending[0]
+            try:
+                n = link.sock.send(data)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                self._ended(link, exc)
+                return
+            link.bytes_sent += n
+            if n < len(data):
+                link.pending[0] = data[n:]
+                return
+            link.pending.popleft()
+            link.frames_sent += 1
+        asyncio.get_running_loop().remove_writer(link.fd)
+        self.backlog -= 1
+        self._wake_drain()
+
+    def poke(self, peer: int, msg: bytes) -> None:
+        """Nothing: a wake-up is for the same-host boards, which these links never serve."""
+
+    async def drain(self) -> None:
+        """Wait until every queued message is with the kernel (or its link has ended)."""
+        while self.backlog:
+            if self._drained is None or self._drained.done():
+                self._drained = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drained)
+
+    def _wake_drain(self) -> None:
+        if self._drained is not None and not self._drained.done() and not self.backlog:
+            self._drained.set_result(None)
+
+    # -------------------------------------------------------------- receiving
+    def fill(self, link: TcpLink) -> int:
+        """Read what the kernel has for ``link`` without blocking: the bytes read, 0 if none came,
+        -1 if the link ended (its ``error`` says why; None: the peer closed it)."""
+        if link.closed:
+            return -1
+        buf = link.buf
+        if link.start == link.end:
+            link.start = link.end = 0
+        elif len(buf) - link.end < _READ:  # move what is left to the front
+            left = link.end - link.start
+            buf[:left] = buf[link.start : link.end]
+            link.start, link.end = 0, left
+        try:
+            n = link.sock.recv_into(memoryview(buf)[link.end :])
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            link.error = exc
+            return -1
+        if n == 0:
+            return -1
+        link.end += n
+        link.bytes_received += n
+        return n
+
+    def peek(self, link: TcpLink) -> tuple[tuple[Any, ...], memoryview] | None:
+        """The next whole message read from ``link`` (not used up: :meth:`consume`), or None."""
+        have = link.end - link.start
+        if have < _LEN.size:
+            return None
+        (size,) = _LEN.unpack_from(link.buf, link.start)
+        if size > MAX_MESSAGE:
+            raise ProtocolError(f"rank {link.peer} sent a {size}-byte message, over the {MAX_MESSAGE}-byte limit")
+        if have < _LEN.size + size:
+            return None
+        at = link.start + _LEN.size
+        return wire.decode_message(memoryview(link.buf)[at : at + size])
+
+    def consume(self, link: TcpLink) -> None:
+        (size,) = _LEN.unpack_from(link.buf, link.start)
+        link.start += _LEN.size + size
+
+    def wait(self, links: list[TcpLink], timeout: float) -> bool:
+        """Block this thread until one of ``links`` has bytes to read (or ended); False on timeout."""
+        poller = select.poll()
+        for link in links:
+            poller.register(link.fd, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
+
+    # ---------------------------------------------------- the event loop's reading
+    def hold(self) -> None:
+        """A collective on the loop waits for messages: read every link there (until release)."""
+        self.holds += 1
+        if self.holds > 1:
+            return
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        for link in list(self.links.values()):
+            if not link.closed:
+                loop.add_reader(link.fd, self._readable, link)
+        for link in list(self.links.values()):  # what a thread read and left: the loop's now
+            if not link.closed and link.end > link.start:
+                self._deliver(link)
+
+    def release(self) -> None:
+        self.holds -= 1
+        if self.holds or self._loop is None:
+            return
+        for link in self.links.values():
+            if not link.closed:
+                self._loop.remove_reader(link.fd)
+
+    def _readable(self, link: TcpLink) -> None:
+        n = self.fill(link)
+        if n < 0:
+            self._deliver(link)
+            self._ended(link, link.error)
+            return
+        if n:
+            self._deliver(link)
+
+    def _deliver(self, link: TcpLink) -> None:
+        """Hand every whole message read from ``link`` to on_message (while the loop holds the mesh)."""
+        try:
+            while not link.closed and self.holds:
+                got = self.peek(link)
+                if got is None:
+                    return
+                head, payload = got
+                self.consume(link)
+                self.on_message(link.peer, head, payload)
+        except ProtocolError as exc:
+            self._ended(link, ProtocolError(f"rank {link.peer} sent a bad small-message frame: {exc}"))
+
+    # ---------------------------------------------------------------- endings
+    def _ended(self, link: TcpLink, error: BaseException | None) -> None:
+        if link.closed:
+            return
+        link.closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(link.fd)
+            self._loop.remove_writer(link.fd)
+        link.sock.close()
+        if link.pending:
+            link.pending.clear()
+            self.backlog -= 1
+        self._wake_drain()
+        if not self._closing:
+            self.on_closed(link.peer, error)
+
+    def close(self) -> None:
+        """Close every link (no callbacks)."""
+        self._closing = True
+        for link in list(self.links.values()):
+            self._ended(link, None)
+
+    def stats(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) over every link."""
+        links = self.links.values()
+        return sum(link.bytes_sent for link in links), sum(link.bytes_received for link in links)

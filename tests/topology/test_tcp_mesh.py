@@ -1,0 +1,183 @@
+"""The TCP small-message links between hosts (psring.transport.tcpmesh) and the small all_reduce that
+runs on the caller's thread over them (psring.topology.ring.tcpnow). ``PSRING_SAME_HOST=off`` makes
+ranks of one machine behave as if on separate hosts: no Unix links, no boards, only TCP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import psring
+from psring.core.fold import canonical_fold
+
+from ..conftest import run_tree
+
+
+@pytest.fixture
+def tcp_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat bytes meanwhile
+
+
+def _conn_bytes(net: Any) -> int:
+    return sum(c.bytes_sent for c in net._all_conns())
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_small_collectives_between_hosts_take_the_tcp_links_and_give_the_canonical_bits(
+    make_groups, tcp_only
+) -> None:
+    groups = await make_groups(3)
+    nets = [g.net for g in groups]  # type: ignore[attr-defined]
+    assert all(n.mesh is None and n.board is None and n.tcp_mesh is not None for n in nets)
+    assert all(sorted(n.tcp_mesh.links) == sorted(set(range(3)) - {n.rank}) for n in nets)
+    assert all(g.net.paths.one_hop(3).value == "direct" for g in groups)  # type: ignore[attr-defined]
+    await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # warm-up
+    conns = [_conn_bytes(n) for n in nets]
+    meshed = [n.tcp_mesh.stats()[0] for n in nets]
+    rng = np.random.default_rng(5)
+    for size, dtype, op in [
+        (1, np.float32, "sum"),
+        (5, np.float64, "avg"),
+        (4096, np.float32, "max"),
+        (7, np.int64, "prod"),
+        (16_000, np.float32, "sum"),  # 64,000 bytes: the largest one-hop size (64 KiB) is still a message
+    ]:
+        xs = [(rng.standard_normal(size) * 100).astype(dtype) for _ in groups]
+        ys = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(groups, xs, strict=True)))
+        ref = canonical_fold(xs, op, np.empty(size, dtype))
+        assert all(y.tobytes() == ref.tobytes() for y in ys), (size, op)
+    await asyncio.gather(*(g.barrier() for g in groups))
+    ys = await asyncio.gather(*(g.broadcast(np.full(3, g.rank + 7.0), src=2) for g in groups))
+    assert all(np.array_equal(y, np.full(3, 9.0)) for y in ys)
+    assert [_conn_bytes(n) for n in nets] == conns  # not one byte on the connections
+    assert all(n.tcp_mesh.stats()[0] > m for n, m in zip(nets, meshed, strict=True))
+    # a large all_reduce still takes the ring's own links, and the small ones after it the TCP links
+    xs = [rng.standard_normal(300_000).astype(np.float32) for _ in groups]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    ref = canonical_fold(xs, "sum", np.empty(300_000, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in ys)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_many_small_calls_in_flight_between_hosts_keep_their_order(make_groups, tcp_only) -> None:
+    groups = await make_groups(3)
+    rng = np.random.default_rng(3)
+    xs = [[rng.standard_normal(1 + i % 9).astype(np.float32) for i in range(40)] for _ in groups]
+    ys = await asyncio.gather(*(asyncio.gather(*(g.all_reduce(x) for x in xs[g.rank])) for g in groups))
+    for i in range(40):
+        ref = canonical_fold([xs[r][i] for r in range(3)], "sum", np.empty_like(xs[0][i]))
+        assert all(ys[r][i].tobytes() == ref.tobytes() for r in range(3)), i
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_a_small_call_between_hosts_against_another_call_is_a_named_mismatch(make_groups, tcp_only) -> None:
+    groups = await make_groups(2, timeout=30)
+    t0 = time.monotonic()
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].broadcast(np.zeros(4)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].all_reduce(np.zeros(5)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any("shape [5]" in str(r) and "expected [4]" in str(r) for r in results), results
+    # a small call against a large one (which takes the ring's links, not the small-message ones)
+    results = await asyncio.gather(
+        groups[0].all_reduce(np.zeros(4)), groups[1].all_reduce(np.zeros(100_000)), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert time.monotonic() - t0 < 15  # named, not timed out
+    ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
+    assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_psring_ring_tcp_mesh_0_keeps_small_messages_on_the_connections(
+    make_groups, tcp_only, monkeypatch
+) -> None:
+    monkeypatch.setenv("PSRING_RING_TCP_MESH", "0")
+    groups = await make_groups(2)
+    assert all(g.net.tcp_mesh is None for g in groups)  # type: ignore[attr-defined]
+    ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
+    assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
+
+
+# ------------------------------------------------------------------ the blocking API, one rank a process
+BLOCKING_JOB = """
+import os, sys, numpy as np, psring
+from psring.core.fold import canonical_fold
+g = psring.init()
+n, grp = g.world_size, g.group
+assert grp.net.tcp_mesh is not None and grp.net.mesh is None
+for i in range(400):
+    xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 37).astype(np.float32) for r in range(n)]
+    op = "max" if i % 3 == 0 else "sum"
+    if i % 50 == 7:  # a large call in flight: the small ones after it must take the loop, in order
+        h = g.all_reduce(np.ones(300_000, np.float32), async_op=True)
+        y = g.all_reduce(xs[g.rank], op)
+        assert np.all(h.wait() == n), i
+    elif i % 50 == 23:
+        y = g.all_reduce(xs[g.rank], compression="fp16")  # the loop's path, then the thread's again
+        assert np.allclose(y, sum(xs), rtol=1e-2, atol=1e-2), i
+        continue
+    elif i % 50 == 31:
+        g.barrier()
+        continue
+    else:
+        y = g.all_reduce(xs[g.rank], op)
+    ref = canonical_fold(xs, op, np.empty_like(xs[0]))
+    assert y.tobytes() == ref.tobytes(), i
+    if g.rank == 1 and i % 100 == 99:
+        import time; time.sleep(0.5)  # a late rank: the others' calls are handed to the loop
+g.barrier()
+print("ok", grp.tcp_now, grp.tcp_adopted, flush=True)
+if os.environ.get("DIE") == str(g.rank):
+    os._exit(0)  # gone without a word, as a crash
+try:
+    g.all_reduce(np.ones(2, np.float32))
+    print("no error", flush=True)
+except psring.PsringError as exc:
+    print("raised", type(exc).__name__, str(exc)[:200], flush=True)
+g.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_blocking_small_calls_between_hosts_run_on_the_callers_thread(tmp_path, world: int) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(BLOCKING_JOB)
+    env = {**os.environ, "PSRING_TIMEOUT": "20", "DIE": "1", "PSRING_SAME_HOST": "off"}  # a hang fails
+    res = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", str(world), "--", sys.executable, str(script)],
+        timeout=110,
+        env=env,
+    )
+    out = res.stdout + res.stderr
+    for r in range(world):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ok ")), None)
+        assert line is not None, out[-4000:]
+        on_thread, adopted = map(int, line.split()[-2:])
+        assert on_thread >= 100, line  # most of the 400 small calls ended on the caller's thread
+        if r != 1:
+            assert adopted > 0, line  # rank 1's naps made the others wait past ADOPT_AFTER
+    # rank 1 vanished: every other rank's next call says so, by name, long before its timeout
+    for r in range(world):
+        if r != 1:
+            assert f"[rank {r}] raised PeerLostError" in out and "rank 1" in out, out[-4000:]
