@@ -150,6 +150,44 @@ def run_tree(
     return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
+def blocking_job_end(counters: str) -> str:
+    """The end of a job script for run_blocking_job: a barrier, the ``ok`` line with ``counters`` (two
+    expressions), rank DIE's silent exit, and every other rank's next call, whose error it prints."""
+    return f"""g.barrier()
+print("ok", {counters}, flush=True)
+if os.environ.get("DIE") == str(g.rank):
+    os._exit(0)  # gone without a word, as a crash
+try:
+    g.all_reduce(np.ones(2, np.float32))
+    print("no error", flush=True)
+except psring.PsringError as exc:
+    print("raised", type(exc).__name__, str(exc)[:200], flush=True)
+g.close()
+"""
+
+
+def run_blocking_job(script: Any, world: int, **env: str) -> dict[int, tuple[int, int]]:
+    """Run a job script written to ``script`` on ``world`` ranks through ``psring launch`` (PSRING_TIMEOUT=20,
+    so a hang fails; DIE=1: rank 1 vanishes after its ``ok A B`` line, as a crash) and return each rank's
+    (A, B). Asserts every rank printed its line and every other rank's next call named rank 1's loss."""
+    res = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", str(world), "--", sys.executable, str(script)],
+        timeout=110,
+        env={**os.environ, "PSRING_TIMEOUT": "20", "DIE": "1", **env},
+    )
+    out = res.stdout + res.stderr
+    counts: dict[int, tuple[int, int]] = {}
+    for r in range(world):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ok ")), None)
+        assert line is not None, out[-4000:]
+        a, b = map(int, line.split()[-2:])
+        counts[r] = (a, b)
+    for r in range(world):
+        if r != 1:
+            assert f"[rank {r}] raised PeerLostError" in out and "rank 1" in out, out[-4000:]
+    return counts
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)

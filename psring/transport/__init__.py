@@ -9,5 +9,6 @@
 - ``board``: same-host posting boards in shared memory, polled, for the smallest messages.
 - ``unixnet``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
 - ``tcpmesh``: TCP links of their own for small messages between hosts, readable from any thread.
+- ``mesh``: what the two small-message meshes (``unixnet``, ``tcpmesh``) share.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
 """

@@ -20,7 +20,6 @@ published, so a stranger on the host who finds the name cannot pose as a rank.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -34,6 +33,7 @@ import msgpack
 
 from ..core import wire
 from ..errors import CollectiveTimeoutError, PeerLostError, ProtocolError
+from .mesh import Mesh, MeshLink
 from .samehost import host_key
 
 logger = logging.getLogger(__name__)
@@ -50,23 +50,13 @@ def peer_pid(sock: socket.socket) -> int:
     return int(pid)
 
 
-class UnixLink:
-    """One seqpacket socket to one peer rank, with a queue for what the kernel did not take."""
+class UnixLink(MeshLink):
+    """One seqpacket socket to one peer rank (``pending``: whole messages the kernel did not take)."""
 
-    __slots__ = ("bytes_received", "bytes_sent", "closed", "deferred", "frames_sent", "peer", "pending", "sock")
-
-    def __init__(self, peer: int, sock: socket.socket) -> None:
-        self.peer = peer
-        self.sock = sock
-        self.pending: collections.deque[bytes] = collections.deque()
-        self.closed = False
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.frames_sent = 0
-        self.deferred = 0  #: messages that had to wait for room in the kernel's buffer
+    __slots__ = ()
 
 
-class UnixMesh:
+class UnixMesh(Mesh[UnixLink]):
     """This rank's Unix links to the other ranks on its host.
 
     ``on_message(peer, head, payload)`` runs for every message, in the order each peer
@@ -82,21 +72,12 @@ class UnixMesh:
         on_message: Callable[[int, tuple[Any, ...], memoryview], None],
         on_closed: Callable[[int, BaseException | None], None],
     ) -> None:
-        self.rank = rank
+        super().__init__(rank, on_message, on_closed)
         self.job = job
-        self.on_message = on_message
-        self.on_closed = on_closed
-        self.links: dict[int, UnixLink] = {}
         self.listener: socket.socket | None = None
         self.name = ""
         self._buf = bytearray(MAX_MESSAGE + 1)
         self._view = memoryview(self._buf)
-        self._drained: asyncio.Future[None] | None = None
-        self._closing = False
-        self.backlog = 0  #: links with messages the kernel has not taken yet
-
-    def __repr__(self) -> str:
-        return f"UnixMesh(rank {self.rank}, {len(self.links)} links)"
 
     # ------------------------------------------------------------------ set-up
     def bind(self) -> dict[str, Any]:
@@ -149,6 +130,7 @@ class UnixMesh:
                 await asyncio.gather(accepting, *dials, return_exceptions=True)
         self.listener.close()  # every link is up: nobody else may join
         self.listener = None
+        self._loop = loop
         for rank, sock in (*dialed, *acceptor.accepted.items()):
             link = UnixLink(rank, sock)
             self.links[rank] = link
@@ -188,13 +170,6 @@ class UnixMesh:
         with contextlib.suppress(OSError):  # full, or ending: the sleeper looks again within its nap
             link.sock.send(msg, socket.MSG_DONTWAIT)
 
-    async def drain(self) -> None:
-        """Wait until every queued message is with the kernel (or its link has ended)."""
-        while self.backlog:
-            if self._drained is None or self._drained.done():
-                self._drained = asyncio.get_running_loop().create_future()
-            await asyncio.shield(self._drained)
-
     def _writable(self, link: UnixLink) -> None:
         while link.pending:
             msg = link.pending[0]
@@ -211,10 +186,6 @@ class UnixMesh:
         asyncio.get_running_loop().remove_writer(link.sock.fileno())
         self.backlog -= 1
         self._wake_drain()
-
-    def _wake_drain(self) -> None:
-        if self._drained is not None and not self._drained.done() and not self.backlog:
-            self._drained.set_result(None)
 
     # -------------------------------------------------------------- receiving
     def _readable(self, link: UnixLink) -> bool:
@@ -252,36 +223,12 @@ class UnixMesh:
         return got
 
     # ---------------------------------------------------------------- endings
-    def _ended(self, link: UnixLink, error: BaseException | None) -> None:
-        if link.closed:
-            return
-        link.closed = True
-        loop = asyncio.get_running_loop()
-        fd = link.sock.fileno()
-        if fd >= 0:
-            loop.remove_reader(fd)
-            loop.remove_writer(fd)
-        link.sock.close()
-        if link.pending:
-            link.pending.clear()
-            self.backlog -= 1
-        self._wake_drain()
-        if not self._closing:
-            self.on_closed(link.peer, error)
-
     def close(self) -> None:
         """Close every link and the listener (no callbacks)."""
-        self._closing = True
-        for link in list(self.links.values()):
-            self._ended(link, None)
+        super().close()
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-
-    def stats(self) -> tuple[int, int]:
-        """(bytes sent, bytes received) over every link."""
-        links = self.links.values()
-        return sum(link.bytes_sent for link in links), sum(link.bytes_received for link in links)
 
 
 async def _dial(me: int, job: str, rank: int, peer: dict[str, Any]) -> tuple[int, socket.socket]:

@@ -5,8 +5,6 @@ ranks of one machine behave as if on separate hosts: no Unix links, no boards, o
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 import time
 from typing import Any
 
@@ -16,7 +14,7 @@ import pytest
 import psring
 from psring.core.fold import canonical_fold
 
-from ..conftest import run_tree
+from ..conftest import blocking_job_end, run_blocking_job
 
 
 @pytest.fixture
@@ -144,17 +142,7 @@ for i in range(400):
     assert y.tobytes() == ref.tobytes(), i
     if g.rank == 1 and i % 100 == 99:
         import time; time.sleep(0.5)  # a late rank: the others' calls are handed to the loop
-g.barrier()
-print("ok", grp.tcp_now, grp.tcp_adopted, flush=True)
-if os.environ.get("DIE") == str(g.rank):
-    os._exit(0)  # gone without a word, as a crash
-try:
-    g.all_reduce(np.ones(2, np.float32))
-    print("no error", flush=True)
-except psring.PsringError as exc:
-    print("raised", type(exc).__name__, str(exc)[:200], flush=True)
-g.close()
-"""
+""" + blocking_job_end("grp.tcp_now, grp.tcp_adopted")
 
 
 @pytest.mark.slow
@@ -163,21 +151,7 @@ g.close()
 def test_blocking_small_calls_between_hosts_run_on_the_callers_thread(tmp_path, world: int) -> None:
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
-    env = {**os.environ, "PSRING_TIMEOUT": "20", "DIE": "1", "PSRING_SAME_HOST": "off"}  # a hang fails
-    res = run_tree(
-        [sys.executable, "-m", "psring", "launch", "-n", str(world), "--", sys.executable, str(script)],
-        timeout=110,
-        env=env,
-    )
-    out = res.stdout + res.stderr
-    for r in range(world):
-        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] ok ")), None)
-        assert line is not None, out[-4000:]
-        on_thread, adopted = map(int, line.split()[-2:])
-        assert on_thread >= 100, line  # most of the 400 small calls ended on the caller's thread
+    for r, (on_thread, adopted) in run_blocking_job(script, world, PSRING_SAME_HOST="off").items():
+        assert on_thread >= 100, (r, on_thread, adopted)  # most of the 400 small calls ended on the caller's thread
         if r != 1:
-            assert adopted > 0, line  # rank 1's naps made the others wait past ADOPT_AFTER
-    # rank 1 vanished: every other rank's next call says so, by name, long before its timeout
-    for r in range(world):
-        if r != 1:
-            assert f"[rank {r}] raised PeerLostError" in out and "rank 1" in out, out[-4000:]
+            assert adopted > 0, (r, on_thread, adopted)  # rank 1's naps made the others wait past ADOPT_AFTER

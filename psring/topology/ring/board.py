@@ -262,15 +262,7 @@ class BoardPath(_Host):
         """The short way (any thread, nothing of this group in flight): number the call and post it;
         (board, seq, call, x, when it began), or None: take the long way (_board_all_reduce)."""
         board = self._board(x, compression)
-        if (
-            board is None
-            or self.net.loop is None
-            or self._active
-            or self._reserved
-            or self._aborted
-            or self._late_error is not None
-            or not board.clear_to_post(self._seq)
-        ):
+        if board is None or not self._idle() or not board.clear_to_post(self._seq):
             return None
         x = self._checked(x, op)
         self._check_usable()
@@ -305,11 +297,27 @@ class BoardPath(_Host):
     def _board_books(
         self, board: Board, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None
     ) -> None:
-        """A call the caller's thread ended: as the loop's _end would (its number released, kept
-        among the recent calls, the board acked, observers told)."""
+        """A board call the caller's thread ended: its books (_books_now), and the board acked."""
+        self._books_now(seq, desc, started, error)
+        board.ack(self.stopped_at() - 1)
+
+    # ------------------------------------------------- the caller's thread, any short way (board, tcpnow)
+    def _idle(self) -> bool:
+        """Whether a call may take a short way on the caller's thread now: this rank runs a loop and
+        nothing of the group is in flight there, numbered for later, or failed and not yet raised."""
+        return (
+            self.net.loop is not None
+            and not self._active
+            and not self._reserved
+            and not self._aborted
+            and self._late_error is None
+        )
+
+    def _books_now(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
+        """A call a short way ended on the caller's thread: as the loop's _end would (its number
+        released, kept among the recent calls, observers told)."""
         self._reserved.discard(seq)
         self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
-        board.ack(self.stopped_at() - 1)
         if OBSERVERS:
             self._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
 

@@ -49,6 +49,12 @@ class RingHost(Group):
     @abc.abstractmethod
     def _checked(self, x: np.ndarray, op: str) -> np.ndarray: ...
 
+    @abc.abstractmethod
+    def _idle(self) -> bool: ...
+
+    @abc.abstractmethod
+    def _books_now(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None: ...
+
     # ------------------------------------------------ ring/tcpnow.py: small all_reduces between hosts
     tcp_now: int
     tcp_adopted: int

@@ -108,14 +108,18 @@ class PeerNet(PlaneLinks):
         self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
         self.tcp_mesh: TcpMesh | None = None
         if 2 <= world_size <= self.tcp_mesh_max:  # made now: a lower rank may dial before this one agreed
-            self.tcp_mesh = TcpMesh(rank, self._on_mesh_message, self._on_mesh_closed)
-            self.tcp_mesh.expected = world_size - 1
+            self.tcp_mesh = TcpMesh(rank, world_size - 1, self._on_mesh_message, self._on_mesh_closed)
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray
         self.stalls = StallInspector(self, self._stall_send)
         PeerNet.live += 1
         self._counted = True
+
+    @property
+    def small_links(self) -> UnixMesh | TcpMesh | None:
+        """The links one-hop messages take: the same-host Unix links, or the TCP ones between hosts."""
+        return self.mesh if self.mesh is not None else self.tcp_mesh
 
     def hello(self) -> dict[str, Any]:
         return {"role": "rank", "rank": self.rank, "job": self.settings.job}

@@ -18,8 +18,6 @@ from ...core.arrays import DTYPES, byte_view, dtype_name, prod
 from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
-from ...transport.tcpmesh import TcpMesh
-from ...transport.unixnet import UnixMesh
 from ..collective import Collective
 from .constants import (
     BOARD_HERE,
@@ -55,7 +53,7 @@ class SmallPaths(_Host):
         # checks hold (the pair (op, dtype) was validated once); the same bits come out.
         if (
             compression is None
-            and (self.net.mesh is not None or self.net.tcp_mesh is not None)
+            and self.net.small_links is not None
             and type(x) is np.ndarray
             and x.nbytes <= SMALL_BYTES
             and x.flags.c_contiguous
@@ -175,11 +173,7 @@ class SmallPaths(_Host):
         message per receiver, one per sender.
 
         ``out`` is None (no payloads), an array with one row per rank, or {src: array}."""
-        me, seq = self.rank, coll.seq
-        mesh: UnixMesh | TcpMesh | None = self.net.mesh
-        tcp = self.net.tcp_mesh if mesh is None else None
-        if tcp is not None:
-            mesh = tcp
+        me, seq, mesh = self.rank, coll.seq, self.net.small_links
         assert mesh is not None
         slot: _MeshSlot | None = None
         if len(senders) > (me in senders):
@@ -203,9 +197,8 @@ class SmallPaths(_Host):
                         self._mesh_deliver(slot, src, *item)
         if self._mesh_early:
             self._check_early(coll)
-        held = tcp is not None and slot is not None
-        if held:
-            tcp.hold()  # type: ignore[union-attr]  # the loop reads the TCP links while it waits on them
+        if slot is not None:
+            mesh.hold()  # the loop reads the TCP links only while it waits on them
         try:
             if len(receivers) > (me in receivers):
                 payload = byte_view(x) if x is not None and x.nbytes else None
@@ -215,13 +208,12 @@ class SmallPaths(_Host):
                     if d != me:
                         send(members[d], msg)
             if slot is not None:
-                if tcp is None and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
+                if mesh.spins and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
                 await slot.done
         finally:
-            if held:
-                tcp.release()  # type: ignore[union-attr]
             if slot is not None:
+                mesh.release()
                 del self._mesh_slots[(seq, recv_phase)]
         if mesh.backlog:
             await mesh.drain()
@@ -255,8 +247,7 @@ class SmallPaths(_Host):
         """
         me, gid, seq = self.rank, self.gid, coll.seq
         recv_phase = phase if recv_phase is None else recv_phase
-        net = self.net
-        if (net.mesh is not None or net.tcp_mesh is not None) and _call_bytes(coll.desc) <= MESH_MAX_BYTES:
+        if self.net.small_links is not None and _call_bytes(coll.desc) <= MESH_MAX_BYTES:  # alike on every rank
             return await self._mesh_exchange(coll, x, phase, out, senders, receivers, recv_phase)
         expect = [s for s in senders if s != me]
         left = len(expect)

@@ -20,7 +20,6 @@ read stays in the links for the loop to read).
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,8 +27,6 @@ import numpy as np
 from ...core import wire
 from ...core.arrays import byte_view, dtype_name
 from ...core.fold import canonical_fold
-from ..recorder import OBSERVERS
-from ..runtime import RECENT
 from .constants import DIRECT, MESH_MAX_BYTES
 from .paths import Path
 
@@ -58,13 +55,9 @@ class TcpNow(_Host):
             or self.gid != "0"
             or type(x) is not np.ndarray
             or x.nbytes > MESH_MAX_BYTES
-            or self.net.loop is None
-            or self._active
-            or self._reserved
-            or self._aborted
-            or self._late_error is not None
             or mesh.holds
             or mesh.backlog
+            or not self._idle()
             or self._all_reduce_path(x.nbytes) is not Path.DIRECT
         ):
             return None
@@ -95,22 +88,23 @@ class TcpNow(_Host):
                         byte_view(bufs[src])[:] = item[1]
                         missing.remove(src)
             if sent and missing:
-                missing = self._tcp_read(seq, head, bufs, missing)
+                missing = self._tcp_read(head, bufs, missing)
         except BaseException as exc:
-            self._tcp_books(seq, desc, started, exc)
+            self._books_now(seq, desc, started, exc)
             raise
         if missing or not sent:
+            self.tcp_adopted += 1
             return False, self._tcp_adopt(seq, x, op, bufs, missing, started, flushed=sent)
         try:
             out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self._hier_hosts())
         except BaseException as exc:
-            self._tcp_books(seq, desc, started, exc)
+            self._books_now(seq, desc, started, exc)
             raise
-        self._tcp_books(seq, desc, started, None)
+        self._books_now(seq, desc, started, None)
         self.tcp_now += 1
         return True, out.reshape(x.shape)
 
-    def _tcp_read(self, seq: int, head: tuple[Any, ...], bufs: np.ndarray, missing: list[int]) -> list[int]:
+    def _tcp_read(self, head: tuple[Any, ...], bufs: np.ndarray, missing: list[int]) -> list[int]:
         """Read the peers' messages for this call off their links into ``bufs``; the local ranks still
         missing when something is out of the ordinary or ADOPT_AFTER passed (left for the loop)."""
         mesh = self.net.tcp_mesh
@@ -165,18 +159,9 @@ class TcpNow(_Host):
     async def _tcp_rest(
         self, coll: Any, x: np.ndarray, op: str, bufs: np.ndarray, missing: list[int]
     ) -> np.ndarray:
-        self.tcp_adopted += 1
         if missing:
             await self._direct_exchange(coll, None, DIRECT, bufs, [self.rank, *missing], [])
         elif self.net.tcp_mesh is not None and self.net.tcp_mesh.backlog:
             await self.net.tcp_mesh.drain()
         out = canonical_fold(bufs, op, np.empty(x.size, x.dtype), hosts=self._hier_hosts())
         return out.reshape(x.shape)
-
-    def _tcp_books(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
-        """A call the caller's thread ended: as the loop's _end would (its number released, kept
-        among the recent calls, observers told)."""
-        self._reserved.discard(seq)
-        self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
-        if OBSERVERS:
-            self._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
