@@ -264,13 +264,7 @@ class BoardPath(_Host):
         board = self._board(x, compression)
         if board is None or not self._idle() or not board.clear_to_post(self._seq):
             return None
-        x = self._checked(x, op)
-        self._check_usable()
-        seq = self._seq
-        desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
-        self._seq += 1
-        self._reserved.add(seq)  # a peer's abort or early frame for it is kept, as for any number taken
-        started = time.monotonic()
+        x, seq, desc, started = self._number_now(x, op)
         self._board_post(board, seq, desc, x)
         return board, seq, desc, x, started
 
@@ -312,6 +306,17 @@ class BoardPath(_Host):
             and not self._aborted
             and self._late_error is None
         )
+
+    def _number_now(self, x: np.ndarray, op: str) -> tuple[np.ndarray, int, tuple[Any, ...], float]:
+        """Check an all_reduce a short way takes and number it: (x, contiguous; its number; its call
+        descriptor; when it began). The number is reserved, so a peer's abort or early frame for it is
+        kept, as for any number taken, until _books_now (or the loop's adoption) releases it."""
+        x = self._checked(x, op)
+        self._check_usable()
+        seq = self._seq
+        self._seq += 1
+        self._reserved.add(seq)
+        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None), time.monotonic()
 
     def _books_now(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
         """A call a short way ended on the caller's thread: as the loop's _end would (its number

@@ -53,6 +53,9 @@ class RingHost(Group):
     def _idle(self) -> bool: ...
 
     @abc.abstractmethod
+    def _number_now(self, x: np.ndarray, op: str) -> tuple[np.ndarray, int, tuple[Any, ...], float]: ...
+
+    @abc.abstractmethod
     def _books_now(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None: ...
 
     # ------------------------------------------------ ring/tcpnow.py: small all_reduces between hosts

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...core import wire
-from ...core.arrays import byte_view, dtype_name
+from ...core.arrays import byte_view
 from ...core.fold import canonical_fold
 from .constants import DIRECT, MESH_MAX_BYTES
 from .paths import Path
@@ -61,13 +61,7 @@ class TcpNow(_Host):
             or self._all_reduce_path(x.nbytes) is not Path.DIRECT
         ):
             return None
-        x = self._checked(x, op)
-        self._check_usable()
-        seq = self._seq
-        desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
-        self._seq += 1
-        self._reserved.add(seq)  # a peer's abort for it is kept, as for any number taken
-        started = time.monotonic()
+        x, seq, desc, started = self._number_now(x, op)
         me, n_ranks, members = self.rank, self.world_size, self.members
         bufs = np.empty((n_ranks, x.size), x.dtype)
         flat = x.reshape(-1)
