@@ -1,6 +1,7 @@
 """One DDP training step, three backends: gloo, psring over the ring, psring over the parameter server.
 
     python benchmarks/torch_backend.py [--workers 2,4] [--params 12.6M] [--steps 10] [--rounds 3]
+                                       [--device cuda --variants gloo,ring,ps,nccl]
 
 The script each rank runs is the same for every variant, an unmodified DDP loop
 (``dist.init_process_group(BACKEND)``, ``DistributedDataParallel(model)``, SGD with momentum), but
@@ -8,7 +9,12 @@ for the backend name; psring's topology comes from PSRING_TOPOLOGY. One process 
 machine, started like torch's env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), one torch thread
 each. Rounds alternate the variants so that they share the machine's conditions. Reported: the
 median step time (forward + backward with DDP's bucketed all-reduce + optimizer step; the slowest
-rank's time of each step) and its ratio to gloo's.
+rank's time of each step) and its ratio to gloo's, and how far each variant's parameters after the
+last step are from gloo's (the same data and seeds: only the reductions' order differs).
+
+With ``--device cuda`` every rank's model and batches live on the one GPU (ranks share it); gloo
+then reduces CUDA tensors through host copies of its own, psring through cupy, and ``nccl`` is the
+anchor where NCCL accepts several ranks on one device (a variant that fails is reported, not fatal).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 import numpy as np
 from torch_ddp import build, free_port, parse_count  # the same model and helpers as the optimizer benchmark
 
-VARIANTS = {"gloo": ("gloo", None), "ring": ("psring", "ring"), "ps": ("psring", "ps")}
+VARIANTS = {"gloo": ("gloo", None), "ring": ("psring", "ring"), "ps": ("psring", "ps"), "nccl": ("nccl", None)}
 
 
 def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
@@ -37,12 +43,14 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
     torch.set_num_threads(1)
     dist.init_process_group(spec["backend"])
     rank = dist.get_rank()
-    model = build(spec["params"])
+    dev = torch.device(spec["device"])
+    cuda = dev.type == "cuda"
+    model = build(spec["params"]).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[dev.index or 0] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(rank)
-    x, y = torch.randn(spec["batch"], 256), torch.randn(spec["batch"], 256)
+    x, y = torch.randn(spec["batch"], 256).to(dev), torch.randn(spec["batch"], 256).to(dev)
     times = []
     for i in range(spec["warmup"] + spec["steps"]):
         dist.barrier()
@@ -50,13 +58,17 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
-    worst = torch.tensor(times, dtype=torch.float64)
+    worst = torch.tensor(times, dtype=torch.float64, device=dev)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if rank == 0:
+        flat = torch.cat([p.detach().double().flatten() for p in model.parameters()]).cpu()
         with open(spec["out"], "w") as fh:
-            json.dump({"step_s": worst.tolist(), "params": n_params}, fh)
+            json.dump({"step_s": worst.tolist(), "params": n_params, "head": flat[:4096].tolist(),
+                       "sum": float(flat.sum()), "abs_sum": float(flat.abs().sum())}, fh)
     dist.destroy_process_group()
     # gloo's worker threads can still hold work at interpreter exit and abort the process
     # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
@@ -103,9 +115,11 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="gloo,ring,ps")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on the one GPU)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    spec = {"params": parse_count(args.params), "batch": args.batch, "steps": args.steps, "warmup": args.warmup}
+    spec = {"params": parse_count(args.params), "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+            "device": args.device}
     variants = args.variants.split(",")
     for v in variants:
         if v not in VARIANTS:
@@ -113,25 +127,46 @@ def main() -> int:
     rows = []
     for workers in [int(w) for w in args.workers.split(",")]:
         samples: dict[str, list[float]] = {v: [] for v in variants}
+        failed: dict[str, str] = {}
+        last: dict[str, dict] = {}  # type: ignore[type-arg]
         n_params = 0
         for _ in range(args.rounds):
             for v in variants:
-                r = run_variant(v, workers, spec)
+                if v in failed:
+                    continue
+                try:
+                    r = run_variant(v, workers, spec)
+                except SystemExit as e:  # reported in the table: NCCL refuses two ranks on one GPU, say
+                    failed[v] = str(e)
+                    continue
                 samples[v] += r["step_s"]
                 n_params = r["params"]
-        med = {v: float(np.median(s)) * 1e3 for v, s in samples.items()}
-        rows.append({"workers": workers, "params": n_params, "median_step_ms": med})
+                last[v] = r
+        med = {v: float(np.median(s)) * 1e3 for v, s in samples.items() if s}
+        vs_gloo = {}  # the largest difference of the first 4096 parameters, and of their sum, from gloo's
+        if "gloo" in last:
+            g = np.array(last["gloo"]["head"])
+            for v, r in last.items():
+                vs_gloo[v] = {"max_abs_diff": float(np.abs(np.array(r["head"]) - g).max()),
+                              "sum_rel_diff": abs(r["sum"] - last["gloo"]["sum"]) / max(last["gloo"]["abs_sum"], 1e-30)}
+        rows.append({"workers": workers, "params": n_params, "device": args.device, "median_step_ms": med,
+                     "vs_gloo": vs_gloo, "failed": failed})
     if args.json:
         print(json.dumps(rows))
         return 0
     for row in rows:
         med = row["median_step_ms"]
-        print(f"# DDP, {row['params'] / 1e6:.1f}M-parameter MLP, batch {args.batch}/rank, {row['workers']} ranks")
-        print(f"{'backend':>12} {'ms/step':>9} {'vs gloo':>8}")
+        print(f"# DDP, {row['params'] / 1e6:.1f}M-parameter MLP, batch {args.batch}/rank, {row['workers']} ranks,"
+              f" {row['device']}")
+        print(f"{'backend':>12} {'ms/step':>9} {'vs gloo':>8} {'params vs gloo (max abs)':>25}")
         for v in variants:
+            name = v if v in ("gloo", "nccl") else f"psring {v}"
+            if v in row["failed"]:
+                print(f"{name:>12}   failed: {row['failed'][v]}")
+                continue
             ratio = f"{med[v] / med['gloo']:.2f}x" if "gloo" in med else "-"
-            name = v if v == "gloo" else f"psring {v}"
-            print(f"{name:>12} {med[v]:>9.1f} {ratio:>8}")
+            diff = f"{row['vs_gloo'][v]['max_abs_diff']:.2e}" if v in row["vs_gloo"] else "-"
+            print(f"{name:>12} {med[v]:>9.1f} {ratio:>8} {diff:>25}")
     return 0
 
 

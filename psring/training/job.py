@@ -282,6 +282,9 @@ class _Run:
             "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
             "bytes_per_server": servers,
             "ranks_agree": len({int(d[0]) for d in digests}) == 1,
+            # rank 0's parameters (tables too) in one number: equal runs -- ring and ps, numpy and cupy
+            # where the contract says bit for bit -- print the same one
+            "params_digest": int(digests[0][0]),
             "elastic": self._elastic_record(),
             # backup workers: per worker, the steps its gradients came too late for, and those it skipped
             "backup": (
