@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from psring.cli.bench import mpiexec  # MPICH's, checked to be MPICH's
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,12 +143,6 @@ def parse_size(text: str) -> int:
         raise SystemExit(f"compare_mpi: size {text!r} does not parse (e.g. 4, 64K, 1M)") from None
 
 
-def mpiexec() -> str | None:
-    """MPICH's mpiexec: the one beside this Python (the mpich wheel puts it there), else on PATH."""
-    here = Path(sys.executable).parent / "mpiexec"
-    return str(here) if here.exists() else shutil.which("mpiexec")
-
-
 def _result(stdout: str, what: str) -> list[dict[str, Any]]:
     for line in stdout.splitlines():
         if "RESULT " in line:
@@ -156,9 +151,7 @@ def _result(stdout: str, what: str) -> list[dict[str, Any]]:
 
 
 def run_mpi(n: int, sizes: list[int], iters: int, warmup: int, path: str, script: str) -> list[dict[str, Any]]:
-    exe = mpiexec()
-    if exe is None:
-        raise RuntimeError("no mpiexec (pip install -e '.[bench]' installs MPICH with its own)")
+    exe = mpiexec()  # MPICH's, or a SystemExit saying why not
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PSRING_", "MPIR_", "FI_"))}
     env["OMP_NUM_THREADS"] = "1"
     if path == "tcp":

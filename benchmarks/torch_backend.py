@@ -67,8 +67,16 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
     if rank == 0:
         flat = torch.cat([p.detach().double().flatten() for p in model.parameters()]).cpu()
         with open(spec["out"], "w") as fh:
-            json.dump({"step_s": worst.tolist(), "params": n_params, "head": flat[:4096].tolist(),
-                       "sum": float(flat.sum()), "abs_sum": float(flat.abs().sum())}, fh)
+            json.dump(
+                {
+                    "step_s": worst.tolist(),
+                    "params": n_params,
+                    "head": flat[:4096].tolist(),
+                    "sum": float(flat.sum()),
+                    "abs_sum": float(flat.abs().sum()),
+                },
+                fh,
+            )
     dist.destroy_process_group()
     # gloo's worker threads can still hold work at interpreter exit and abort the process
     # ("terminate called without an active exception", pytorch/pytorch#179291): all is done, leave now
@@ -118,8 +126,13 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on the one GPU)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    spec = {"params": parse_count(args.params), "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-            "device": args.device}
+    spec = {
+        "params": parse_count(args.params),
+        "batch": args.batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": args.device,
+    }
     variants = args.variants.split(",")
     for v in variants:
         if v not in VARIANTS:
@@ -147,17 +160,29 @@ def main() -> int:
         if "gloo" in last:
             g = np.array(last["gloo"]["head"])
             for v, r in last.items():
-                vs_gloo[v] = {"max_abs_diff": float(np.abs(np.array(r["head"]) - g).max()),
-                              "sum_rel_diff": abs(r["sum"] - last["gloo"]["sum"]) / max(last["gloo"]["abs_sum"], 1e-30)}
-        rows.append({"workers": workers, "params": n_params, "device": args.device, "median_step_ms": med,
-                     "vs_gloo": vs_gloo, "failed": failed})
+                vs_gloo[v] = {
+                    "max_abs_diff": float(np.abs(np.array(r["head"]) - g).max()),
+                    "sum_rel_diff": abs(r["sum"] - last["gloo"]["sum"]) / max(last["gloo"]["abs_sum"], 1e-30),
+                }
+        rows.append(
+            {
+                "workers": workers,
+                "params": n_params,
+                "device": args.device,
+                "median_step_ms": med,
+                "vs_gloo": vs_gloo,
+                "failed": failed,
+            }
+        )
     if args.json:
         print(json.dumps(rows))
         return 0
     for row in rows:
         med = row["median_step_ms"]
-        print(f"# DDP, {row['params'] / 1e6:.1f}M-parameter MLP, batch {args.batch}/rank, {row['workers']} ranks,"
-              f" {row['device']}")
+        print(
+            f"# DDP, {row['params'] / 1e6:.1f}M-parameter MLP, batch {args.batch}/rank, {row['workers']} ranks,"
+            f" {row['device']}"
+        )
         print(f"{'backend':>12} {'ms/step':>9} {'vs gloo':>8} {'params vs gloo (max abs)':>25}")
         for v in variants:
             name = v if v in ("gloo", "nccl") else f"psring {v}"

@@ -129,6 +129,12 @@ def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
     )
 
 
+def pythonpath(*dirs: object) -> str:
+    """PYTHONPATH for a child: ``dirs`` first, then whatever this process was given (packages carried
+    on PYTHONPATH, as on a machine without an index, must reach the children too)."""
+    return os.pathsep.join([*(str(d) for d in dirs), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
 def run_tree(
     args: list[str], *, timeout: float = 120, capture_output: bool = True, text: bool = True, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:

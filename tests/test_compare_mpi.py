@@ -4,13 +4,13 @@ result is right on both. How fast is the benchmark's to say (docs/performance.md
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from psring.cli.bench import mpich_problem
 from tests.conftest import run_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_compare_mpi_runs_both_sides_and_the_results_agree() -> None:
-    if importlib.util.find_spec("mpi4py") is None:
-        pytest.skip("needs mpi4py and MPICH: pip install -e '.[bench]'")
+    if (problem := mpich_problem()) is not None:
+        pytest.skip(problem)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_mpi.py"), "--workers", "2", "--sizes", "4,64K",
            "--iters", "3", "--warmup", "1", "--rounds", "1", "--paths", "host,tcp", "--json"]  # fmt: skip
     res = run_tree(cmd, timeout=280)

@@ -155,12 +155,34 @@ def run_sgd(
     return result
 
 
-def mpiexec() -> str:
-    """MPICH's mpiexec: the one beside this Python (the mpich wheel installs it there), else on PATH."""
+def mpich_problem() -> str | None:
+    """Why MPICH cannot be run here (None: it can): mpi4py missing, no mpiexec, or an mpiexec that is
+    another MPI's (Open MPI's, which an image may carry, takes none of MPICH's settings and refuses root)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return "the mpich variant needs mpi4py and MPICH (pip install -e '.[bench]')"
     here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     found = here if os.path.exists(here) else shutil.which("mpiexec")
     if found is None:
-        raise SystemExit("psring bench: the mpich variant needs MPICH's mpiexec (pip install -e '.[bench]')")
+        return "the mpich variant needs MPICH's mpiexec (pip install -e '.[bench]')"
+    try:
+        said = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{found} --version failed: {e}"
+    text = said.stdout + said.stderr
+    if "HYDRA" not in text and "MPICH" not in text:  # MPICH's launcher is Hydra
+        first = text.strip().splitlines()[0] if text.strip() else "nothing"
+        return f"{found} is not MPICH's mpiexec (it says {first!r}); pip install -e '.[bench]' brings MPICH's"
+    return None
+
+
+def mpiexec() -> str:
+    """MPICH's mpiexec: the one beside this Python (the mpich wheel installs it there), else on PATH."""
+    problem = mpich_problem()
+    if problem is not None:
+        raise SystemExit(f"psring bench: {problem}")
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    assert found is not None
     return found
 
 
@@ -205,10 +227,8 @@ def cli_scale(args: argparse.Namespace) -> int:
     bad = [v for v in variants if v not in ("ring", "ps", "gloo", "mpich")]
     if bad or not variants or any(w < 1 for w in worlds) or not worlds:
         raise SystemExit("psring bench scale: --worlds are positive integers, --variants among ring, ps, gloo, mpich")
-    if "mpich" in variants:
-        if importlib.util.find_spec("mpi4py") is None:
-            raise SystemExit("psring bench scale: the mpich variant needs mpi4py and MPICH (pip install -e '.[bench]')")
-        mpiexec()
+    if "mpich" in variants and (problem := mpich_problem()) is not None:
+        raise SystemExit(f"psring bench scale: {problem}")
     if "gloo" in variants:
         try:
             import torch.distributed  # noqa: F401

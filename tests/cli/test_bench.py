@@ -4,12 +4,13 @@ Speed is not asserted here; the figures come from the long runs (see README)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+
+from psring.cli.bench import mpich_problem
 
 from ..conftest import run_tree
 
@@ -112,7 +113,7 @@ def test_bench_scale_reports_set_up_cost_beside_gloo_and_mpich() -> None:
         import torch  # noqa: F401
     except ImportError:
         variants = "ring,ps"  # gloo comes with torch
-    if importlib.util.find_spec("mpi4py") is not None:  # the bench extra: MPICH and its mpiexec
+    if mpich_problem() is None:  # the bench extra: MPICH and its mpiexec (not another MPI's)
         variants += ",mpich"
     proc = run_tree(
         [sys.executable, "-m", "psring", "bench", "scale", "--worlds", "2,3", "--variants", variants, "--iters", "3",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import run_tree
+from ..conftest import pythonpath, run_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -24,7 +24,7 @@ JOB = str(ROOT / "tests" / "support" / "jobs" / "elastic_job.py")
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
-    e.update(PYTHONPATH=str(ROOT), **extra)
+    e.update(PYTHONPATH=pythonpath(ROOT), **extra)
     return e
 
 

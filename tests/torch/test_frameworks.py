@@ -17,7 +17,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs torch==2.13.0)")
 
-from ..conftest import run_tree  # noqa: E402
+from ..conftest import pythonpath, run_tree  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("PSRING_", "MASTER_", "LOCAL_RANK", "RANK"))}
-    e.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+    e.update(PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
              MASTER_PORT=str(free_port()), **extra)  # fmt: skip
     return e
 

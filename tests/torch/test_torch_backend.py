@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs torch==2.13.0)")
 
-from ..conftest import run_tree  # noqa: E402
+from ..conftest import pythonpath, run_tree  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(240)]
 
@@ -37,7 +37,7 @@ def free_port() -> int:
 def env_for(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_") and k != "PYTHONUNBUFFERED"}
     env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    env.update(PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1", **extra)
     return env
 
 
@@ -112,6 +112,7 @@ def test_every_operation_gives_gloos_results(tmp_path: Path, gloo_ops: list[dict
         sys.path.remove(str(JOBS))
     ours = ops_results(tmp_path, "psring", topology)
     compared = 0
+    refused_by_gloo: set[str] = set()
     for rank in range(WORLD):
         assert set(ours[rank]) == set(gloo_ops[rank])
         for name, theirs in gloo_ops[rank].items():
@@ -123,6 +124,9 @@ def test_every_operation_gives_gloos_results(tmp_path: Path, gloo_ops: list[dict
                 total = sum(data(r, dtype=torch.int64) for r in range(WORLD))
                 want = torch.div(total, WORLD, rounding_mode="trunc")  # the sum, then C's integer division
                 assert same(mine, want), (rank, mine, want)
+            elif "/torch." not in name:  # an operation this torch's gloo lacks (2.11's, say): psring answers
+                assert not is_error(mine), (rank, name, mine, theirs)
+                refused_by_gloo.add(name)
             else:  # gloo refuses these dtypes (int16): psring gives the exact answer
                 dt = getattr(torch, name.rsplit(".", 1)[1])
                 want = (
@@ -131,7 +135,7 @@ def test_every_operation_gives_gloos_results(tmp_path: Path, gloo_ops: list[dict
                     else data(WORLD - 1, dtype=dt)
                 )
                 assert same(mine, want), (rank, name, mine, want)
-    assert compared >= 4 * 45, compared  # nearly every case is one gloo answers
+    assert compared >= 4 * 45, (compared, sorted(refused_by_gloo))  # nearly every case is one gloo answers
 
 
 # ------------------------------------------------------------------------- DDP

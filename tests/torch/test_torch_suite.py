@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed (CI installs torch==2.13.0)")
 pytest.importorskip("expecttest", reason="expecttest is not installed (the frameworks extra): torch's suite imports it")
 
-from ..conftest import run_tree  # noqa: E402
+from ..conftest import pythonpath, run_tree  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ SLICE = [
 @pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_a_slice_of_torchs_own_suite_passes_as_on_gloo(topology: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PSRING_TOPOLOGY=topology)
+    env.update(PYTHONPATH=pythonpath(ROOT), OMP_NUM_THREADS="1", PSRING_TOPOLOGY=topology)
     cmd = [sys.executable, str(ROOT / "tests" / "support" / "harness" / "torch_suite.py"), "--backend", "psring",
            "--world-size", "2", "--topology", topology, "--tests", ",".join(SLICE), "--json"]  # fmt: skip
     res = run_tree(cmd, timeout=380, env=env)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import run_tree
+from ..conftest import pythonpath, run_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -33,7 +33,7 @@ def test_every_worker_holds_the_same_parameters_at_every_step_with_a_straggler_l
         "from psring.transport.loop import new_event_loop\n"
         f"sys.exit(new_event_loop().run_until_complete(launch(4, [sys.executable, {job!r}], topology='ps')))\n"
     )
-    env = _env(PYTHONPATH=str(ROOT), BACKUP="1", STEPS="40", SLOW_RANK="3", SLOW_S="0.005")
+    env = _env(PYTHONPATH=pythonpath(ROOT), BACKUP="1", STEPS="40", SLOW_RANK="3", SLOW_S="0.005")
     res = run_tree([sys.executable, "-c", code], timeout=120, env=env)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
@@ -56,7 +56,7 @@ def test_every_worker_holds_the_same_parameters_at_every_step_with_a_straggler_l
 
 def test_the_main_job_learns_with_a_straggler_and_one_backup_worker() -> None:
     env = _env(
-        PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "support" / "straggler"), str(ROOT)]),
+        PYTHONPATH=pythonpath(ROOT / "tests" / "support" / "straggler", ROOT),
         STRAGGLER_RANK="3",
         STRAGGLER_S="0.01",
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import run_tree
+from ..conftest import pythonpath, run_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -33,7 +33,7 @@ if g.rank == 1 and attempt < int(sys.argv[1]):
 
 def env() -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
-    e["PYTHONPATH"] = str(ROOT)
+    e["PYTHONPATH"] = pythonpath(ROOT)
     return e
 
 
