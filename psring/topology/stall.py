@@ -382,6 +382,11 @@ class StallInspector:
                 pending.states[view.rank] = view
                 if pending.want <= set(pending.states):
                     pending.complete.set()
+        elif "abort" in header:
+            gid, seq = header["abort"]
+            group = self.layer.groups.get(gid)
+            if group is not None:
+                group.mismatch_found(int(seq), str(header.get("message", ""))[:4000])
         elif "fail_recv" in header:
             gid, src = header["fail_recv"]
             group = self.layer.groups.get(gid)
@@ -420,7 +425,7 @@ class StallInspector:
                     return
                 verdict = judge(self.layer.rank, views, group.gid, src=group.members[src])
             if verdict.mismatch:
-                self._apply(verdict)
+                self._apply(verdict, views)
             else:
                 logger.warning("psring stall: %s", verdict.message)
             for observer in list(STALL_OBSERVERS):
@@ -429,11 +434,15 @@ class StallInspector:
         except Exception:  # the inspector must never break a job
             logger.exception("psring: the stall inspector failed")
 
-    def _apply(self, verdict: Verdict) -> None:
+    def _apply(self, verdict: Verdict, views: dict[int, View]) -> None:
         for gid, seq in verdict.aborts:
             group = self.layer.groups.get(gid)
             if group is not None:
                 group.mismatch_found(seq, verdict.message)
+            else:  # a subgroup this rank is not in: its members end the call (they may never judge it
+                # themselves: the verdict can end the call that made them stall before they look)
+                frame = {"kind": "stall", "abort": [gid, seq], "message": verdict.message}
+                self._spawn(self._send([m for m in _members(views, gid) if m != self.layer.rank], frame))
         for rank, gid, src in verdict.recvs:
             if rank == self.layer.rank:
                 group = self.layer.groups.get(gid)

@@ -5,6 +5,7 @@ job can be asked what it waits in (psring doctor --job, SIGUSR1)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -116,6 +117,24 @@ async def test_a_subgroup_call_against_a_world_call_is_a_deadlock_named(make_gro
     assert all(isinstance(exc, psring.MismatchError) and s < stall + 1.0 for exc, s in results), results
     text = str(results[0][0])
     assert "deadlock" in text and "all_reduce(sum) #0 of group 0.1" in text and "ranks 0, 1 wait in" in text, text
+
+
+@pytest.mark.asyncio
+async def test_a_deadlock_judged_by_a_rank_outside_the_subgroup_ends_the_subgroups_call(
+    make_groups, topology: str, stall
+) -> None:
+    """Only rank 0 inspects in time (ranks 1 and 2 would wait 30 s): its verdict ends the world call on
+    ranks 0 and 1, and the subgroup's call on rank 2 too, though rank 0 is not in that subgroup (it was
+    left waiting out its timeout when rank 1's own inspection came after rank 0's verdict had ended
+    its world call: seen on a 16-core machine)."""
+    groups = await make_groups(3, topology, timeout=20)
+    subs = await asyncio.gather(*(g.new_group([1, 2]) for g in groups))
+    for g in [*groups[1:], *subs[1:]]:
+        g.config = dataclasses.replace(g.config, stall=30.0)
+    x = np.ones(10, np.float32)
+    calls = [lambda g: g.all_reduce(x), lambda g: g.all_reduce(x), lambda g: subs[2].all_reduce(x)]
+    results = await _three(groups, calls)
+    assert all(isinstance(exc, psring.MismatchError) and s < stall + 1.0 for exc, s in results), results
 
 
 @pytest.mark.asyncio
