@@ -233,6 +233,8 @@ class _Run:
         self._progress(epoch, mean_loss, acc=acc)
         if self.opt.elastic and epoch + 1 < spec["epochs"]:  # new workers join at epoch boundaries
             await self.opt.admit_waiting({"epoch": epoch + 1})
+        if self.opt.elastic and epoch + 2 >= spec["epochs"]:  # that was the last boundary: a worker that
+            await self.opt.close_joins()  # asks to join from now on is told so at once
         if every and self.steps % self.opt.accumulate == 0:
             await self.save()
 

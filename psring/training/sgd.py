@@ -236,6 +236,14 @@ class SyncSGD:
         host = [_to_host(f) for f in self._flat]
         return await self.group.param_admit(self.step_count, host, extra)
 
+    async def close_joins(self) -> None:
+        """Elastic: no boundary will admit workers any more (the loop is near its end; every live
+        worker calls it, like ``admit_waiting``). Workers waiting to join, and any that ask later,
+        raise at once, saying so, instead of waiting out their timeout."""
+        if not self.elastic:
+            raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
+        await self.group.param_close_joins(self.step_count)
+
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
 
@@ -561,6 +569,9 @@ class BlockingSyncSGD:
 
     def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
         return self._portal.call(self._inner.admit_waiting(extra))
+
+    def close_joins(self) -> None:
+        self._portal.call(self._inner.close_joins())
 
     def start(self) -> dict[str, Any]:
         return self._portal.call(self._inner.start())

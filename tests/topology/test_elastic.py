@@ -24,7 +24,8 @@ JOB = str(ROOT / "tests" / "support" / "jobs" / "elastic_job.py")
 
 def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
-    e.update(PYTHONPATH=pythonpath(ROOT), **extra)
+    e["PYTHONPATH"] = pythonpath(ROOT)
+    e.update(extra)
     return e
 
 
@@ -168,12 +169,15 @@ def _env_of_rank(launcher: int, rank: str) -> dict[str, str]:
 
 
 def _run_with_joiner(
-    cmd: list[str], trigger: str, joiner_for: Callable[[int], tuple[list[str], dict[str, str]]]
+    cmd: list[str],
+    trigger: str,
+    joiner_for: Callable[[int], tuple[list[str], dict[str, str]]],
+    cmd_env: dict[str, str] | None = None,
 ) -> tuple[int, list[str], str, int, str]:
     """Run cmd (its own session); at the first stdout line matching ``trigger`` start the joiner that
     ``joiner_for(cmd's pid)`` gives as (argv, env). Returns (rc, stdout lines, stderr, joiner rc, joiner output);
     both are ended by PID whatever happens."""
-    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, env=cmd_env or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     joiner = None
     lines: list[str] = []
@@ -225,6 +229,41 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
     assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["live"] == 3 and r["sum"] == 3.0 for r in ends)
 
 
+def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once() -> None:
+    """Joins closed (SyncSGD.close_joins) while a new worker waits: it raises, saying so, instead of
+    waiting out its timeout (seen: the main job ended under a joiner, which waited on); one that asks
+    afterwards is refused at init_group."""
+    job = str(ROOT / "tests" / "support" / "jobs" / "elastic_grow_job.py")
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
+    proc = subprocess.Popen(cmd, env=env(CLOSE_AT="100", STEPS="400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    joiners: list[subprocess.Popen[str]] = []
+    outs: list[tuple[int, str]] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if (not joiners and '"step": 1,' in line) or (len(joiners) == 1 and '"closed": 100' in line):
+                e = _env_of_rank(proc.pid, "0")
+                extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+                jenv = env(JOIN="1", PSRING_TOPOLOGY="ps", **extra)
+                joiners.append(subprocess.Popen([sys.executable, job], env=jenv, stdout=subprocess.PIPE,
+                                                stderr=subprocess.STDOUT, text=True))  # fmt: skip
+                if len(joiners) == 2:
+                    break
+        for j in joiners:
+            out, _ = j.communicate(timeout=30)  # the job still runs (400 steps): the joiners end first
+            outs.append((j.returncode, out))
+    finally:
+        for p in (proc, *joiners):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
+                p.communicate(timeout=30)
+    assert len(outs) == 2, outs
+    (c1, o1), (c2, o2) = outs
+    assert c1 != 0 and "cannot join" in o1 and "closed joins at step 100" in o1, o1[-3000:]
+    assert c2 != 0 and "admits no more workers" in o2 and "closed joins at step 100" in o2, o2[-3000:]
+
+
 def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
     cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "3", "--epochs", "40",
            "--elastic", "--json"]  # fmt: skip
@@ -237,7 +276,11 @@ def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
         extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "PSRING_JOB")}
         return [sys.executable, "-m", "psring.training", json.dumps(spec)], env(PSRING_TOPOLOGY="ps", **extra)
 
-    code, lines, err, jcode, jout = _run_with_joiner(cmd, r"^\[ps\] epoch 3 ", joiner_for)
+    # rank 0 sleeps 0-20 ms a batch (set by the test, never by psring): the job lasts past the joiner's
+    # start-up on any machine (on 16 cores the 40 epochs were over before the joiner reached the store)
+    slow = env(PYTHONPATH=pythonpath(ROOT / "tests" / "support" / "straggler", ROOT), STRAGGLER_RANK="0",
+               STRAGGLER_S="0.01")  # fmt: skip
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, r"^\[ps\] epoch 3 ", joiner_for, slow)
     assert code == 0 and jcode == 0, "".join(lines) + err + jout
     summary = json.loads(lines[-1])
     assert summary["elastic"] == {"departed": [], "joined": [3]} and summary["workers"] == 4, summary

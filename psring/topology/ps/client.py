@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -153,6 +154,13 @@ class PsGroup(ParameterMode, SparseTables, Group):
                 raise StoreError(
                     f"job {settings.job!r} at {store.address} runs no elastic SyncSGD (SyncSGD(elastic=True) on ps "
                     f"marks it) within {settings.timeout:g}s: nothing to join"
+                )
+            closed = await store.get(f"{prefix}/join/closed")
+            if closed is not None:
+                step = json.loads(closed).get("step")
+                raise PsringError(
+                    f"job {settings.job!r} at {store.address} admits no more workers (its loop closed joins at step "
+                    f"{step}: SyncSGD.close_joins, as the job nears its end): nothing to join"
                 )
             rank = settings.world_size + await store.add(f"{prefix}/joiners", 1) - 1
             links = setup.owner = ServerLinks(rank, settings.world_size, settings, store, prefix)  # not a member

@@ -30,6 +30,9 @@ else:
 
 logger = logging.getLogger(__name__)
 
+#: a worker waiting to join looks this often whether the job closed joins (SyncSGD.close_joins)
+JOIN_LOOK_S = 1.0
+
 
 def _note_arrived(got: set[tuple[Any, ...]], tag: tuple[Any, ...], fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
@@ -141,12 +144,19 @@ class ParameterMode(_Host):
         it, then take the shards' parameters of that step. Returns them, the step, and what the
         admitting loop said (``extra``: e.g. the epoch it starts)."""
         store, key = self.links.store, f"{self.links.prefix}/join/{self.rank}/admitted"
-        raw = await store.get(key, self.timeout)
-        if raw is None:
-            raise CollectiveTimeoutError(
-                f"rank {self.rank} was not admitted to the running elastic job within {self.timeout:g}s (its loop "
-                "admits new workers at its boundaries: SyncSGD.admit_waiting)"
-            )
+        deadline = time.monotonic() + self.timeout
+        while True:  # admitted, or told that no boundary will come (SyncSGD.close_joins), or the timeout
+            raw = await store.get(key, max(min(JOIN_LOOK_S, deadline - time.monotonic()), 0.0))
+            if raw is not None:
+                break
+            closed = await store.get(f"{self.links.prefix}/join/closed")
+            if closed is not None:
+                raise PsringError(self._joins_closed(closed))
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.rank} was not admitted to the running elastic job within {self.timeout:g}s (its "
+                    "loop admits new workers at its boundaries: SyncSGD.admit_waiting)"
+                )
         admitted = json.loads(raw)
         at, members = int(admitted["step"]), [int(r) for r in admitted["members"]]
         outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
@@ -157,6 +167,19 @@ class ParameterMode(_Host):
         self.live_members = members
         self.joining = False
         return outs, at, dict(admitted.get("extra") or {})
+
+    def _joins_closed(self, closed: bytes) -> str:
+        step = json.loads(closed).get("step")
+        return (
+            f"rank {self.rank} cannot join: the elastic job {self.links.prefix.partition('/')[2]!r} admits no more "
+            f"workers (its loop closed joins at step {step}: SyncSGD.close_joins, as the job nears its end)"
+        )
+
+    async def param_close_joins(self, step: int) -> None:
+        """No boundary will admit workers any more (every live worker calls it; the live rank 0 says
+        so in the store): workers waiting to join, and any that ask later, raise at once."""
+        if self.members[self.rank] == self.live_members[0]:
+            await self.links.store.set(f"{self.links.prefix}/join/closed", json.dumps({"step": step}).encode())
 
     async def param_admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
         """At a boundary (between steps; called by every live worker with the same arguments): admit

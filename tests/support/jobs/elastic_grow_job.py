@@ -1,5 +1,6 @@
 """An elastic SyncSGD job over ps that admits new workers every 3 steps (JOIN=1: this process is
-one, started while the job runs). Every worker pushes gradient rank+1 with lr 1, so each step's
+one, started while the job runs; CLOSE_AT=t: no boundary admits anyone, the one at step t closes
+joins, and the job goes on to STEPS). Every worker pushes gradient rank+1 with lr 1, so each step's
 result says whose gradients it averaged. One JSON line per step; the live group's all_reduce last."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from psring.training.sgd import SyncSGD
 async def main() -> None:
     join = os.environ.get("JOIN") == "1"
     steps = int(os.environ.get("STEPS", "60"))
+    close_at = int(os.environ.get("CLOSE_AT", "0"))
     g = await psring.init_group(topology="ps", timeout=60, join=join)
     opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
     await opt.start()
@@ -26,8 +28,11 @@ async def main() -> None:
     print(json.dumps({"rank": me, "start": start, "joined_with": opt.joined_with, "members": opt.members}), flush=True)
     t = start
     while t < steps:
-        if t % 3 == 0 and t and not (join and t == start):  # a boundary every 3 steps (a joiner starts after its own)
-            new = await opt.admit_waiting({"t": t})
+        if close_at and t == close_at:
+            await opt.close_joins()
+            print(json.dumps({"rank": me, "closed": t}), flush=True)
+        elif t % 3 == 0 and t and not (join and t == start) and not close_at:
+            new = await opt.admit_waiting({"t": t})  # a boundary every 3 steps (a joiner starts after its own)
             if new:
                 print(json.dumps({"rank": me, "admitted": new, "at": t}), flush=True)
         members = opt.members
