@@ -260,6 +260,14 @@ class AsyncClient:
             return {"ok": False, "error": verdict.decode(errors="replace")}
         outcomes = await self._outcomes(spec)
         now = time.monotonic()
+        reconnects = getattr(self.store, "reconnects", 0)
+        if beats.get("\0reconnects", (0, 0.0))[0] != reconnects:
+            # this client was cut off from the store (a store restart): no beat could be seen meanwhile,
+            # so a daemon's silence counts from now, not from before the outage
+            for wid in chosen:
+                if wid in beats:
+                    beats[wid] = (beats[wid][0], now)
+            beats["\0reconnects"] = (reconnects, now)
         dead = []
         for r, wid in enumerate(chosen):
             if r in outcomes:
