@@ -105,6 +105,15 @@ def canonical_fold(
         return two_level_fold(parts, op, out, hosts)
     n_ranks = len(parts)
     ufunc = reduce_op(op)
+    if out.size == 1 and total is None and offset == 0 and n_ranks > 1:
+        # one element (a 4-byte all_reduce): it lies in the last ring chunk, N-1, so the order is
+        # x_N-1, x_0, x_1, ..., x_N-2 -- a few ufunc calls instead of the general path's set-up
+        ufunc(parts[n_ranks - 1], parts[0], out=out)
+        for k in range(1, n_ranks - 1):
+            ufunc(out, parts[k], out=out)
+        if op == "avg":
+            finish_avg(out, n_ranks)
+        return out
     if (
         not isinstance(parts, np.ndarray)
         and total is None

@@ -65,7 +65,8 @@ class TcpMesh(Mesh[TcpLink]):
     """
 
     #: a waiting rank sleeps in the loop (or ``poll``): with more ranks than cores a spinning one takes
-    #: the core its peers need (a 4-byte exchange at 4 ranks on 2 cores: 115 us asleep, 294 us spinning)
+    #: the core its peers need (a 4-byte exchange at 4 ranks on 2 cores: 115 us asleep, 294 us spinning).
+    #: (The caller's-thread path gives its core up a few times before it sleeps: ring.tcpnow.YIELDS.)
     spins = False
 
     def __init__(
@@ -106,6 +107,50 @@ class TcpMesh(Mesh[TcpLink]):
         if link.closed:
             return False
         return self._push(link, msg)
+
+    @staticmethod
+    def framed(msg: bytes) -> bytes:
+        """``msg`` with its length in front, as a link carries it: for :meth:`send_framed_now` to several
+        peers, and what :meth:`take` compares a peer's message with."""
+        if len(msg) > MAX_MESSAGE:
+            raise ProtocolError(f"a {len(msg)}-byte message is over the small-message limit of {MAX_MESSAGE} bytes")
+        return _LEN.pack(len(msg)) + msg
+
+    def send_framed_now(self, peer: int, frame: bytes) -> bool:
+        """:meth:`send_now` of a message :meth:`framed` already (one send call, no joining per peer)."""
+        link = self.links[peer]
+        if link.closed:
+            return False
+        if link.pending:
+            link.pending.append(memoryview(frame))
+            link.deferred += 1
+            return False
+        try:
+            n = link.sock.send(frame)
+        except BlockingIOError:
+            n = 0
+        except OSError as exc:
+            link.error = exc
+            return False
+        link.bytes_sent += n
+        if n == len(frame):
+            link.frames_sent += 1
+            return True
+        link.pending.append(memoryview(frame)[n:])
+        link.deferred += 1
+        self.backlog += 1
+        return False
+
+    def take(self, link: TcpLink, head: bytes, size: int) -> memoryview | None:
+        """The payload of the next message read from ``link`` if it begins with the bytes ``head`` (a
+        :meth:`framed` message's first bytes: its length, header) and carries ``size`` bytes after
+        them, used up; None if no whole message is there yet or it is another one (left for
+        :meth:`peek`): the common case without decoding a header."""
+        at, end = link.start, link.start + len(head) + size
+        if link.end < end or link.buf[at : at + len(head)] != head:
+            return None
+        link.start = end
+        return memoryview(link.buf)[end - size : end]
 
     def _push(self, link: TcpLink, msg: bytes) -> bool:
         if len(msg) > MAX_MESSAGE:

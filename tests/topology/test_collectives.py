@@ -36,6 +36,17 @@ def expected(xs: list[np.ndarray], op: str) -> np.ndarray:
     return canonical_fold([x.reshape(-1) for x in xs], op, np.empty(xs[0].size, xs[0].dtype)).reshape(xs[0].shape)
 
 
+@pytest.mark.parametrize("n_ranks", [3, 4, 5, 16])
+async def test_one_element_folds_in_the_last_chunks_order(n_ranks: int) -> None:
+    """A one-element tensor lies in ring chunk N-1: x_N-1 + x_0 + x_1 + ... (the shortcut for 4-byte
+    all_reduces against the general path, with values whose sum depends on the order)."""
+    rows = np.zeros((n_ranks, 1), np.float32)
+    rows[n_ranks - 1], rows[0], rows[1] = 1e8, -1e8, 1.0  # this order: 0 + 1 = 1; the ranks' order: 0
+    fast = canonical_fold(rows, "sum", np.empty(1, np.float32))
+    general = canonical_fold(rows, "sum", np.empty(1, np.float32), total=1)
+    assert fast.tobytes() == general.tobytes() and fast[0] == 1.0, (fast, general)
+
+
 @pytest.mark.parametrize("n_ranks", [1, 2, 3, 4, 5, 16])
 async def test_small_fold_path_gives_the_canonical_bits(n_ranks: int) -> None:
     """The small-message fold (whole rows gathered by a cached index) against the chunk-by-chunk

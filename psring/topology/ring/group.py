@@ -66,6 +66,8 @@ class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, 
         #: small all_reduces between hosts that ended on the caller's thread (tcpnow), and those the loop took over
         self.tcp_now = 0
         self.tcp_adopted = 0
+        self._tcp_direct: dict[int, bool] = {}
+        self._tcp_order: list[int] | None = None
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
             self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))

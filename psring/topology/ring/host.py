@@ -53,6 +53,9 @@ class RingHost(Group):
     def _idle(self) -> bool: ...
 
     @abc.abstractmethod
+    def _spin_budget(self, nbytes: int) -> float: ...
+
+    @abc.abstractmethod
     def _number_now(self, x: np.ndarray, op: str) -> tuple[np.ndarray, int, tuple[Any, ...], float]: ...
 
     @abc.abstractmethod

@@ -19,6 +19,7 @@ read stays in the links for the loop to read).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from ...core import wire
 from ...core.arrays import byte_view
 from ...core.fold import canonical_fold
 from .constants import DIRECT, MESH_MAX_BYTES
+from .net import PeerNet
 from .paths import Path
 
 if TYPE_CHECKING:
@@ -39,11 +41,21 @@ else:
 ADOPT_AFTER = 0.2
 #: and how often, meanwhile, it looks whether the group failed (a lost peer, an abort)
 LOOK_EVERY = 0.02
+#: a lone rank in its process gives up its core this many times at most (within PSRING_SPIN_US) before
+#: it sleeps in poll: a peer that shares the core runs and sends at once, and a rank that never slept
+#: needs no waking (measured, 4 B at 4 ranks on 2 cores: about 350 us a call, against 490 asleep at once;
+#: between 10 and 30 the difference is in the noise)
+YIELDS = 16
 
 
 class TcpNow(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: small all_reduces between hosts from the
     caller's thread."""
+
+    #: by size: whether an all_reduce of it takes this way (set in RingGroup.__init__)
+    _tcp_direct: dict[int, bool]
+    #: the peers in the order this rank sends to them (set on first use)
+    _tcp_order: list[int] | None
 
     def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
@@ -52,37 +64,51 @@ class TcpNow(_Host):
         if (
             mesh is None
             or compression is not None
-            or self.gid != "0"
             or type(x) is not np.ndarray
-            or x.nbytes > MESH_MAX_BYTES
             or mesh.holds
             or mesh.backlog
             or not self._idle()
-            or self._all_reduce_path(x.nbytes) is not Path.DIRECT
         ):
             return None
+        nbytes = x.nbytes
+        direct = self._tcp_direct.get(nbytes)
+        if direct is None:  # the path depends on the size alone here (the job's group, a DIRECT size)
+            direct = (
+                self.gid == "0"
+                and nbytes <= MESH_MAX_BYTES
+                and self._all_reduce_path(nbytes) is Path.DIRECT
+                and nbytes < self.net.paths.plane_min  # (a larger size's path follows the plane's state)
+            )
+            if len(self._tcp_direct) < 1024:
+                self._tcp_direct[nbytes] = direct
+        if not direct:
+            return None
         x, seq, desc, started = self._number_now(x, op)
-        me, n_ranks, members = self.rank, self.world_size, self.members
+        n_ranks, members = self.world_size, self.members
         bufs = np.empty((n_ranks, x.size), x.dtype)
         flat = x.reshape(-1)
-        bufs[me] = flat
+        bufs[self.rank] = flat
         try:
-            head = (self.gid, seq, DIRECT, desc)
-            msg = wire.encode_message(head, byte_view(x) if x.nbytes else None)
+            # one framed message for every peer; every peer's for this call begins with the same bytes
+            frame = mesh.framed(wire.encode_message((self.gid, seq, DIRECT, desc), byte_view(x) if nbytes else None))
+            expect = frame[: len(frame) - nbytes]
             sent = True
-            missing = [(me + k) % n_ranks for k in range(1, n_ranks)]  # not everyone to rank 0 first
+            missing = self._tcp_order  # not everyone to rank 0 first
+            if missing is None:
+                missing = self._tcp_order = [(self.rank + k) % n_ranks for k in range(1, n_ranks)]
+            missing = list(missing)
             for d in missing:
-                if not mesh.send_now(members[d], msg):
+                if not mesh.send_framed_now(members[d], frame):
                     sent = False
             if self._mesh_early:  # messages the loop read for this call before it began
                 for src in list(missing):
                     item = self._mesh_early.get((seq, DIRECT, src))
-                    if item is not None and item[0] == desc and len(item[1]) == x.nbytes:
+                    if item is not None and item[0] == desc and len(item[1]) == nbytes:
                         del self._mesh_early[(seq, DIRECT, src)]
                         byte_view(bufs[src])[:] = item[1]
                         missing.remove(src)
             if sent and missing:
-                missing = self._tcp_read(head, bufs, missing)
+                missing = self._tcp_read(expect, bufs, missing)
         except BaseException as exc:
             self._books_now(seq, desc, started, exc)
             raise
@@ -98,36 +124,42 @@ class TcpNow(_Host):
         self.tcp_now += 1
         return True, out.reshape(x.shape)
 
-    def _tcp_read(self, head: tuple[Any, ...], bufs: np.ndarray, missing: list[int]) -> list[int]:
-        """Read the peers' messages for this call off their links into ``bufs``; the local ranks still
-        missing when something is out of the ordinary or ADOPT_AFTER passed (left for the loop)."""
+    def _tcp_read(self, expect: bytes, bufs: np.ndarray, missing: list[int]) -> list[int]:
+        """Read the peers' messages for this call (each begins with the bytes ``expect``) off their
+        links into ``bufs``; the local ranks still missing when something is out of the ordinary or
+        ADOPT_AFTER passed (left for the loop)."""
         mesh = self.net.tcp_mesh
         assert mesh is not None
         links = [mesh.links[self.members[r]] for r in missing]
         row = bufs.shape[1] * bufs.itemsize
         end = time.monotonic() + ADOPT_AFTER
+        # a lone rank in its process yields its core a few times before it sleeps in poll (YIELDS)
+        spin = self.net.config.spin_us > 0 and PeerNet.live == 1
+        spin_end = time.perf_counter() + self._spin_budget(row) if spin else 0.0
+        yields = 0
         while True:
             for i in range(len(links) - 1, -1, -1):
                 link = links[i]
-                got = mesh.peek(link)
-                if got is None:
+                payload = mesh.take(link, expect, row)
+                if payload is None:
                     if mesh.fill(link) < 0:
                         return missing  # ended: the loop reads its end and names it
-                    got = mesh.peek(link)
-                    if got is None:
+                    payload = mesh.take(link, expect, row)
+                    if payload is None:
+                        if mesh.peek(link) is not None:
+                            return missing  # a whole message for another call, number or size: the loop's
                         continue
-                their, payload = got
-                if their != head or len(payload) != row:
-                    return missing  # another call, number or size: the loop's to name
-                src = missing[i]
-                byte_view(bufs[src])[:] = payload
-                mesh.consume(link)
+                byte_view(bufs[missing[i]])[:] = payload
                 del links[i], missing[i]
             if not missing:
                 return missing
             left = end - time.monotonic()
             if left <= 0 or self._broken is not None or self._aborted or self._closed:
                 return missing
+            if spin_end and yields < YIELDS and time.perf_counter() < spin_end:
+                yields += 1
+                os.sched_yield()  # a peer that shares this core sends sooner, and no sleep to wake from
+                continue
             mesh.wait(links, min(left, LOOK_EVERY))
 
     async def _tcp_adopt(
