@@ -160,8 +160,7 @@ def mpich_problem() -> str | None:
     another MPI's (Open MPI's, which an image may carry, takes none of MPICH's settings and refuses root)."""
     if importlib.util.find_spec("mpi4py") is None:
         return "the mpich variant needs mpi4py and MPICH (pip install -e '.[bench]')"
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    found = _find_mpiexec()
     if found is None:
         return "the mpich variant needs MPICH's mpiexec (pip install -e '.[bench]')"
     try:
@@ -175,13 +174,18 @@ def mpich_problem() -> str | None:
     return None
 
 
+def _find_mpiexec() -> str | None:
+    """The mpiexec beside this Python (the mpich wheel installs it there), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
 def mpiexec() -> str:
-    """MPICH's mpiexec: the one beside this Python (the mpich wheel installs it there), else on PATH."""
+    """MPICH's mpiexec (SystemExit saying why where there is none: mpich_problem)."""
     problem = mpich_problem()
     if problem is not None:
         raise SystemExit(f"psring bench: {problem}")
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    found = here if os.path.exists(here) else shutil.which("mpiexec")
+    found = _find_mpiexec()
     assert found is not None
     return found
 

@@ -248,15 +248,18 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
 MESSAGE_MAX_HEADER = 4096
 
 
-def encode_message(head: tuple[Any, ...], payload: Any = None) -> bytes:
-    """One message: header length, msgpack header, payload (one copy of the payload)."""
+def message_header(head: tuple[Any, ...]) -> bytes:
+    """A message's first bytes: the header's length and the msgpack header (the payload follows)."""
     packed = msgpack.packb(head, use_bin_type=True)
     if len(packed) > MESSAGE_MAX_HEADER:
         raise ProtocolError(f"message header of {len(packed)} bytes is over the {MESSAGE_MAX_HEADER}-byte limit")
-    prefix = len(packed).to_bytes(2, "little")
-    if payload is None:
-        return prefix + packed
-    return b"".join((prefix, packed, payload))
+    return len(packed).to_bytes(2, "little") + packed
+
+
+def encode_message(head: tuple[Any, ...], payload: Any = None) -> bytes:
+    """One message: header length, msgpack header, payload (one copy of the payload)."""
+    header = message_header(head)
+    return header if payload is None else b"".join((header, payload))
 
 
 def decode_message(msg: memoryview) -> tuple[tuple[str, int, int, tuple[Any, ...]], memoryview]:

@@ -40,6 +40,13 @@ _LEN = struct.Struct("<I")
 _READ = 256 << 10
 
 
+def _length(size: int) -> bytes:
+    """A message's 4-byte length, for a message a link may carry."""
+    if size > MAX_MESSAGE:
+        raise ProtocolError(f"a {size}-byte message is over the small-message limit of {MAX_MESSAGE} bytes")
+    return _LEN.pack(size)
+
+
 class TcpLink(MeshLink):
     """One TCP socket to one peer rank (``pending``: the bytes the kernel did not take, in order), and
     what was read from it and not used yet."""
@@ -97,49 +104,26 @@ class TcpMesh(Mesh[TcpLink]):
         link = self.links[peer]
         if link.closed:
             raise PeerLostError(f"the TCP small-message link from rank {self.rank} to rank {peer} is closed", rank=peer)
-        if not self._push(link, msg):
+        if not self._push(link, _length(len(msg)), msg):  # the length and the message, not joined (no copy)
             self._want_writer(link)
 
-    def send_now(self, peer: int, msg: bytes) -> bool:
-        """From a thread, the loop not holding the mesh: send one message; False if the kernel did not
-        take it all (the rest is queued: the loop must :meth:`flush` it) or the link is closed."""
-        link = self.links[peer]
-        if link.closed:
-            return False
-        return self._push(link, msg)
-
     @staticmethod
-    def framed(msg: bytes) -> bytes:
-        """``msg`` with its length in front, as a link carries it: for :meth:`send_framed_now` to several
-        peers, and what :meth:`take` compares a peer's message with."""
-        if len(msg) > MAX_MESSAGE:
-            raise ProtocolError(f"a {len(msg)}-byte message is over the small-message limit of {MAX_MESSAGE} bytes")
-        return _LEN.pack(len(msg)) + msg
+    def framed(header: bytes, payload: memoryview | None = None) -> bytes:
+        """A message as a link carries it -- its length, the header (:func:`psring.core.wire.message_header`),
+        the payload -- joined once: for :meth:`send_now` to several peers. Every rank's message for the
+        same call begins with the same bytes, which :meth:`take` compares."""
+        if payload is None:
+            return _length(len(header)) + header
+        return b"".join((_length(len(header) + payload.nbytes), header, payload))
 
-    def send_framed_now(self, peer: int, frame: bytes) -> bool:
-        """:meth:`send_now` of a message :meth:`framed` already (one send call, no joining per peer)."""
+    def send_now(self, peer: int, frame: bytes) -> bool:
+        """From a thread, the loop not holding the mesh: send one :meth:`framed` message; False if the
+        kernel did not take it all (the rest is queued: the loop must :meth:`flush` it) or the link is
+        closed."""
         link = self.links[peer]
         if link.closed:
             return False
-        if link.pending:
-            link.pending.append(memoryview(frame))
-            link.deferred += 1
-            return False
-        try:
-            n = link.sock.send(frame)
-        except BlockingIOError:
-            n = 0
-        except OSError as exc:
-            link.error = exc
-            return False
-        link.bytes_sent += n
-        if n == len(frame):
-            link.frames_sent += 1
-            return True
-        link.pending.append(memoryview(frame)[n:])
-        link.deferred += 1
-        self.backlog += 1
-        return False
+        return self._push(link, frame)
 
     def take(self, link: TcpLink, head: bytes, size: int) -> memoryview | None:
         """The payload of the next message read from ``link`` if it begins with the bytes ``head`` (a
@@ -152,26 +136,25 @@ class TcpMesh(Mesh[TcpLink]):
         link.start = end
         return memoryview(link.buf)[end - size : end]
 
-    def _push(self, link: TcpLink, msg: bytes) -> bool:
-        if len(msg) > MAX_MESSAGE:
-            raise ProtocolError(f"a {len(msg)}-byte message is over the small-message limit of {MAX_MESSAGE} bytes")
-        size = _LEN.pack(len(msg))
+    def _push(self, link: TcpLink, *parts: bytes) -> bool:
+        """Send one framed message given in ``parts`` (one ``sendmsg``); False if the kernel did not take
+        it all (the rest queued, in order) or the link failed (its ``error`` says why)."""
         if link.pending:
-            link.pending.append(memoryview(size + msg))
+            link.pending.append(memoryview(b"".join(parts)))
             link.deferred += 1
             return False
         try:
-            n = link.sock.sendmsg((size, msg))  # the length and the message, not joined (no copy)
+            n = link.sock.send(parts[0]) if len(parts) == 1 else link.sock.sendmsg(parts)  # send: less set-up
         except BlockingIOError:
             n = 0
         except OSError as exc:
             link.error = exc
             return False
         link.bytes_sent += n
-        if n == len(size) + len(msg):
+        if n == sum(map(len, parts)):
             link.frames_sent += 1
             return True
-        link.pending.append(memoryview(size + msg)[n:])  # the rare partial send: the rest, in order
+        link.pending.append(memoryview(b"".join(parts))[n:])  # the rare partial send: the rest, in order
         link.deferred += 1
         self.backlog += 1
         return False

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,7 @@ from ...transport.local import LocalConnection
 from ..collective import Collective
 from ..group import Group
 from .links import ServerLinks
-from .params import ParameterMode, SparseTables
+from .params import ParameterMode, SparseTables, joins_closed, joins_closed_key
 from .plan import SHARED_KINDS, per_piece, plan
 from .server import start_servers
 
@@ -155,13 +154,9 @@ class PsGroup(ParameterMode, SparseTables, Group):
                     f"job {settings.job!r} at {store.address} runs no elastic SyncSGD (SyncSGD(elastic=True) on ps "
                     f"marks it) within {settings.timeout:g}s: nothing to join"
                 )
-            closed = await store.get(f"{prefix}/join/closed")
+            closed = await store.get(joins_closed_key(prefix))
             if closed is not None:
-                step = json.loads(closed).get("step")
-                raise PsringError(
-                    f"job {settings.job!r} at {store.address} admits no more workers (its loop closed joins at step "
-                    f"{step}: SyncSGD.close_joins, as the job nears its end): nothing to join"
-                )
+                raise PsringError(f"job {settings.job!r} at {store.address} {joins_closed(closed)}: nothing to join")
             rank = settings.world_size + await store.add(f"{prefix}/joiners", 1) - 1
             links = setup.owner = ServerLinks(rank, settings.world_size, settings, store, prefix)  # not a member
             links.reconnect_servers = True

@@ -34,6 +34,19 @@ logger = logging.getLogger(__name__)
 JOIN_LOOK_S = 1.0
 
 
+def joins_closed_key(prefix: str) -> str:
+    """The store key an elastic job's loop sets when it admits no more workers (SyncSGD.close_joins)."""
+    return f"{prefix}/join/closed"
+
+
+def joins_closed(value: bytes) -> str:
+    """What a worker that asks to join is told once joins are closed (``value``: the key's)."""
+    step = json.loads(value).get("step")
+    return (
+        f"admits no more workers (its loop closed joins at step {step}: SyncSGD.close_joins, as the job nears its end)"
+    )
+
+
 def _note_arrived(got: set[tuple[Any, ...]], tag: tuple[Any, ...], fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         got.add(tag)
@@ -149,9 +162,10 @@ class ParameterMode(_Host):
             raw = await store.get(key, max(min(JOIN_LOOK_S, deadline - time.monotonic()), 0.0))
             if raw is not None:
                 break
-            closed = await store.get(f"{self.links.prefix}/join/closed")
+            closed = await store.get(joins_closed_key(self.links.prefix))
             if closed is not None:
-                raise PsringError(self._joins_closed(closed))
+                job = self.links.prefix.partition("/")[2]
+                raise PsringError(f"rank {self.rank} cannot join: the elastic job {job!r} {joins_closed(closed)}")
             if time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
                     f"rank {self.rank} was not admitted to the running elastic job within {self.timeout:g}s (its "
@@ -168,18 +182,11 @@ class ParameterMode(_Host):
         self.joining = False
         return outs, at, dict(admitted.get("extra") or {})
 
-    def _joins_closed(self, closed: bytes) -> str:
-        step = json.loads(closed).get("step")
-        return (
-            f"rank {self.rank} cannot join: the elastic job {self.links.prefix.partition('/')[2]!r} admits no more "
-            f"workers (its loop closed joins at step {step}: SyncSGD.close_joins, as the job nears its end)"
-        )
-
     async def param_close_joins(self, step: int) -> None:
         """No boundary will admit workers any more (every live worker calls it; the live rank 0 says
         so in the store): workers waiting to join, and any that ask later, raise at once."""
         if self.members[self.rank] == self.live_members[0]:
-            await self.links.store.set(f"{self.links.prefix}/join/closed", json.dumps({"step": step}).encode())
+            await self.links.store.set(joins_closed_key(self.links.prefix), json.dumps({"step": step}).encode())
 
     async def param_admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
         """At a boundary (between steps; called by every live worker with the same arguments): admit

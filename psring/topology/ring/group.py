@@ -67,7 +67,7 @@ class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, 
         self.tcp_now = 0
         self.tcp_adopted = 0
         self._tcp_direct: dict[int, bool] = {}
-        self._tcp_order: list[int] | None = None
+        self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
             self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))

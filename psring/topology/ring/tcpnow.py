@@ -54,8 +54,8 @@ class TcpNow(_Host):
 
     #: by size: whether an all_reduce of it takes this way (set in RingGroup.__init__)
     _tcp_direct: dict[int, bool]
-    #: the peers in the order this rank sends to them (set on first use)
-    _tcp_order: list[int] | None
+    #: the peers in the order this rank sends to them (set in RingGroup.__init__)
+    _tcp_order: tuple[int, ...]
 
     def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
@@ -90,15 +90,12 @@ class TcpNow(_Host):
         bufs[self.rank] = flat
         try:
             # one framed message for every peer; every peer's for this call begins with the same bytes
-            frame = mesh.framed(wire.encode_message((self.gid, seq, DIRECT, desc), byte_view(x) if nbytes else None))
+            frame = mesh.framed(wire.message_header((self.gid, seq, DIRECT, desc)), byte_view(x) if nbytes else None)
             expect = frame[: len(frame) - nbytes]
             sent = True
-            missing = self._tcp_order  # not everyone to rank 0 first
-            if missing is None:
-                missing = self._tcp_order = [(self.rank + k) % n_ranks for k in range(1, n_ranks)]
-            missing = list(missing)
+            missing = list(self._tcp_order)  # not everyone to rank 0 first
             for d in missing:
-                if not mesh.send_framed_now(members[d], frame):
+                if not mesh.send_now(members[d], frame):
                     sent = False
             if self._mesh_early:  # messages the loop read for this call before it began
                 for src in list(missing):
