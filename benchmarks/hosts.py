@@ -11,6 +11,9 @@ machine hits them alike:
   ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N)
   psd   psring ps with its shards on ``--server-hosts K`` dedicated hosts (namespaces of their own,
         shaped alike, no rank on them; one ``psring server --shard i --num-shards K`` each)
+  split the BytePS split: a shard in every rank and one on each of the K dedicated hosts, every tensor
+        cut by the weights ``psring advise`` computes for the layout (PSRING_PS_DEDICATED=K,
+        PSRING_PS_WEIGHTS; ``--weights`` to give others)
   gloo  torch.distributed gloo (needs torch), meeting through a file, GLOO_SOCKET_IFNAME=eth0
 
 Needs root (network namespaces, tc). Prints one table per rate (median time of the slowest rank,
@@ -40,10 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from psring.cli.bench import human, parse_size  # noqa: E402
-from psring.cluster.advise import parse_rate  # noqa: E402
+from psring.cluster.advise import Layout, parse_rate, split_weights  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
 
-VARIANTS = ("flat", "hier", "ps", "psd", "gloo")
+VARIANTS = ("flat", "hier", "ps", "psd", "split", "gloo")
+#: the variants that need --server-hosts
+DEDICATED = ("psd", "split")
 
 
 def shape(cluster: NetnsCluster, host: str, rate: str) -> None:
@@ -95,14 +100,25 @@ def _wait_for_port(addr: str, port: int, host: str, cluster: NetnsCluster, timeo
 
 
 def run_variant(
-    cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: list[int], iters: int, timeout: float
+    cluster: NetnsCluster,
+    variant: str,
+    hosts: int,
+    ranks: int,
+    sizes: list[int],
+    iters: int,
+    timeout: float,
+    weights: str | None = None,
 ) -> list[dict[str, Any]]:
     """Start every rank in its namespace, wait for all, return rank 0's rows (one per size)."""
     world = hosts * ranks
     names = [n for n in cluster.hosts if n.startswith("host")]
     server_hosts = [n for n in cluster.hosts if n.startswith("srv")]
-    if variant == "psd" and not server_hosts:
-        raise ValueError("the psd variant needs --server-hosts K >= 1")
+    if variant in DEDICATED and not server_hosts:
+        raise ValueError(f"the {variant} variant needs --server-hosts K >= 1")
+    # the split: shards 0..world-1 in the ranks, world..world+K-1 on the server hosts
+    first, total = (world, world + len(server_hosts)) if variant == "split" else (0, len(server_hosts))
+    if variant == "split" and weights is None:
+        weights = ",".join(map(str, split_weights(Layout(hosts, ranks, len(server_hosts)))))
     with tempfile.TemporaryDirectory(prefix="psring-hosts-") as tmp:
         out = os.path.join(tmp, "result.json")
         spec = {
@@ -119,7 +135,7 @@ def run_variant(
         port, job = _free_port(), f"hosts-{variant}-{uuid.uuid4().hex[:6]}"
         procs = []
         store_at = f"{cluster.addresses[names[0]]}:{port}"
-        if variant == "psd":
+        if variant in DEDICATED:
             # a store of its own (on the first worker host), as a cluster with dedicated servers runs one:
             # a rank 0 that served the store itself would start shards of its own beside them
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
@@ -128,7 +144,7 @@ def run_variant(
             # the shards, one per dedicated host
             for i, srv in enumerate(server_hosts):
                 cmd = [sys.executable, "-m", "psring", "server", "--store", store_at,
-                       "--shard", str(i), "--num-shards", str(len(server_hosts)), "--host", "0.0.0.0",
+                       "--shard", str(first + i), "--num-shards", str(total), "--host", "0.0.0.0",
                        "--advertise", cluster.addresses[srv], "--job", job, "--timeout", str(timeout)]  # fmt: skip
                 env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
                        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **_tuning()}  # fmt: skip
@@ -147,21 +163,23 @@ def run_variant(
                 "MASTER_ADDR": cluster.addresses[names[0]],
                 "MASTER_PORT": str(port),
                 "PSRING_JOB": job,
-                "PSRING_TOPOLOGY": "ps" if variant in ("ps", "psd") else "ring",
+                "PSRING_TOPOLOGY": "ps" if variant in ("ps", *DEDICATED) else "ring",
                 "PSRING_HIERARCHICAL": "on" if variant == "hier" else "off",
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1",
             }
-            if variant == "ps":
+            if variant in ("ps", "split"):
                 env["PSRING_PS_COLOCATE"] = "1"
-            if variant == "psd":  # the ranks meet in the store the shards registered in
+            if variant in DEDICATED:  # the ranks meet in the store the shards registered in
                 env["PSRING_STORE"] = store_at
                 del env["MASTER_ADDR"], env["MASTER_PORT"]
             env.update(_tuning())
+            if variant == "split":
+                env.update(PSRING_PS_DEDICATED=str(len(server_hosts)), PSRING_PS_WEIGHTS=str(weights))
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(cluster.run(host, cmd, env))
         deadline = time.monotonic() + timeout
-        for proc in procs[len(servers):]:
+        for proc in procs[len(servers) :]:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -216,7 +234,9 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
             for _ in range(args.rounds):
                 for variant in args.variants:
                     runs[variant].append(
-                        run_variant(cluster, variant, args.hosts, args.ranks, args.sizes, args.iters, args.timeout)
+                        run_variant(
+                            cluster, variant, args.hosts, args.ranks, args.sizes, args.iters, args.timeout, args.weights
+                        )
                     )
             for variant, per_round in runs.items():
                 for per_size in zip(*per_round, strict=True):
@@ -260,7 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=2, help="ranks per host")
-    parser.add_argument("--server-hosts", type=int, default=0, help="dedicated server hosts (the psd variant)")
+    parser.add_argument("--server-hosts", type=int, default=0, help="dedicated server hosts (psd, split)")
+    parser.add_argument("--weights", default=None, help="split: PSRING_PS_WEIGHTS (default: psring advise's)")
     parser.add_argument("--rates", default="1gbit,10gbit", help="tc rates, comma-separated (as tc writes them)")
     parser.add_argument("--sizes", default="4,64M", help="all_reduce sizes in bytes (4, 1M, 64M)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"any of {', '.join(VARIANTS)}")
@@ -272,8 +293,8 @@ def main() -> None:
     args.rates = [r for r in args.rates.split(",") if r]
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.variants = [v for v in args.variants.split(",") if v]
-    if args.server_hosts == 0 and "psd" in args.variants:
-        args.variants.remove("psd")  # nothing to put the shards on
+    if args.server_hosts == 0:  # nothing to put the dedicated shards on
+        args.variants = [v for v in args.variants if v not in DEDICATED]
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown or args.hosts < 1 or args.ranks < 1 or not args.rates:
         parser.error(f"variants are {', '.join(VARIANTS)} (not {unknown}); --hosts, --ranks and --rates need values")

@@ -96,6 +96,20 @@ def parse_switch(raw: str) -> bool:
     raise ValueError("expected 1 or 0 (on or off)")
 
 
+def parse_weights(raw: str) -> tuple[int, ...] | None:
+    """Comma-separated whole numbers from 1 to 2**20, one per shard (``1,1,1,1,3,3``); empty: none."""
+    text = raw.strip()
+    if not text:
+        return None
+    try:
+        weights = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise ValueError("expected whole numbers separated by commas, one per shard (as in 1,1,3,3)") from None
+    if not all(1 <= w <= 1 << 20 for w in weights):
+        raise ValueError("expected weights from 1 to 1048576")
+    return weights
+
+
 def parse_text(raw: str) -> str:
     return raw
 
@@ -152,6 +166,20 @@ class Settings:
     servers: int | None = _var("PSRING_SERVERS", None, parse_count, "ps: server shards (unset: one per worker)")
     ps_colocate: bool = _var(
         "PSRING_PS_COLOCATE", False, parse_switch, "ps: every worker process hosts its share of the shards"
+    )
+    ps_dedicated: int = _var(
+        "PSRING_PS_DEDICATED",
+        0,
+        parse_count,
+        "ps with PSRING_PS_COLOCATE: this many more shards, the last ids, run on dedicated server hosts "
+        "(psring server --shard i --num-shards workers+this)",
+    )
+    ps_weights: tuple[int, ...] | None = _var(
+        "PSRING_PS_WEIGHTS",
+        None,
+        parse_weights,
+        "ps: each shard's share of every large tensor, one whole number per shard (1,1,1,1,3,3; rank 0's word "
+        "counts; psring advise computes it for dedicated server hosts; unset: equal)",
     )
     checkpoint_dir: str | None = _var(
         "PSRING_CHECKPOINT_DIR", None, parse_text, "ps: where local shards write parameter checkpoints"

@@ -301,6 +301,14 @@ def cli_advise(args: Any) -> int:
             mark = f"  (the model only: {result['model_only'][name]})"
         print(f"  {name:<16} {t * 1e3:10.2f} ms{mark}")
     print(f"recommended: {result['recommended']}: {result['reason']}")
+    print("run it with: " + " ".join(f"{k}={v}" for k, v in result["settings"].items()))
+    k, n = lay["server_hosts"], lay["workers"]
+    if result["recommended"] == "ps dedicated":
+        print(f"  and on server host i (0 to {k - 1}): psring server --store HOST:PORT --shard i --num-shards {k}")
+    elif result["recommended"] == "BytePS split":
+        print(
+            f"  and on server host i (0 to {k - 1}): psring server --store HOST:PORT --shard {n}+i --num-shards {n + k}"
+        )
     return 0
 
 

@@ -19,7 +19,8 @@ The model (its assumptions, in the order they matter):
   ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each),
                                                    then the drain (below)
   BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
-                                                   hosts (rest colocated) that evens both loads
+                                                   hosts (rest colocated) that evens both loads,
+                                                   then the drain (PSRING_PS_WEIGHTS: split_weights)
   ========================  =====================  ===============================================
 
   with N workers on H hosts, R per host. A latency step costs ``latency`` plus ``per_message`` (a
@@ -146,6 +147,47 @@ def split_share(layout: Layout) -> float:
     return 1.0 if denom <= 0 else min(1.0, max(0.0, colocated / denom))
 
 
+#: the split's weights are whole numbers: a share is counted in this many parts of a tensor
+WEIGHT_PARTS = 10_000
+
+
+def split_weights(layout: Layout) -> tuple[int, ...]:
+    """PSRING_PS_WEIGHTS for the BytePS split: a shard colocated with each of the N workers (shard
+    ids 0..N-1, PSRING_PS_COLOCATE), then the k dedicated ones (PSRING_PS_DEDICATED=k), sharing
+    :func:`split_share` of every tensor between them."""
+    n, k = layout.workers, layout.server_hosts
+    if k == 0:
+        return (1,) * n
+    x = split_share(layout)
+    colocated = max(1, round((1.0 - x) / n * WEIGHT_PARTS))
+    dedicated = max(1, round(x / k * WEIGHT_PARTS))
+    common = math.gcd(colocated, dedicated)
+    return (colocated // common,) * n + (dedicated // common,) * k
+
+
+def settings_for(name: str, layout: Layout) -> dict[str, str]:
+    """The PSRING_* settings that run topology ``name`` (as :func:`predict` names them)."""
+    k = layout.server_hosts
+    if name == "ring":
+        return {"PSRING_TOPOLOGY": "ring", "PSRING_HIERARCHICAL": "off"}
+    if name == "hierarchical":
+        return {"PSRING_TOPOLOGY": "ring", "PSRING_HIERARCHICAL": "on"}
+    if name == "ps colocated":
+        return {"PSRING_TOPOLOGY": "ps", "PSRING_PS_COLOCATE": "1"}
+    if name == "ps dedicated":  # the shards: psring server --shard i --num-shards k on each server host
+        return {"PSRING_TOPOLOGY": "ps"}
+    if name == "BytePS split":  # and psring server --shard N+i --num-shards N+k on each server host
+        return {
+            "PSRING_TOPOLOGY": "ps",
+            "PSRING_PS_COLOCATE": "1",
+            "PSRING_PS_DEDICATED": str(k),
+            "PSRING_PS_WEIGHTS": ",".join(map(str, split_weights(layout))),
+        }
+    if name.startswith("ps backup"):
+        return {"PSRING_TOPOLOGY": "ps"}
+    raise ValueError(f"no settings for topology {name!r}")
+
+
 def _piece(size: float, shards: int) -> float:
     """The bytes of the last piece of a shard's slice, as psring cuts a collective across hosts."""
     config = settings.current()
@@ -176,8 +218,11 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     if k > 0:
         out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b + n * _piece(s, k) / b
         x = split_share(layout)
-        worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
-        out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b
+        if 0.0 < x < 1.0:  # (x = 1 is ps dedicated)
+            worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
+            # psring cuts the pieces for all N + k shards; a dedicated one's last goes to every worker
+            drain = n * min(_piece(s, n + k), s * x / k) / b
+            out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b + drain
     return out
 
 
@@ -218,6 +263,12 @@ def _reason(best: str, times: dict[str, float], layout: Layout, sizes: list[int]
             f"{k} server host(s) take the reduction off the workers' links: a worker pushes S and pulls S where "
             f"the ring moves {2 * (n - 1) / n:.2f} S each way (BytePS); {edge}"
         )
+    if best == "BytePS split":
+        x = split_share(layout)
+        return (
+            f"{k} server host(s) for {n} workers: {x:.0%} of every tensor on the dedicated shards and the rest on "
+            f"shards beside the workers evens the server hosts' links and the workers' (BytePS); {edge}"
+        )
     if best.startswith("ps backup"):
         return (
             f"a straggler late by up to {2 * layout.straggler * 1e3:.0f} ms holds every ring step; a ps step "
@@ -227,10 +278,10 @@ def _reason(best: str, times: dict[str, float], layout: Layout, sizes: list[int]
 
 
 #: simpler first: a topology is recommended over a simpler one only when it is this much faster
-PREFERENCE = ("ring", "hierarchical", "ps colocated", "ps dedicated")
+PREFERENCE = ("ring", "hierarchical", "ps colocated", "ps dedicated", "BytePS split")
 MARGIN = 0.05
-#: predicted, printed, never recommended: psring cannot run it yet
-MODEL_ONLY = {"BytePS split": "psring does not place a share of each tensor on dedicated hosts yet"}
+#: predicted, printed, never recommended: psring cannot run it yet (none now)
+MODEL_ONLY: dict[str, str] = {}
 
 
 def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
@@ -247,6 +298,7 @@ def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
         "predicted_s": times,
         "recommended": best,
         "reason": _reason(best, times, layout, sizes),
+        "settings": settings_for(best, layout),
         "model_only": {name: why for name, why in MODEL_ONLY.items() if name in times},
     }
 

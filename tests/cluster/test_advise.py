@@ -10,7 +10,17 @@ import sys
 
 import pytest
 
-from psring.cluster.advise import Layout, Links, advise, fit_links, parse_rate, predict, split_share, step_times
+from psring.cluster.advise import (
+    Layout,
+    Links,
+    advise,
+    fit_links,
+    parse_rate,
+    predict,
+    split_share,
+    split_weights,
+    step_times,
+)
 
 from .test_cluster import Cluster
 
@@ -42,7 +52,9 @@ def test_the_model_gives_the_bytes_each_topology_moves() -> None:
     layout = Layout(4, server_hosts=2)
     assert split_share(layout) == pytest.approx(0.6)
     split = predict(int(s), layout, links)["BytePS split"]
-    assert split == pytest.approx(4 * s * 0.6 / 2 / GBIT)
+    assert split == pytest.approx(4 * s * 0.6 / 2 / GBIT + drain(4, 6))  # pieces cut for all 4 + 2 shards
+    assert split_weights(layout) == (1, 1, 1, 1, 3, 3)  # 40% over four colocated shards, 60% over two
+    assert split_weights(Layout(8, server_hosts=2)) == (263,) * 8 + (614,) * 2  # x = 1.75 / 4.75
     assert split < min(predict(int(s), layout, links)[t] for t in ("ring", "ps dedicated", "ps colocated"))
 
 
@@ -58,9 +70,12 @@ def test_recommendations_and_their_reasons() -> None:
     assert advise([25 << 20], Layout(4), links)["recommended"] == "ring"  # ties go to the simpler
     dedicated = advise([25 << 20], Layout(4, server_hosts=4), links)
     assert dedicated["recommended"] == "ps dedicated" and "1.33x the flat ring" in dedicated["reason"]
-    two = advise([25 << 20], Layout(4, server_hosts=2), links)  # the split is fastest, but psring cannot run it
-    assert two["predicted_s"]["BytePS split"] < two["predicted_s"]["ring"] and two["recommended"] == "ring"
-    assert "BytePS split" in two["model_only"]
+    two = advise([25 << 20], Layout(4, server_hosts=2), links)  # 2 server hosts for 4 workers: the split
+    assert two["recommended"] == "BytePS split" and "60% of every tensor" in two["reason"]
+    assert two["predicted_s"]["BytePS split"] < min(two["predicted_s"][t] for t in ("ring", "ps dedicated"))
+    assert two["settings"] == {"PSRING_TOPOLOGY": "ps", "PSRING_PS_COLOCATE": "1", "PSRING_PS_DEDICATED": "2",
+                               "PSRING_PS_WEIGHTS": "1,1,1,1,3,3"}  # fmt: skip
+    assert "BytePS split" not in advise([25 << 20], Layout(4, server_hosts=4), links)["predicted_s"]  # x = 1
     assert advise([25 << 20], Layout(2, 2), links)["recommended"] == "hierarchical"
     late = advise([1 << 20], Layout(4, straggler=0.05), links)
     assert late["recommended"] == "ps backup=1" and "backup=1" in late["reason"]

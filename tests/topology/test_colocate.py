@@ -13,6 +13,9 @@ import pytest
 
 import psring
 from psring.errors import PeerLostError
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.topology.ps.paramstore import param_store
+from psring.topology.ps.server import start_servers
 from psring.transport.local import LocalConnection, local_pair
 from psring.transport.mailbox import Mailbox
 
@@ -223,3 +226,78 @@ async def test_colocated_ps_over_tcp_no_copy_paths_survive_a_caller_that_overwri
     for g in ps:
         local = g.links.shards[g.rank]  # type: ignore[attr-defined]
         assert isinstance(local, LocalConnection) and local.bytes_sent > 12_000_000 * 4 // world
+
+
+async def test_weighted_split_over_colocated_and_dedicated_shards_gives_the_ring_bits(store, make_groups) -> None:
+    """The BytePS split: 3 colocated shards and 2 on a server of their own (PSRING_PS_DEDICATED), every
+    large tensor cut 1:1:1:3:3 (PSRING_PS_WEIGHTS, rank 0's word): the ring's bits, each shard sent
+    its weight's share, and SyncSGD's parameters (parameter mode, cut alike) the ring's too."""
+    world, job = 3, "weighted"
+    ring = await make_groups(world, "ring")
+    client = await connect_store(parse_store_address(f"127.0.0.1:{store.port}"), secret=None, timeout=10)
+    dedicated = await start_servers(client, world + 2, job=job, shard_ids=[3, 4])
+    base = {**os.environ, "PSRING_JOB": job, "PSRING_PS_DEDICATED": "2"}
+    # rank 0's weights are the job's: the others' differ and do not count
+    envs = [{**base, "PSRING_PS_WEIGHTS": "1,1,1,3,3" if r == 0 else "9,9,9,9,9"} for r in range(world)]
+    addr = f"127.0.0.1:{store.port}"
+    groups = await asyncio.gather(
+        *(psring.init_group("ps", rank=r, world_size=world, store=addr, timeout=20, env=envs[r], colocate=True)
+          for r in range(world))
+    )  # fmt: skip
+    try:
+        assert [len(g.links.shards) for g in groups] == [5] * world  # type: ignore[attr-defined]
+        assert all(g.links.weights == (1, 1, 1, 3, 3) for g in groups)  # type: ignore[attr-defined]
+        rng = np.random.default_rng(3)
+        n = 900_000
+        xs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
+        before = [list(g.links.per_shard()) for g in groups]  # type: ignore[attr-defined]
+        want = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(ring, xs, strict=True)))
+        got = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+        assert all(y.tobytes() == w.tobytes() for w, y in zip(want, got, strict=True))
+        sent = [b[0] - a[0] for a, b in zip(before[1], groups[1].links.per_shard(), strict=True)]  # type: ignore[attr-defined]
+        share = [s / sum(sent) for s in sent]
+        assert share == pytest.approx([1 / 9, 1 / 9, 1 / 9, 3 / 9, 3 / 9], abs=0.01), sent
+        # parameter mode: rank 0 hands the buckets out cut by the weights; steps give the ring's parameters
+        model = {"w": np.linspace(-1, 1, 200_000, dtype=np.float32), "b": np.zeros(10, np.float32)}
+        grads = [{k: rng.standard_normal(v.shape).astype(np.float32) for k, v in model.items()} for _ in range(world)]
+        outs = {}
+        for name, gs in (("ring", ring), ("ps", groups)):
+            opts = [psring.SyncSGD(g, {k: v.copy() for k, v in model.items()}) for g in gs]
+            await asyncio.gather(*(o.start() for o in opts))
+            for _ in range(2):
+                res = await asyncio.gather(*(o.step(gr) for o, gr in zip(opts, grads, strict=True)))
+            outs[name] = res
+        for r in range(world):
+            for k in model:
+                assert outs["ps"][r][k].tobytes() == outs["ring"][0][k].tobytes()
+        held = [(b.n, b.slice) for s in dedicated.shards.values() for b in param_store(s).buckets.values()]
+        held = [(n, z - a) for n, (a, z) in held if n > 1000]
+        assert len(held) == 2 and all(abs(m - n * 3 / 9) <= 1 for n, m in held), held  # 3/9 of the bucket each
+    finally:
+        await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
+        await dedicated.close()
+        await client.close()
+
+
+async def test_weights_and_dedicated_shards_are_checked(store) -> None:
+    addr = f"127.0.0.1:{store.port}"
+    saved = dict(os.environ)
+    try:
+        os.environ["PSRING_PS_WEIGHTS"] = "1,two"
+        with pytest.raises(ValueError, match=r"PSRING_PS_WEIGHTS='1,two': expected whole numbers"):
+            await psring.init_group("ps", rank=0, world_size=1, store=addr, timeout=5, colocate=True)
+        os.environ["PSRING_PS_WEIGHTS"] = "1,0"
+        with pytest.raises(ValueError, match=r"PSRING_PS_WEIGHTS='1,0': expected weights from 1"):
+            await psring.init_group("ps", rank=0, world_size=1, store=addr, timeout=5, colocate=True)
+        os.environ.update(PSRING_PS_WEIGHTS="1,2,3", PSRING_JOB="w3")  # one shard: three weights
+        with pytest.raises(ValueError, match=r"PSRING_PS_WEIGHTS \(rank 0's\): 3 shard weights \(1,2,3\) for 1 shards"):
+            await psring.init_group("ps", rank=0, world_size=1, store=addr, timeout=5, colocate=True)
+        del os.environ["PSRING_PS_WEIGHTS"]
+        os.environ.update(PSRING_PS_DEDICATED="2", PSRING_JOB="d2")
+        with pytest.raises(
+            ValueError, match=r"PSRING_PS_DEDICATED=2 adds dedicated shards .* needs PSRING_PS_COLOCATE=1"
+        ):
+            await psring.init_group("ps", rank=0, world_size=1, store=addr, timeout=5)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

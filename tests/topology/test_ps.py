@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import psring
 from psring.core import wire
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.ps.plan import WHOLE_MAX_BYTES, plan
+from psring.topology.ps.plan import WHOLE_MAX_BYTES, check_weights, plan
 from psring.topology.ps.server import start_servers
 from psring.transport.listener import open_connection
 from psring.transport.mailbox import Mailbox
@@ -46,6 +46,39 @@ def test_partition_owns_every_element_once_balanced_and_deterministic(n, itemsiz
         assert max(sizes) - min(sizes) <= 1  # balanced by bytes
     else:
         assert layout == [(seq % shards, 0, n)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(0, 1 << 26),
+    weights=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=12),
+    seq=st.integers(0, 1000),
+)
+def test_weighted_plan_owns_every_element_once_in_proportion(n, weights, seq) -> None:
+    shards, w = len(weights), tuple(weights)
+    layout = plan("all_reduce", n, 4, shards, seq, w)
+    assert layout == plan("all_reduce", n, 4, shards, seq, w)
+    covered = sorted((a, b) for _, a, b in layout)
+    pos = 0
+    for a, b in covered:  # contiguous, disjoint, in order: each element exactly once
+        assert (a == pos and b > a) or (a, b) == (0, 0) == (pos, n)
+        pos = b
+    assert pos == n
+    if n * 4 > WHOLE_MAX_BYTES and n >= shards:
+        share = {s: b - a for s, a, b in layout}
+        for s, wt in enumerate(w):  # a shard's slice is its weight's share, to an element
+            assert abs(share.get(s, 0) - n * wt / sum(w)) < 1
+    else:
+        assert layout == [(seq % shards, 0, n)]
+
+
+def test_check_weights_names_what_is_wrong() -> None:
+    assert check_weights([1, 3], 2) == (1, 3)
+    for bad in ((0, 1), (1.5,), "1,2", (), (1, 1 << 21)):
+        with pytest.raises(ValueError, match="shard weights"):
+            check_weights(bad)
+    with pytest.raises(ValueError, match=r"2 shard weights \(1,3\) for 3 shards"):
+        check_weights((1, 3), 3)
 
 
 async def _server_and_groups(store, make_groups, job_n: int = 2):
@@ -117,6 +150,24 @@ async def test_shard_refuses_a_join_whose_piece_size_would_split_it_into_too_man
         await asyncio.wait_for(groups[0].all_reduce(np.ones(MAX_PIECES * 4, np.float32)), 20)
     with pytest.raises(psring.PsringError):  # the liar's connection was dropped
         await asyncio.wait_for(groups[1].all_reduce(np.ones(4, np.float32)), 20)
+
+
+@pytest.mark.asyncio
+async def test_shard_weights_on_the_wire_are_checked_and_compared(store, make_groups) -> None:
+    """A join whose shard weights do not fit the shards drops its worker with the reason; workers whose
+    weights differ (as a hand-set config would) get a MismatchError naming PSRING_PS_WEIGHTS."""
+    groups = await make_groups(2, "ps", servers_n=2)
+    desc = ("all_reduce", "float32", (100_000,), "sum", None)
+    conn = groups[1].links.shards[0]
+    join = {"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2}
+    conn.send_frame({**join, "weights": [1, 2, 3]})
+    with pytest.raises(psring.PsringError, match=r"rank 1 was dropped.*3 shard weights \(1,2,3\) for 2 shards"):
+        await asyncio.wait_for(groups[0].all_reduce(np.ones(100_000, np.float32)), 20)
+    groups = await make_groups(2, "ps", servers_n=2)
+    groups[1].links.weights = (1, 3)  # as if rank 1 had cut the tensor by weights of its own
+    x = np.ones(100_000, np.float32)
+    results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) and "PSRING_PS_WEIGHTS" in str(r) for r in results), results
 
 
 @pytest.mark.asyncio

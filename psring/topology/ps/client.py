@@ -96,6 +96,12 @@ class PsGroup(ParameterMode, SparseTables, Group):
             raise ValueError(f"servers={servers!r} must be a positive number of shards")
         assert settings.world_size is not None
         world = settings.world_size
+        dedicated = settings.config.ps_dedicated
+        if dedicated and not colocate:
+            raise ValueError(
+                f"PSRING_PS_DEDICATED={dedicated} adds dedicated shards to colocated ones: it needs "
+                f"PSRING_PS_COLOCATE=1 (without it every shard is a psring server already)"
+            )
         prefix = f"psring/{settings.job}"
         async with group_set_up(settings, settings.rank) as setup:
             store, embedded = setup.store, setup.embedded
@@ -107,8 +113,10 @@ class PsGroup(ParameterMode, SparseTables, Group):
             links.reconnect_servers = not colocate
             hosted: list[int] | None = None  # the shards this process starts (None: none)
             if colocate:  # every rank hosts its share of the shards (i % world == rank) in its own process
-                count = servers or settings.servers or world
-                hosted = [i for i in range(count) if i % world == rank] or None
+                # ... but the last PSRING_PS_DEDICATED ids, which psring servers on other hosts serve
+                colocated = servers or settings.servers or world
+                count = colocated + dedicated
+                hosted = [i for i in range(colocated) if i % world == rank] or None
             elif rank == 0 and (
                 servers is not None or embedded is not None or settings.store.scheme == "torch" or settings.client
             ):
@@ -133,7 +141,11 @@ class PsGroup(ParameterMode, SparseTables, Group):
             group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
             await links.tell_piece(f"{prefix}/wire")
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
-            await links.learn_piece(f"{prefix}/wire")
+            try:
+                await links.learn_piece(f"{prefix}/wire")
+            except ValueError:  # rank 0's PSRING_PS_WEIGHTS does not fit the shards: every rank says so
+                await group.close()
+                raise
             logger.info("%r ready with %d server shard(s)", group, len(links.shards))
             return group
 
@@ -245,6 +257,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
             "src": self.rank,
             "size": self.world_size,
             "piece": piece,  # the shard splits its slice alike
+            **({"weights": list(self.links.weights)} if self.links.weights else {}),  # and cuts the tensor alike
         }
 
     def _push(self, coll: Collective, j: int) -> dict[str, Any]:
@@ -261,7 +274,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
     ) -> None:
         """Join every involved shard, push x's pieces (if push), and receive every (tag, dest) in expects."""
         gid, seq = self.gid, coll.seq
-        layout = plan(coll.kind, n, itemsize, self.num_servers, seq)
+        layout = plan(coll.kind, n, itemsize, self.num_servers, seq, self.links.weights)
         step = per_piece(itemsize, self.links.piece_for(n * itemsize))
         total = sum(len(pieces(a, b, step)) for _, a, b in layout)
         if total == 0 and coll.kind != "scatter":
@@ -313,12 +326,11 @@ class PsGroup(ParameterMode, SparseTables, Group):
         for conn in used:
             await conn.flush()
 
-
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
         step = per_piece(itemsize, self.links.piece_for(n * itemsize))
         tags = []
-        for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq):
+        for shard, a, b in plan(coll.kind, n, itemsize, self.num_servers, coll.seq, self.links.weights):
             for j, (pa, pb) in enumerate(pieces(a, b, step)):
                 tag = (self.gid, coll.seq, "r", shard, j) + ((src,) if src is not None else ())
                 tags.append((tag, out[pa:pb], pa, pb))
@@ -450,3 +462,4 @@ class PsGroup(ParameterMode, SparseTables, Group):
 
 
 __all__ = ["PsGroup", "ServerLinks"]
+

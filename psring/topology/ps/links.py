@@ -18,7 +18,7 @@ from ...transport.samehost import host_key
 from ...transport.shmpool import ShmPool
 from ..group import farewell
 from ..stall import StallInspector
-from .plan import piece_bytes
+from .plan import check_weights, piece_bytes
 from .server import ShardServer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class ServerLinks:
         #: whether some worker of the job reaches a shard on another host (learn_piece): collectives are
         #: then split into smaller pieces (piece_for); every join says the size
         self.wire = False
+        #: each shard's share of every large tensor (PSRING_PS_WEIGHTS as rank 0 set it; None: equal)
+        self.weights: tuple[int, ...] | None = None
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -151,17 +153,33 @@ class ServerLinks:
         """Count, in the store, whether this worker reaches a shard on another host (before the ranks'
         ready barrier; :meth:`learn_piece` reads the count after it)."""
         await self.store.add(key, 1 if self.reaches_other_hosts() else 0)
+        if self.rank == 0:  # rank 0's shard weights are the job's
+            weights = self.config.ps_weights
+            await self.store.set(f"{key}/weights", ",".join(map(str, weights)).encode() if weights else b"")
+
+    async def learn_weights(self, key: str) -> None:
+        """The job's shard weights (rank 0's PSRING_PS_WEIGHTS), checked against the shards there are."""
+        raw = await self.store.get(f"{key}/weights")
+        if not raw:
+            self.weights = None
+            return
+        try:
+            self.weights = check_weights(tuple(int(w) for w in raw.decode().split(",")), len(self.shards))
+        except ValueError as exc:
+            raise ValueError(f"PSRING_PS_WEIGHTS (rank 0's): {exc}") from None
 
     async def learn_piece(self, key: str) -> None:
         """Whether any worker of the job reaches a shard on another host (the same answer on every
         worker; one joining a running job takes it as it is)."""
         wire = self.config.ps_wire_piece
         self.wire = 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0
+        await self.learn_weights(key)
 
     def piece_for(self, nbytes: int) -> int:
         """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
         c = self.config
         return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire)
+
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""

@@ -72,7 +72,8 @@ class ParameterMode(_Host):
     def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
         step = per_piece(flat.itemsize, self.links.config.ps_piece)
         return [
-            (s, a, pieces(a, z, step)) for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b)
+            (s, a, pieces(a, z, step))
+            for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b, self.links.weights)
         ]
 
     async def param_init(
@@ -106,6 +107,8 @@ class ParameterMode(_Host):
                     }
                     if self.backup:
                         base["backup"] = self.backup
+                    if self.links.weights:
+                        base["weights"] = list(self.links.weights)
                     if step is not None and state is not None:
                         base.update(step=step, state_keys=sorted(state[b]))
                     if not parts:

@@ -50,11 +50,21 @@ class Bucket:
     """One shard's slice of one parameter bucket, with its optimizer state."""
 
     def __init__(
-        self, b: int, n: int, dtype: str, size: int, config: dict[str, Any], shard: int, shards: int, piece_bytes: int
+        self,
+        b: int,
+        n: int,
+        dtype: str,
+        size: int,
+        config: dict[str, Any],
+        shard: int,
+        shards: int,
+        piece_bytes: int,
+        weights: tuple[int, ...] | None = None,
     ):
         self.b, self.n, self.dtype_name, self.size, self.config = b, n, dtype, size, config
         self.dtype = DTYPES[dtype]
-        mine = [(a, z) for s, a, z in plan("all_reduce", n, self.dtype.itemsize, shards, b) if s == shard]
+        self.weights = weights  # the shards' shares of the bucket (PSRING_PS_WEIGHTS; None: equal)
+        mine = [(a, z) for s, a, z in plan("all_reduce", n, self.dtype.itemsize, shards, b, weights) if s == shard]
         self.slice = mine[0] if mine else (0, 0)
         self.pieces = pieces(*self.slice, per_piece(self.dtype.itemsize, piece_bytes))
         self.param = np.empty(self.slice[1] - self.slice[0], self.dtype)
@@ -114,6 +124,7 @@ class Bucket:
             "config": self.config,
             "step": self.step,
             "slice": list(self.slice),
+            "weights": list(self.weights) if self.weights else None,
         }
         out = {f"{prefix}meta": np.array(json.dumps(meta)), f"{prefix}param": self.param}
         for k, v in Optimizer.state_arrays(self.state).items():
@@ -183,6 +194,7 @@ class ParamStore:
                     self.shard.index,
                     self.shard.shards,
                     self.shard.settings.ps_piece,
+                    tuple(meta["weights"]) if meta.get("weights") else None,
                 )
                 if list(bucket.slice) != meta["slice"]:
                     raise ValueError(f"checkpoint {self.path()} was written for another shard layout")
@@ -242,6 +254,7 @@ class ParamStore:
         )
         if not (type(n) is int and n >= 0 and dtype in DTYPES and type(size) is int and size >= 1):
             raise ProtocolError(f"init of bucket {b} with n={n!r} dtype={dtype!r} size={size!r}")
+        weights = self.shard.weights_in(header)
         bucket = self.buckets.get(b)
         if bucket is None:
             try:
@@ -254,6 +267,7 @@ class ParamStore:
                     self.shard.index,
                     self.shard.shards,
                     self.shard.settings.ps_piece,
+                    weights,
                 )
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"bucket {b}: bad optimizer config {config!r}: {exc}") from None
@@ -267,6 +281,11 @@ class ParamStore:
             raise ProtocolError(
                 f"bucket {b} is {bucket.n} x {bucket.dtype_name} for {bucket.size} workers here, "
                 f"init says {n} x {dtype} for {size}"
+            )
+        elif bucket.weights != weights:
+            raise ProtocolError(
+                f"bucket {b} is cut over the shards by weights {bucket.weights} here, init says {weights} "
+                f"(PSRING_PS_WEIGHTS changed while the shards kept their parameters)"
             )
         if bucket.ready:
             return  # restored or initialised already: the shard's own state wins
@@ -561,6 +580,7 @@ def configure_checkpoints(
         store.checkpoint_every = every
         if restore:
             store.restore()
+
     def save_all() -> None:
         for s in server.shards.values():
             param_store(s).save()

@@ -44,6 +44,7 @@ class _Pending:
         "slice",
         "total_rows",
         "waiting",
+        "weights",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class _Pending:
         shard: int,
         shards: int,
         piece_bytes: int,
+        weights: tuple[int, ...] | None = None,
     ):
         self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
         kind, dtype, shape, op, root = desc
@@ -64,7 +66,8 @@ class _Pending:
         self.dtype = DTYPES[dtype] if dtype is not None else None
         self.n = prod(tuple(shape)) if shape is not None else 0
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
-        mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq) if s == shard]
+        self.weights = weights  # as the workers' joins said (None: equal slices)
+        mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq, weights) if s == shard]
         self.slice = mine[0] if mine else (0, 0)
         self.piece_bytes = piece_bytes  # as the workers' joins said
         step = per_piece(itemsize, piece_bytes)

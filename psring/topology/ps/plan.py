@@ -16,12 +16,21 @@ KINDS = (*FOLD_KINDS, *RELAY_KINDS, "barrier", "scatter")
 SHARED_KINDS = (*FOLD_KINDS, *RELAY_KINDS)
 
 
+#: the most shards a weighted plan may name (a join's word, bounded before use)
+MAX_WEIGHTED_SHARDS = 4096
+
+
 # ------------------------------------------------------------------ the plan
-def plan(kind: str, n: int, itemsize: int, shards: int, seq: int) -> list[tuple[int, int, int]]:
+def plan(
+    kind: str, n: int, itemsize: int, shards: int, seq: int, weights: tuple[int, ...] | None = None
+) -> list[tuple[int, int, int]]:
     """Which shards take part in collective #seq, and the slice [a, b) of the flat tensor each owns.
 
     Tensors above WHOLE_MAX_BYTES are split into ``shards`` contiguous slices of equal
-    size (balanced by bytes), so one huge tensor spreads over every server. Smaller
+    size (balanced by bytes), so one huge tensor spreads over every server; with ``weights``
+    (one positive whole number per shard, PSRING_PS_WEIGHTS) shard s's slice is weights[s] /
+    sum(weights) of the tensor instead -- the BytePS split, more of every tensor on shards with
+    more bandwidth to spare (which shard owns an element never changes its bits). Smaller
     ones, barriers and empty tensors go whole to one shard, ``seq % shards``, so
     consecutive small collectives spread over the servers too. Scatter involves
     every shard (row r travels through shard r % shards). Workers and shards compute
@@ -33,7 +42,26 @@ def plan(kind: str, n: int, itemsize: int, shards: int, seq: int) -> list[tuple[
         return [(seq % shards, 0, 0)]
     if n * itemsize <= WHOLE_MAX_BYTES or n < shards:
         return [(seq % shards, 0, n)]
-    return [(s, s * n // shards, (s + 1) * n // shards) for s in range(shards)]
+    if weights is None:
+        return [(s, s * n // shards, (s + 1) * n // shards) for s in range(shards)]
+    total, bounds, acc = sum(weights), [0], 0
+    for w in weights:
+        acc += w
+        bounds.append(acc * n // total)
+    return [(s, bounds[s], bounds[s + 1]) for s in range(shards) if bounds[s] < bounds[s + 1]]
+
+
+def check_weights(weights: object, shards: int | None = None) -> tuple[int, ...]:
+    """weights as a tuple, or a ValueError naming what is wrong (a count that is not the shards')."""
+    if not (
+        isinstance(weights, tuple | list)
+        and 1 <= len(weights) <= MAX_WEIGHTED_SHARDS
+        and all(type(w) is int and 1 <= w <= 1 << 20 for w in weights)
+    ):
+        raise ValueError(f"shard weights {weights!r} are not 1 to {MAX_WEIGHTED_SHARDS} whole numbers from 1 to 2**20")
+    if shards is not None and len(weights) != shards:
+        raise ValueError(f"{len(weights)} shard weights ({','.join(map(str, weights))}) for {shards} shards")
+    return tuple(weights)
 
 
 #: across hosts, a shard's slice of a collective goes in this many pieces (see piece_bytes)

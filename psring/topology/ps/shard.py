@@ -49,7 +49,7 @@ from ..collective import mismatch_message
 from .folding import Folding
 from .paramstore import handle_param
 from .pending import _check_desc, _Pending
-from .plan import FOLD_KINDS
+from .plan import FOLD_KINDS, check_weights
 from .relay import release_held
 from .tables import tables_of
 
@@ -228,6 +228,16 @@ class Shard(Folding):
             conn.send_frame({"kind": "reject", "reason": f"server shard {self.index}: {message}"})
         asyncio.get_running_loop().call_later(0.05, conn.abort, ProtocolError(message))
 
+    def weights_in(self, header: dict[str, Any]) -> tuple[int, ...] | None:
+        """The shard weights a join or parameter init names (None: equal slices), checked."""
+        raw = header.get("weights")
+        if raw is None:
+            return None
+        try:
+            return check_weights(raw, self.shards)
+        except ValueError as exc:
+            raise ProtocolError(f"{header.get('kind')} frame: {exc}") from None
+
     def _on_join(self, conn: Connection, header: dict[str, Any]) -> None:
         tag: Any = header.get("tag")  # wire values, checked below
         desc: Any = header.get("call")
@@ -241,6 +251,7 @@ class Shard(Folding):
         if not (type(piece) is int and 1 <= piece <= self.settings.max_frame):
             raise ProtocolError(f"join frame with piece={piece!r}")
         _check_desc(desc, self.settings.max_tensor)
+        weights = self.weights_in(header)
         key = (tag[0], tag[1])
         if key in self.finished:
             if self.finished[key] != "done":  # abandoned: tell the latecomer at once
@@ -265,10 +276,15 @@ class Shard(Folding):
                 # join): they and any later join must meet an abandoned collective, not a stranger
                 self._finish(key, "lost", lost=gone[0])
                 return
-            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, piece)
+            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, piece, weights)
             self.pending[key] = pending
-        elif desc != pending.desc or size != pending.size or piece != pending.piece_bytes:
-            if piece != pending.piece_bytes:
+        elif (desc, size, piece, weights) != (pending.desc, pending.size, pending.piece_bytes, pending.weights):
+            if weights != pending.weights:
+                message = (
+                    f"rank {src} cuts {desc[0]} #{key[1]} over the shards by weights {weights}, rank {pending.first} "
+                    f"by {pending.weights}: every worker must take PSRING_PS_WEIGHTS from the same job"
+                )
+            elif piece != pending.piece_bytes:
                 message = (
                     f"rank {src} splits {desc[0]} #{key[1]} into pieces of {piece} bytes, rank {pending.first} "
                     f"into {pending.piece_bytes}: PSRING_PS_PIECE and PSRING_PS_WIRE_PIECE must be the same "
