@@ -44,7 +44,7 @@ CONFIGS = [
     (4, 1, 2, "1gbit", 16 << 20),
 ]
 QUICK = [CONFIGS[1], CONFIGS[3], CONFIGS[6]]
-MODEL = {"flat": "ring", "hier": "hierarchical", "ps": "ps colocated", "psd": "ps dedicated"}
+MODEL = {"flat": "ring", "hier": "hierarchical", "ps": "ps colocated", "psd": "ps dedicated", "split": "BytePS split"}
 
 
 def measure(cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: list[int], rounds: int) -> list[float]:
@@ -67,6 +67,7 @@ def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]
         layout = Layout(hosts, ranks, servers)
         predicted = predict(size, layout, links)
         variants = ["flat", "ps"] + (["hier"] if ranks > 1 else []) + (["psd"] if servers else [])
+        variants += ["split"] if "BytePS split" in predicted else []  # its weights: advise's (hosts.py)
         measured = {MODEL[v]: measure(cluster, v, hosts, ranks, [size], rounds)[0] for v in variants}
     finally:
         cluster.close()

@@ -66,7 +66,9 @@ class RingHost(Group):
     tcp_adopted: int
 
     @abc.abstractmethod
-    def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+    def _tcp_soon(
+        self, x: Any, op: str, compression: str | None, on_loop: bool = False
+    ) -> tuple[bool, Any] | None: ...
 
     # ------------------------------------------------ ring/small.py: the same-host links
     @abc.abstractmethod

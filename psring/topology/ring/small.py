@@ -48,6 +48,11 @@ class SmallPaths(_Host):
         board = self._board(x, compression)
         if board is not None:  # all ranks on one host, each with a board: through shared memory
             return await self._board_all_reduce(board, x, op)
+        if self.net.tcp_mesh is not None:  # between hosts: the TCP small-message links, from the loop itself
+            soon = self._tcp_soon(x, op, compression, on_loop=True)
+            if soon is not None:
+                done, value = soon
+                return value if done else await value
         # The latency path: a small, contiguous numpy array between ranks of one host goes
         # straight to the one-hop exchange, past the generic staging and dispatch. The same
         # checks hold (the pair (op, dtype) was validated once); the same bits come out.

@@ -57,9 +57,15 @@ class TcpNow(_Host):
     #: the peers in the order this rank sends to them (set in RingGroup.__init__)
     _tcp_order: tuple[int, ...]
 
-    def _tcp_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+    def _tcp_soon(
+        self, x: Any, op: str, compression: str | None, on_loop: bool = False
+    ) -> tuple[bool, Any] | None:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
-        loop) when it must end there; None: not this call, or not now (take all_reduce)."""
+        loop) when it must end there; None: not this call, or not now (take all_reduce).
+
+        ``on_loop``: the caller is the event loop itself (the asyncio API), which must not sit in
+        ``poll`` for long: it waits for its peers' messages only within its spin budget
+        (PSRING_SPIN_US) and then goes on as a collective like any other."""
         mesh = self.net.tcp_mesh
         if (
             mesh is None
@@ -105,7 +111,7 @@ class TcpNow(_Host):
                         byte_view(bufs[src])[:] = item[1]
                         missing.remove(src)
             if sent and missing:
-                missing = self._tcp_read(expect, bufs, missing)
+                missing = self._tcp_read(expect, bufs, missing, on_loop)
         except BaseException as exc:
             self._books_now(seq, desc, started, exc)
             raise
@@ -121,15 +127,17 @@ class TcpNow(_Host):
         self.tcp_now += 1
         return True, out.reshape(x.shape)
 
-    def _tcp_read(self, expect: bytes, bufs: np.ndarray, missing: list[int]) -> list[int]:
+    def _tcp_read(self, expect: bytes, bufs: np.ndarray, missing: list[int], on_loop: bool = False) -> list[int]:
         """Read the peers' messages for this call (each begins with the bytes ``expect``) off their
         links into ``bufs``; the local ranks still missing when something is out of the ordinary or
-        ADOPT_AFTER passed (left for the loop)."""
+        ADOPT_AFTER passed (the spin budget on the loop: left for the loop to read)."""
         mesh = self.net.tcp_mesh
         assert mesh is not None
         links = [mesh.links[self.members[r]] for r in missing]
         row = bufs.shape[1] * bufs.itemsize
-        end = time.monotonic() + ADOPT_AFTER
+        # the loop waits only within its spin budget, and not at all for ranks that share it (in this process)
+        wait = (self._spin_budget(row) if PeerNet.live == 1 else 0.0) if on_loop else ADOPT_AFTER
+        end = time.monotonic() + wait
         # a lone rank in its process yields its core a few times before it sleeps in poll (YIELDS)
         spin = self.net.config.spin_us > 0 and PeerNet.live == 1
         spin_end = time.perf_counter() + self._spin_budget(row) if spin else 0.0
