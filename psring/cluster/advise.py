@@ -17,20 +17,23 @@ The model (its assumptions, in the order they matter):
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
   ps, shards colocated      2, and 2N messages     2R(H-1)/H S (pushes out, other hosts' pulls out)
   ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each),
-                                                   then the drain (below)
+                                                   with the fill and the drain (below)
   BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
                                                    hosts (rest colocated) that evens both loads,
-                                                   then the drain (PSRING_PS_WEIGHTS: split_weights)
+                                                   fill and drain (PSRING_PS_WEIGHTS: split_weights)
   ========================  =====================  ===============================================
 
   with N workers on H hosts, R per host. A latency step costs ``latency`` plus ``per_message`` (a
   process's CPU time per message); a shard handles the N pushes and N pulls of its piece one after
   another (2N ``per_message``). Pushes and pulls of successive pieces overlap (the ps pipelines a
-  tensor's pieces), so a direction's bytes, not their sum, set the time -- but for the last piece:
-  a shard answers a piece only once every worker's copy is in, so after the bytes its link still
-  sends that piece to each worker on another host (``drain``: those workers x the piece / bandwidth;
-  pieces as psring cuts them across hosts, 8 per shard's slice between PSRING_PS_WIRE_PIECE and
-  PSRING_PS_PIECE). With R > 1 the ps moves
+  tensor's pieces), so a direction's bytes, not their sum, set the time -- but for the first and the
+  last piece: a shard answers a piece only once every worker's copy is in, so its link out idles
+  until the first piece came in from every worker on another host (``fill``), and after the bytes
+  its link still sends the last piece to each of them (``drain``): each those workers x the piece /
+  bandwidth, pieces as psring cuts them across hosts, 8 per shard's slice between
+  PSRING_PS_WIRE_PIECE and PSRING_PS_PIECE (both seen on the hosts bed, in the byte counters of a
+  server host's link: 4 + 2 hosts, 64 MiB, its link out idle for the first 134 ms of a call and its
+  link in for the last 134). With R > 1 the ps moves
   each rank's bytes (psring does not reduce within a host before pushing, as BytePS does).
 - Stragglers: a ring step waits for its slowest rank; a ps step with ``backup=b`` waits for the
   N-b fastest pushes (``SyncSGD(..., backup=b)``); the model adds the expected wait given the
@@ -210,19 +213,20 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
         out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
     else:
         out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
-        # a shard per worker; its last piece goes to the workers on the other hosts after the bytes
-        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b + (n - r) * _piece(s, n) / b
+        # a shard per worker; its first piece comes from the workers on the other hosts before any result
+    # goes, its last piece goes to them after the bytes
+        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b + 2 * (n - r) * _piece(s, n) / b
         if r > 1:
             out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
             out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
     if k > 0:
-        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b + n * _piece(s, k) / b
+        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b + 2 * n * _piece(s, k) / b
         x = split_share(layout)
         if 0.0 < x < 1.0:  # (x = 1 is ps dedicated)
             worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
             # psring cuts the pieces for all N + k shards; a dedicated one's last goes to every worker
-            drain = n * min(_piece(s, n + k), s * x / k) / b
-            out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b + drain
+            fill = drain = n * min(_piece(s, n + k), s * x / k) / b
+            out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b + fill + drain
     return out
 
 
