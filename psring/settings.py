@@ -315,6 +315,17 @@ class Settings:
         "ring: the same with shared-memory links and 3+ ranks (unset: 1M, or PSRING_RING_PLANE_MIN if that is set)",
         tuning=True,
     )
+    # Over TCP with 4 ranks (PSRING_SAME_HOST=off, loopback, 2 cores) the plane beat the loop from 128 KiB:
+    # 1.45 against 1.57 ms at 128 KiB, 1.78 / 2.11 at 512 KiB, 3.27 / 4.18 at 1 MiB, 4.90 / 6.03 at 2 MiB,
+    # 8.40 / 9.96 at 4 MiB; with 3 ranks even at 1 MiB (2.23 / 2.18), with 2 the loop up to ~4 MiB.
+    ring_tcp_plane_min: int = _var(
+        "PSRING_RING_TCP_PLANE_MIN",
+        256 << 10,
+        parse_bytes,
+        "ring: the same with 4+ ranks whose links are TCP (ranks on several hosts, or PSRING_SAME_HOST=off); "
+        "never above PSRING_RING_PLANE_MIN",
+        tuning=True,
+    )
     ring_plane_piece: int = _var(
         "PSRING_RING_PLANE_PIECE", 4 << 20, parse_bytes, "ring: the data plane's piece", tuning=True
     )

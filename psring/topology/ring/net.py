@@ -92,6 +92,7 @@ class PeerNet(PlaneLinks):
         self.plane_min = NEVER  # all_reduces of this many bytes or more take the plane (agreed in resolve)
         self.plane_offer = max(self.config.ring_plane_min, 1)  # this rank's own threshold, published for that
         self.plane_shm_offer = max(min(self.config.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
+        self.plane_tcp_offer = max(min(self.config.ring_tcp_plane_min, self.plane_offer), 1)  # 4+ ranks over TCP
         if world_size > 1 and plane_possible(self.config):
             self.plane = DataPlane(rank, world_size)
             self.plane.recv_ready = asyncio.Event()
@@ -134,7 +135,7 @@ class PeerNet(PlaneLinks):
             settings=self.config,
         )
         await self.listener.start(self.settings.bind_host, self.settings.port)
-        offer = f"{self.plane_offer}/{self.plane_shm_offer}" if self.plane is not None else "-1"
+        offer = f"{self.plane_offer}/{self.plane_shm_offer}/{self.plane_tcp_offer}" if self.plane is not None else "-1"
         await self.store.set(f"{self.prefix}/plane/{self.rank}", offer.encode())
         unix = b"-"
         if self.mesh is not None:
@@ -224,16 +225,16 @@ class PeerNet(PlaneLinks):
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
         await self._agree_paths()
-        shm_min = NEVER
+        shm_min = tcp_min = NEVER
         if self.plane is not None:  # every rank must take the same path: the plane only if all can
-            offers: list[tuple[int, int]] = []
+            offers: list[tuple[int, int, int]] = []
             for r in range(self.world_size):
                 text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
                 try:
-                    tcp, _, shm = text.partition("/")
-                    offers.append((int(tcp), int(shm or tcp)))
+                    parts = [int(p) for p in text.split("/")]
+                    offers.append((parts[0], parts[1] if len(parts) > 1 else parts[0], parts[-1]))
                 except ValueError:
-                    offers.append((-1, -1))
+                    offers.append((-1, -1, -1))
             if any(min(o) < 1 for o in offers):
                 without = [r for r, o in enumerate(offers) if min(o) < 1]
                 logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
@@ -241,6 +242,7 @@ class PeerNet(PlaneLinks):
             else:  # the same threshold on every rank, or they would take different paths
                 self.plane_min = max(o[0] for o in offers)
                 shm_min = max(o[1] for o in offers)
+                tcp_min = max(o[2] for o in offers)
         await self._agree_hierarchy()
         if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
             peers: dict[int, dict[str, Any]] = {}
@@ -262,6 +264,8 @@ class PeerNet(PlaneLinks):
                 logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
                 self.mesh.close()
                 self.mesh = None
+        if self.mesh is None and self.plane is not None and self.world_size >= 4:  # TCP links (see the setting)
+            self.plane_min = min(self.plane_min, tcp_min)
         await self._agree_board(timeout)
         if self.tcp_mesh is not None and (self.mesh is not None or self.world_size > self.tcp_mesh_max):
             self.tcp_mesh.close()  # the same answer on every rank: one host (Unix links), or a rank said no
