@@ -326,6 +326,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         for conn in used:
             await conn.flush()
 
+
     def _result_tags(self, coll: Collective, n: int, itemsize: int, out: np.ndarray, src: int | None = None):
         """(tag, destination view) for every result piece of a fold, or relayed pieces from src."""
         step = per_piece(itemsize, self.links.piece_for(n * itemsize))
@@ -462,4 +463,3 @@ class PsGroup(ParameterMode, SparseTables, Group):
 
 
 __all__ = ["PsGroup", "ServerLinks"]
-

@@ -150,8 +150,8 @@ class ServerLinks:
         return any(not c.is_local and (me is None or c.peer.get("host") != me) for c in self.shards)
 
     async def tell_piece(self, key: str) -> None:
-        """Count, in the store, whether this worker reaches a shard on another host (before the ranks'
-        ready barrier; :meth:`learn_piece` reads the count after it)."""
+        """Count, in the store, whether this worker reaches a shard on another host, and on rank 0 write
+        its shard weights there (before the ranks' ready barrier; :meth:`learn_piece` reads both after it)."""
         await self.store.add(key, 1 if self.reaches_other_hosts() else 0)
         if self.rank == 0:  # rank 0's shard weights are the job's
             weights = self.config.ps_weights
@@ -169,8 +169,8 @@ class ServerLinks:
             raise ValueError(f"PSRING_PS_WEIGHTS (rank 0's): {exc}") from None
 
     async def learn_piece(self, key: str) -> None:
-        """Whether any worker of the job reaches a shard on another host (the same answer on every
-        worker; one joining a running job takes it as it is)."""
+        """Whether any worker of the job reaches a shard on another host, and the job's shard weights
+        (the same answers on every worker; one joining a running job takes them as they are)."""
         wire = self.config.ps_wire_piece
         self.wire = 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0
         await self.learn_weights(key)
@@ -179,7 +179,6 @@ class ServerLinks:
         """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
         c = self.config
         return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire)
-
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""
