@@ -213,8 +213,8 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
         out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
     else:
         out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
-        # a shard per worker; its first piece comes from the workers on the other hosts before any result
-    # goes, its last piece goes to them after the bytes
+        # a shard per worker; its first piece comes from the workers on the other hosts before any
+        # result goes, its last piece goes to them after the bytes
         out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b + 2 * (n - r) * _piece(s, n) / b
         if r > 1:
             out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b

@@ -232,7 +232,8 @@ class PeerNet(PlaneLinks):
                 text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
                 try:
                     parts = [int(p) for p in text.split("/")]
-                    offers.append((parts[0], parts[1] if len(parts) > 1 else parts[0], parts[-1]))
+                    plane = parts[0]  # plane/shm/tcp; a rank that offers one number offers it for all three
+                    offers.append((plane, parts[1] if len(parts) > 1 else plane, parts[2] if len(parts) > 2 else plane))
                 except ValueError:
                     offers.append((-1, -1, -1))
             if any(min(o) < 1 for o in offers):
