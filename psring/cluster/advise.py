@@ -194,7 +194,7 @@ def settings_for(name: str, layout: Layout) -> dict[str, str]:
 def _piece(size: float, shards: int) -> float:
     """The bytes of the last piece of a shard's slice, as psring cuts a collective across hosts."""
     config = settings.current()
-    piece = piece_bytes(int(size), shards, config.ps_piece, config.ps_wire_piece, across_hosts=True)
+    piece = piece_bytes(int(size), shards, config.ps_piece, config.ps_wire_piece, True, config.ps_wire_pieces)
     return min(size / max(shards, 1), piece)
 
 

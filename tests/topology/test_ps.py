@@ -274,3 +274,14 @@ async def test_data_right_behind_a_join_the_shard_refuses_for_a_lost_rank_is_not
     await asyncio.sleep(0.2)
     assert seen.empty() and conn.is_open  # no reject: the shard kept the connection
     await conn.close()
+
+
+def test_wire_pieces_cut_a_shards_slice_between_the_floor_and_the_piece() -> None:
+    from psring.topology.ps.plan import piece_bytes
+
+    mib = 1 << 20
+    assert piece_bytes(64 * mib, 4, 4 * mib, 256 << 10, True) == 2 * mib  # 16 MiB a slice, 8 pieces
+    assert piece_bytes(64 * mib, 4, 4 * mib, 256 << 10, True, 16) == mib  # PSRING_PS_WIRE_PIECES=16
+    assert piece_bytes(16 * mib, 4, 4 * mib, 256 << 10, True, 32) == 256 << 10  # not below the floor
+    assert piece_bytes(256 * mib, 4, 4 * mib, 256 << 10, True, 2) == 4 * mib  # nor above the piece
+    assert piece_bytes(64 * mib, 4, 4 * mib, 256 << 10, False, 16) == 4 * mib  # one host: the piece

@@ -178,7 +178,7 @@ class ServerLinks:
     def piece_for(self, nbytes: int) -> int:
         """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
         c = self.config
-        return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire)
+        return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire, c.ps_wire_pieces)
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""

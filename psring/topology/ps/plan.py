@@ -64,20 +64,23 @@ def check_weights(weights: object, shards: int | None = None) -> tuple[int, ...]
     return tuple(weights)
 
 
-#: across hosts, a shard's slice of a collective goes in this many pieces (see piece_bytes)
+#: across hosts, a shard's slice of a collective goes in this many pieces (see piece_bytes;
+#: PSRING_PS_WIRE_PIECES sets it)
 WIRE_PIECES = 8
 
 
-def piece_bytes(nbytes: int, shards: int, piece: int, wire_piece: int, across_hosts: bool) -> int:
+def piece_bytes(
+    nbytes: int, shards: int, piece: int, wire_piece: int, across_hosts: bool, wire_pieces: int = WIRE_PIECES
+) -> int:
     """The piece of a collective of nbytes: ``piece`` (PSRING_PS_PIECE); when some worker reaches a shard
-    on another host, small enough that each shard's slice is WIRE_PIECES pieces, but not below
+    on another host, small enough that each shard's slice is ``wire_pieces`` pieces, but not below
     ``wire_piece`` (PSRING_PS_WIRE_PIECE; 0: off). A shard folds and answers a piece only once every
     worker's copy is in, so a slice of one piece would cross a link twice in a row (pushes, then
     results); much smaller pieces cost CPU each (at 10 Gbit/s on the bed 256 KiB pieces of 64 MiB took
     1.4x the time of 4 MiB ones)."""
     if not (across_hosts and 0 < wire_piece < piece):
         return piece
-    return min(piece, max(wire_piece, nbytes // max(shards, 1) // WIRE_PIECES))
+    return min(piece, max(wire_piece, nbytes // max(shards, 1) // max(wire_pieces, 1)))
 
 
 def per_piece(itemsize: int, piece_bytes: int) -> int:

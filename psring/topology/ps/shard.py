@@ -287,8 +287,8 @@ class Shard(Folding):
             elif piece != pending.piece_bytes:
                 message = (
                     f"rank {src} splits {desc[0]} #{key[1]} into pieces of {piece} bytes, rank {pending.first} "
-                    f"into {pending.piece_bytes}: PSRING_PS_PIECE and PSRING_PS_WIRE_PIECE must be the same "
-                    f"on every worker"
+                    f"into {pending.piece_bytes}: PSRING_PS_PIECE, PSRING_PS_WIRE_PIECE and PSRING_PS_WIRE_PIECES "
+                    f"must be the same on every worker"
                 )
             elif size != pending.size:
                 message = (
