@@ -96,8 +96,12 @@ def parse_switch(raw: str) -> bool:
     raise ValueError("expected 1 or 0 (on or off)")
 
 
+#: the largest shard weight (PSRING_PS_WEIGHTS)
+MAX_WEIGHT = 1 << 20
+
+
 def parse_weights(raw: str) -> tuple[int, ...] | None:
-    """Comma-separated whole numbers from 1 to 2**20, one per shard (``1,1,1,1,3,3``); empty: none."""
+    """Comma-separated whole numbers from 1 to MAX_WEIGHT, one per shard (``1,1,1,1,3,3``); empty: none."""
     text = raw.strip()
     if not text:
         return None
@@ -105,8 +109,8 @@ def parse_weights(raw: str) -> tuple[int, ...] | None:
         weights = tuple(int(w) for w in text.split(","))
     except ValueError:
         raise ValueError("expected whole numbers separated by commas, one per shard (as in 1,1,3,3)") from None
-    if not all(1 <= w <= 1 << 20 for w in weights):
-        raise ValueError("expected weights from 1 to 1048576")
+    if not all(1 <= w <= MAX_WEIGHT for w in weights):
+        raise ValueError(f"expected weights from 1 to {MAX_WEIGHT}")
     return weights
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from ...rendezvous.scheduler import GroupSettings
+from ...settings import parse_weights
 from ...transport.connection import Connection
 from ...transport.listener import open_connection
 from ...transport.mailbox import Mailbox
@@ -160,11 +161,9 @@ class ServerLinks:
     async def learn_weights(self, key: str) -> None:
         """The job's shard weights (rank 0's PSRING_PS_WEIGHTS), checked against the shards there are."""
         raw = await self.store.get(f"{key}/weights")
-        if not raw:
-            self.weights = None
-            return
         try:
-            self.weights = check_weights(tuple(int(w) for w in raw.decode().split(",")), len(self.shards))
+            weights = parse_weights(raw.decode()) if raw else None
+            self.weights = None if weights is None else check_weights(weights, len(self.shards))
         except ValueError as exc:
             raise ValueError(f"PSRING_PS_WEIGHTS (rank 0's): {exc}") from None
 

@@ -1,10 +1,12 @@
 """How the parameter server splits collectives: which shard owns which slice, in pieces of what size.
 
-Workers and shards compute this alike (every element is owned by exactly one shard), so
-neither has to tell the other.
+Workers and shards compute this alike (every element is owned by exactly one shard) from the
+call, the number of shards, and the job's shard weights and piece size, which every join names.
 """
 
 from __future__ import annotations
+
+from ...settings import MAX_WEIGHT
 
 #: tensors up to this many bytes go whole to one shard (seq mod shards); larger ones are split over all
 WHOLE_MAX_BYTES = 64 << 10
@@ -56,9 +58,11 @@ def check_weights(weights: object, shards: int | None = None) -> tuple[int, ...]
     if not (
         isinstance(weights, tuple | list)
         and 1 <= len(weights) <= MAX_WEIGHTED_SHARDS
-        and all(type(w) is int and 1 <= w <= 1 << 20 for w in weights)
+        and all(type(w) is int and 1 <= w <= MAX_WEIGHT for w in weights)
     ):
-        raise ValueError(f"shard weights {weights!r} are not 1 to {MAX_WEIGHTED_SHARDS} whole numbers from 1 to 2**20")
+        raise ValueError(
+            f"shard weights {weights!r} are not 1 to {MAX_WEIGHTED_SHARDS} whole numbers from 1 to {MAX_WEIGHT}"
+        )
     if shards is not None and len(weights) != shards:
         raise ValueError(f"{len(weights)} shard weights ({','.join(map(str, weights))}) for {shards} shards")
     return tuple(weights)
