@@ -127,8 +127,8 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
                 "topology": group.topology,
                 "ps_piece": group.piece_for(count * dtype.itemsize) if hasattr(group, "piece_for") else None,
-                "ps_shards": len(group.links.shards) if group.topology == "ps" else None,
-                "ps_weights": list(group.links.weights or ()) if group.topology == "ps" else None,
+                "ps_shards": group.num_servers if group.topology == "ps" else None,
+                "ps_weights": list(group.shard_weights or ()) if group.topology == "ps" else None,
             }
         )
     return {"results": results} if group.rank == 0 else None

@@ -74,6 +74,11 @@ class PsGroup(ParameterMode, SparseTables, Group):
     def num_servers(self) -> int:
         return len(self.links.shards)
 
+    @property
+    def shard_weights(self) -> tuple[int, ...] | None:
+        """Each shard's share of every large tensor (the job's PSRING_PS_WEIGHTS; None: equal)."""
+        return self.links.weights
+
     def piece_for(self, nbytes: int) -> int:
         """The bytes a collective of nbytes is pushed and folded in (PSRING_PS_PIECE; smaller where
         some worker of the job reaches a shard on another host: PSRING_PS_WIRE_PIECE)."""

@@ -156,11 +156,11 @@ class ServerLinks:
         await self.store.add(key, 1 if self.reaches_other_hosts() else 0)
         if self.rank == 0:  # rank 0's shard weights are the job's
             weights = self.config.ps_weights
-            await self.store.set(f"{key}/weights", ",".join(map(str, weights)).encode() if weights else b"")
+            await self.store.set(f"{self.prefix}/weights", ",".join(map(str, weights)).encode() if weights else b"")
 
-    async def learn_weights(self, key: str) -> None:
+    async def learn_weights(self) -> None:
         """The job's shard weights (rank 0's PSRING_PS_WEIGHTS), checked against the shards there are."""
-        raw = await self.store.get(f"{key}/weights")
+        raw = await self.store.get(f"{self.prefix}/weights")
         try:
             weights = parse_weights(raw.decode()) if raw else None
             self.weights = None if weights is None else check_weights(weights, len(self.shards))
@@ -172,7 +172,7 @@ class ServerLinks:
         (the same answers on every worker; one joining a running job takes them as they are)."""
         wire = self.config.ps_wire_piece
         self.wire = 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0
-        await self.learn_weights(key)
+        await self.learn_weights()
 
     def piece_for(self, nbytes: int) -> int:
         """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
