@@ -8,12 +8,15 @@ machine hits them alike:
 
   flat  psring ring, PSRING_HIERARCHICAL=off (every ring link carries 2(N-1)/N of the tensor)
   hier  psring ring, PSRING_HIERARCHICAL=on (reduce within hosts, then across; psring.topology.ring.hier)
-  ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N)
+  ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N), every rank pushing its tensor
+  psh   the same, reduced within each host before it is pushed (PSRING_HIERARCHICAL=on: the two-level
+        order; psring.topology.ps.hostreduce) -- as ps where hosts hold one rank
   psd   psring ps with its shards on ``--server-hosts K`` dedicated hosts (namespaces of their own,
         shaped alike, no rank on them; one ``psring server --shard i --num-shards K`` each)
   split the BytePS split: a shard in every rank and one on each of the K dedicated hosts, every tensor
         cut by the weights ``psring advise`` computes for the layout (PSRING_PS_DEDICATED=K,
         PSRING_PS_WEIGHTS; ``--weights`` to give others)
+        (psd and split reduce within each host first, as psh, where hosts hold several ranks)
   gloo  torch.distributed gloo (needs torch), meeting through a file, GLOO_SOCKET_IFNAME=eth0
 
 Needs root (network namespaces, tc). Prints one table per rate (median time of the slowest rank,
@@ -46,7 +49,7 @@ from psring.cli.bench import human, parse_size  # noqa: E402
 from psring.cluster.advise import Layout, parse_rate, split_weights  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available, sh  # noqa: E402
 
-VARIANTS = ("flat", "hier", "ps", "psd", "split", "gloo")
+VARIANTS = ("flat", "hier", "ps", "psh", "psd", "split", "gloo")
 #: the variants that need --server-hosts
 DEDICATED = ("psd", "split")
 
@@ -163,12 +166,13 @@ def run_variant(
                 "MASTER_ADDR": cluster.addresses[names[0]],
                 "MASTER_PORT": str(port),
                 "PSRING_JOB": job,
-                "PSRING_TOPOLOGY": "ps" if variant in ("ps", *DEDICATED) else "ring",
-                "PSRING_HIERARCHICAL": "on" if variant == "hier" else "off",
+                "PSRING_TOPOLOGY": "ps" if variant in ("ps", "psh", *DEDICATED) else "ring",
+                # the dedicated placements reduce within the host before pushing, as psh (psring's default)
+                "PSRING_HIERARCHICAL": "on" if variant in ("hier", "psh", *DEDICATED) else "off",
                 "GLOO_SOCKET_IFNAME": "eth0",
                 "OMP_NUM_THREADS": "1",
             }
-            if variant in ("ps", "split"):
+            if variant in ("ps", "psh", "split"):
                 env["PSRING_PS_COLOCATE"] = "1"
             if variant in DEDICATED:  # the ranks meet in the store the shards registered in
                 env["PSRING_STORE"] = store_at

@@ -373,6 +373,20 @@ class Settings:
         "shorter first and last piece on slow links, more CPU per byte; every worker must agree)",
         tuning=True,
     )
+    ps_host_reduce: int = _var(
+        "PSRING_PS_HOST_REDUCE",
+        256 << 10,
+        parse_bytes,
+        "ps across hosts with several ranks on each: all_reduces from this size are reduced within each host "
+        "before they are pushed, as BytePS does (0: off; needs PSRING_HIERARCHICAL not off)",
+    )
+    ps_host_block: int = _var(
+        "PSRING_PS_HOST_BLOCK",
+        8 << 20,
+        parse_bytes,
+        "ps: the bytes of a block of a host-reduced all_reduce (two in flight, each rank's board holds two)",
+        tuning=True,
+    )
     ps_shm_slots: int = _var(
         "PSRING_PS_SHM_SLOTS", 16, parse_count, "ps: slots in a process's shared-memory pool (0: none)", tuning=True
     )

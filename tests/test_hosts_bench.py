@@ -29,7 +29,7 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
         pytest.skip(f"needs network namespaces: {why}")
     if shutil.which("tc") is None:
         pytest.skip("needs tc (iproute2)")
-    variants = ["flat", "hier", "ps", "psd", "split"]  # psd, split: the shards on a dedicated server host (#36)
+    variants = ["flat", "hier", "ps", "psh", "psd", "split"]  # psd, split: shards on a dedicated server host (#36)
     try:
         import torch  # noqa: F401
 
@@ -48,10 +48,14 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
     assert "hier/flat busbw" in proc.stdout, proc.stdout
     # each variant ran the topology it names; the ps variants push across hosts, so in the wire's pieces
     wire = load({}).ps_wire_piece
-    pss = ("ps", "psd", "split")
+    pss = ("ps", "psh", "psd", "split")
     assert all(r["topology"] == ("ps" if r["variant"] in pss else "ring") for r in rows if "topology" in r)
     assert {r["ps_piece"] for r in rows if r["variant"] in pss} == {wire}, rows
     # the split: a shard in each of the 4 ranks and one on the server host, which takes half of every
     # tensor (psring advise's weights for 2 hosts x 2 ranks and 1 server host)
     shards = {r["variant"]: (r["ps_shards"], r["ps_weights"]) for r in rows if r["variant"] in pss}
-    assert shards == {"ps": (4, []), "psd": (1, []), "split": (5, [1, 1, 1, 1, 4])}, rows
+    assert shards == {"ps": (4, []), "psh": (4, []), "psd": (1, []), "split": (5, [1, 1, 1, 1, 4])}, rows
+    # psh, psd and split reduce each 2 MiB all_reduce within the host before pushing it (one block each,
+    # warm-up and timed calls); ps pushes every rank's tensor
+    blocks = {r["variant"]: r["ps_host_blocks"] for r in rows if r["variant"] in pss and r["size"] == 2 << 20}
+    assert blocks["ps"] == 0 and all(blocks[v] > 0 for v in ("psh", "psd", "split")), blocks

@@ -15,8 +15,9 @@ The model (its assumptions, in the order they matter):
   ========================  =====================  ===============================================
   flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
-  ps, shards colocated      2, and 2N messages     2R(H-1)/H S (pushes out, other hosts' pulls out)
-  ps, k dedicated hosts     2, and 2N messages     max(R S, N S / k) (workers push and pull S each),
+  ps, shards colocated      2, and 2N messages     2(H-1)/H S (pushes out, other hosts' pulls out),
+                                                   plus 2(R-1)/R S through memory (R > 1: below)
+  ps, k dedicated hosts     2, and 2N messages     max(S, H S / k) (hosts push and pull S each),
                                                    with the fill and the drain (below)
   BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
                                                    hosts (rest colocated) that evens both loads,
@@ -33,8 +34,11 @@ The model (its assumptions, in the order they matter):
   bandwidth, pieces as psring cuts them across hosts, 8 per shard's slice between
   PSRING_PS_WIRE_PIECE and PSRING_PS_PIECE (both seen on the hosts bed, in the byte counters of a
   server host's link: 4 + 2 hosts, 64 MiB, its link out idle for the first 134 ms of a call and its
-  link in for the last 134). With R > 1 the ps moves
-  each rank's bytes (psring does not reduce within a host before pushing, as BytePS does).
+  link in for the last 134). With R > 1 the ps reduces
+  within each host before pushing, as BytePS does (from PSRING_PS_HOST_REDUCE bytes, in blocks of
+  PSRING_PS_HOST_BLOCK): local rank l pushes the host's partial of slice l, so a host's link carries
+  what one worker's would, and the ranks pay the hierarchical ring's memory traffic; below that size
+  every rank pushes its own tensor (2R(H-1)/H S for colocated shards, max(R S, N S / k) dedicated).
 - Stragglers: a ring step waits for its slowest rank; a ps step with ``backup=b`` waits for the
   N-b fastest pushes (``SyncSGD(..., backup=b)``); the model adds the expected wait given the
   straggler delay you name (``--straggler-ms``), a rank late by a uniform 0-2x of it.
@@ -211,22 +215,38 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     if h == 1:  # one host: every link is memory
         out["ring"] = 2 * (n - 1) * (a_loc + c) + 2 * (n - 1) / n * s / b_loc
         out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
+        return out
+    out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
+    if r > 1:
+        out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
+        out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
+    # the ps reduces within the host before pushing (PSRING_PS_HOST_REDUCE): a host then pushes as one
+    # worker would, local rank l the host's partial of slice l (of R), its result handed round in memory
+    local = 0.0
+    pushers, per_host = n, r  # the workers whose copies of a piece a shard takes, and of them per host
+    from_bytes = settings.current().ps_host_reduce  # 0: off
+    if r > 1 and 0 < from_bytes <= s:
+        local = 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
+        pushers, per_host = h, 1
+        s_piece = min(s, settings.current().ps_host_block) / r  # a block's slice, cut over the shards
     else:
-        out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
-        # a shard per worker; its first piece comes from the workers on the other hosts before any
-        # result goes, its last piece goes to them after the bytes
-        out["ps colocated"] = 2 * a + fan + 2 * r * (h - 1) / h * s / b + 2 * (n - r) * _piece(s, n) / b
-        if r > 1:
-            out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
-            out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
+        s_piece = s
+    # a shard per worker; its first piece comes from the workers on the other hosts before any
+    # result goes, its last piece goes to them after the bytes
+    remote = pushers - per_host
+    out["ps colocated"] = (
+        2 * a + fan + local + 2 * per_host * (h - 1) / h * s / b + 2 * remote * _piece(s_piece, n) / b
+    )
     if k > 0:
-        out["ps dedicated"] = 2 * a + fan + max(r * s, n * s / k) / b + 2 * n * _piece(s, k) / b
+        out["ps dedicated"] = (
+            2 * a + fan + local + max(per_host * s, pushers * s / k) / b + 2 * pushers * _piece(s_piece, k) / b
+        )
         x = split_share(layout)
         if 0.0 < x < 1.0:  # (x = 1 is ps dedicated)
-            worker = r * s * (x + (1 - x) * 2.0 * (h - 1) / h)
-            # psring cuts the pieces for all N + k shards; a dedicated one's last goes to every worker
-            fill = drain = n * min(_piece(s, n + k), s * x / k) / b
-            out["BytePS split"] = 2 * a + fan + max(worker, n * s * x / k) / b + fill + drain
+            worker = per_host * s * (x + (1 - x) * 2.0 * (h - 1) / h)
+            # psring cuts the pieces for all N + k shards; a dedicated one's last goes to every pusher
+            fill = drain = pushers * min(_piece(s_piece, n + k), s_piece * x / k) / b
+            out["BytePS split"] = 2 * a + fan + local + max(worker, pushers * s * x / k) / b + fill + drain
     return out
 
 
@@ -260,7 +280,7 @@ def _reason(best: str, times: dict[str, float], layout: Layout, sizes: list[int]
     if best == "hierarchical":
         return (
             f"{r} ranks per host: reducing within each host first leaves {2 * (h - 1) / h:.2f} S per direction "
-            f"on a host's link where the flat ring and colocated shards put more; {edge}"
+            f"on a host's link where the flat ring puts more; {edge}"
         )
     if best == "ps dedicated":
         return (

@@ -129,6 +129,8 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "ps_piece": group.piece_for(count * dtype.itemsize) if hasattr(group, "piece_for") else None,
                 "ps_shards": group.num_servers if group.topology == "ps" else None,
                 "ps_weights": list(group.shard_weights or ()) if group.topology == "ps" else None,
+                # ps: all_reduce blocks this rank reduced within its host before pushing them (0: none)
+                "ps_host_blocks": group.stats().get("host_reduce_blocks", 0) if group.topology == "ps" else None,
             }
         )
     return {"results": results} if group.rank == 0 else None

@@ -122,6 +122,11 @@ class Board:
                 return False
         return True
 
+    def unacked(self, k: int) -> list[int]:
+        """The peers not done yet with the post that slot k % 2 holds (see clear_to_post)."""
+        before = self.last[k & 1]
+        return [peer.rank for peer in self._peers if peer.ack[0] < before]
+
     def post(self, k: int, tag: bytes, payload: memoryview | None) -> None:
         """Post number k: ``payload`` (a byte memoryview of at most max_bytes) with the caller's tag
         (at most TAG_MAX bytes), into slot k % 2 (see clear_to_post)."""

@@ -27,7 +27,7 @@ from .test_cluster import Cluster
 GBIT = 1e9 / 8
 
 
-def test_the_model_gives_the_bytes_each_topology_moves() -> None:
+def test_the_model_gives_the_bytes_each_topology_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     links = Links(latency=0.0, bandwidth=GBIT, per_message=0.0)
     s = 100e6
 
@@ -48,7 +48,18 @@ def test_the_model_gives_the_bytes_each_topology_moves() -> None:
     assert eight["ring"] / eight["ps dedicated"] == pytest.approx(1.75 / (1 + 2 / 8))
     two_by_two = predict(int(s), Layout(2, 2), Links(0.0, GBIT, 0.0, 1e15, 0.0))
     assert two_by_two["hierarchical"] == pytest.approx(s / GBIT)  # 2(H-1)/H S between the hosts
-    assert two_by_two["ps colocated"] == pytest.approx(2 * s / GBIT + drain(2, 4))  # 2 S: what made ps 0.72x here
+    # reduced within each host before pushing (PSRING_PS_HOST_REDUCE): S, as the hierarchical ring, the
+    # last piece to the other host's pusher only, cut from a block's slice (8 MiB / 2 over 4 shards: 256 KiB)
+    assert two_by_two["ps colocated"] == pytest.approx(s / GBIT + 2 * (256 << 10) / GBIT)
+    with monkeypatch.context() as env:  # every rank pushing its own tensor: 2 S, what made ps 0.72x here
+        env.setenv("PSRING_PS_HOST_REDUCE", "0")
+        pushed = predict(int(s), Layout(2, 2), Links(0.0, GBIT, 0.0, 1e15, 0.0))
+        assert pushed["ps colocated"] == pytest.approx(2 * s / GBIT + drain(2, 4))
+        assert predict(int(s), Layout(2, 2, server_hosts=2), links)["ps dedicated"] == pytest.approx(
+            max(2 * s, 4 * s / 2) / GBIT + 2 * 4 * (4 << 20) / GBIT  # max(R S, N S / k); 4 MiB pieces (ceiling)
+        )
+    hosts_push = predict(int(s), Layout(2, 2, server_hosts=2), Links(0.0, GBIT, 0.0, 1e15, 0.0))["ps dedicated"]
+    assert hosts_push == pytest.approx(max(s, 2 * s / 2) / GBIT + 2 * 2 * (256 << 10) / GBIT)  # max(S, H S / k)
     # the split: 4 workers, 2 server hosts: x = c / (H/k - 1 + c) with c = 1.5 -> 0.6, both links even
     layout = Layout(4, server_hosts=2)
     assert split_share(layout) == pytest.approx(0.6)

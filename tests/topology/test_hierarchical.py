@@ -60,9 +60,12 @@ def test_the_setting_reads_on_off_auto() -> None:
         load({"PSRING_HIERARCHICAL": "sometimes"})
 
 
-def _run(topology: str, n: int, hosts: str, hierarchical: str = "auto") -> tuple[list[list[str]], str]:
-    """The job's 'HIER' lines, one per rank (rank, two-level matches, flat matches, total, digest), and its output."""
-    env = {**os.environ, "HIER_HOSTS": hosts, "PSRING_HIERARCHICAL": hierarchical}
+def _run(
+    topology: str, n: int, hosts: str, hierarchical: str = "auto", **extra: str
+) -> tuple[list[list[str]], str]:
+    """The job's 'HIER' lines, one per rank (rank, two-level matches, flat matches, total, digest, host-reduced
+    blocks), and its output."""
+    env = {**os.environ, "HIER_HOSTS": hosts, "PSRING_HIERARCHICAL": hierarchical, **extra}
     cmd = [sys.executable, "-m", "psring", "launch", "-n", str(n), "--topology", topology, "--", sys.executable, JOB]
     proc = run_tree(cmd, timeout=150, env=env)
     output = proc.stdout + proc.stderr
@@ -80,12 +83,31 @@ def test_ring_and_ps_fold_in_the_two_level_order_across_hosts(n: int, hosts: str
     digests = set()
     for topology in ("ring", "ps"):
         rows, _ = _run(topology, n, hosts)
-        for _rank, two, _flat, total, digest in rows:
+        for _rank, two, _flat, total, digest, blocks in rows:
             assert two == total, (
                 f"{topology}: {int(total) - int(two)} of {total} all_reduces not in the two-level order"
             )
+            # ps: the two sizes from 256 KiB (PSRING_PS_HOST_REDUCE), 4 ops each, one 8 MiB block each
+            assert int(blocks) == (8 if topology == "ps" else 0), (topology, blocks)
             digests.add(digest)
     assert len(digests) == 1, f"ring and ps SyncSGD parameters differ: {digests}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n,hosts", [(4, "block:2"), (6, "block:2")])
+def test_ps_reduces_within_the_host_in_blocks_and_off_pushes_every_tensor(n: int, hosts: str) -> None:
+    """The parameter server's host-reduced all_reduce (#36) in blocks smaller than the tensor (several
+    in flight through the boards' two slots), with 2 and 3 hosts (3: the hosts' subgroup's shards
+    fold in host order, not from a ring chunk's owner): the two-level order's bits; turned off, the
+    same bits with every rank pushing its own tensor."""
+    digests = set()
+    for limit, want in (("256K", 1 + 6), ("0", 0)):  # 100_003 floats: one block; 1_500_001: six
+        rows, _ = _run("ps", n, hosts, PSRING_PS_HOST_BLOCK="1M", PSRING_PS_HOST_REDUCE=limit)
+        for _rank, two, _flat, total, digest, blocks in rows:
+            assert two == total, f"{int(total) - int(two)} of {total} all_reduces not in the two-level order"
+            assert int(blocks) == 4 * want, (limit, blocks)
+            digests.add(digest)
+    assert len(digests) == 1, f"SyncSGD parameters differ: {digests}"
 
 
 @pytest.mark.timeout(300)
@@ -93,8 +115,9 @@ def test_off_keeps_the_flat_order_on_both_topologies() -> None:
     digests = set()
     for topology in ("ring", "ps"):
         rows, _ = _run(topology, 4, "block:2", hierarchical="off")
-        for _rank, two, flat, total, digest in rows:
+        for _rank, two, flat, total, digest, blocks in rows:
             assert flat == total and int(two) < int(total), (topology, two, flat, total)
+            assert blocks == "0", (topology, blocks)  # the flat order: no host-reduced all_reduce
             digests.add(digest)
     assert len(digests) == 1, f"ring and ps SyncSGD parameters differ: {digests}"
 
@@ -102,17 +125,21 @@ def test_off_keeps_the_flat_order_on_both_topologies() -> None:
 @pytest.mark.timeout(200)
 def test_on_with_uneven_hosts_says_why_it_stays_flat() -> None:
     rows, output = _run("ring", 3, "block:2", hierarchical="on")  # hosts of 2 and 1 ranks
-    assert all(flat == total for _r, _two, flat, total, _d in rows), rows
+    assert all(flat == total for _r, _two, flat, total, _d, _b in rows), rows
     assert "PSRING_HIERARCHICAL=on, but the ranks' hosts hold [1, 2] ranks" in output, output[-3000:]
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_lost_mid_hierarchical_all_reduce_is_named_on_every_other_rank() -> None:
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_a_rank_lost_mid_hierarchical_all_reduce_is_named_on_every_other_rank(topology: str) -> None:
+    """The ring's hierarchical all_reduce, and the ps's reduced within the host (rank 3 waits on the
+    dead rank's post on their host's board, ranks 0 and 1 on the shards)."""
     port = free_port()
     procs = []
     try:
         for r in range(4):
             env = {"RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env["PSRING_TOPOLOGY"] = topology  # ps: rank 0 serves the store and every shard
             procs.append(spawn([JOB], {**env, "HIER_HOSTS": "block:2", "HIER_CRASH": "2"}))
         outs = [proc.communicate(timeout=60)[0] for proc in procs]
         assert procs[2].returncode == 9, outs[2]
@@ -124,3 +151,27 @@ def test_a_rank_lost_mid_hierarchical_all_reduce_is_named_on_every_other_rank() 
         line = next((x for x in outs[r].splitlines() if x.startswith("LOST ")), None)
         assert line is not None and "rank 2" in line and "none" not in line, outs[r][-2000:]
         assert float(line.split()[2]) - died < 10.0, line
+
+
+@pytest.mark.timeout(120)
+def test_a_mismatch_in_a_host_reduced_ps_all_reduce_is_named_not_hung() -> None:
+    """Rank 1 all_reduces a larger tensor than its host's other rank and the other host's ranks: its
+    host's board (or the shards) say so on every rank, well before the timeout."""
+    port = free_port()
+    procs = []
+    try:
+        for r in range(4):
+            env = {"RANK": str(r), "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            env |= {"PSRING_TOPOLOGY": "ps", "HIER_HOSTS": "block:2", "HIER_MISMATCH": "1", "PSRING_STALL_S": "2"}
+            procs.append(spawn([JOB], env))
+        outs = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            end(proc)
+    for r in range(4):
+        line = next((x for x in outs[r].splitlines() if x.startswith("MISMATCH ")), None)
+        assert line is not None and "none" not in line.split()[2], outs[r][-2000:]
+    # its own host's ranks see it on the board: the sizes differ there
+    for r in (0, 1):
+        line = next(x for x in outs[r].splitlines() if x.startswith("MISMATCH "))
+        assert "MismatchError" in line and "rank" in line, line

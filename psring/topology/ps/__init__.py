@@ -1,7 +1,8 @@
 """The parameter-server topology: workers push to and pull from sharded servers.
 
 Worker side: ``client`` (``PsGroup``, the collectives), ``params`` (parameter mode for SyncSGD),
-``links`` (connections to the shards). Server side (a process of them: ``python -m psring.topology.ps``,
+``links`` (connections to the shards), ``hostreduce`` (all_reduce reduced within each host before it is
+pushed, several ranks a host). Server side (a process of them: ``python -m psring.topology.ps``,
 ``psring server``): ``server`` (a process's shards behind one
 port), ``shard`` (one shard: joins, routing, losses) with ``folding`` and ``pending``,
 ``paramstore`` (parameters and optimizer state held on the shards) and ``tables`` (sparse tables'

@@ -36,6 +36,8 @@ from ...transport.connection import Connection
 from ...transport.local import LocalConnection
 from ..collective import Collective
 from ..group import Group
+from . import hostreduce
+from .hostreduce import HostReduce
 from .links import ServerLinks
 from .params import ParameterMode, SparseTables, joins_closed, joins_closed_key
 from .plan import SHARED_KINDS, per_piece, plan
@@ -68,6 +70,10 @@ class PsGroup(ParameterMode, SparseTables, Group):
         self.backup = 0
         self.backup_dropped = 0  # steps whose result this worker's pushes were not in (it came late)
         self.backup_skipped = 0  # steps this worker skipped: completed without it while it was behind
+        #: the shards fold this group's all_reduces in rank order (a host-reduce subgroup: ranks are hosts)
+        self.ordered = False
+        #: all_reduce across hosts, several ranks on each: reduced within the host first (ps.hostreduce)
+        self.host_reduce: HostReduce | None = None
         links.groups[gid] = self
 
     @property
@@ -145,12 +151,19 @@ class PsGroup(ParameterMode, SparseTables, Group):
             await links.connect(settings.timeout)
             group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
             await links.tell_piece(f"{prefix}/wire")
+            board = await hostreduce.offer(store, prefix, rank, settings.config)
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             try:
                 await links.learn_piece(f"{prefix}/wire")
-            except ValueError:  # rank 0's PSRING_PS_WEIGHTS does not fit the shards: every rank says so
+                agreed = await hostreduce.agree(store, prefix, rank, world, board, settings.timeout)
+            except (ValueError, PsringError):  # e.g. rank 0's PSRING_PS_WEIGHTS does not fit the shards
+                if board is not None:
+                    board.close()
                 await group.close()
                 raise
+            if agreed is not None:
+                assert board is not None
+                group.host_reduce = links.host_reduce = HostReduce(group, board, *agreed)
             logger.info("%r ready with %d server shard(s)", group, len(links.shards))
             return group
 
@@ -239,6 +252,11 @@ class PsGroup(ParameterMode, SparseTables, Group):
         if self.elastic:  # results of an elastic job depend on who was there: say so
             out["elastic_workers"] = len(self.live_members)
             out["elastic_departed"] = len(self.members) - len(self.live_members)
+        hr = self.host_reduce
+        if hr is not None:  # all_reduce blocks reduced within this host before they were pushed
+            out["host_reduce_blocks"] = hr.blocks_done
+            out["host_board_bytes_posted"] = hr.board.bytes_posted
+            out["host_board_bytes_read"] = hr.board.bytes_read
         if self.backup:  # the same for backup workers: how often this worker was the one left out
             out["backup_dropped"] = self.backup_dropped
             out["backup_skipped"] = self.backup_skipped
@@ -262,6 +280,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
             "src": self.rank,
             "size": self.world_size,
             "piece": piece,  # the shard splits its slice alike
+            **({"ordered": True} if self.ordered else {}),
             **({"weights": list(self.links.weights)} if self.links.weights else {}),  # and cuts the tensor alike
         }
 
@@ -344,6 +363,15 @@ class PsGroup(ParameterMode, SparseTables, Group):
 
     # -------------------------------------------------------------- collectives
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        hr = self.host_reduce
+        if hr is not None and x.nbytes >= self.config.ps_host_reduce and not (self.elastic or self.backup):
+            try:
+                return await hr.all_reduce(coll, x, op)
+            except BaseException:
+                # the ranks' boards and host subgroups may have parted ways: from now on every rank
+                # pushes its own tensor (each rank of a failed call comes here alike)
+                self.host_reduce = None
+                raise
         out = result_empty(x)
         expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, out)]
         await self._exchange(coll, x, expects, True, x.size, x.itemsize)

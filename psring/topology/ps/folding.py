@@ -65,7 +65,11 @@ class Folding:
         if pending.codec:
             fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
         else:
-            hosts = self.layout_of(range(pending.size)) if pending.kind == "all_reduce" and pending.gid == "0" else None
+            hosts: Layout | None = None
+            if pending.kind == "all_reduce" and pending.ordered:  # one "host" of them all: rank order
+                hosts = (tuple(range(pending.size)),)
+            elif pending.kind == "all_reduce" and pending.gid == "0":
+                hosts = self.layout_of(range(pending.size))
             canonical_fold(parts, pending.op, out, pa, pending.n, hosts)
         del pending.inbox[j]
         release_held(pending.held.pop(j, ()))  # handed back with the result frames below

@@ -58,6 +58,7 @@ class ServerLinks:
         self.wire = False
         #: each shard's share of every large tensor (PSRING_PS_WEIGHTS as rank 0 set it; None: equal)
         self.weights: tuple[int, ...] | None = None
+        self.host_reduce: Any = None  # the job's group's HostReduce (its board is closed with the links)
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -336,3 +337,5 @@ class ServerLinks:
             await self.embedded_store.close()
         if self.pool is not None:
             self.pool.close()
+        if self.host_reduce is not None:
+            self.host_reduce.close()

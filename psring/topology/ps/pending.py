@@ -36,6 +36,7 @@ class _Pending:
         "kind",
         "n",
         "op",
+        "ordered",
         "piece_bytes",
         "pieces",
         "root",
@@ -67,6 +68,7 @@ class _Pending:
         self.n = prod(tuple(shape)) if shape is not None else 0
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
         self.weights = weights  # as the workers' joins said (None: equal slices)
+        self.ordered = False  # fold the ranks in rank order (a host-reduce subgroup's: its ranks are hosts)
         mine = [(a, b) for s, a, b in plan(kind, self.n, itemsize, shards, seq, weights) if s == shard]
         self.slice = mine[0] if mine else (0, 0)
         self.piece_bytes = piece_bytes  # as the workers' joins said

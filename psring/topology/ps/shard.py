@@ -252,6 +252,9 @@ class Shard(Folding):
             raise ProtocolError(f"join frame with piece={piece!r}")
         _check_desc(desc, self.settings.max_tensor)
         weights = self.weights_in(header)
+        ordered: Any = header.get("ordered", False)
+        if type(ordered) is not bool:
+            raise ProtocolError(f"join frame with ordered={ordered!r}")
         key = (tag[0], tag[1])
         if key in self.finished:
             if self.finished[key] != "done":  # abandoned: tell the latecomer at once
@@ -277,9 +280,21 @@ class Shard(Folding):
                 self._finish(key, "lost", lost=gone[0])
                 return
             pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, piece, weights)
+            pending.ordered = ordered
             self.pending[key] = pending
-        elif (desc, size, piece, weights) != (pending.desc, pending.size, pending.piece_bytes, pending.weights):
-            if weights != pending.weights:
+        elif (desc, size, piece, weights, ordered) != (
+            pending.desc,
+            pending.size,
+            pending.piece_bytes,
+            pending.weights,
+            pending.ordered,
+        ):
+            if ordered != pending.ordered:
+                message = (
+                    f"rank {src} joined {desc[0]} #{key[1]} of group {key[0]} folding in rank order={ordered}, "
+                    f"rank {pending.first} with {pending.ordered}: a host-reduced all_reduce met a plain one"
+                )
+            elif weights != pending.weights:
                 message = (
                     f"rank {src} cuts {desc[0]} #{key[1]} over the shards by weights {weights}, rank {pending.first} "
                     f"by {pending.weights}: every worker must take PSRING_PS_WEIGHTS from the same job"

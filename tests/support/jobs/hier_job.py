@@ -3,7 +3,7 @@ ranks r // per on one host, 'interleave' r % per), as ranks in separate containe
 would be. Each rank all_reduces tensors of every path's size with every op, compares the result
 with the two-level and the flat canonical orders computed here from all ranks' inputs, runs a
 few SyncSGD steps, and prints one line: 'HIER <rank> <two-level matches> <flat matches> <total>
-<params digest>'.
+<params digest> <ps: all_reduce blocks reduced within the host before they were pushed>'.
 """
 
 import hashlib
@@ -41,6 +41,15 @@ if crash is not None:  # rank HIER_CRASH dies (SIGKILL-like) in its third large 
     except psring.PeerLostError as exc:
         print(f"LOST {rank} {time.monotonic():.3f} {exc}", flush=True)
     os._exit(0)
+odd = os.environ.get("HIER_MISMATCH")
+if odd is not None:  # rank HIER_MISMATCH all_reduces a larger tensor than the others: every rank names it
+    x = np.ones(1_000_000 + (1000 if rank == int(odd) else 0), np.float32)
+    try:
+        g.all_reduce(x)
+        print(f"MISMATCH {rank} none", flush=True)
+    except (psring.MismatchError, psring.PeerLostError) as exc:
+        print(f"MISMATCH {rank} {type(exc).__name__} {exc}", flush=True)
+    os._exit(0)
 two = flat = total = 0
 # 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
 for size in (1, 7, 1000, 100_003, 1_500_001):
@@ -58,5 +67,6 @@ for step in range(3):
     rng = np.random.default_rng(1000 * step + rank)
     params = opt.step({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()})
 digest = hashlib.sha256(b"".join(np.ascontiguousarray(params[k]).tobytes() for k in sorted(params))).hexdigest()[:16]
-print(f"HIER {g.rank} {two} {flat} {total} {digest}", flush=True)
+blocks = g.stats().get("host_reduce_blocks", 0)  # ps: all_reduce blocks reduced within the host first
+print(f"HIER {g.rank} {two} {flat} {total} {digest} {blocks}", flush=True)
 g.close()
