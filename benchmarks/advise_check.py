@@ -42,9 +42,11 @@ CONFIGS = [
     (2, 2, 0, "200mbit", 4 << 20),
     (2, 2, 0, "1gbit", 4),
     (4, 1, 2, "1gbit", 16 << 20),
+    (2, 2, 2, "1gbit", 16 << 20),  # several ranks a host and server hosts: every ps placement reduces in the host
 ]
 QUICK = [CONFIGS[1], CONFIGS[3], CONFIGS[6]]
-MODEL = {"flat": "ring", "hier": "hierarchical", "ps": "ps colocated", "psd": "ps dedicated", "split": "BytePS split"}
+MODEL = {"flat": "ring", "hier": "hierarchical", "ps": "ps colocated", "psh": "ps colocated", "psd": "ps dedicated",
+         "split": "BytePS split"}  # fmt: skip
 
 
 def measure(cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: list[int], rounds: int) -> list[float]:
@@ -66,7 +68,9 @@ def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]
         links = fit_links(hosts * ranks, (4 << 10, small), (8 << 20, large))
         layout = Layout(hosts, ranks, servers)
         predicted = predict(size, layout, links)
-        variants = ["flat", "ps"] + (["hier"] if ranks > 1 else []) + (["psd"] if servers else [])
+        # colocated shards as psring runs them: reduced within the host first where hosts hold several ranks
+        variants = ["flat", "psh" if ranks > 1 else "ps"] + (["hier"] if ranks > 1 else [])
+        variants += ["psd"] if servers else []
         variants += ["split"] if "BytePS split" in predicted else []  # its weights: advise's (hosts.py)
         measured = {MODEL[v]: measure(cluster, v, hosts, ranks, [size], rounds)[0] for v in variants}
     finally:
