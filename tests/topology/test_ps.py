@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import psring
 from psring.core import wire
+from psring.core.fold import canonical_fold
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.topology.ps.plan import WHOLE_MAX_BYTES, check_weights, plan
 from psring.topology.ps.server import start_servers
@@ -168,6 +169,33 @@ async def test_shard_weights_on_the_wire_are_checked_and_compared(store, make_gr
     x = np.ones(100_000, np.float32)
     results = await asyncio.gather(*(g.all_reduce(x) for g in groups), return_exceptions=True)
     assert all(isinstance(r, psring.MismatchError) and "PSRING_PS_WEIGHTS" in str(r) for r in results), results
+
+
+@pytest.mark.asyncio
+async def test_shard_checks_and_compares_the_ordered_fold_flag(store, make_groups) -> None:
+    """A host-reduced all_reduce's subgroup asks its shards to fold in rank order (``ordered``): a join
+    with anything but a bool there drops its worker; workers that disagree get a MismatchError; and an
+    ordered fold over 3 ranks is the left fold in rank order (x0 + x1) + x2, not from a chunk's owner."""
+    groups = await make_groups(2, "ps", servers_n=1)
+    desc = ("all_reduce", "float32", (10,), "sum", None)
+    conn = groups[1].links.shards[0]
+    conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2, "ordered": 1})
+    with pytest.raises(psring.PsringError, match=r"rank 1 was dropped.*ordered=1"):
+        await asyncio.wait_for(groups[0].all_reduce(np.ones(10, np.float32)), 20)
+    groups = await make_groups(2, "ps", servers_n=1)
+    groups[1].ordered = True  # as a host subgroup's rank would, beside a plain one
+    results = await asyncio.gather(*(g.all_reduce(np.ones(10, np.float32)) for g in groups), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) and "rank order" in str(r) for r in results), results
+    groups = await make_groups(3, "ps", servers_n=1)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(30_000).astype(np.float32) * 10 ** r for r in range(3)]
+    for g in groups:
+        g.ordered = True
+    got = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    want = (xs[0] + xs[1]) + xs[2]
+    assert all(np.array_equal(y, want) for y in got)
+    # the flat order starts at the owner of an element's ring chunk: other bits for most of them
+    assert not np.array_equal(canonical_fold(xs, "sum", np.empty(30_000, np.float32)), want)
 
 
 @pytest.mark.asyncio

@@ -83,9 +83,13 @@ async def agree(
         raw = await store.get(_key(prefix, "offer", r))
         records.append(msgpack.unpackb(raw) if raw else {})
     layout = host_layout([rec.get("where") for rec in records])
-    ok = board is not None and layout is not None
+    if layout is None:  # every rank read the same records: none takes the path (one host, most often)
+        if board is not None:
+            board.close()
+        return None
+    ok = board is not None
     if ok:
-        assert layout is not None and board is not None
+        assert board is not None
         home = next(h for h in layout if rank in h)
         peers = {r: records[r].get("board") for r in home if r != rank}
         if any(records[r].get("host") != records[rank].get("host") or peers[r] is None for r in peers):
@@ -106,7 +110,6 @@ async def agree(
         if board is not None:
             board.close()
         return None
-    assert layout is not None
     return layout, min(int(rec["block"]) for rec in records)
 
 
