@@ -143,17 +143,34 @@ class HostReduce:
         self.cross.ordered = True  # its shards fold the hosts in host order, not from a ring chunk's owner
         self.next_post = 0  # board post numbers: one a block, the same sequence on every rank
         self.blocks_done = 0
+        #: calls go one after another, in the order they began (their sequence numbers' order: a call
+        #: reaches all_reduce without an await after taking its number): an ack covers every post before it
+        self._tail: asyncio.Future[None] | None = None
 
     def close(self) -> None:
         self.board.close()
 
     async def all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        board, home = self.board, self.home
         out = result_empty(x)
-        per_block = max(len(home), self.block_bytes // max(x.itemsize, 1))
+        per_block = max(len(self.home), self.block_bytes // max(x.itemsize, 1))
         blocks = [(a, min(a + per_block, x.size)) for a in range(0, x.size, per_block)]
         first = self.next_post
         self.next_post += len(blocks)
+        before, self._tail = self._tail, asyncio.get_running_loop().create_future()
+        mine = self._tail
+        try:
+            if before is not None and not before.done():
+                await asyncio.shield(before)
+            return await self._blocks(coll, x, op, out, blocks, first)
+        finally:
+            mine.set_result(None)
+            if self._tail is mine:
+                self._tail = None
+
+    async def _blocks(
+        self, coll: Collective, x: np.ndarray, op: str, out: np.ndarray, blocks: list[tuple[int, int]], first: int
+    ) -> np.ndarray:
+        board, home = self.board, self.home
         ufunc = reduce_op(op)
         cross_op = "sum" if op == "avg" else op
         inflight: list[tuple[int, int, int, asyncio.Task[np.ndarray]]] = []

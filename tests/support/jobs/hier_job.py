@@ -61,6 +61,17 @@ for size in (1, 7, 1000, 100_003, 1_500_001):
         two += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32), hosts=hosts)))
         flat += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32))))
         total += 1
+# three calls in flight at once (async_op), each large enough for the ps to reduce it within the host
+xs3 = [
+    np.stack([np.random.default_rng(7 * i + r).standard_normal(300_000).astype(np.float32) for r in range(world)])
+    for i in range(3)
+]
+handles = [g.all_reduce(x[rank], async_op=True) for x in xs3]
+for x, h in zip(xs3, handles, strict=True):
+    y = h.wait()
+    two += bool(np.array_equal(y, canonical_fold(x, "sum", np.empty(300_000, np.float32), hosts=hosts)))
+    flat += bool(np.array_equal(y, canonical_fold(x, "sum", np.empty(300_000, np.float32))))
+    total += 1
 params = {"w": np.zeros(600_001, np.float32), "b": np.zeros(5, np.float32)}
 opt = psring.SyncSGD(g, params, optimizer=psring.optim.SGD(lr=0.1, momentum=0.9))
 for step in range(3):
