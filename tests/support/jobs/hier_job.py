@@ -49,6 +49,10 @@ if odd is not None:  # rank HIER_MISMATCH all_reduces a larger tensor than the o
         print(f"MISMATCH {rank} none", flush=True)
     except (psring.MismatchError, psring.PeerLostError) as exc:
         print(f"MISMATCH {rank} {type(exc).__name__} {exc}", flush=True)
+    try:  # the group goes on after a mismatch: leave together (rank 0's process holds the store and shards)
+        g.barrier()
+    except psring.PsringError as exc:
+        print(f"BARRIER {rank} {type(exc).__name__} {exc}", flush=True)
     os._exit(0)
 two = flat = total = 0
 # 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
