@@ -72,49 +72,59 @@ import psring
 
 sizes, iters, warmup, api = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
-def bench(all_reduce, barrier, rank, n):
+# the timed loops call all_reduce directly, as MPI_RANK calls Allreduce: no harness between them
+def bench_blocking(g):
     out = []
+    rank, n = g.rank, g.world_size
     for size in sizes:
         count = max(1, size // 4)
         x = np.full(count, rank + 1, np.float32)
         k = iters if size > 65536 else max(iters, 200)
         for _ in range(max(warmup, 20) if size <= 65536 else warmup):
-            yield all_reduce(x)
-        y = yield all_reduce(x)
-        ok = bool(np.all(y == n * (n + 1) / 2))
-        yield barrier()
+            g.all_reduce(x)
+        ok = bool(np.all(g.all_reduce(x) == n * (n + 1) / 2))
+        g.barrier()
         t0 = time.perf_counter()
         for _ in range(k):
-            yield all_reduce(x)
+            g.all_reduce(x)
         dt = (time.perf_counter() - t0) / k
-        worst = yield all_reduce(np.array([dt]), "max")
-        oks = yield all_reduce(np.array([1.0 if ok else 0.0]), "min")
+        worst = g.all_reduce(np.array([dt]), op="max")
+        oks = g.all_reduce(np.array([1.0 if ok else 0.0]), op="min")
         out.append({"size": count * 4, "time_s": float(worst[0]), "ok": bool(oks[0] == 1.0)})
+    return out
+
+async def bench_async(g):
+    out = []
+    rank, n = g.rank, g.world_size
+    for size in sizes:
+        count = max(1, size // 4)
+        x = np.full(count, rank + 1, np.float32)
+        k = iters if size > 65536 else max(iters, 200)
+        for _ in range(max(warmup, 20) if size <= 65536 else warmup):
+            await g.all_reduce(x)
+        ok = bool(np.all((await g.all_reduce(x)) == n * (n + 1) / 2))
+        await g.barrier()
+        t0 = time.perf_counter()
+        for _ in range(k):
+            await g.all_reduce(x)
+        dt = (time.perf_counter() - t0) / k
+        worst = await g.all_reduce(np.array([dt]), op="max")
+        oks = await g.all_reduce(np.array([1.0 if ok else 0.0]), op="min")
+        out.append({"size": count * 4, "time_s": float(worst[0]), "ok": bool(oks[0] == 1.0)})
+    return out
+
+def report(rank, out):
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
 
 def drive_blocking():
     g = psring.init()
-    gen = bench(lambda x, op="sum": ("ar", x, op), lambda: ("barrier",), g.rank, g.world_size)
-    value = None
-    try:
-        while True:
-            call = gen.send(value)
-            value = g.barrier() if call[0] == "barrier" else g.all_reduce(call[1], op=call[2])
-    except StopIteration:
-        pass
+    report(g.rank, bench_blocking(g))
     g.close()
 
 async def drive_async():
     g = await psring.init_group()
-    gen = bench(lambda x, op="sum": ("ar", x, op), lambda: ("barrier",), g.rank, g.world_size)
-    value = None
-    try:
-        while True:
-            call = gen.send(value)
-            value = await (g.barrier() if call[0] == "barrier" else g.all_reduce(call[1], op=call[2]))
-    except StopIteration:
-        pass
+    report(g.rank, await bench_async(g))
     await g.close()
 
 if api == "blocking":

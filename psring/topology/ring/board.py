@@ -61,6 +61,11 @@ SPLIT_BYTES = 64 << 10
 SPIN_PER_BYTE = 1e-9
 #: and at most this much in all (a spinning rank takes a core its late peers may need)
 SPIN_MAX = 0.02
+#: polls of the board before the spin starts yielding the core between them (each yield is a syscall,
+#: which on a VM costs more than the wait for a peer running on another core)
+#: (only where every rank of the host can have a core of its own: else a poll holds a core a peer needs)
+HOT_POLLS = 20
+CORES = os.cpu_count() or 1
 
 
 class BoardPath(_Host):
@@ -174,6 +179,10 @@ class BoardPath(_Host):
         with ``marked`` on its marks) or NAP; with ``coll``, keep its ``waiting_on`` (who has not posted
         or marked k) for a timeout to name."""
         if self.net.config.spin_us > 0 and PeerNet.live == 1:
+            if self.world_size <= CORES:
+                for _ in range(HOT_POLLS):  # as _board_spin
+                    if ready():
+                        return
             end = time.perf_counter() + self._spin_budget(nbytes)
             while time.perf_counter() < end:
                 if ready():
@@ -331,6 +340,10 @@ class BoardPath(_Host):
         share (SPIN_PER_BYTE; a lone rank in its process); whether it came true."""
         if self.net.config.spin_us <= 0 or PeerNet.live != 1:
             return False
+        if self.world_size <= CORES:
+            for _ in range(HOT_POLLS):  # a peer on another core posts within these: no syscall in between
+                if ready(k):
+                    return True
         end = time.perf_counter() + self._spin_budget(nbytes)
         while time.perf_counter() < end:
             os.sched_yield()
