@@ -51,10 +51,10 @@ def test_hosts_bench_runs_every_variant_across_namespaces(tmp_path: Path) -> Non
     pss = ("ps", "psh", "psd", "split")
     assert all(r["topology"] == ("ps" if r["variant"] in pss else "ring") for r in rows if "topology" in r)
     assert {r["ps_piece"] for r in rows if r["variant"] in pss} == {wire}, rows
-    # the split: a shard in each of the 4 ranks and one on the server host, which takes half of every
-    # tensor (psring advise's weights for 2 hosts x 2 ranks and 1 server host)
+    # the split: a shard in each of the 4 ranks and one on the server host, every shard an equal slice
+    # (psring advise's weights for 2 hosts x 2 ranks and 1 server host)
     shards = {r["variant"]: (r["ps_shards"], r["ps_weights"]) for r in rows if r["variant"] in pss}
-    assert shards == {"ps": (4, []), "psh": (4, []), "psd": (1, []), "split": (5, [1, 1, 1, 1, 4])}, rows
+    assert shards == {"ps": (4, []), "psh": (4, []), "psd": (1, []), "split": (5, [1, 1, 1, 1, 1])}, rows
     # psh, psd and split reduce each 2 MiB all_reduce within the host before pushing it (one block each,
     # warm-up and timed calls); ps pushes every rank's tensor
     blocks = {r["variant"]: r["ps_host_blocks"] for r in rows if r["variant"] in pss and r["size"] == 2 << 20}

@@ -19,9 +19,11 @@ The model (its assumptions, in the order they matter):
                                                    plus 2(R-1)/R S through memory (R > 1: below)
   ps, k dedicated hosts     2, and 2N messages     max(S, H S / k) (hosts push and pull S each),
                                                    with the fill and the drain (below)
-  BytePS split              2, and 2N messages     the placement of a share x on the k dedicated
-                                                   hosts (rest colocated) that evens both loads,
-                                                   fill and drain (PSRING_PS_WEIGHTS: split_weights)
+  BytePS split              2, and 2N messages     a share x on the k dedicated hosts (the rest
+                                                   colocated), the x that is fastest with a link
+                                                   shared fairly by its flows (split_time: not the
+                                                   x that evens the links' bytes), fill and drain
+                                                   (PSRING_PS_WEIGHTS: split_weights)
   ========================  =====================  ===============================================
 
   with N workers on H hosts, R per host. A latency step costs ``latency`` plus ``per_message`` (a
@@ -142,16 +144,60 @@ class Layout:
         return self.hosts * self.ranks_per_host
 
 
+def _pushers(layout: Layout) -> tuple[int, int]:
+    """(the workers whose copies of a large tensor's piece a shard takes, of them per host): a host
+    reduces within itself before pushing where it holds several ranks (PSRING_PS_HOST_REDUCE)."""
+    if layout.ranks_per_host > 1 and settings.current().ps_host_reduce > 0:
+        return layout.hosts, 1
+    return layout.workers, layout.ranks_per_host
+
+
+def split_time(layout: Layout, x: float) -> float:
+    """The BytePS split's bytes time, in units of S / bandwidth, with share x of every tensor on the
+    dedicated shards: the flows on a worker host's link share it equally while they last (TCP's
+    fairness, max-min), a flow to a dedicated shard at most its server host's link over the pushers
+    that reach it. Its k dedicated flows, its pushes to the colocated shards of other hosts and its
+    own shards' answers to them run side by side: the colocated ones take their share of the link
+    while the dedicated shards' links idle, so the share that evens the links' bytes (BytePS's, the
+    equal-load bound) runs long. Measured on the bed at 4 + 2, 16 MiB, the share x = 0.5 / 0.6 /
+    0.67 / 0.75 gave 1.00 / 0.95 / 0.86 / 0.78x the ring; this gives 1.00 / 0.94 / 0.90 / 0.86x."""
+    n, r, k = layout.workers, layout.ranks_per_host, layout.server_hosts
+    pushers, per_host = _pushers(layout)
+    # [flows on the link, bytes left in each (units of S), the most one flow may take of the link]
+    groups = [
+        [per_host * k, x / k, 1.0 / pushers],  # to the dedicated shards
+        [per_host * (n - r), (1.0 - x) / n, math.inf],  # to the colocated shards on other hosts
+        [r * (pushers - per_host), (1.0 - x) / n, math.inf],  # this host's shards' answers to them
+    ]
+    live = [g for g in groups if g[0] > 0 and g[1] > 1e-12]
+    t = 0.0
+    while live:
+        rates: dict[int, float] = {}
+        room, flows = 1.0, sum(g[0] for g in live)
+        for i, g in sorted(enumerate(live), key=lambda ig: ig[1][2]):  # water-filling: capped flows first
+            rate = min(g[2], room / flows)
+            rates[i] = rate
+            room -= rate * g[0]
+            flows -= g[0]
+        step = min(g[1] / rates[i] for i, g in enumerate(live))
+        for i, g in enumerate(live):
+            g[1] -= rates[i] * step
+        t += step
+        live = [g for g in live if g[1] > 1e-12]
+    return t
+
+
 def split_share(layout: Layout) -> float:
-    """BytePS's share of each tensor for the dedicated hosts: the one that evens a worker host's
-    link (x S R on dedicated, the rest at the colocated cost) and a server host's (x N S / k)."""
-    h, k = layout.hosts, layout.server_hosts
+    """The share of each tensor for the dedicated hosts that makes the split fastest (:func:`split_time`,
+    in hundredths; 1: all of it, ps dedicated). Where the dedicated shards' links are not the limit
+    that is every shard's equal slice, k / (N + k) -- equal flows finish together, none idles a link --
+    and then it is exactly that (no weights needed)."""
+    n, k = layout.workers, layout.server_hosts
     if k == 0:
         return 0.0
-    colocated = 2.0 * (h - 1) / h  # per byte of a worker's share, what its host's link carries
-    # r [x + (1 - x) c] = h r x / k  ->  x = c / (h / k - 1 + c)
-    denom = h / k - 1.0 + colocated
-    return 1.0 if denom <= 0 else min(1.0, max(0.0, colocated / denom))
+    best = min(range(1, 101), key=lambda c: (round(split_time(layout, c / 100), 9), -c)) / 100
+    equal = k / (n + k)
+    return equal if split_time(layout, equal) <= split_time(layout, best) * (1 + 1e-3) else best
 
 
 #: the split's weights are whole numbers: a share is counted in this many parts of a tensor
@@ -166,6 +212,8 @@ def split_weights(layout: Layout) -> tuple[int, ...]:
     if k == 0:
         return (1,) * n
     x = split_share(layout)
+    if x == k / (n + k):
+        return (1,) * (n + k)
     colocated = max(1, round((1.0 - x) / n * WEIGHT_PARTS))
     dedicated = max(1, round(x / k * WEIGHT_PARTS))
     common = math.gcd(colocated, dedicated)
@@ -184,11 +232,13 @@ def settings_for(name: str, layout: Layout) -> dict[str, str]:
     if name == "ps dedicated":  # the shards: psring server --shard i --num-shards k on each server host
         return {"PSRING_TOPOLOGY": "ps"}
     if name == "BytePS split":  # and psring server --shard N+i --num-shards N+k on each server host
+        weights = split_weights(layout)
         return {
             "PSRING_TOPOLOGY": "ps",
             "PSRING_PS_COLOCATE": "1",
             "PSRING_PS_DEDICATED": str(k),
-            "PSRING_PS_WEIGHTS": ",".join(map(str, split_weights(layout))),
+            # equal slices (the usual best: split_share) need no weights
+            **({"PSRING_PS_WEIGHTS": ",".join(map(str, weights))} if len(set(weights)) > 1 else {}),
         }
     if name.startswith("ps backup"):
         return {"PSRING_TOPOLOGY": "ps"}
@@ -243,10 +293,9 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
         )
         x = split_share(layout)
         if 0.0 < x < 1.0:  # (x = 1 is ps dedicated)
-            worker = per_host * s * (x + (1 - x) * 2.0 * (h - 1) / h)
             # psring cuts the pieces for all N + k shards; a dedicated one's last goes to every pusher
             fill = drain = pushers * min(_piece(s_piece, n + k), s_piece * x / k) / b
-            out["BytePS split"] = 2 * a + fan + local + max(worker, pushers * s * x / k) / b + fill + drain
+            out["BytePS split"] = 2 * a + fan + local + split_time(layout, x) * s / b + fill + drain
     return out
 
 
@@ -291,7 +340,8 @@ def _reason(best: str, times: dict[str, float], layout: Layout, sizes: list[int]
         x = split_share(layout)
         return (
             f"{k} server host(s) for {n} workers: {x:.0%} of every tensor on the dedicated shards and the rest on "
-            f"shards beside the workers evens the server hosts' links and the workers' (BytePS); {edge}"
+            f"shards beside the workers keeps the server hosts' links busy beside the workers' (BytePS's split, "
+            f"the share for links their flows share fairly); {edge}"
         )
     if best.startswith("ps backup"):
         return (
