@@ -183,7 +183,7 @@ class Settings:
         None,
         parse_weights,
         "ps: each shard's share of every large tensor, one whole number per shard (1,1,1,1,3,3; rank 0's word "
-        "counts; psring advise computes it for dedicated server hosts; unset: equal)",
+        "counts; unset: equal slices, which psring advise finds best for the BytePS split too)",
     )
     checkpoint_dir: str | None = _var(
         "PSRING_CHECKPOINT_DIR", None, parse_text, "ps: where local shards write parameter checkpoints"
