@@ -73,42 +73,38 @@ import psring
 sizes, iters, warmup, api = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 
 # the timed loops call all_reduce directly, as MPI_RANK calls Allreduce: no harness between them
-def bench_blocking(g):
-    out = []
-    rank, n = g.rank, g.world_size
+def cases(rank):
     for size in sizes:
         count = max(1, size // 4)
-        x = np.full(count, rank + 1, np.float32)
-        k = iters if size > 65536 else max(iters, 200)
-        for _ in range(max(warmup, 20) if size <= 65536 else warmup):
+        warm = max(warmup, 20) if size <= 65536 else warmup
+        yield count, np.full(count, rank + 1, np.float32), (iters if size > 65536 else max(iters, 200)), warm
+
+def bench_blocking(g):
+    out, n = [], g.world_size
+    for count, x, k, warm in cases(g.rank):
+        for _ in range(warm):
             g.all_reduce(x)
         ok = bool(np.all(g.all_reduce(x) == n * (n + 1) / 2))
         g.barrier()
         t0 = time.perf_counter()
         for _ in range(k):
             g.all_reduce(x)
-        dt = (time.perf_counter() - t0) / k
-        worst = g.all_reduce(np.array([dt]), op="max")
+        worst = g.all_reduce(np.array([(time.perf_counter() - t0) / k]), op="max")
         oks = g.all_reduce(np.array([1.0 if ok else 0.0]), op="min")
         out.append({"size": count * 4, "time_s": float(worst[0]), "ok": bool(oks[0] == 1.0)})
     return out
 
 async def bench_async(g):
-    out = []
-    rank, n = g.rank, g.world_size
-    for size in sizes:
-        count = max(1, size // 4)
-        x = np.full(count, rank + 1, np.float32)
-        k = iters if size > 65536 else max(iters, 200)
-        for _ in range(max(warmup, 20) if size <= 65536 else warmup):
+    out, n = [], g.world_size
+    for count, x, k, warm in cases(g.rank):
+        for _ in range(warm):
             await g.all_reduce(x)
         ok = bool(np.all((await g.all_reduce(x)) == n * (n + 1) / 2))
         await g.barrier()
         t0 = time.perf_counter()
         for _ in range(k):
             await g.all_reduce(x)
-        dt = (time.perf_counter() - t0) / k
-        worst = await g.all_reduce(np.array([dt]), op="max")
+        worst = await g.all_reduce(np.array([(time.perf_counter() - t0) / k]), op="max")
         oks = await g.all_reduce(np.array([1.0 if ok else 0.0]), op="min")
         out.append({"size": count * 4, "time_s": float(worst[0]), "ok": bool(oks[0] == 1.0)})
     return out
