@@ -152,7 +152,12 @@ class PsGroup(ParameterMode, SparseTables, Group):
             group = cls(links, rank, world, list(range(world)), "0", settings.timeout)
             await links.tell_piece(f"{prefix}/wire")
             board = await hostreduce.offer(store, prefix, rank, settings.config)
-            await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            try:
+                await store.barrier(f"{prefix}/ready", world, settings.timeout)
+            except BaseException:
+                if board is not None:
+                    board.close()
+                raise
             try:
                 await links.learn_piece(f"{prefix}/wire")
                 agreed = await hostreduce.agree(store, prefix, rank, world, board, settings.timeout)
