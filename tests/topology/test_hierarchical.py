@@ -112,6 +112,15 @@ def test_ps_reduces_within_the_host_in_blocks_and_off_pushes_every_tensor(n: int
     assert len(digests) == 1, f"SyncSGD parameters differ: {digests}"
 
 
+@pytest.mark.timeout(200)
+def test_ranks_that_set_another_host_reduce_size_take_the_path_for_the_same_calls() -> None:
+    """Rank 0 says PSRING_PS_HOST_REDUCE=2M, the others 256K: every rank takes the largest, so only the
+    1_500_001-float calls (one block each, 4 ops) are reduced within the host, on every rank."""
+    rows, _ = _run("ps", 4, "block:2", HIER_RANK0_HOST_REDUCE="2M")
+    for _rank, two, _flat, total, _digest, blocks in rows:
+        assert two == total and int(blocks) == 4, (two, total, blocks)
+
+
 @pytest.mark.timeout(300)
 def test_off_keeps_the_flat_order_on_both_topologies() -> None:
     digests = set()

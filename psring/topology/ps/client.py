@@ -369,7 +369,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
     # -------------------------------------------------------------- collectives
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         hr = self.host_reduce
-        if hr is not None and x.nbytes >= self.config.ps_host_reduce and not (self.elastic or self.backup):
+        if hr is not None and x.nbytes >= hr.min_bytes and not (self.elastic or self.backup):
             try:
                 return await hr.all_reduce(coll, x, op)
             except BaseException:

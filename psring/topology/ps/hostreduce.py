@@ -67,6 +67,7 @@ async def offer(store: Any, prefix: str, rank: int, config: Any) -> Board | None
         "host": host_key(),
         "board": board.describe() if board is not None else None,
         "block": config.ps_host_block,
+        "from": config.ps_host_reduce,
     }
     await store.set(_key(prefix, "offer", rank), msgpack.packb(record))
     return board
@@ -74,10 +75,11 @@ async def offer(store: Any, prefix: str, rank: int, config: Any) -> Board | None
 
 async def agree(
     store: Any, prefix: str, rank: int, world: int, board: Board | None, timeout: float
-) -> tuple[Layout, int] | None:
-    """The hosts and the bytes of a block (the smallest any rank's board holds), if every rank can
-    reduce within its host (then this rank's board maps its host's others'); else None, on every
-    rank alike, and the board is closed."""
+) -> tuple[Layout, int, int] | None:
+    """The hosts, the bytes of a block (the smallest any rank's board holds) and the size from which
+    calls take the path (the largest any rank set: every rank takes it for the same calls), if every
+    rank can reduce within its host (then this rank's board maps its host's others'); else None, on
+    every rank alike, and the board is closed."""
     records = []
     for r in range(world):
         raw = await store.get(_key(prefix, "offer", r))
@@ -110,7 +112,7 @@ async def agree(
         if board is not None:
             board.close()
         return None
-    return layout, min(int(rec["block"]) for rec in records)
+    return layout, min(int(rec["block"]) for rec in records), max(int(rec["from"]) for rec in records)
 
 
 def _shown(tag: bytes) -> str:
@@ -129,11 +131,12 @@ def _shown(tag: bytes) -> str:
 class HostReduce:
     """One rank's part of the ps's host-reduced all_reduce (see the module's docstring)."""
 
-    def __init__(self, group: PsGroup, board: Board, hosts: Layout, block_bytes: int) -> None:
+    def __init__(self, group: PsGroup, board: Board, hosts: Layout, block_bytes: int, min_bytes: int) -> None:
         me = group.rank
         self.group = group
         self.board = board
         self.block_bytes = block_bytes
+        self.min_bytes = min_bytes  # all_reduces from this size take the path (agreed)
         self.hosts = hosts
         self.home = next(h for h in hosts if me in h)
         self.local = self.home.index(me)

@@ -18,6 +18,8 @@ def host(r: int) -> str:
 
 
 os.environ["PSRING_HOST_ID"] = host(rank)
+if rank == 0 and os.environ.get("HIER_RANK0_HOST_REDUCE"):  # one rank set apart (the ranks must agree)
+    os.environ["PSRING_PS_HOST_REDUCE"] = os.environ["HIER_RANK0_HOST_REDUCE"]
 
 import numpy as np  # noqa: E402
 
