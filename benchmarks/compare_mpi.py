@@ -46,7 +46,7 @@ out = []
 for size in sizes:
     count = max(1, size // 4)
     buf = np.empty(count, np.float32)
-    k = iters if size > 65536 else max(iters, 200)
+    k = iters if size > 65536 else max(iters, 200 if size > 4096 else 2000)
     for _ in range(max(warmup, 20) if size <= 65536 else warmup):
         buf.fill(rank + 1)
         comm.Allreduce(MPI.IN_PLACE, buf)
@@ -77,7 +77,8 @@ def cases(rank):
     for size in sizes:
         count = max(1, size // 4)
         warm = max(warmup, 20) if size <= 65536 else warmup
-        yield count, np.full(count, rank + 1, np.float32), (iters if size > 65536 else max(iters, 200)), warm
+        k = iters if size > 65536 else max(iters, 200 if size > 4096 else 2000)
+        yield count, np.full(count, rank + 1, np.float32), k, warm
 
 def bench_blocking(g):
     out, n = [], g.world_size
@@ -229,7 +230,7 @@ def main() -> None:
     p.add_argument("--paths", default="host,tcp", help="host (shared memory allowed), tcp (TCP only), or both")
     p.add_argument("--apis", default="blocking,async",
                    help="psring's blocking API, asyncio API (under uvloop.run), async-asyncio (under asyncio.run)")
-    p.add_argument("--iters", type=int, default=10, help="calls per size (at least 200 up to 64 KiB)")
+    p.add_argument("--iters", type=int, default=10, help="calls per size (at least 200 up to 64 KiB, 2000 up to 4 KiB)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true")

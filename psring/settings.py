@@ -259,6 +259,14 @@ class Settings:
         "microseconds a lone rank polls for a small call's peers (same-host links, boards, TCP) before sleeping",
         tuning=True,
     )
+    native: bool = _var(
+        "PSRING_NATIVE",
+        True,
+        parse_switch,
+        "the C extension's hot loops (psring._native: the same-host boards' post, poll and fold) where it "
+        "was built; off: the pure-Python path (the same bits)",
+        tuning=True,
+    )
     # ------------------------------------------------------------ ring
     # Why the ring's defaults are what they are (measured here, side by side, 2 cores):
     # - the plane from 8 MiB: below ~8 MiB the event loop is as fast or faster (fewer thread wake-ups per

@@ -21,6 +21,11 @@ board's header page carries an *ack*, a number up to which its owner has finishe
 (the caller's: for a collective, every collective up to it ended), and
 :meth:`Board.clear_to_post` checks every peer's against what the slot holds.
 
+Where the C extension ``psring._native`` is built (``setup.py``; pip builds it from the sdist where
+a compiler is) and ``native`` is on (PSRING_NATIVE), posting, polling, checking and the fold of every
+rank's post run in C (:meth:`Board.spin`, :meth:`Board.fold`): the same fields written in the same
+order, so a native rank and a pure-Python one share a board, and the same bits.
+
 This module knows posts and peers, not collectives: the ring's board path
 (``psring.topology.ring.board``) decides what a post carries.
 """
@@ -35,6 +40,11 @@ import numpy as np
 
 from .shmpool import PAGE, TOKEN_BYTES, PeerPool, ShmPool
 
+try:
+    from .. import _native
+except ImportError:  # not built here (no compiler where it was installed): the pure-Python path
+    _native = None  # type: ignore[assignment]
+
 #: the largest payload a post carries (a slot is this plus its header, page-rounded)
 BOARD_BYTES = 16 << 10
 #: bytes before a slot's payload: 4 int64 fields (post number, mark, payload bytes, tag bytes)
@@ -44,6 +54,22 @@ TAG_MAX = HEAD - 32
 _ACK_AT = 64  # the owner's ack: an int64 in the pool's header page, after the token
 _SLEEP_AT = 72  # the post its owner sleeps waiting on (-1: none), beside it
 assert _ACK_AT >= TOKEN_BYTES
+
+
+def native_built() -> bool:
+    """Whether the C extension (psring._native) was built and imports here."""
+    return _native is not None
+
+
+#: the dtypes the native fold takes, by the letter it knows them by
+_NATIVE_KINDS = {
+    np.dtype(np.float32): "f",
+    np.dtype(np.float64): "d",
+    np.dtype(np.int32): "i",
+    np.dtype(np.uint32): "I",
+    np.dtype(np.int64): "q",
+    np.dtype(np.uint64): "Q",
+}
 
 
 def board_possible() -> bool:
@@ -74,7 +100,7 @@ class _Views:
 class Board:
     """This process's posting board, and read-only maps of its peers' boards."""
 
-    def __init__(self, max_bytes: int = BOARD_BYTES) -> None:
+    def __init__(self, max_bytes: int = BOARD_BYTES, native: bool = True) -> None:
         if not 1 <= max_bytes <= 1 << 30:
             raise ValueError(f"a board holds 1 byte to 1 GiB, not {max_bytes}")
         self.max_bytes = max_bytes
@@ -93,6 +119,8 @@ class Board:
         self.bytes_posted = 0
         self.bytes_read = 0
         self.closed = False
+        self._want_native = native
+        self._nat: _native.NBoard | None = None  # psring._native.NBoard over the same maps, once attached (see native)
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this board (published through the store)."""
@@ -112,6 +140,22 @@ class Board:
             views = _Views(peer, self._mems[-1], pool.slot_bytes)
             self._peers.append(views)
             self._by_rank[peer] = views
+        if self._want_native and _native is not None and len(self._peers) <= 63:
+            self._nat = _native.NBoard(
+                self._mems[0],
+                self.pool.slot_bytes,
+                [(self._mems[1 + i], self.peers[v.rank].slot_bytes) for i, v in enumerate(self._peers)],
+                PAGE,
+                HEAD,
+                TAG_MAX,
+                _ACK_AT,
+                _SLEEP_AT,
+            )
+
+    @property
+    def native(self) -> bool:
+        """Whether this board's hot loop runs in C (psring._native)."""
+        return self._nat is not None
 
     # ----------------------------------------------------------------- posting
     def clear_to_post(self, k: int) -> bool:
@@ -127,14 +171,20 @@ class Board:
         before = self.last[k & 1]
         return [peer.rank for peer in self._peers if peer.ack[0] < before]
 
-    def post(self, k: int, tag: bytes, payload: memoryview | None) -> None:
+    def post(self, k: int, tag: bytes, payload: memoryview | None) -> list[int]:
         """Post number k: ``payload`` (a byte memoryview of at most max_bytes) with the caller's tag
-        (at most TAG_MAX bytes), into slot k % 2 (see clear_to_post)."""
+        (at most TAG_MAX bytes), into slot k % 2 (see clear_to_post). Returns the peers asleep on
+        it (:meth:`sleepers`: to poke)."""
         p, own = k & 1, self._own
         n = len(tag)
         size = payload.nbytes if payload is not None else 0
         if size > self.limit or n > TAG_MAX:
             raise ValueError(f"a post carries at most {self.limit} bytes and a {TAG_MAX}-byte tag")
+        if self._nat is not None:
+            asleep = self._nat.post(k, tag, payload if payload is not None else b"")
+            self.bytes_posted += size
+            self.last[p] = k
+            return [v.rank for i, v in enumerate(self._peers) if asleep >> i & 1] if asleep else []
         head = own.head[p]
         if size:
             own.body[p][:size] = payload  # type: ignore[assignment]  # not None when size > 0
@@ -144,6 +194,7 @@ class Board:
         head[3] = n
         head[0] = k  # last: a reader that sees k finds everything above
         self.last[p] = k
+        return self.sleepers(k)
 
     def missing(self, k: int) -> list[int]:
         """The peers that have not posted number k yet."""
@@ -168,6 +219,8 @@ class Board:
 
     def _all_at(self, k: int, field: int) -> bool:
         """Whether every peer's slot k % 2 has header ``field`` (0: post number, 1: mark) at k or past it."""
+        if self._nat is not None:
+            return self._nat.all_at(k, field)
         p = k & 1
         for peer in self._peers:
             if peer.head[p][field] < k:
@@ -180,12 +233,35 @@ class Board:
     def differs(self, k: int, tag: bytes, nbytes: int) -> int | None:
         """The first peer (by rank) whose slot k % 2 does not hold post k with this tag and
         ``nbytes`` of payload, or None (call once all_posted(k))."""
+        if self._nat is not None:
+            i = self._nat.differs(k, tag, nbytes)
+            return self._peers[i].rank if i >= 0 else None
         p, n = k & 1, len(tag)
         for peer in self._peers:
             head = peer.head[p]
             if head[0] != k or head[2] != nbytes or head[3] != n or peer.tag[p][:n] != tag:
                 return peer.rank
         return None
+
+    def spin(self, k: int, marked: bool, hot: int, budget: float) -> bool | None:
+        """Poll until every peer posted k (``marked``: marked it): ``hot`` polls back to back, then
+        with the core yielded between polls for ``budget`` seconds; whether it came true. None where
+        the board is not native (the caller polls in Python)."""
+        if self._nat is None:
+            return None
+        return self._nat.spin(k, int(marked), hot, budget)
+
+    def fold(self, k: int, me: int, x: np.ndarray, out: np.ndarray, op: str) -> bool:
+        """Fold every rank's post k -- this rank's (``me``) from ``x`` -- into ``out`` in the canonical
+        flat order (psring.core.fold.canonical_fold), in C; False where it cannot (not native, or a
+        dtype or op it does not fold: min and max, float16, ...), and the caller folds. Call once
+        :meth:`differs` found every post this call's; x and out flat and contiguous."""
+        nat = self._nat
+        kind = _NATIVE_KINDS.get(x.dtype)
+        if nat is None or kind is None or not nat.fold(k, me, x, out, kind, op):
+            return False
+        self.bytes_read += x.nbytes * len(self._peers)
+        return True
 
     def read(self, peer: int, k: int) -> tuple[int, bytes]:
         """What peer's slot k % 2 holds: (its post number, its tag)."""
@@ -237,6 +313,9 @@ class Board:
         if self.closed:
             return
         self.closed = True
+        if self._nat is not None:
+            self._nat.close()  # its buffers first: the maps close below
+            self._nat = None
         self._arrays.clear()
         for views in (self._own, *self._peers):
             views.release()
@@ -250,4 +329,4 @@ class Board:
         self.pool.close()
 
 
-__all__ = ["BOARD_BYTES", "Board", "board_possible"]
+__all__ = ["BOARD_BYTES", "Board", "board_possible", "native_built"]

@@ -4,6 +4,8 @@ small all_reduces through shared memory, from the event loop and from the blocki
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 import psring
 from psring.core.fold import canonical_fold
 from psring.topology.ring.board import SPLIT_BYTES
-from psring.transport.board import Board, board_possible
+from psring.transport.board import Board, board_possible, native_built
 
 from ..conftest import blocking_job_end, run_blocking_job
 
@@ -50,6 +52,153 @@ def test_a_post_is_seen_whole_checked_and_its_slot_reused_only_after_every_ack()
     finally:
         a.close()
         b.close()
+
+
+def _needs_native() -> None:
+    """Skip where the C extension was not built -- except in CI (PSRING_REQUIRE_NATIVE=1), which builds it."""
+    if not native_built():
+        assert os.environ.get("PSRING_REQUIRE_NATIVE") != "1", "psring._native did not build (setup.py)"
+        pytest.skip("psring._native was not built here (no compiler when psring was installed)")
+
+
+def test_the_native_extension_is_built_where_ci_requires_it() -> None:
+    _needs_native()
+    a, b = _pair()
+    try:
+        assert a.native and b.native
+    finally:
+        a.close()
+        b.close()
+    assert not a.native  # closed: its buffers released before the maps
+    c, d = Board(64, native=False), Board(64, native=False)
+    try:
+        c.attach({1: d.describe()})
+        assert not c.native
+    finally:
+        c.close()
+        d.close()
+
+
+@pytest.mark.parametrize("native_first", [True, False])
+def test_a_native_board_and_a_python_one_read_each_others_posts(native_first: bool) -> None:
+    """The C path writes and reads the same fields in the same order: a job may mix them."""
+    _needs_native()
+    a, b = Board(64, native=native_first), Board(64, native=not native_first)
+    a.attach({1: b.describe()})
+    b.attach({0: a.describe()})
+    try:
+        assert a.native == native_first and b.native != native_first
+        for k in (0, 1, 2, 3):
+            xa, xb = np.arange(5, dtype=np.float64) + k, np.arange(5, dtype=np.float64) * -k
+            tag = f"call-{k}".encode()
+            assert not a.all_posted(k) and not b.all_posted(k)
+            a.post(k, tag, memoryview(xa).cast("B"))
+            assert b.all_posted(k) and not a.all_posted(k)
+            b.sleep_on(k + 1)
+            assert a.post(k, tag, memoryview(xa).cast("B")) == []  # b sleeps on the next post, not this one
+            b.post(k, tag, memoryview(xb).cast("B"))
+            assert a.all_posted(k) and a.differs(k, tag, 40) is None and b.differs(k, tag, 40) is None
+            assert a.differs(k, b"other", 40) == 1 and b.differs(k, tag, 32) == 0
+            ref = canonical_fold([xa, xb], "sum", np.empty(5))
+            for board, me, x in ((a, 0, xa), (b, 1, xb)):
+                out = np.empty(5)
+                assert board.fold(k, me, x, out, "sum") == board.native  # the Python board: its caller folds
+                assert not board.native or out.tobytes() == ref.tobytes()
+            a.mark(k)
+            assert b.all_marked(k) and not a.all_marked(k)
+            a.ack(k)
+            b.ack(k)
+        b.sleep_on(4)
+        assert a.post(4, b"t", None) == [1]  # the sleeper is named, native or not
+    finally:
+        a.close()
+        b.close()
+
+
+def _boards(n: int) -> list[Board]:
+    boards = [Board(1 << 14) for _ in range(n)]
+    for r, board in enumerate(boards):
+        board.attach({p: boards[p].describe() for p in range(n) if p != r})
+    return boards
+
+
+NATIVE_DTYPES = [np.float32, np.float64, np.int32, np.uint32, np.int64, np.uint64]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_native_fold_gives_the_canonical_folds_bits(n: int) -> None:
+    """Every dtype and op the C fold takes, sizes around the ring chunks' edges, every rank's place:
+    the bits of psring.core.fold.canonical_fold; what it does not take (min, max, float16) it declines."""
+    _needs_native()
+    boards = _boards(n)
+    rng = np.random.default_rng(n)
+    k = 0
+    try:
+        for dtype in NATIVE_DTYPES:
+            for size in (0, 1, 2, n - 1, n + 1, 37, 1000):
+                if np.dtype(dtype).kind == "f":
+                    # magnitudes far apart: any other order of the additions rounds differently
+                    scale = [10.0 ** rng.integers(-8, 9, size) for _ in range(n)]
+                    xs = [(rng.standard_normal(size) * scale[r]).astype(dtype) for r in range(n)]
+                    if size > 3:
+                        xs[0][1], xs[1][2], xs[-1][3] = np.inf, np.nan, -0.0
+                else:
+                    info = np.iinfo(dtype)
+                    xs = [rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True) for _ in range(n)]
+                for op in ("sum", "prod", "avg", "min"):
+                    if op == "avg" and np.dtype(dtype).kind != "f":
+                        continue
+                    tag = f"{dtype}-{size}-{op}".encode()
+                    for r, board in enumerate(boards):
+                        board.post(k, tag, memoryview(xs[r]).cast("B") if size else None)
+                    with np.errstate(all="ignore"):
+                        ref = canonical_fold(xs, op, np.empty(size, dtype))
+                    for me, board in enumerate(boards):
+                        assert board.differs(k, tag, xs[me].nbytes) is None
+                        out = np.empty(size, dtype)
+                        folded = board.fold(k, me, xs[me], out, op)
+                        assert folded == (op != "min"), (dtype, op)
+                        if folded:
+                            assert out.tobytes() == ref.tobytes(), (dtype, size, op, me)
+                    for board in boards:
+                        board.ack(k)
+                    k += 1
+        x = np.ones(4, np.float16)
+        for board in boards:
+            board.post(k, b"h", memoryview(x).cast("B"))
+        assert not boards[0].fold(k, 0, x, np.empty_like(x), "sum")
+    finally:
+        for board in boards:
+            board.close()
+
+
+def test_the_native_spin_polls_gives_the_core_up_and_stops_at_its_budget() -> None:
+    _needs_native()
+    a, b = _pair()
+    try:
+        t0 = time.monotonic()
+        assert a.spin(0, False, 10, 0.05) is False
+        assert 0.05 <= time.monotonic() - t0 < 2
+        # the GIL is free between polls: a thread of this process posts meanwhile
+        poster = threading.Timer(0.05, lambda: b.post(0, b"t", None))
+        poster.start()
+        t0 = time.monotonic()
+        assert a.spin(0, False, 0, 5.0) is True
+        assert time.monotonic() - t0 < 4
+        poster.join()
+        assert a.spin(0, True, 10, 0.0) is False  # posted, not marked
+        b.mark(0)
+        assert a.spin(0, True, 1, 0.0) is True
+    finally:
+        a.close()
+        b.close()
+    c, d = Board(64, native=False), Board(64, native=False)
+    try:
+        c.attach({1: d.describe()})
+        assert c.spin(0, False, 1, 0.0) is None  # not native: the caller polls
+    finally:
+        c.close()
+        d.close()
 
 
 def test_a_description_that_is_not_a_board_is_refused() -> None:
@@ -201,11 +350,14 @@ for i in range(400):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
-def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop(tmp_path, world: int) -> None:
+@pytest.mark.parametrize("world,native", [(2, "on"), (3, "on"), (3, "off")])
+def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop(
+    tmp_path, world: int, native: str
+) -> None:
+    """(PSRING_NATIVE: the boards' hot loop in C where it is built, and the pure-Python path.)"""
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
-    for r, (on_thread, adopted) in run_blocking_job(script, world).items():
+    for r, (on_thread, adopted) in run_blocking_job(script, world, PSRING_NATIVE=native).items():
         # calls ended on the caller's thread (on an idle machine most of the 400; under load fewer: a rank
         # that is not scheduled within the spin has its peers' calls handed to the loop)
         assert on_thread >= 20, (r, on_thread, adopted)

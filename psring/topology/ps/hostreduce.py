@@ -59,7 +59,7 @@ async def offer(store: Any, prefix: str, rank: int, config: Any) -> Board | None
     board = None
     if config.ps_host_reduce > 0 and config.hierarchical != "off" and same_host_paths(config) and board_possible():
         try:
-            board = Board(config.ps_host_block)
+            board = Board(config.ps_host_block, native=config.native)
         except (OSError, ValueError) as exc:
             logger.info("rank %d: no same-host board for the ps (%s): every rank pushes its own tensor", rank, exc)
     record = {

@@ -248,7 +248,7 @@ class BoardPath(_Host):
         if begun is None:
             return self._tcp_soon(x, op, compression)  # between hosts: the TCP small-message links
         board, seq, desc, x, started = begun
-        if not (board.all_posted(seq) or self._board_spin(board.all_posted, seq, x.nbytes)):
+        if not (board.all_posted(seq) or self._board_spin(board, False, seq, x.nbytes)):
             self.board_adopted += 1
             return False, self._board_adopt(board, seq, x, op, started)
         if not self._board_split(x):
@@ -259,7 +259,7 @@ class BoardPath(_Host):
         except BaseException as exc:
             self._board_books(board, seq, desc, started, exc)
             raise
-        if board.all_marked(seq) or self._board_spin(board.all_marked, seq, x.nbytes):
+        if board.all_marked(seq) or self._board_spin(board, True, seq, x.nbytes):
             self.board_now += 1
             return True, self._board_end(board, seq, desc, x, op, started, folded=True)
         self.board_adopted += 1
@@ -335,15 +335,19 @@ class BoardPath(_Host):
         if OBSERVERS:
             self._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
 
-    def _board_spin(self, ready: Any, k: int, nbytes: int) -> bool:
-        """Poll ready(k) (every peer's post k there, or marked) for up to PSRING_SPIN_US and the call's
-        share (SPIN_PER_BYTE; a lone rank in its process); whether it came true."""
+    def _board_spin(self, board: Board, marked: bool, k: int, nbytes: int) -> bool:
+        """Poll until every peer's post k is there (``marked``: marked) for up to PSRING_SPIN_US and the
+        call's share (SPIN_PER_BYTE; a lone rank in its process); whether it came true."""
         if self.net.config.spin_us <= 0 or PeerNet.live != 1:
             return False
-        if self.world_size <= CORES:
-            for _ in range(HOT_POLLS):  # a peer on another core posts within these: no syscall in between
-                if ready(k):
-                    return True
+        hot = HOT_POLLS if self.world_size <= CORES else 0
+        got = board.spin(k, marked, hot, self._spin_budget(nbytes))  # in C where the board is native
+        if got is not None:
+            return got
+        ready = board.all_marked if marked else board.all_posted
+        for _ in range(hot):  # a peer on another core posts within these: no syscall in between
+            if ready(k):
+                return True
         end = time.perf_counter() + self._spin_budget(nbytes)
         while time.perf_counter() < end:
             os.sched_yield()
@@ -357,8 +361,7 @@ class BoardPath(_Host):
         return min(self.net.config.spin_s + nbytes * self.world_size * SPIN_PER_BYTE, SPIN_MAX)
 
     def _board_post(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray) -> None:
-        board.post(k, self._tag(desc), byte_view(x) if x.nbytes else None)
-        self._poke(board.sleepers(k))
+        self._poke(board.post(k, self._tag(desc), byte_view(x) if x.nbytes else None))
 
     def _poke(self, sleepers: list[int]) -> None:
         """Wake the peers asleep on what this rank just posted or marked."""
@@ -379,10 +382,14 @@ class BoardPath(_Host):
         if peer is not None:
             raise MismatchError(self._board_mismatch(board, k, peer, desc))
         flat = x.reshape(-1) if x.ndim != 1 else x
+        out = np.empty_like(flat)
+        hosts = self._hier_hosts()
+        if hosts is None and board.fold(k, me, flat, out, op):  # in C, where the board is native
+            return out if x.ndim == 1 else out.reshape(x.shape)
         parts = board.arrays(k, x.dtype, flat.size)
         board.bytes_read += x.nbytes * len(parts)
         parts = [*parts[:me], flat, *parts[me:]]
-        out = canonical_fold(parts, op, np.empty_like(flat), hosts=self._hier_hosts())  # views: no row copied
+        out = canonical_fold(parts, op, out, hosts=hosts)  # views: no row copied
         return out if x.ndim == 1 else out.reshape(x.shape)
 
     def _board_split(self, x: np.ndarray) -> bool:

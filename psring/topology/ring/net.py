@@ -147,7 +147,7 @@ class PeerNet(PlaneLinks):
             else:
                 if board_possible() and self.config.ring_board > 0:
                     try:
-                        self.board = Board(self.config.ring_board)
+                        self.board = Board(self.config.ring_board, native=self.config.native)
                         record["board"] = self.board.describe()
                     except OSError as exc:
                         logger.info("rank %d: no same-host board (%s): small all_reduces use the links", self.rank, exc)

@@ -1,0 +1,392 @@
+/* psring._native: the same-host board's hot loop in C (optional; psring/transport/board.py keeps the
+ * pure-Python path and uses this only where it imports and PSRING_NATIVE is not off).
+ *
+ * A board (psring.transport.board) is a shared-memory pool of two slots, each a 256-byte head (four
+ * int64: post number, mark, payload bytes, tag bytes; then the tag) and the payload, after one header
+ * page that holds the owner's ack and sleep fields. This module reads and writes exactly those fields,
+ * in the order the Python path does (payload, tag, sizes, the post number last, stored with release
+ * semantics; readers load it with acquire semantics), so native and Python ranks share one board.
+ *
+ * What it does, per call, without a Python frame or a numpy call: post (and say which peers sleep
+ * on the post), poll the peers' heads (spinning, then yielding the core between polls, for a time
+ * budget), check every peer's post against this rank's call, and fold every rank's post in the
+ * canonical order (element i of ring chunk c: ((x_c op x_c+1) op ...) op x_c-1, ranks mod N; avg:
+ * that sum divided by N) for sum, avg and prod of float32, float64 and the 32- and 64-bit integers
+ * (integers in unsigned arithmetic: numpy's wrap-around). Floats are folded one IEEE operation at a
+ * time (built with -ffp-contract=off, no fast-math), so the bits are numpy's.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define MAX_PEERS 63
+
+typedef struct {
+    PyObject_HEAD
+    int npeers;
+    int closed;
+    Py_ssize_t page, head, tag_max, ack_at, sleep_at;
+    Py_buffer own;
+    Py_ssize_t own_slot;
+    int own_held;
+    Py_buffer peers[MAX_PEERS];
+    Py_ssize_t peer_slot[MAX_PEERS];
+    int peers_held;
+} NBoard;
+
+static inline char *slot_at(char *base, Py_ssize_t page, Py_ssize_t slot_bytes, long long k) {
+    return base + page + (k & 1) * slot_bytes;
+}
+
+static inline char *own_slot(NBoard *b, long long k) {
+    return slot_at((char *)b->own.buf, b->page, b->own_slot, k);
+}
+
+static inline char *peer_slot(NBoard *b, int i, long long k) {
+    return slot_at((char *)b->peers[i].buf, b->page, b->peer_slot[i], k);
+}
+
+static inline int64_t load(const char *at) {
+    return __atomic_load_n((const int64_t *)at, __ATOMIC_ACQUIRE);
+}
+
+static void nb_release(NBoard *b) {
+    if (b->own_held) {
+        PyBuffer_Release(&b->own);
+        b->own_held = 0;
+    }
+    for (int i = 0; i < b->peers_held; i++)
+        PyBuffer_Release(&b->peers[i]);
+    b->peers_held = 0;
+    b->closed = 1;
+}
+
+static void nb_dealloc(NBoard *b) {
+    nb_release(b);
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+/* NBoard(own, own_slot_bytes, peers, page, head, tag_max, ack_at, sleep_at); peers: [(buffer, slot_bytes)] */
+static int nb_init(NBoard *b, PyObject *args, PyObject *kwds) {
+    PyObject *own, *peers;
+    Py_ssize_t own_slot;
+    if (!PyArg_ParseTuple(args, "OnOnnnnn", &own, &own_slot, &peers, &b->page, &b->head, &b->tag_max, &b->ack_at,
+                          &b->sleep_at))
+        return -1;
+    nb_release(b);
+    b->closed = 0;
+    if (!PyList_Check(peers) || PyList_GET_SIZE(peers) > MAX_PEERS) {
+        PyErr_Format(PyExc_ValueError, "peers: a list of at most %d (buffer, slot bytes) pairs", MAX_PEERS);
+        return -1;
+    }
+    if (b->head < 32 || b->tag_max > b->head - 32 || b->sleep_at + 8 > b->page || b->ack_at + 8 > b->page) {
+        PyErr_SetString(PyExc_ValueError, "a board's layout does not fit its page");
+        return -1;
+    }
+    if (PyObject_GetBuffer(own, &b->own, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        return -1;
+    b->own_held = 1;
+    b->own_slot = own_slot;
+    if (own_slot < b->head || b->own.len < b->page + 2 * own_slot) {
+        PyErr_SetString(PyExc_ValueError, "the board's own pool is smaller than its two slots");
+        nb_release(b);
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(peers);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(peers, i);
+        PyObject *buf;
+        Py_ssize_t slot;
+        if (!PyArg_ParseTuple(item, "On", &buf, &slot)) {
+            nb_release(b);
+            return -1;
+        }
+        if (PyObject_GetBuffer(buf, &b->peers[i], PyBUF_SIMPLE) < 0) {
+            nb_release(b);
+            return -1;
+        }
+        b->peers_held = (int)i + 1;
+        b->peer_slot[i] = slot;
+        if (slot < b->head || b->peers[i].len < b->page + 2 * slot) {
+            PyErr_Format(PyExc_ValueError, "peer %zd's pool is smaller than its two slots", i);
+            nb_release(b);
+            return -1;
+        }
+    }
+    b->npeers = (int)n;
+    b->closed = 0;
+    return 0;
+}
+
+static int nb_usable(NBoard *b) {
+    if (b->closed) {
+        PyErr_SetString(PyExc_ValueError, "the native board is closed");
+        return 0;
+    }
+    return 1;
+}
+
+/* post(k, tag, payload) -> the bit mask of the peers asleep on post k (their sleep field 2k) */
+static PyObject *nb_post(NBoard *b, PyObject *args) {
+    long long k;
+    Py_buffer tag, pay;
+    if (!PyArg_ParseTuple(args, "Ly*y*", &k, &tag, &pay))
+        return NULL;
+    PyObject *result = NULL;
+    if (!nb_usable(b))
+        goto done;
+    if (tag.len > b->tag_max || pay.len > b->own_slot - b->head) {
+        PyErr_Format(PyExc_ValueError, "a post carries at most %zd bytes and a %zd-byte tag", b->own_slot - b->head,
+                     b->tag_max);
+        goto done;
+    }
+    char *slot = own_slot(b, k);
+    if (pay.len)
+        memcpy(slot + b->head, pay.buf, (size_t)pay.len);
+    memcpy(slot + 32, tag.buf, (size_t)tag.len);
+    int64_t *h = (int64_t *)slot;
+    __atomic_store_n(&h[2], (int64_t)pay.len, __ATOMIC_RELAXED);
+    __atomic_store_n(&h[3], (int64_t)tag.len, __ATOMIC_RELAXED);
+    __atomic_store_n(&h[0], (int64_t)k, __ATOMIC_RELEASE); /* last: a reader that sees k finds the rest */
+    unsigned long long mask = 0;
+    for (int i = 0; i < b->npeers; i++)
+        if (load((char *)b->peers[i].buf + b->sleep_at) == 2 * (int64_t)k)
+            mask |= 1ULL << i;
+    result = PyLong_FromUnsignedLongLong(mask);
+done:
+    PyBuffer_Release(&tag);
+    PyBuffer_Release(&pay);
+    return result;
+}
+
+static inline int all_at(NBoard *b, long long k, int field) {
+    for (int i = 0; i < b->npeers; i++)
+        if (load(peer_slot(b, i, k) + 8 * field) < k)
+            return 0;
+    return 1;
+}
+
+/* all_at(k, field) -> whether every peer's slot k % 2 has head field (0: post, 1: mark) at k or past */
+static PyObject *nb_all_at(NBoard *b, PyObject *args) {
+    long long k;
+    int field;
+    if (!PyArg_ParseTuple(args, "Li", &k, &field))
+        return NULL;
+    if (!nb_usable(b))
+        return NULL;
+    if (field < 0 || field > 1) {
+        PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
+        return NULL;
+    }
+    return PyBool_FromLong(all_at(b, k, field));
+}
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* spin(k, field, hot, budget_s) -> whether all_at(k, field) came true: `hot` polls back to back, then
+ * polls with the core yielded (the GIL released) between them until budget_s has passed */
+static PyObject *nb_spin(NBoard *b, PyObject *args) {
+    long long k;
+    int field, hot;
+    double budget;
+    if (!PyArg_ParseTuple(args, "Liid", &k, &field, &hot, &budget))
+        return NULL;
+    if (!nb_usable(b))
+        return NULL;
+    if (field < 0 || field > 1) {
+        PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
+        return NULL;
+    }
+    for (int i = 0; i < hot; i++)
+        if (all_at(b, k, field))
+            Py_RETURN_TRUE;
+    double end = now_s() + budget;
+    while (now_s() < end) {
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+        if (b->closed) /* closed meanwhile (the GIL was free): its maps may be gone */
+            Py_RETURN_FALSE;
+        if (all_at(b, k, field))
+            Py_RETURN_TRUE;
+    }
+    Py_RETURN_FALSE;
+}
+
+/* differs(k, tag, nbytes) -> the index (in peer order) of the first peer whose slot k % 2 does not hold
+ * post k with this tag and nbytes of payload, or -1 */
+static PyObject *nb_differs(NBoard *b, PyObject *args) {
+    long long k;
+    Py_buffer tag;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Ly*n", &k, &tag, &nbytes))
+        return NULL;
+    long found = -1;
+    if (!nb_usable(b)) {
+        PyBuffer_Release(&tag);
+        return NULL;
+    }
+    for (int i = 0; i < b->npeers && found < 0; i++) {
+        char *slot = peer_slot(b, i, k);
+        if (load(slot) != k || load(slot + 16) != nbytes || load(slot + 24) != tag.len ||
+            memcmp(slot + 32, tag.buf, (size_t)tag.len) != 0)
+            found = i;
+    }
+    PyBuffer_Release(&tag);
+    return PyLong_FromLong(found);
+}
+
+#define FOLD(T, EXPR)                                                                                              \
+    do {                                                                                                           \
+        T *o = (T *)out;                                                                                           \
+        for (int c = 0; c < n; c++) {                                                                              \
+            Py_ssize_t a = (Py_ssize_t)((long long)c * count / n), z = (Py_ssize_t)((long long)(c + 1) * count / n); \
+            const T *first = (const T *)rows[c];                                                                   \
+            for (Py_ssize_t i = a; i < z; i++)                                                                     \
+                o[i] = first[i];                                                                                   \
+            for (int j = 1; j < n; j++) {                                                                          \
+                const T *r = (const T *)rows[(c + j) % n];                                                         \
+                for (Py_ssize_t i = a; i < z; i++)                                                                 \
+                    o[i] = EXPR;                                                                                   \
+            }                                                                                                      \
+        }                                                                                                          \
+    } while (0)
+
+/* fold(k, me, own, out, kind, op) -> True, or False for a (kind, op) this module does not fold.
+ * Every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
+ * order. kind: 'f' float32, 'd' float64, 'i' int32, 'I' uint32, 'q' int64, 'Q' uint64; op: "sum",
+ * "avg" (floats), "prod". Call once differs(...) said every post is this call's. */
+static PyObject *nb_fold(NBoard *b, PyObject *args) {
+    long long k;
+    int me;
+    Py_buffer own, outb;
+    int kind;
+    const char *op;
+    if (!PyArg_ParseTuple(args, "Liy*w*Cs", &k, &me, &own, &outb, &kind, &op))
+        return NULL;
+    PyObject *result = NULL;
+    int n = b->npeers + 1;
+    int sum = strcmp(op, "sum") == 0, avg = strcmp(op, "avg") == 0, prod = strcmp(op, "prod") == 0;
+    Py_ssize_t item = (kind == 'f' || kind == 'i' || kind == 'I') ? 4 : (kind == 'd' || kind == 'q' || kind == 'Q') ? 8 : 0;
+    if (!nb_usable(b))
+        goto done;
+    if (item == 0 || !(sum || avg || prod) || (avg && kind != 'f' && kind != 'd')) {
+        result = Py_False;
+        Py_INCREF(result);
+        goto done;
+    }
+    if (me < 0 || me >= n || own.len != outb.len || own.len % item) {
+        PyErr_SetString(PyExc_ValueError, "fold: rank, input and output do not agree");
+        goto done;
+    }
+    const char *rows[MAX_PEERS + 1];
+    for (int r = 0; r < n; r++) {
+        if (r == me) {
+            rows[r] = (const char *)own.buf;
+            continue;
+        }
+        int i = r < me ? r : r - 1;
+        if (own.len > b->peer_slot[i] - b->head) {
+            PyErr_Format(PyExc_ValueError, "fold: %zd bytes do not fit peer %d's slot", own.len, i);
+            goto done;
+        }
+        rows[r] = peer_slot(b, i, k) + b->head;
+    }
+    Py_ssize_t count = own.len / item;
+    void *out = outb.buf;
+    switch (kind) {
+    case 'f':
+        if (prod)
+            FOLD(float, o[i] * r[i]);
+        else
+            FOLD(float, o[i] + r[i]);
+        if (avg) {
+            float d = (float)n, *o = (float *)out;
+            for (Py_ssize_t i = 0; i < count; i++)
+                o[i] = o[i] / d;
+        }
+        break;
+    case 'd':
+        if (prod)
+            FOLD(double, o[i] * r[i]);
+        else
+            FOLD(double, o[i] + r[i]);
+        if (avg) {
+            double d = (double)n, *o = (double *)out;
+            for (Py_ssize_t i = 0; i < count; i++)
+                o[i] = o[i] / d;
+        }
+        break;
+    case 'i':
+    case 'I':
+        if (prod)
+            FOLD(uint32_t, (uint32_t)(o[i] * r[i]));
+        else
+            FOLD(uint32_t, (uint32_t)(o[i] + r[i]));
+        break;
+    default: /* 'q', 'Q' */
+        if (prod)
+            FOLD(uint64_t, o[i] * r[i]);
+        else
+            FOLD(uint64_t, o[i] + r[i]);
+        break;
+    }
+    result = Py_True;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&own);
+    PyBuffer_Release(&outb);
+    return result;
+}
+
+static PyObject *nb_close(NBoard *b, PyObject *Py_UNUSED(ignored)) {
+    nb_release(b);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef nb_methods[] = {
+    {"post", (PyCFunction)nb_post, METH_VARARGS, "post(k, tag, payload) -> mask of the peers asleep on k"},
+    {"all_at", (PyCFunction)nb_all_at, METH_VARARGS, "all_at(k, field) -> every peer's field at k or past"},
+    {"spin", (PyCFunction)nb_spin, METH_VARARGS, "spin(k, field, hot, budget_s) -> all_at came true"},
+    {"differs", (PyCFunction)nb_differs, METH_VARARGS, "differs(k, tag, nbytes) -> first differing peer or -1"},
+    {"fold", (PyCFunction)nb_fold, METH_VARARGS, "fold(k, me, own, out, kind, op) -> folded (False: not here)"},
+    {"close", (PyCFunction)nb_close, METH_NOARGS, "release the buffers (the board's maps may close)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject NBoardType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psring._native.NBoard",
+    .tp_basicsize = sizeof(NBoard),
+    .tp_dealloc = (destructor)nb_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "a board's own pool and its peers' pools, seen from C",
+    .tp_methods = nb_methods,
+    .tp_init = (initproc)nb_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "psring._native", "The same-host board's hot loop in C (optional).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&NBoardType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&NBoardType);
+    if (PyModule_AddObject(m, "NBoard", (PyObject *)&NBoardType) < 0) {
+        Py_DECREF(&NBoardType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,27 @@
+"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop."""
+
+from typing import Any
+
+import numpy as np
+from typing_extensions import Buffer
+
+_Array = Buffer | np.ndarray[Any, Any]
+
+class NBoard:
+    def __init__(
+        self,
+        own: Buffer,
+        own_slot_bytes: int,
+        peers: list[tuple[Buffer, int]],
+        page: int,
+        head: int,
+        tag_max: int,
+        ack_at: int,
+        sleep_at: int,
+    ) -> None: ...
+    def post(self, k: int, tag: Buffer, payload: Buffer) -> int: ...
+    def all_at(self, k: int, field: int) -> bool: ...
+    def spin(self, k: int, field: int, hot: int, budget_s: float) -> bool: ...
+    def differs(self, k: int, tag: Buffer, nbytes: int) -> int: ...
+    def fold(self, k: int, me: int, own: _Array, out: _Array, kind: str, op: str) -> bool: ...
+    def close(self) -> None: ...
