@@ -129,6 +129,29 @@ static int nb_usable(NBoard *b) {
     return 1;
 }
 
+/* write post k (payload, tag, sizes, the number last) and return the mask of the peers asleep on it
+ * (their sleep field 2k); -1 with an exception set when it does not fit */
+static long long do_post(NBoard *b, long long k, const Py_buffer *tag, const void *pay, Py_ssize_t len) {
+    if (tag->len > b->tag_max || len > b->own_slot - b->head) {
+        PyErr_Format(PyExc_ValueError, "a post carries at most %zd bytes and a %zd-byte tag", b->own_slot - b->head,
+                     b->tag_max);
+        return -1;
+    }
+    char *slot = own_slot(b, k);
+    if (len)
+        memcpy(slot + b->head, pay, (size_t)len);
+    memcpy(slot + 32, tag->buf, (size_t)tag->len);
+    int64_t *h = (int64_t *)slot;
+    __atomic_store_n(&h[2], (int64_t)len, __ATOMIC_RELAXED);
+    __atomic_store_n(&h[3], (int64_t)tag->len, __ATOMIC_RELAXED);
+    __atomic_store_n(&h[0], (int64_t)k, __ATOMIC_RELEASE); /* last: a reader that sees k finds the rest */
+    long long mask = 0;
+    for (int i = 0; i < b->npeers; i++)
+        if (load((char *)b->peers[i].buf + b->sleep_at) == 2 * (int64_t)k)
+            mask |= 1LL << i;
+    return mask;
+}
+
 /* post(k, tag, payload) -> the bit mask of the peers asleep on post k (their sleep field 2k) */
 static PyObject *nb_post(NBoard *b, PyObject *args) {
     long long k;
@@ -136,27 +159,11 @@ static PyObject *nb_post(NBoard *b, PyObject *args) {
     if (!PyArg_ParseTuple(args, "Ly*y*", &k, &tag, &pay))
         return NULL;
     PyObject *result = NULL;
-    if (!nb_usable(b))
-        goto done;
-    if (tag.len > b->tag_max || pay.len > b->own_slot - b->head) {
-        PyErr_Format(PyExc_ValueError, "a post carries at most %zd bytes and a %zd-byte tag", b->own_slot - b->head,
-                     b->tag_max);
-        goto done;
+    if (nb_usable(b)) {
+        long long mask = do_post(b, k, &tag, pay.buf, pay.len);
+        if (mask >= 0)
+            result = PyLong_FromLongLong(mask);
     }
-    char *slot = own_slot(b, k);
-    if (pay.len)
-        memcpy(slot + b->head, pay.buf, (size_t)pay.len);
-    memcpy(slot + 32, tag.buf, (size_t)tag.len);
-    int64_t *h = (int64_t *)slot;
-    __atomic_store_n(&h[2], (int64_t)pay.len, __ATOMIC_RELAXED);
-    __atomic_store_n(&h[3], (int64_t)tag.len, __ATOMIC_RELAXED);
-    __atomic_store_n(&h[0], (int64_t)k, __ATOMIC_RELEASE); /* last: a reader that sees k finds the rest */
-    unsigned long long mask = 0;
-    for (int i = 0; i < b->npeers; i++)
-        if (load((char *)b->peers[i].buf + b->sleep_at) == 2 * (int64_t)k)
-            mask |= 1ULL << i;
-    result = PyLong_FromUnsignedLongLong(mask);
-done:
     PyBuffer_Release(&tag);
     PyBuffer_Release(&pay);
     return result;
@@ -190,8 +197,28 @@ static inline double now_s(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* spin(k, field, hot, budget_s) -> whether all_at(k, field) came true: `hot` polls back to back, then
- * polls with the core yielded (the GIL released) between them until budget_s has passed */
+/* poll until all_at(k, field): `hot` polls back to back, then polls with the core yielded (the GIL
+ * released) between them until budget_s has passed; 1 came true, 0 not, -1 the board closed meanwhile */
+static int do_spin(NBoard *b, long long k, int field, int hot, double budget) {
+    if (all_at(b, k, field))
+        return 1;
+    for (int i = 0; i < hot; i++)
+        if (all_at(b, k, field))
+            return 1;
+    double end = now_s() + budget;
+    while (now_s() < end) {
+        Py_BEGIN_ALLOW_THREADS
+        sched_yield();
+        Py_END_ALLOW_THREADS
+        if (b->closed) /* closed meanwhile (the GIL was free): its maps may be gone */
+            return -1;
+        if (all_at(b, k, field))
+            return 1;
+    }
+    return 0;
+}
+
+/* spin(k, field, hot, budget_s) -> whether all_at(k, field) came true (see do_spin) */
 static PyObject *nb_spin(NBoard *b, PyObject *args) {
     long long k;
     int field, hot;
@@ -204,43 +231,31 @@ static PyObject *nb_spin(NBoard *b, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
         return NULL;
     }
-    for (int i = 0; i < hot; i++)
-        if (all_at(b, k, field))
-            Py_RETURN_TRUE;
-    double end = now_s() + budget;
-    while (now_s() < end) {
-        Py_BEGIN_ALLOW_THREADS
-        sched_yield();
-        Py_END_ALLOW_THREADS
-        if (b->closed) /* closed meanwhile (the GIL was free): its maps may be gone */
-            Py_RETURN_FALSE;
-        if (all_at(b, k, field))
-            Py_RETURN_TRUE;
-    }
-    Py_RETURN_FALSE;
+    return PyBool_FromLong(do_spin(b, k, field, hot, budget) == 1);
 }
 
-/* differs(k, tag, nbytes) -> the index (in peer order) of the first peer whose slot k % 2 does not hold
- * post k with this tag and nbytes of payload, or -1 */
+/* the index (in peer order) of the first peer whose slot k % 2 does not hold post k with this tag and
+ * nbytes of payload, or -1 */
+static int do_differs(NBoard *b, long long k, const Py_buffer *tag, Py_ssize_t nbytes) {
+    for (int i = 0; i < b->npeers; i++) {
+        char *slot = peer_slot(b, i, k);
+        if (load(slot) != k || load(slot + 16) != nbytes || load(slot + 24) != tag->len ||
+            memcmp(slot + 32, tag->buf, (size_t)tag->len) != 0)
+            return i;
+    }
+    return -1;
+}
+
+/* differs(k, tag, nbytes) -> see do_differs */
 static PyObject *nb_differs(NBoard *b, PyObject *args) {
     long long k;
     Py_buffer tag;
     Py_ssize_t nbytes;
     if (!PyArg_ParseTuple(args, "Ly*n", &k, &tag, &nbytes))
         return NULL;
-    long found = -1;
-    if (!nb_usable(b)) {
-        PyBuffer_Release(&tag);
-        return NULL;
-    }
-    for (int i = 0; i < b->npeers && found < 0; i++) {
-        char *slot = peer_slot(b, i, k);
-        if (load(slot) != k || load(slot + 16) != nbytes || load(slot + 24) != tag.len ||
-            memcmp(slot + 32, tag.buf, (size_t)tag.len) != 0)
-            found = i;
-    }
+    PyObject *result = nb_usable(b) ? PyLong_FromLong(do_differs(b, k, &tag, nbytes)) : NULL;
     PyBuffer_Release(&tag);
-    return PyLong_FromLong(found);
+    return result;
 }
 
 #define FOLD(T, EXPR)                                                                                              \
@@ -259,48 +274,41 @@ static PyObject *nb_differs(NBoard *b, PyObject *args) {
         }                                                                                                          \
     } while (0)
 
-/* fold(k, me, own, out, kind, op) -> True, or False for a (kind, op) this module does not fold.
- * Every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
- * order. kind: 'f' float32, 'd' float64, 'i' int32, 'I' uint32, 'q' int64, 'Q' uint64; op: "sum",
- * "avg" (floats), "prod". Call once differs(...) said every post is this call's. */
-static PyObject *nb_fold(NBoard *b, PyObject *args) {
-    long long k;
-    int me;
-    Py_buffer own, outb;
-    int kind;
-    const char *op;
-    if (!PyArg_ParseTuple(args, "Liy*w*Cs", &k, &me, &own, &outb, &kind, &op))
-        return NULL;
-    PyObject *result = NULL;
+/* the op's code: 0 sum, 1 avg, 2 prod, -1 one this module does not fold */
+static int op_code(const char *op) {
+    return strcmp(op, "sum") == 0 ? 0 : strcmp(op, "avg") == 0 ? 1 : strcmp(op, "prod") == 0 ? 2 : -1;
+}
+
+static Py_ssize_t kind_size(int kind) {
+    return (kind == 'f' || kind == 'i' || kind == 'I') ? 4 : (kind == 'd' || kind == 'q' || kind == 'Q') ? 8 : 0;
+}
+
+/* every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
+ * order; 1 done, 0 a (kind, op) this module does not fold, -1 with an exception set */
+static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, Py_ssize_t len, int kind, int op) {
     int n = b->npeers + 1;
-    int sum = strcmp(op, "sum") == 0, avg = strcmp(op, "avg") == 0, prod = strcmp(op, "prod") == 0;
-    Py_ssize_t item = (kind == 'f' || kind == 'i' || kind == 'I') ? 4 : (kind == 'd' || kind == 'q' || kind == 'Q') ? 8 : 0;
-    if (!nb_usable(b))
-        goto done;
-    if (item == 0 || !(sum || avg || prod) || (avg && kind != 'f' && kind != 'd')) {
-        result = Py_False;
-        Py_INCREF(result);
-        goto done;
-    }
-    if (me < 0 || me >= n || own.len != outb.len || own.len % item) {
-        PyErr_SetString(PyExc_ValueError, "fold: rank, input and output do not agree");
-        goto done;
+    Py_ssize_t item = kind_size(kind);
+    if (item == 0 || op < 0 || (op == 1 && kind != 'f' && kind != 'd'))
+        return 0;
+    if (me < 0 || me >= n || len % item) {
+        PyErr_SetString(PyExc_ValueError, "fold: the rank or the input's size is wrong");
+        return -1;
     }
     const char *rows[MAX_PEERS + 1];
     for (int r = 0; r < n; r++) {
         if (r == me) {
-            rows[r] = (const char *)own.buf;
+            rows[r] = (const char *)own;
             continue;
         }
         int i = r < me ? r : r - 1;
-        if (own.len > b->peer_slot[i] - b->head) {
-            PyErr_Format(PyExc_ValueError, "fold: %zd bytes do not fit peer %d's slot", own.len, i);
-            goto done;
+        if (len > b->peer_slot[i] - b->head) {
+            PyErr_Format(PyExc_ValueError, "fold: %zd bytes do not fit peer %d's slot", len, i);
+            return -1;
         }
         rows[r] = peer_slot(b, i, k) + b->head;
     }
-    Py_ssize_t count = own.len / item;
-    void *out = outb.buf;
+    Py_ssize_t count = len / item;
+    int prod = op == 2, avg = op == 1;
     switch (kind) {
     case 'f':
         if (prod)
@@ -338,12 +346,82 @@ static PyObject *nb_fold(NBoard *b, PyObject *args) {
             FOLD(uint64_t, o[i] + r[i]);
         break;
     }
-    result = Py_True;
-    Py_INCREF(result);
-done:
+    return 1;
+}
+
+/* fold(k, me, own, out, kind, op) -> True, or False for a (kind, op) this module does not fold.
+ * kind: 'f' float32, 'd' float64, 'i' int32, 'I' uint32, 'q' int64, 'Q' uint64; op: "sum", "avg"
+ * (floats), "prod". Call once differs(...) said every post is this call's. */
+static PyObject *nb_fold(NBoard *b, PyObject *args) {
+    long long k;
+    int me, kind;
+    Py_buffer own, outb;
+    const char *op;
+    if (!PyArg_ParseTuple(args, "Liy*w*Cs", &k, &me, &own, &outb, &kind, &op))
+        return NULL;
+    PyObject *result = NULL;
+    if (nb_usable(b)) {
+        if (own.len != outb.len) {
+            PyErr_SetString(PyExc_ValueError, "fold: the input and the output differ in size");
+        } else {
+            int done = do_fold(b, k, me, own.buf, outb.buf, own.len, kind, op_code(op));
+            if (done >= 0)
+                result = PyBool_FromLong(done);
+        }
+    }
     PyBuffer_Release(&own);
     PyBuffer_Release(&outb);
     return result;
+}
+
+/* exchange(k, tag, x, out, kind, op, me, hot, budget_s) -> 0: done (out holds the fold); 1: posted, the
+ * peers not all there within the budget; 2: posted, a peer's post is another call's (differs);
+ * 4 * mask (mask > 0): posted, and these peers sleep on it (poke them; nothing else done).
+ * The whole of a small board all_reduce whose peers are there in time, in one call: post, poll,
+ * check, fold. (kind, op) must be one the fold takes. */
+static PyObject *nb_exchange(NBoard *b, PyObject *args) {
+    long long k;
+    Py_buffer tag, x, outb;
+    int kind, me, hot;
+    const char *op;
+    double budget;
+    if (!PyArg_ParseTuple(args, "Ly*y*w*Csiid", &k, &tag, &x, &outb, &kind, &op, &me, &hot, &budget))
+        return NULL;
+    long long result = -1;
+    int code = op_code(op);
+    if (!nb_usable(b))
+        goto done;
+    if (x.len != outb.len || code < 0 || kind_size(kind) == 0) {
+        PyErr_SetString(PyExc_ValueError, "exchange: a call the native fold does not take");
+        goto done;
+    }
+    long long mask = do_post(b, k, &tag, x.buf, x.len);
+    if (mask != 0) {
+        result = mask < 0 ? -1 : 4 * mask;
+        goto done;
+    }
+    int ready = do_spin(b, k, 0, hot, budget);
+    if (ready < 0) {
+        PyErr_SetString(PyExc_ValueError, "the native board is closed");
+        goto done;
+    }
+    if (!ready) {
+        result = 1;
+        goto done;
+    }
+    if (do_differs(b, k, &tag, x.len) >= 0) {
+        result = 2;
+        goto done;
+    }
+    int folded = do_fold(b, k, me, x.buf, outb.buf, x.len, kind, code);
+    if (folded == 0)
+        PyErr_SetString(PyExc_ValueError, "exchange: a call the native fold does not take");
+    result = folded == 1 ? 0 : -1;
+done:
+    PyBuffer_Release(&tag);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&outb);
+    return result < 0 ? NULL : PyLong_FromLongLong(result);
 }
 
 static PyObject *nb_close(NBoard *b, PyObject *Py_UNUSED(ignored)) {
@@ -357,6 +435,7 @@ static PyMethodDef nb_methods[] = {
     {"spin", (PyCFunction)nb_spin, METH_VARARGS, "spin(k, field, hot, budget_s) -> all_at came true"},
     {"differs", (PyCFunction)nb_differs, METH_VARARGS, "differs(k, tag, nbytes) -> first differing peer or -1"},
     {"fold", (PyCFunction)nb_fold, METH_VARARGS, "fold(k, me, own, out, kind, op) -> folded (False: not here)"},
+    {"exchange", (PyCFunction)nb_exchange, METH_VARARGS, "exchange(k, tag, x, out, kind, op, me, hot, budget_s)"},
     {"close", (PyCFunction)nb_close, METH_NOARGS, "release the buffers (the board's maps may close)"},
     {NULL, NULL, 0, NULL},
 };

@@ -263,6 +263,33 @@ class Board:
         self.bytes_read += x.nbytes * len(self._peers)
         return True
 
+    def native_kind(self, dtype: np.dtype, op: str) -> str | None:
+        """The native fold's letter for dtype, where this board is native and folds (dtype, op) in C
+        (:meth:`exchange` takes the call); else None."""
+        if self._nat is None or op not in ("sum", "avg", "prod"):
+            return None
+        kind = _NATIVE_KINDS.get(dtype)
+        return None if kind is None or (op == "avg" and kind not in "fd") else kind
+
+    def exchange(
+        self, k: int, tag: bytes, x: np.ndarray, out: np.ndarray, kind: str, op: str, me: int, hot: int, budget: float
+    ) -> int:
+        """A whole small all_reduce in one native call: post x as post k; when every peer's post k is
+        there within the spin (:meth:`spin`'s hot polls and budget) and is this call's (tag, size),
+        fold every rank's post into ``out`` (this rank's, ``me``, from x). Returns 0: done; 1: posted,
+        the peers not all there; 2: posted, a peer's post differs (name it as :meth:`differs` does);
+        3: posted, and peers sleep on it (poke :meth:`sleepers`; nothing else done). x and out flat
+        or not, contiguous, alike; (dtype, op) one :meth:`native_kind` takes."""
+        assert self._nat is not None
+        if x.nbytes > self.limit or len(tag) > TAG_MAX:
+            raise ValueError(f"a post carries at most {self.limit} bytes and a {TAG_MAX}-byte tag")
+        code = self._nat.exchange(k, tag, x, out, kind, op, me, hot, budget)
+        self.bytes_posted += x.nbytes
+        self.last[k & 1] = k
+        if code == 0:
+            self.bytes_read += x.nbytes * len(self._peers)
+        return min(code, 3)
+
     def read(self, peer: int, k: int) -> tuple[int, bytes]:
         """What peer's slot k % 2 holds: (its post number, its tag)."""
         views = self._by_rank[peer]

@@ -79,6 +79,8 @@ class BoardPath(_Host):
         self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
+        #: by (dtype, shape, op): (call, tag, the native fold's letter) where a call takes _board_quick, else False
+        self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str] | bool] = {}
         self._wake_msg = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
 
     def _board(self, x: Any, compression: str | None) -> Board | None:
@@ -244,11 +246,20 @@ class BoardPath(_Host):
         blocking API, the torch backend), when nothing of this group is in flight on the loop:
         (True, the result) when it ended on the caller's thread; (False, a coroutine to run on the
         loop) when a peer was late; None: not this call, use all_reduce."""
+        quick = self._board_quick(x, op, compression)
+        if quick is not None:
+            return quick
         begun = self._board_start(x, op, compression)
         if begun is None:
             return self._tcp_soon(x, op, compression)  # between hosts: the TCP small-message links
-        board, seq, desc, x, started = begun
-        if not (board.all_posted(seq) or self._board_spin(board, False, seq, x.nbytes)):
+        return self._board_posted(*begun, op)
+
+    def _board_posted(
+        self, board: Board, seq: int, desc: tuple[Any, ...], x: np.ndarray, started: float, op: str, late: bool = False
+    ) -> tuple[bool, Any]:
+        """all_reduce_soon once the call is numbered and posted (``late``: its peers were not all there
+        within the spin already)."""
+        if late or not (board.all_posted(seq) or self._board_spin(board, False, seq, x.nbytes)):
             self.board_adopted += 1
             return False, self._board_adopt(board, seq, x, op, started)
         if not self._board_split(x):
@@ -264,6 +275,56 @@ class BoardPath(_Host):
             return True, self._board_end(board, seq, desc, x, op, started, folded=True)
         self.board_adopted += 1
         return False, self._board_adopt(board, seq, x, op, started, folded=True)
+
+    def _board_quick(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+        """The short way whole in one native call (Board.exchange: post, poll, check, fold in C) where the
+        board is native, folds the call's dtype and op, and the call is neither split nor two-level;
+        else None, and nothing was done. A call whose peers are late, whose posts differ or that wakes
+        a sleeping peer goes on as _board_start's would, from its post."""
+        board = self.net.board
+        if board is None or compression is not None or self.gid != "0" or type(x) is not np.ndarray:
+            return None
+        key = (x.dtype, x.shape, op)
+        plan = self._quick.get(key)
+        if plan is None:
+            plan = False
+            kind = board.native_kind(x.dtype, op)
+            if kind is not None and x.nbytes <= board.limit and not self._board_split(x):
+                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+                plan = (desc, self._tag(desc), kind)
+            if len(self._quick) < 1024:
+                self._quick[key] = plan
+        if (
+            plan is False
+            or self.net.hosts is not None
+            or not x.flags.c_contiguous
+            or not self._idle()
+            or not board.clear_to_post(self._seq)
+        ):
+            return None
+        desc, tag, kind = plan  # type: ignore[misc]
+        self._check_usable()
+        seq = self._seq
+        self._seq += 1
+        self._reserved.add(seq)
+        started = time.monotonic()
+        spin = self.net.config.spin_us > 0 and PeerNet.live == 1
+        hot = HOT_POLLS if spin and self.world_size <= CORES else 0
+        out = np.empty_like(x)
+        try:
+            code = board.exchange(
+                seq, tag, x, out, kind, op, self.rank, hot, self._spin_budget(x.nbytes) if spin else 0.0
+            )
+        except BaseException as exc:
+            self._board_books(board, seq, desc, started, exc)
+            raise
+        if code == 0:
+            self.board_now += 1
+            self._board_books(board, seq, desc, started, None)
+            return True, out
+        if code == 3:
+            self._poke(board.sleepers(seq))
+        return self._board_posted(board, seq, desc, x, started, op, late=code == 1)
 
     def _board_start(
         self, x: Any, op: str, compression: str | None
