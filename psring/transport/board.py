@@ -34,16 +34,18 @@ from __future__ import annotations
 
 import contextlib
 import platform
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .shmpool import PAGE, TOKEN_BYTES, PeerPool, ShmPool
 
-try:
-    from .. import _native
+if TYPE_CHECKING:
+    from .._native import NBoard
+try:  # the C extension (psring/_native.c, a leaf: it imports nothing of psring)
+    from .._native import NBoard as _NBoard
 except ImportError:  # not built here (no compiler where it was installed): the pure-Python path
-    _native = None  # type: ignore[assignment]
+    _NBoard = None  # type: ignore[assignment,misc]
 
 #: the largest payload a post carries (a slot is this plus its header, page-rounded)
 BOARD_BYTES = 16 << 10
@@ -58,7 +60,7 @@ assert _ACK_AT >= TOKEN_BYTES
 
 def native_built() -> bool:
     """Whether the C extension (psring._native) was built and imports here."""
-    return _native is not None
+    return _NBoard is not None
 
 
 #: the dtypes the native fold takes, by the letter it knows them by
@@ -120,7 +122,7 @@ class Board:
         self.bytes_read = 0
         self.closed = False
         self._want_native = native
-        self._nat: _native.NBoard | None = None  # psring._native.NBoard over the same maps, once attached (see native)
+        self._nat: NBoard | None = None  # psring._native.NBoard over the same maps, once attached (see native)
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this board (published through the store)."""
@@ -140,8 +142,8 @@ class Board:
             views = _Views(peer, self._mems[-1], pool.slot_bytes)
             self._peers.append(views)
             self._by_rank[peer] = views
-        if self._want_native and _native is not None and len(self._peers) <= 63:
-            self._nat = _native.NBoard(
+        if self._want_native and _NBoard is not None and len(self._peers) <= 63:
+            self._nat = _NBoard(
                 self._mems[0],
                 self.pool.slot_bytes,
                 [(self._mems[1 + i], self.peers[v.rank].slot_bytes) for i, v in enumerate(self._peers)],
