@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import threading
 import time
 
@@ -298,6 +299,57 @@ async def test_a_rank_that_finished_and_left_does_not_fail_a_slower_ranks_plane_
 
 def _shm_files() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("psring-plane-"))
+
+
+@pytest.mark.parametrize("sndbuf", [0, 8192])
+async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
+    make_groups, monkeypatch, sndbuf: int
+) -> None:
+    """Over TCP links the receive thread hands a forwarded frame to the kernel itself when nothing of the
+    job waits for the send thread, without blocking; what the kernel does not take (an 8 KiB send
+    buffer here) goes to the send thread, in order. Bits, byte counts, concurrent calls, a mismatch
+    and a timeout mid-call, as through the send thread alone."""
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    world = 4
+    groups = await make_groups(world, timeout=2.0)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    assert all(p.shm_out is None for p in planes)
+    if sndbuf:
+        for p in planes:
+            p.send_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal(BIG).astype(np.float32) for _ in range(world)]
+    before = _plane_bytes(groups)
+    for op in ("sum", "avg", "max", "prod"):
+        ys = await asyncio.gather(*(g.all_reduce(x, op=op) for g, x in zip(groups, xs, strict=True)))
+        ref = canonical_fold(xs, op, np.empty(BIG, np.float32))
+        assert all(y.tobytes() == ref.tobytes() for y in ys), op
+    sent = [a - b for a, b in zip(_plane_bytes(groups), before, strict=True)]
+    assert all(s >= 4 * 2 * (world - 1) / world * xs[0].nbytes for s in sent), sent
+    assert all(s < 4 * 2 * (world - 1) / world * xs[0].nbytes + 8192 for s in sent), sent  # headers only
+    assert all(p.frames_sent_here + p.frames_split_here > 0 for p in planes)
+    if sndbuf:
+        assert any(p.frames_split_here > 0 for p in planes)
+    # calls in flight at once, a mismatch, a timeout: the frames left behind are skipped, in order
+    inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
+
+    async def rank(g: psring.Group) -> list[np.ndarray]:
+        return list(await asyncio.gather(*(g.all_reduce(inputs[g.rank, k]) for k in range(4))))
+
+    for per_rank in await asyncio.gather(*(rank(g) for g in groups)):
+        for k, y in enumerate(per_rank):
+            assert y.shape == (BIG + k,) and np.all(y == sum(r * 10.0 + k for r in range(world)))
+    bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    x = np.ones(1 << 20, np.float32)
+    results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    with pytest.raises(psring.CollectiveTimeoutError):
+        await groups[3].all_reduce(x)
+    for k in range(3):
+        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
+        assert all(np.all(y == 6 + 4 * k) for y in ys)
 
 
 async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monkeypatch) -> None:
