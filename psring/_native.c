@@ -176,18 +176,22 @@ static inline int all_at(NBoard *b, long long k, int field) {
     return 1;
 }
 
+static int field_ok(int field) {
+    if (field < 0 || field > 1) {
+        PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
+        return 0;
+    }
+    return 1;
+}
+
 /* all_at(k, field) -> whether every peer's slot k % 2 has head field (0: post, 1: mark) at k or past */
 static PyObject *nb_all_at(NBoard *b, PyObject *args) {
     long long k;
     int field;
     if (!PyArg_ParseTuple(args, "Li", &k, &field))
         return NULL;
-    if (!nb_usable(b))
+    if (!nb_usable(b) || !field_ok(field))
         return NULL;
-    if (field < 0 || field > 1) {
-        PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
-        return NULL;
-    }
     return PyBool_FromLong(all_at(b, k, field));
 }
 
@@ -225,12 +229,8 @@ static PyObject *nb_spin(NBoard *b, PyObject *args) {
     double budget;
     if (!PyArg_ParseTuple(args, "Liid", &k, &field, &hot, &budget))
         return NULL;
-    if (!nb_usable(b))
+    if (!nb_usable(b) || !field_ok(field))
         return NULL;
-    if (field < 0 || field > 1) {
-        PyErr_SetString(PyExc_ValueError, "field is 0 (posted) or 1 (marked)");
-        return NULL;
-    }
     return PyBool_FromLong(do_spin(b, k, field, hot, budget) == 1);
 }
 
@@ -274,6 +274,20 @@ static PyObject *nb_differs(NBoard *b, PyObject *args) {
         }                                                                                                          \
     } while (0)
 
+/* FOLD for a floating type: sum or prod, and avg's division by the ranks (one IEEE operation each) */
+#define FOLD_FLOAT(T)                                                                                              \
+    do {                                                                                                           \
+        if (prod)                                                                                                  \
+            FOLD(T, o[i] * r[i]);                                                                                  \
+        else                                                                                                       \
+            FOLD(T, o[i] + r[i]);                                                                                  \
+        if (avg) {                                                                                                 \
+            T d = (T)n, *o = (T *)out;                                                                             \
+            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
+                o[i] = o[i] / d;                                                                                   \
+        }                                                                                                          \
+    } while (0)
+
 /* the op's code: 0 sum, 1 avg, 2 prod, -1 one this module does not fold */
 static int op_code(const char *op) {
     return strcmp(op, "sum") == 0 ? 0 : strcmp(op, "avg") == 0 ? 1 : strcmp(op, "prod") == 0 ? 2 : -1;
@@ -311,26 +325,10 @@ static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, P
     int prod = op == 2, avg = op == 1;
     switch (kind) {
     case 'f':
-        if (prod)
-            FOLD(float, o[i] * r[i]);
-        else
-            FOLD(float, o[i] + r[i]);
-        if (avg) {
-            float d = (float)n, *o = (float *)out;
-            for (Py_ssize_t i = 0; i < count; i++)
-                o[i] = o[i] / d;
-        }
+        FOLD_FLOAT(float);
         break;
     case 'd':
-        if (prod)
-            FOLD(double, o[i] * r[i]);
-        else
-            FOLD(double, o[i] + r[i]);
-        if (avg) {
-            double d = (double)n, *o = (double *)out;
-            for (Py_ssize_t i = 0; i < count; i++)
-                o[i] = o[i] / d;
-        }
+        FOLD_FLOAT(double);
         break;
     case 'i':
     case 'I':
