@@ -237,6 +237,8 @@ static PyObject *nb_spin(NBoard *b, PyObject *args) {
 /* the index (in peer order) of the first peer whose slot k % 2 does not hold post k with this tag and
  * nbytes of payload, or -1 */
 static int do_differs(NBoard *b, long long k, const Py_buffer *tag, Py_ssize_t nbytes) {
+    if (tag->len > b->tag_max) /* no post carries it (and the compare would read past the head) */
+        return b->npeers > 0 ? 0 : -1;
     for (int i = 0; i < b->npeers; i++) {
         char *slot = peer_slot(b, i, k);
         if (load(slot) != k || load(slot + 16) != nbytes || load(slot + 24) != tag->len ||
@@ -298,11 +300,14 @@ static Py_ssize_t kind_size(int kind) {
 }
 
 /* every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
- * order; 1 done, 0 a (kind, op) this module does not fold, -1 with an exception set */
+ * order; 1 done, 0 a (kind, op) this module does not fold, or an input or output not aligned to its
+ * type (the vectorised loops assume it), -1 with an exception set */
 static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, Py_ssize_t len, int kind, int op) {
     int n = b->npeers + 1;
     Py_ssize_t item = kind_size(kind);
     if (item == 0 || op < 0 || (op == 1 && kind != 'f' && kind != 'd'))
+        return 0;
+    if ((uintptr_t)own % (uintptr_t)item || (uintptr_t)out % (uintptr_t)item)
         return 0;
     if (me < 0 || me >= n || len % item) {
         PyErr_SetString(PyExc_ValueError, "fold: the rank or the input's size is wrong");
@@ -389,7 +394,9 @@ static PyObject *nb_exchange(NBoard *b, PyObject *args) {
     int code = op_code(op);
     if (!nb_usable(b))
         goto done;
-    if (x.len != outb.len || code < 0 || kind_size(kind) == 0) {
+    Py_ssize_t item = kind_size(kind);
+    if (x.len != outb.len || code < 0 || item == 0 || (uintptr_t)x.buf % (uintptr_t)item ||
+        (uintptr_t)outb.buf % (uintptr_t)item) { /* checked before anything is posted */
         PyErr_SetString(PyExc_ValueError, "exchange: a call the native fold does not take");
         goto done;
     }

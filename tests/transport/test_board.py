@@ -167,6 +167,19 @@ def test_the_native_fold_gives_the_canonical_folds_bits(n: int) -> None:
         for board in boards:
             board.post(k, b"h", memoryview(x).cast("B"))
         assert not boards[0].fold(k, 0, x, np.empty_like(x), "sum")
+        # an input not aligned to its type (the C loops assume it): declined, the caller folds
+        raw = np.zeros(4 * 5 + 1, np.uint8)
+        x = raw[1:].view(np.float32)
+        assert not x.flags.aligned
+        for board in boards:
+            board.ack(k)
+        k += 1
+        for board in boards:
+            board.post(k, b"u", memoryview(np.ones(5, np.float32)).cast("B"))
+        assert not boards[0].fold(k, 0, x, np.empty(5, np.float32), "sum")
+        with pytest.raises(ValueError, match="does not take"):  # before anything is posted
+            boards[0].exchange(k + 1, b"u", x, np.empty(5, np.float32), "f", "sum", 0, 0, 0.0)
+        assert 0 in boards[1].missing(k + 1)  # rank 0 posted nothing
     finally:
         for board in boards:
             board.close()

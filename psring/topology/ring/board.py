@@ -298,6 +298,7 @@ class BoardPath(_Host):
             plan is False
             or self.net.hosts is not None
             or not x.flags.c_contiguous
+            or not x.flags.aligned
             or not self._idle()
             or not board.clear_to_post(self._seq)
         ):
