@@ -258,9 +258,8 @@ class Board:
         flat order (psring.core.fold.canonical_fold), in C; False where it cannot (not native, or a
         dtype or op it does not fold: min and max, float16, ...), and the caller folds. Call once
         :meth:`differs` found every post this call's; x and out flat and contiguous."""
-        nat = self._nat
-        kind = _NATIVE_KINDS.get(x.dtype)
-        if nat is None or kind is None or not nat.fold(k, me, x, out, kind, op):
+        kind = self.native_kind(x.dtype, op)
+        if kind is None or self._nat is None or not self._nat.fold(k, me, x, out, kind, op):
             return False
         self.bytes_read += x.nbytes * len(self._peers)
         return True
