@@ -1,5 +1,6 @@
-/* psring._native: the same-host board's hot loop in C (optional; psring/transport/board.py keeps the
- * pure-Python path and uses this only where it imports and PSRING_NATIVE is not off).
+/* psring._native: the same-host board's hot loop in C, and the TCP small-message links' read loop
+ * (optional; psring/transport/board.py and tcpmesh.py keep the pure-Python paths and use this only where
+ * it imports and PSRING_NATIVE is not off).
  *
  * A board (psring.transport.board) is a shared-memory pool of two slots, each a 256-byte head (four
  * int64: post number, mark, payload bytes, tag bytes; then the tag) and the payload, after one header
@@ -7,7 +8,7 @@
  * in the order the Python path does (payload, tag, sizes, the post number last, stored with release
  * semantics; readers load it with acquire semantics), so native and Python ranks share one board.
  *
- * What it does, per call, without a Python frame or a numpy call: post (and say which peers sleep
+ * What it does for a board, per call, without a Python frame or a numpy call: post (and say which peers sleep
  * on the post), poll the peers' heads (spinning, then yielding the core between polls, for a time
  * budget), check every peer's post against this rank's call, and fold every rank's post in the
  * canonical order (element i of ring chunk c: ((x_c op x_c+1) op ...) op x_c-1, ranks mod N; avg:
@@ -17,7 +18,11 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <poll.h>
 #include <sched.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -299,33 +304,18 @@ static Py_ssize_t kind_size(int kind) {
     return (kind == 'f' || kind == 'i' || kind == 'I') ? 4 : (kind == 'd' || kind == 'q' || kind == 'Q') ? 8 : 0;
 }
 
-/* every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
- * order; 1 done, 0 a (kind, op) this module does not fold, or an input or output not aligned to its
- * type (the vectorised loops assume it), -1 with an exception set */
-static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, Py_ssize_t len, int kind, int op) {
-    int n = b->npeers + 1;
+/* rows[0..n-1] (n rows of len bytes, rank order) folded into `out` in the canonical order; 1 done, 0 a
+ * (kind, op) this module does not fold, or a row or the output not aligned to its type (the vectorised
+ * loops assume it) */
+static int fold_rows(const char **rows, int n, void *out, Py_ssize_t len, int kind, int op) {
     Py_ssize_t item = kind_size(kind);
-    if (item == 0 || op < 0 || (op == 1 && kind != 'f' && kind != 'd'))
+    if (item == 0 || op < 0 || (op == 1 && kind != 'f' && kind != 'd') || len % item)
         return 0;
-    if ((uintptr_t)own % (uintptr_t)item || (uintptr_t)out % (uintptr_t)item)
+    if ((uintptr_t)out % (uintptr_t)item)
         return 0;
-    if (me < 0 || me >= n || len % item) {
-        PyErr_SetString(PyExc_ValueError, "fold: the rank or the input's size is wrong");
-        return -1;
-    }
-    const char *rows[MAX_PEERS + 1];
-    for (int r = 0; r < n; r++) {
-        if (r == me) {
-            rows[r] = (const char *)own;
-            continue;
-        }
-        int i = r < me ? r : r - 1;
-        if (len > b->peer_slot[i] - b->head) {
-            PyErr_Format(PyExc_ValueError, "fold: %zd bytes do not fit peer %d's slot", len, i);
-            return -1;
-        }
-        rows[r] = peer_slot(b, i, k) + b->head;
-    }
+    for (int r = 0; r < n; r++)
+        if ((uintptr_t)rows[r] % (uintptr_t)item)
+            return 0;
     Py_ssize_t count = len / item;
     int prod = op == 2, avg = op == 1;
     switch (kind) {
@@ -350,6 +340,32 @@ static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, P
         break;
     }
     return 1;
+}
+
+/* every rank's post k (this rank's own from `own`, at rank `me`) folded into `out` in the canonical
+ * order (fold_rows); 1 done, 0 not here (fold_rows), -1 with an exception set */
+static int do_fold(NBoard *b, long long k, int me, const void *own, void *out, Py_ssize_t len, int kind, int op) {
+    int n = b->npeers + 1;
+    if (kind_size(kind) == 0 || op < 0)
+        return 0;
+    if (me < 0 || me >= n || len % kind_size(kind)) {
+        PyErr_SetString(PyExc_ValueError, "fold: the rank or the input's size is wrong");
+        return -1;
+    }
+    const char *rows[MAX_PEERS + 1];
+    for (int r = 0; r < n; r++) {
+        if (r == me) {
+            rows[r] = (const char *)own;
+            continue;
+        }
+        int i = r < me ? r : r - 1;
+        if (len > b->peer_slot[i] - b->head) {
+            PyErr_Format(PyExc_ValueError, "fold: %zd bytes do not fit peer %d's slot", len, i);
+            return -1;
+        }
+        rows[r] = peer_slot(b, i, k) + b->head;
+    }
+    return fold_rows(rows, n, out, len, kind, op);
 }
 
 /* fold(k, me, own, out, kind, op) -> True, or False for a (kind, op) this module does not fold.
@@ -445,6 +461,360 @@ static PyMethodDef nb_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* fold(parts, out, kind, op) -> True, or False for a (kind, op) or an alignment this module does not
+ * fold: the rows of `parts` (a C-contiguous buffer of whole rows, each out's size, rank order) folded
+ * into `out` in the canonical order, as NBoard.fold does a board's posts */
+static PyObject *native_fold(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer parts, outb;
+    int kind;
+    const char *op;
+    if (!PyArg_ParseTuple(args, "y*w*Cs", &parts, &outb, &kind, &op))
+        return NULL;
+    PyObject *result = NULL;
+    const char **rows = NULL;
+    Py_ssize_t n = outb.len > 0 ? parts.len / outb.len : 0;
+    if (outb.len <= 0 || parts.len % outb.len || n < 1 || n > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "fold: the parts are not whole rows of the output's size");
+        goto done;
+    }
+    rows = PyMem_Malloc((size_t)n * sizeof(*rows));
+    if (rows == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < n; r++)
+        rows[r] = (const char *)parts.buf + r * outb.len;
+    result = PyBool_FromLong(fold_rows(rows, (int)n, outb.buf, outb.len, kind, op_code(op)));
+done:
+    PyMem_Free(rows);
+    PyBuffer_Release(&parts);
+    PyBuffer_Release(&outb);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------------------
+ * The TCP small-message links' read loop (psring.transport.tcpmesh): a link is a TcpLink whose `buf` (a
+ * bytearray) holds buf[start:end] read and not used yet; a message is a 4-byte length and the message.
+ * tcp_read reads the sockets and uses up messages exactly as TcpMesh.fill and TcpMesh.take do, and
+ * writes start, end and bytes_received back, so the event loop reads on where this left off. */
+
+#define TCP_READ (256 << 10) /* TcpMesh's _READ: the room a read asks for */
+#define TCP_MAX_LINKS 4096
+
+typedef struct {
+    Py_buffer buf;
+    Py_ssize_t start, end, row;
+    long long got;
+    int fd, done;
+} TcpState;
+
+static int attr_ssize(PyObject *o, const char *name, Py_ssize_t *v) {
+    PyObject *a = PyObject_GetAttrString(o, name);
+    if (a == NULL)
+        return -1;
+    *v = PyLong_AsSsize_t(a);
+    Py_DECREF(a);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_ssize(PyObject *o, const char *name, Py_ssize_t v) {
+    PyObject *a = PyLong_FromSsize_t(v);
+    if (a == NULL)
+        return -1;
+    int r = PyObject_SetAttrString(o, name, a);
+    Py_DECREF(a);
+    return r;
+}
+
+/* the next message of a link: 1 it is `head` and `size` bytes more, whole (copied to `to`, used up);
+ * 0 not whole yet and begins as `head` does so far; -1 it is another message */
+static int tcp_take(TcpState *st, const char *head, Py_ssize_t hlen, Py_ssize_t size, char *to) {
+    Py_ssize_t have = st->end - st->start;
+    const char *at = (const char *)st->buf.buf + st->start;
+    if (memcmp(at, head, (size_t)(have < hlen ? have : hlen)) != 0)
+        return -1;
+    if (have < hlen + size)
+        return 0;
+    memcpy(to, at + hlen, (size_t)size);
+    st->start += hlen + size;
+    return 1;
+}
+
+/* read what the kernel has for a link without blocking: >0 bytes read, 0 none, -1 it ended (errno: why;
+ * 0 the peer closed it) */
+static Py_ssize_t tcp_fill(TcpState *st) {
+    char *buf = (char *)st->buf.buf;
+    if (st->start == st->end) {
+        st->start = st->end = 0;
+    } else if (st->buf.len - st->end < TCP_READ) { /* move what is left to the front */
+        memmove(buf, buf + st->start, (size_t)(st->end - st->start));
+        st->end -= st->start;
+        st->start = 0;
+    }
+    for (;;) {
+        ssize_t n = recv(st->fd, buf + st->end, (size_t)(st->buf.len - st->end), MSG_DONTWAIT);
+        if (n > 0) {
+            st->end += n;
+            st->got += n;
+            return n;
+        }
+        if (n == 0) {
+            errno = 0;
+            return -1;
+        }
+        if (errno == EINTR)
+            continue;
+        return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+    }
+}
+
+/* The links of one read: their states, loaded from the TcpLinks and written back by tcp_store. */
+typedef struct {
+    TcpState *sts;
+    struct pollfd *fds;
+    Py_ssize_t m, held;
+    Py_ssize_t bad; /* the link that ended, or -1 */
+    int err;        /* and why (errno; 0: the peer closed it) */
+} TcpLinks;
+
+/* load links[i] (a TcpLink) to read its next message into row ranks[i] of `out_len` bytes of rows of
+ * `size`; -1 with an exception set (tcp_store still releases what was loaded) */
+static int tcp_load(TcpLinks *L, PyObject *links, PyObject *ranks, Py_ssize_t hlen, Py_ssize_t size,
+                    Py_ssize_t out_len) {
+    L->m = PyList_GET_SIZE(links);
+    L->held = 0, L->bad = -1, L->err = 0;
+    L->sts = NULL, L->fds = NULL;
+    if (L->m != PyList_GET_SIZE(ranks) || L->m > TCP_MAX_LINKS || size < 0) {
+        PyErr_SetString(PyExc_ValueError, "tcp_read: links and ranks differ in length");
+        return -1;
+    }
+    L->sts = PyMem_Calloc((size_t)(L->m > 0 ? L->m : 1), sizeof(*L->sts));
+    L->fds = PyMem_Calloc((size_t)(L->m > 0 ? L->m : 1), sizeof(*L->fds));
+    if (L->sts == NULL || L->fds == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < L->m; i++) {
+        PyObject *link = PyList_GET_ITEM(links, i), *buf;
+        TcpState *st = &L->sts[i];
+        Py_ssize_t fd;
+        if (attr_ssize(link, "start", &st->start) < 0 || attr_ssize(link, "end", &st->end) < 0 ||
+            attr_ssize(link, "fd", &fd) < 0)
+            return -1;
+        st->fd = (int)fd;
+        st->row = PyLong_AsSsize_t(PyList_GET_ITEM(ranks, i));
+        if (st->row == -1 && PyErr_Occurred())
+            return -1;
+        if ((buf = PyObject_GetAttrString(link, "buf")) == NULL)
+            return -1;
+        int got = PyObject_GetBuffer(buf, &st->buf, PyBUF_WRITABLE | PyBUF_SIMPLE);
+        Py_DECREF(buf);
+        if (got < 0)
+            return -1;
+        L->held++;
+        if (st->start < 0 || st->start > st->end || st->end > st->buf.len || st->row < 0 ||
+            (st->row + 1) * size > out_len || st->buf.len < TCP_READ + hlen + size) {
+            PyErr_SetString(PyExc_ValueError, "tcp_read: a link's buffer or a row is out of range");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* the read loop (the GIL released): the code tcp_read returns */
+static int tcp_loop(TcpLinks *L, const char *head, Py_ssize_t hlen, Py_ssize_t size, char *out, int yields,
+                    double spin_s, double wait_s) {
+    Py_ssize_t left = 0;
+    for (Py_ssize_t i = 0; i < L->m; i++)
+        left += !L->sts[i].done;
+    double now = now_s(), spin_end = now + spin_s, end = now + wait_s;
+    for (;;) {
+        for (Py_ssize_t i = L->m - 1; i >= 0; i--) {
+            TcpState *st = &L->sts[i];
+            if (st->done)
+                continue;
+            char *to = out + st->row * size;
+            int r = tcp_take(st, head, hlen, size, to);
+            if (r == 0) {
+                if (tcp_fill(st) < 0) {
+                    L->bad = i, L->err = errno;
+                    return 3;
+                }
+                r = tcp_take(st, head, hlen, size, to);
+            }
+            if (r < 0)
+                return 2;
+            if (r > 0)
+                st->done = 1, left--;
+        }
+        if (left == 0)
+            return 0;
+        now = now_s();
+        if (now >= end)
+            return 1;
+        if (yields > 0 && now < spin_end) {
+            yields--;
+            sched_yield(); /* a peer that shares this core sends sooner, and no sleep to wake from */
+            continue;
+        }
+        int nfds = 0;
+        for (Py_ssize_t i = 0; i < L->m; i++)
+            if (!L->sts[i].done)
+                L->fds[nfds].fd = L->sts[i].fd, L->fds[nfds].events = POLLIN, L->fds[nfds].revents = 0, nfds++;
+        if (poll(L->fds, (nfds_t)nfds, (int)((end - now) * 1000.0) + 1) == 0 && now_s() >= end)
+            return 1; /* (after one more look, for what came just as it timed out) */
+    }
+}
+
+/* write every loaded link's state back (read or not), set the ended link's error as TcpMesh.fill does,
+ * take the links read out of both lists, free L; returns `result`, or NULL (its reference dropped) if
+ * that failed */
+static PyObject *tcp_store(TcpLinks *L, PyObject *links, PyObject *ranks, PyObject *result) {
+    for (Py_ssize_t i = 0; i < L->held; i++) {
+        PyObject *link = PyList_GET_ITEM(links, i);
+        TcpState *st = &L->sts[i];
+        PyBuffer_Release(&st->buf);
+        if (result == NULL)
+            continue;
+        if (set_ssize(link, "start", st->start) < 0 || set_ssize(link, "end", st->end) < 0) {
+            Py_CLEAR(result);
+            continue;
+        }
+        Py_ssize_t total;
+        if (st->got && (attr_ssize(link, "bytes_received", &total) < 0 ||
+                        set_ssize(link, "bytes_received", total + st->got) < 0))
+            Py_CLEAR(result);
+    }
+    if (result != NULL && L->bad >= 0) { /* the error, or None for an orderly end */
+        PyObject *exc = L->err ? PyObject_CallFunction(PyExc_OSError, "is", L->err, strerror(L->err)) : Py_NewRef(Py_None);
+        if (exc == NULL || PyObject_SetAttrString(PyList_GET_ITEM(links, L->bad), "error", exc) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(exc);
+    }
+    for (Py_ssize_t i = L->held - 1; result != NULL && i >= 0; i--)
+        if (L->sts[i].done && (PySequence_DelItem(links, i) < 0 || PySequence_DelItem(ranks, i) < 0))
+            Py_CLEAR(result);
+    PyMem_Free(L->sts);
+    PyMem_Free(L->fds);
+    L->sts = NULL, L->fds = NULL, L->held = 0;
+    return result;
+}
+
+/* tcp_read(links, ranks, head, size, out, yields, spin_s, wait_s) -> code
+ * Read every link in `links` (TcpLinks, open) for its next message, expected to begin with the bytes
+ * `head` and carry `size` bytes after them; the payload from links[i] goes to row ranks[i] of `out`
+ * (rows of `size` bytes). Those read are taken out of both lists. Meanwhile the core is yielded
+ * `yields` times at most while spin_s lasts, then the thread sleeps in poll; it returns by wait_s.
+ * The GIL is released throughout. Codes: 0 every message read; 1 wait_s passed; 2 a link's next
+ * message is another (left there); 3 a link ended (its `error` set as TcpMesh.fill sets it). */
+static PyObject *native_tcp_read(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *links, *ranks, *result = NULL;
+    Py_buffer head, outb;
+    Py_ssize_t size;
+    int yields, code;
+    double spin_s, wait_s;
+    TcpLinks L;
+    if (!PyArg_ParseTuple(args, "O!O!y*nw*idd", &PyList_Type, &links, &PyList_Type, &ranks, &head, &size, &outb,
+                          &yields, &spin_s, &wait_s))
+        return NULL;
+    if (tcp_load(&L, links, ranks, head.len, size, outb.len) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        code = tcp_loop(&L, head.buf, head.len, size, outb.buf, yields, spin_s, wait_s);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromLong(code);
+    }
+    result = tcp_store(&L, links, ranks, result);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&outb);
+    return result;
+}
+
+/* tcp_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin_s, wait_s) -> (code, i, sent)
+ * A whole small all_reduce between hosts in one call: send the message `head` + x to every link, in
+ * order (one sendmsg each, MSG_DONTWAIT), copy x to row `me` of `bufs` and read every peer's message
+ * for the call into its row (as tcp_read), then fold the rows into `out` in the canonical order.
+ * Codes: 0 done (out holds the fold); 1, 2, 3 as tcp_read's (the messages are all sent; the links read
+ * were taken out of the lists); 4: links[i] did not take its whole message: `sent` bytes of it went (an
+ * error: -errno), and nothing went to the links after it, nothing was read. (kind, op) must be one the
+ * fold takes, x and out aligned to it. */
+static PyObject *native_tcp_exchange(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *links, *ranks, *result = NULL;
+    Py_buffer head, x, bufs, outb;
+    int me, kind, yields, code = -1;
+    const char *op;
+    double spin_s, wait_s;
+    TcpLinks L = {.bad = -1};
+    Py_ssize_t bad = -1;
+    long long sent = 0;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*w*iw*Csidd", &PyList_Type, &links, &PyList_Type, &ranks, &head, &x, &bufs,
+                          &me, &outb, &kind, &op, &yields, &spin_s, &wait_s))
+        return NULL;
+    Py_ssize_t item = kind_size(kind), size = x.len, n = size > 0 ? bufs.len / size : 0;
+    if (x.len != outb.len || op_code(op) < 0 || item == 0 || size == 0 || bufs.len % size || me < 0 || me >= n ||
+        (uintptr_t)x.buf % (uintptr_t)item || (uintptr_t)outb.buf % (uintptr_t)item ||
+        (uintptr_t)bufs.buf % (uintptr_t)item) {
+        PyErr_SetString(PyExc_ValueError, "tcp_exchange: a call the native fold does not take");
+        goto done;
+    }
+    if (tcp_load(&L, links, ranks, head.len, size, bufs.len) < 0)
+        goto done;
+    if (L.m + 1 != n) {
+        PyErr_SetString(PyExc_ValueError, "tcp_exchange: not a link for every other rank");
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    struct iovec iov[2] = {{head.buf, (size_t)head.len}, {x.buf, (size_t)x.len}};
+    struct msghdr msg = {0};
+    msg.msg_iov = iov, msg.msg_iovlen = 2;
+    for (Py_ssize_t i = 0; i < L.m; i++) {
+        ssize_t w;
+        do
+            w = sendmsg(L.sts[i].fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        while (w < 0 && errno == EINTR);
+        if (w != head.len + x.len) {
+            bad = i, sent = w >= 0 ? w : (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -(long long)errno;
+            break;
+        }
+    }
+    if (bad < 0) {
+        memcpy((char *)bufs.buf + me * size, x.buf, (size_t)size);
+        code = tcp_loop(&L, head.buf, head.len, size, bufs.buf, yields, spin_s, wait_s);
+        if (code == 0) {
+            const char *rows[TCP_MAX_LINKS + 1];
+            for (Py_ssize_t r = 0; r < n; r++)
+                rows[r] = (const char *)bufs.buf + r * size;
+            fold_rows(rows, (int)n, outb.buf, size, kind, op_code(op));
+        }
+    } else {
+        code = 4;
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < (bad < 0 ? L.m : bad + (sent > 0)); i++) { /* the links' books */
+        PyObject *link = PyList_GET_ITEM(links, i);
+        Py_ssize_t count, frames;
+        Py_ssize_t wrote = i == bad ? (Py_ssize_t)sent : head.len + x.len;
+        if (attr_ssize(link, "bytes_sent", &count) < 0 || set_ssize(link, "bytes_sent", count + wrote) < 0 ||
+            (i != bad && (attr_ssize(link, "frames_sent", &frames) < 0 || set_ssize(link, "frames_sent", frames + 1) < 0)))
+            goto done;
+    }
+    result = Py_BuildValue("(inL)", code, bad, sent);
+done:
+    result = tcp_store(&L, links, ranks, result);
+    PyBuffer_Release(&head);
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&bufs);
+    PyBuffer_Release(&outb);
+    return result;
+}
+
+static PyMethodDef native_functions[] = {
+    {"fold", native_fold, METH_VARARGS, "fold(parts, out, kind, op) -> folded (False: not here)"},
+    {"tcp_read", native_tcp_read, METH_VARARGS, "tcp_read(links, ranks, head, size, out, yields, spin_s, wait_s)"},
+    {"tcp_exchange", native_tcp_exchange, METH_VARARGS,
+     "tcp_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin_s, wait_s) -> (code, i, sent)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject NBoardType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "psring._native.NBoard",
     .tp_basicsize = sizeof(NBoard),
@@ -457,7 +827,8 @@ static PyTypeObject NBoardType = {
 };
 
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "psring._native", "The same-host board's hot loop in C (optional).", -1, NULL,
+    PyModuleDef_HEAD_INIT, "psring._native", "The same-host board's and the TCP small links' hot loops in C (optional).", -1,
+    native_functions,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -1,4 +1,5 @@
-"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop."""
+"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop, and the
+TCP small-message links' read loop."""
 
 from typing import Any
 
@@ -28,3 +29,22 @@ class NBoard:
         self, k: int, tag: Buffer, x: _Array, out: _Array, kind: str, op: str, me: int, hot: int, budget_s: float
     ) -> int: ...
     def close(self) -> None: ...
+
+def fold(parts: _Array, out: _Array, kind: str, op: str) -> bool: ...
+def tcp_read(
+    links: list[Any], ranks: list[int], head: Buffer, size: int, out: _Array, yields: int, spin_s: float, wait_s: float
+) -> int: ...
+def tcp_exchange(
+    links: list[Any],
+    ranks: list[int],
+    head: Buffer,
+    x: _Array,
+    bufs: _Array,
+    me: int,
+    out: _Array,
+    kind: str,
+    op: str,
+    yields: int,
+    spin_s: float,
+    wait_s: float,
+) -> tuple[int, int, int]: ...

@@ -13,6 +13,7 @@ default 2 GiB). Arrays travel little-endian, in C order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +255,22 @@ def message_header(head: tuple[Any, ...]) -> bytes:
     if len(packed) > MESSAGE_MAX_HEADER:
         raise ProtocolError(f"message header of {len(packed)} bytes is over the {MESSAGE_MAX_HEADER}-byte limit")
     return len(packed).to_bytes(2, "little") + packed
+
+
+def header_maker(gid: str, phase: int, call: tuple[Any, ...]) -> Callable[[int], bytes]:
+    """``message_header((gid, seq, phase, call))`` as a function of ``seq`` alone, for a call made many
+    times: the same bytes, with only ``seq`` packed each time."""
+    pre = b"\x94" + msgpack.packb(gid, use_bin_type=True)  # an array of 4, and its first item
+    post = msgpack.packb(phase) + msgpack.packb(call, use_bin_type=True)
+    if len(pre) + 9 + len(post) > MESSAGE_MAX_HEADER:  # (a seq packs to 9 bytes at most)
+        message_header((gid, 1 << 63, phase, call))  # the error it raises
+    packb = msgpack.packb
+
+    def make(seq: int) -> bytes:
+        body = b"".join((pre, packb(seq), post))
+        return len(body).to_bytes(2, "little") + body
+
+    return make
 
 
 def encode_message(head: tuple[Any, ...], payload: Any = None) -> bytes:

@@ -74,6 +74,15 @@ _NATIVE_KINDS = {
 }
 
 
+def fold_kind(dtype: np.dtype, op: str) -> str | None:
+    """The letter the C extension's folds know ``dtype`` by, where they fold (dtype, op) -- sum, avg
+    and prod of float32/64, prod and sum of the 32- and 64-bit integers -- and it was built; else None."""
+    if _NBoard is None or op not in ("sum", "avg", "prod"):
+        return None
+    kind = _NATIVE_KINDS.get(dtype)
+    return None if kind is None or (op == "avg" and kind not in "fd") else kind
+
+
 def board_possible() -> bool:
     """Whether this machine orders stores to shared memory as the board needs (x86: total store order)."""
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
@@ -267,10 +276,7 @@ class Board:
     def native_kind(self, dtype: np.dtype, op: str) -> str | None:
         """The native fold's letter for dtype, where this board is native and folds (dtype, op) in C
         (:meth:`exchange` takes the call); else None."""
-        if self._nat is None or op not in ("sum", "avg", "prod"):
-            return None
-        kind = _NATIVE_KINDS.get(dtype)
-        return None if kind is None or (op == "avg" and kind not in "fd") else kind
+        return None if self._nat is None else fold_kind(dtype, op)
 
     def exchange(
         self, k: int, tag: bytes, x: np.ndarray, out: np.ndarray, kind: str, op: str, me: int, hot: int, budget: float
@@ -357,4 +363,4 @@ class Board:
         self.pool.close()
 
 
-__all__ = ["BOARD_BYTES", "Board", "board_possible", "native_built"]
+__all__ = ["BOARD_BYTES", "Board", "board_possible", "fold_kind", "native_built"]

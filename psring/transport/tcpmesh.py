@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import select
 import socket
 import struct
@@ -30,6 +31,12 @@ from typing import Any
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 from .mesh import Mesh, MeshLink
+
+try:  # the C extension's read loop (psring/_native.c, a leaf: it imports nothing of psring)
+    from .._native import tcp_exchange as _native_exchange
+    from .._native import tcp_read as _native_read
+except ImportError:  # not built here: the pure-Python loop (the caller's)
+    _native_read = _native_exchange = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +89,11 @@ class TcpMesh(Mesh[TcpLink]):
         peers: int,
         on_message: Callable[[int, tuple[Any, ...], memoryview], None],
         on_closed: Callable[[int, BaseException | None], None],
+        native: bool = True,
     ) -> None:
         super().__init__(rank, on_message, on_closed)
+        #: whether :meth:`read` reads in C (psring._native, where it was built, and ``native`` on)
+        self.native = native and _native_read is not None
         self.expected = peers  #: the links to come (add)
         self.all_in = asyncio.Event()
         self.holds = 0  #: the loop's waiters: while there are any, the loop reads every link
@@ -116,6 +126,15 @@ class TcpMesh(Mesh[TcpLink]):
             return _length(len(header)) + header
         return b"".join((_length(len(header) + payload.nbytes), header, payload))
 
+    @staticmethod
+    def head(header: bytes, nbytes: int) -> bytes:
+        """A :meth:`framed` message's bytes before its ``nbytes`` of payload (what :meth:`take` compares)."""
+        return _length(len(header) + nbytes) + header
+
+    def usable(self, links: list[TcpLink]) -> bool:
+        """Whether a thread may send on these links now: open, nothing queued (:meth:`exchange`)."""
+        return not self.backlog and not any(link.closed or link.pending for link in links)
+
     def send_now(self, peer: int, frame: bytes) -> bool:
         """From a thread, the loop not holding the mesh: send one :meth:`framed` message; False if the
         kernel did not take it all (the rest is queued: the loop must :meth:`flush` it) or the link is
@@ -136,7 +155,7 @@ class TcpMesh(Mesh[TcpLink]):
         link.start = end
         return memoryview(link.buf)[end - size : end]
 
-    def _push(self, link: TcpLink, *parts: bytes) -> bool:
+    def _push(self, link: TcpLink, *parts: bytes | memoryview) -> bool:
         """Send one framed message given in ``parts`` (one ``sendmsg``); False if the kernel did not take
         it all (the rest queued, in order) or the link failed (its ``error`` says why)."""
         if link.pending:
@@ -236,6 +255,71 @@ class TcpMesh(Mesh[TcpLink]):
     def consume(self, link: TcpLink) -> None:
         (size,) = _LEN.unpack_from(link.buf, link.start)
         link.start += _LEN.size + size
+
+    def read(
+        self,
+        links: list[TcpLink],
+        ranks: list[int],
+        head: bytes,
+        out: Any,
+        yields: int,
+        spin: float,
+        timeout: float,
+    ) -> int:
+        """From a thread, the loop not holding the mesh, where :attr:`native`: read each of ``links``
+        until its next message, which should begin with the bytes ``head`` (:meth:`take`), and put its
+        payload in row ``ranks[i]`` of ``out`` (a C-contiguous array, a row each rank, rows the
+        payload's size); the links and ranks read are taken out of both lists. The whole loop of
+        :meth:`take`, :meth:`fill` and :meth:`wait` in C with the GIL released, the links' buffers left
+        as those would leave them: the core given up ``yields`` times at most while ``spin`` seconds
+        last, then asleep in ``poll``, back within ``timeout`` seconds. Returns 0: every message read;
+        1: the time passed; 2: a link's next message is another one (left there, for :meth:`peek`); 3:
+        a link ended (its ``error`` says why, as after :meth:`fill`)."""
+        assert _native_read is not None
+        if any(link.closed for link in links):
+            return 3
+        size = out.nbytes // len(out) if len(out) else 0
+        return _native_read(links, ranks, head, size, out, yields, spin, timeout)
+
+    def exchange(
+        self,
+        links: list[TcpLink],
+        ranks: list[int],
+        head: bytes,
+        x: Any,
+        bufs: Any,
+        me: int,
+        out: Any,
+        kind: str,
+        op: str,
+        yields: int,
+        spin: float,
+        timeout: float,
+    ) -> int:
+        """From a thread, the loop not holding the mesh, where :attr:`native`: a whole one-hop exchange
+        in one C call -- send the message ``head`` + ``x`` to each of ``links`` (a link to every other
+        rank, in the order given), put ``x`` in row ``me`` of ``bufs``, read each peer's message into
+        row ``ranks[i]`` as :meth:`read` does, and fold the rows into ``out`` in the canonical flat
+        order (psring.core.fold.canonical_fold; ``kind``: psring.transport.board.fold_kind's letter).
+        Returns 0: done; 1, 2, 3: as :meth:`read` (every message sent; the links not read are left in
+        the lists for the caller). A message the kernel did not take whole is queued as :meth:`send_now`
+        queues it, the rest are sent the same way, and the code is 4: nothing was read (the lists
+        untouched) -- the loop must :meth:`flush`. The links must be open (:meth:`usable`)."""
+        assert _native_exchange is not None
+        code, bad, sent = _native_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin, timeout)
+        if code != 4:
+            return code
+        frame = memoryview(b"".join((head, x.data)))
+        link = links[bad]
+        if sent < 0:
+            link.error = OSError(-sent, os.strerror(-sent))
+        else:
+            link.pending.append(frame[sent:])  # as _push leaves a partial send: the rest, in order
+            link.deferred += 1
+            self.backlog += 1
+        for link in links[bad + 1 :]:
+            self._push(link, frame)
+        return 4
 
     def wait(self, links: list[TcpLink], timeout: float) -> bool:
         """Block this thread until one of ``links`` has bytes to read (or ended); False on timeout."""

@@ -15,6 +15,7 @@ import psring
 from psring.core.fold import canonical_fold
 
 from ..conftest import blocking_job_end, run_blocking_job
+from ..transport.test_board import _needs_native
 
 
 @pytest.fixture
@@ -120,12 +121,15 @@ async def test_psring_ring_tcp_mesh_0_keeps_small_messages_on_the_connections(
 BLOCKING_JOB = """
 import os, sys, numpy as np, psring
 from psring.core.fold import canonical_fold
+if os.environ.get("MIXED") == "1" and int(os.environ["RANK"]) % 2:
+    os.environ["PSRING_NATIVE"] = "off"  # every other rank without the C loop: the same messages, the same bits
 g = psring.init()
 n, grp = g.world_size, g.group
 assert grp.net.tcp_mesh is not None and grp.net.mesh is None
 for i in range(400):
-    xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 37).astype(np.float32) for r in range(n)]
-    op = "max" if i % 3 == 0 else "sum"
+    dtype = np.float64 if i % 4 == 2 else np.float32
+    xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 37).astype(dtype) for r in range(n)]
+    op = ("max", "sum", "avg")[i % 3]
     if i % 50 == 7:  # a large call in flight: the small ones after it must take the loop, in order
         h = g.all_reduce(np.ones(300_000, np.float32), async_op=True)
         y = g.all_reduce(xs[g.rank], op)
@@ -143,16 +147,23 @@ for i in range(400):
     assert y.tobytes() == ref.tobytes(), i
     if g.rank == 1 and i % 100 == 99:
         import time; time.sleep(0.5)  # a late rank: the others' calls are handed to the loop
+native = grp.net.tcp_mesh.native
+assert native == (os.environ.get("PSRING_NATIVE") != "off"), native
+# the sums and averages in one C call each (psring._native.tcp_exchange) where the rank is native
+assert (grp.tcp_native >= 100) if native else (grp.tcp_native == 0), grp.tcp_native
 """ + blocking_job_end("grp.tcp_now, grp.tcp_adopted")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
-def test_blocking_small_calls_between_hosts_run_on_the_callers_thread(tmp_path, world: int) -> None:
+@pytest.mark.parametrize(("world", "native"), [(2, "on"), (4, "on"), (4, "off"), (3, "mixed")])
+def test_blocking_small_calls_between_hosts_run_on_the_callers_thread(tmp_path, world: int, native: str) -> None:
+    if native != "off":
+        _needs_native()
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
-    for r, (on_thread, adopted) in run_blocking_job(script, world, PSRING_SAME_HOST="off").items():
+    env = {"PSRING_NATIVE": native} if native == "off" else {"MIXED": str(int(native == "mixed"))}
+    for r, (on_thread, adopted) in run_blocking_job(script, world, PSRING_SAME_HOST="off", **env).items():
         assert on_thread >= 100, (r, on_thread, adopted)  # most of the 400 small calls ended on the caller's thread
         if r != 1:
             assert adopted > 0, (r, on_thread, adopted)  # rank 1's naps made the others wait past ADOPT_AFTER

@@ -66,7 +66,9 @@ class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, 
         #: small all_reduces between hosts that ended on the caller's thread (tcpnow), and those the loop took over
         self.tcp_now = 0
         self.tcp_adopted = 0
+        self.tcp_native = 0  #: of tcp_now, those that were one native call (TcpMesh.exchange)
         self._tcp_direct: dict[int, bool] = {}
+        self._tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool] = {}
         self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):

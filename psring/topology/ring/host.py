@@ -64,6 +64,7 @@ class RingHost(Group):
     # ------------------------------------------------ ring/tcpnow.py: small all_reduces between hosts
     tcp_now: int
     tcp_adopted: int
+    tcp_native: int
 
     @abc.abstractmethod
     def _tcp_soon(

@@ -109,7 +109,9 @@ class PeerNet(PlaneLinks):
         self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
         self.tcp_mesh: TcpMesh | None = None
         if 2 <= world_size <= self.tcp_mesh_max:  # made now: a lower rank may dial before this one agreed
-            self.tcp_mesh = TcpMesh(rank, world_size - 1, self._on_mesh_message, self._on_mesh_closed)
+            self.tcp_mesh = TcpMesh(
+                rank, world_size - 1, self._on_mesh_message, self._on_mesh_closed, native=self.config.native
+            )
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray

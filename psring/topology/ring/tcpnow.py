@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...core import wire
-from ...core.arrays import byte_view
+from ...core.arrays import byte_view, dtype_name
 from ...core.fold import canonical_fold
+from ...transport.board import fold_kind
 from .constants import DIRECT, MESH_MAX_BYTES
 from .net import PeerNet
 from .paths import Path
@@ -46,6 +47,10 @@ LOOK_EVERY = 0.02
 #: needs no waking (measured, 4 B at 4 ranks on 2 cores: about 350 us a call, against 490 asleep at once;
 #: between 10 and 30 the difference is in the noise)
 YIELDS = 16
+#: the same for the native loop (TcpMesh.read, .exchange), whose rounds take a fraction of the Python
+#: loop's: 16 of them were over before a peer on another core answered (4 B at 2 ranks: 18 us a call
+#: against 10.8 with 64; at 4 ranks on 2 cores 52 against 50)
+NATIVE_YIELDS = 64
 
 
 class TcpNow(_Host):
@@ -56,6 +61,9 @@ class TcpNow(_Host):
     _tcp_direct: dict[int, bool]
     #: the peers in the order this rank sends to them (set in RingGroup.__init__)
     _tcp_order: tuple[int, ...]
+    #: by (dtype, shape, op): (call, its header by seq, the native fold's letter, the links in _tcp_order)
+    #: where a call takes _tcp_quick, else False (set in RingGroup.__init__)
+    _tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool]
 
     def _tcp_soon(
         self, x: Any, op: str, compression: str | None, on_loop: bool = False
@@ -76,18 +84,11 @@ class TcpNow(_Host):
             or not self._idle()
         ):
             return None
+        quick = self._tcp_quick(x, op, compression, on_loop)
+        if quick is not None:
+            return quick
         nbytes = x.nbytes
-        direct = self._tcp_direct.get(nbytes)
-        if direct is None:  # the path depends on the size alone here (the job's group, a DIRECT size)
-            direct = (
-                self.gid == "0"
-                and nbytes <= MESH_MAX_BYTES
-                and self._all_reduce_path(nbytes) is Path.DIRECT
-                and nbytes < self.net.paths.plane_min  # (a larger size's path follows the plane's state)
-            )
-            if len(self._tcp_direct) < 1024:
-                self._tcp_direct[nbytes] = direct
-        if not direct:
+        if not self._tcp_takes(nbytes):
             return None
         x, seq, desc, started = self._number_now(x, op)
         n_ranks, members = self.world_size, self.members
@@ -127,6 +128,84 @@ class TcpNow(_Host):
         self.tcp_now += 1
         return True, out.reshape(x.shape)
 
+    def _tcp_quick(self, x: Any, op: str, compression: str | None, on_loop: bool = False) -> tuple[bool, Any] | None:
+        """_tcp_soon's call whole in one native call (TcpMesh.exchange: send, read, fold in C) where the
+        mesh is native, the C fold takes the call's dtype and op, and the call is not two-level; else
+        None, and nothing was done. A call whose peers are late (past the spin; on the loop, past
+        _tcp_read's wait), or whose messages are not all there or not all sent, goes on as _tcp_soon's."""
+        mesh = self.net.tcp_mesh
+        if mesh is None or not mesh.native or compression is not None or type(x) is not np.ndarray:
+            return None
+        key = (x.dtype, x.shape, op)
+        plan = self._tcp_plans.get(key)
+        if plan is None:
+            plan = False
+            kind = fold_kind(x.dtype, op)
+            if kind is not None and 0 < x.nbytes and self._tcp_takes(x.nbytes):
+                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+                links = [mesh.links[self.members[d]] for d in self._tcp_order]
+                plan = (desc, wire.header_maker(self.gid, DIRECT, desc), kind, links)
+            if len(self._tcp_plans) < 1024:
+                self._tcp_plans[key] = plan
+        if (
+            plan is False
+            or self.net.hosts is not None
+            or mesh.holds
+            or self._mesh_early
+            or not x.flags.c_contiguous
+            or not x.flags.aligned
+            or not self._idle()
+        ):
+            return None
+        desc, header, kind, links = plan  # type: ignore[misc]
+        if not mesh.usable(links):
+            return None
+        self._check_usable()
+        seq = self._seq
+        self._seq += 1
+        self._reserved.add(seq)
+        started = time.monotonic()
+        bufs = np.empty((self.world_size, x.size), x.dtype)
+        out = np.empty_like(x)
+        head = mesh.head(header(seq), x.nbytes)
+        missing = list(self._tcp_order)
+        spin = self.net.config.spin_us > 0 and PeerNet.live == 1
+        budget = self._spin_budget(x.nbytes) if spin else 0.0
+        wait = (budget if PeerNet.live == 1 else 0.0) if on_loop else LOOK_EVERY
+        yields = NATIVE_YIELDS if spin else 0
+        try:
+            code = mesh.exchange(list(links), missing, head, x, bufs, self.rank, out, kind, op, yields, budget, wait)
+            if code == 1 and not on_loop:  # late peers: wait on, as _tcp_soon does
+                missing = self._tcp_read(head, bufs, missing)
+                code = 1 if missing else 0
+                if not missing:
+                    out = canonical_fold(bufs, op, out.reshape(-1)).reshape(x.shape)
+        except BaseException as exc:
+            self._books_now(seq, desc, started, exc)
+            raise
+        if code == 0:
+            self._books_now(seq, desc, started, None)
+            self.tcp_now += 1
+            self.tcp_native += 1
+            return True, out
+        self.tcp_adopted += 1
+        return False, self._tcp_adopt(seq, x, op, bufs, missing, started, flushed=code != 4)
+
+    def _tcp_takes(self, nbytes: int) -> bool:
+        """Whether an all_reduce of ``nbytes`` takes the caller's-thread way (the job's group, a DIRECT
+        size): the same on every rank, for any call of that size."""
+        direct = self._tcp_direct.get(nbytes)
+        if direct is None:  # the path depends on the size alone here (the job's group, a DIRECT size)
+            direct = (
+                self.gid == "0"
+                and nbytes <= MESH_MAX_BYTES
+                and self._all_reduce_path(nbytes) is Path.DIRECT
+                and nbytes < self.net.paths.plane_min  # (a larger size's path follows the plane's state)
+            )
+            if len(self._tcp_direct) < 1024:
+                self._tcp_direct[nbytes] = direct
+        return direct
+
     def _tcp_read(self, expect: bytes, bufs: np.ndarray, missing: list[int], on_loop: bool = False) -> list[int]:
         """Read the peers' messages for this call (each begins with the bytes ``expect``) off their
         links into ``bufs``; the local ranks still missing when something is out of the ordinary or
@@ -141,6 +220,13 @@ class TcpNow(_Host):
         # a lone rank in its process yields its core a few times before it sleeps in poll (YIELDS)
         spin = self.net.config.spin_us > 0 and PeerNet.live == 1
         spin_end = time.perf_counter() + self._spin_budget(row) if spin else 0.0
+        if mesh.native:  # the same loop in C (psring._native), the GIL released
+            yields, budget = (NATIVE_YIELDS, self._spin_budget(row)) if spin else (0, 0.0)
+            while True:
+                code = mesh.read(links, missing, expect, bufs, yields, budget, min(end - time.monotonic(), LOOK_EVERY))
+                if code != 1 or time.monotonic() >= end or self._broken is not None or self._aborted or self._closed:
+                    return missing
+                yields, budget = 0, 0.0
         yields = 0
         while True:
             for i in range(len(links) - 1, -1, -1):
