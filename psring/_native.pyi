@@ -48,3 +48,26 @@ def tcp_exchange(
     spin_s: float,
     wait_s: float,
 ) -> tuple[int, int, int]: ...
+
+class NRing:
+    theirs: bytes
+    why: str
+    err: int
+    sent: int
+    got: int
+    def __init__(
+        self,
+        send_fd: int,
+        recv_fd: int,
+        seq: int,
+        call: Buffer,
+        x: _Array,
+        out: _Array,
+        steps: list[tuple[int, int, int]],
+        own: list[tuple[int, int]],
+        kind: str,
+        op: str,
+        avg: int,
+    ) -> None: ...
+    def run(self, reader: Any, hot: int, wait_s: float) -> int: ...
+    def finish(self, wait_s: float) -> bool: ...

@@ -23,6 +23,7 @@ from psring.core.arrays import result_empty
 from psring.core.fold import canonical_fold
 
 from ..conftest import run_tree
+from ..transport.test_board import _needs_native
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -310,10 +311,11 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     buffer here) goes to the send thread, in order. Bits, byte counts, concurrent calls, a mismatch
     and a timeout mid-call, as through the send thread alone."""
     monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    monkeypatch.setenv("PSRING_NATIVE", "off")  # the two threads (the native ring: the tests below)
     world = 4
     groups = await make_groups(world, timeout=2.0)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
-    assert all(p.shm_out is None for p in planes)
+    assert all(p.shm_out is None and not p.native for p in planes)
     if sndbuf:
         for p in planes:
             p.send_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
@@ -342,6 +344,60 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
     results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
     assert all(isinstance(r, psring.MismatchError) for r in results), results
+    x = np.ones(1 << 20, np.float32)
+    results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    with pytest.raises(psring.CollectiveTimeoutError):
+        await groups[3].all_reduce(x)
+    for k in range(3):
+        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
+        assert all(np.all(y == 6 + 4 * k) for y in ys)
+
+
+@pytest.mark.parametrize("native", ["all", "mixed"])
+async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_groups, monkeypatch, native: str) -> None:
+    """Over TCP links a job whose fold the C extension takes runs in C on the receive thread alone
+    (psring._native.NRing): the threaded plane's frames, so native ranks and threaded ones (``mixed``:
+    ranks 1 and 3 without it) share a ring. Bits for every op and dtype, byte counts, calls in flight
+    at once beside threaded jobs (max), a mismatch and a timeout mid-call, and recovery after each."""
+    _needs_native()
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    world = 4
+    groups = await make_groups(world, timeout=2.0)
+    planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
+    assert all(p.shm_out is None and p.native for p in planes)
+    if native == "mixed":
+        planes[1].native = planes[3].native = False
+    rng = np.random.default_rng(7)
+    for dtype in (np.float32, np.float64, np.int32, np.int64):
+        xs = [(rng.standard_normal(BIG) * 100).astype(dtype) for _ in range(world)]
+        before = _plane_bytes(groups)
+        for op in ("sum", "avg", "max", "prod"):
+            if op == "avg" and np.dtype(dtype).kind == "i":
+                continue
+            ys = await asyncio.gather(*(g.all_reduce(x, op=op) for g, x in zip(groups, xs, strict=True)))
+            ref = canonical_fold(xs, op, np.empty(BIG, dtype))
+            assert all(y.tobytes() == ref.tobytes() for y in ys), (dtype, op)
+        sent = [a - b for a, b in zip(_plane_bytes(groups), before, strict=True)]
+        calls = 3 if np.dtype(dtype).kind == "i" else 4
+        assert all(s >= calls * 2 * (world - 1) / world * xs[0].nbytes for s in sent), sent
+        assert all(s < calls * 2 * (world - 1) / world * xs[0].nbytes + 8192 for s in sent), sent  # headers only
+    native_jobs = [p.native_jobs for p in planes]
+    assert all((n >= 9) == p.native and (n == 0) != p.native for n, p in zip(native_jobs, planes, strict=True))
+    inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
+
+    async def rank(g: psring.Group) -> list[np.ndarray]:
+        ops = ("sum", "max", "sum", "sum")  # a threaded job between native ones: the frames stay in order
+        return list(await asyncio.gather(*(g.all_reduce(inputs[g.rank, k], op=ops[k]) for k in range(4))))
+
+    for per_rank in await asyncio.gather(*(rank(g) for g in groups)):
+        for k, y in enumerate(per_rank):
+            want = 30.0 + k if k == 1 else sum(r * 10.0 + k for r in range(world))
+            assert y.shape == (BIG + k,) and np.all(y == want), k
+    bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any(f"[{BIG + 4}]" in str(r) for r in results), results
     x = np.ones(1 << 20, np.float32)
     results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
     assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
@@ -499,3 +555,4 @@ async def test_same_host_threshold_applies_from_three_ranks(make_groups, monkeyp
         assert on_plane == [expect == 1 << 20] * world, (world, mode)
         for g in groups:
             await g.close()
+

@@ -250,8 +250,8 @@ class BoardPath(_Host):
         if quick is not None:
             return quick
         begun = self._board_start(x, op, compression)
-        if begun is None:
-            return self._tcp_soon(x, op, compression)  # between hosts: the TCP small-message links
+        if begun is None:  # between hosts: the TCP small-message links, or the plane in C
+            return self._tcp_soon(x, op, compression) or self._plane_soon(x, op, compression)
         return self._board_posted(*begun, op)
 
     def _board_posted(

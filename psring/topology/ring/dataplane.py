@@ -39,6 +39,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import queue
 import select
 import socket
@@ -51,7 +52,13 @@ import msgpack
 import numpy as np
 
 from ...core.arrays import byte_view, result_empty
+from ...transport.board import fold_kind
 from ...transport.shmpool import PeerPool, ShmPool
+
+try:  # the C extension's one-thread ring (psring/_native.c, a leaf: it imports nothing of psring)
+    from ..._native import NRing as _NRing
+except ImportError:  # not built here: the two threads
+    _NRing = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,14 @@ _REDUCE, _FINAL, _STORE_FWD, _STORE = range(4)
 
 #: put in a job's queue when the receive thread sent its last frame itself: the send thread wakes and ends it
 _ALL_OUT: tuple[bytes, None, None] = (b"", None, None)
+
+#: NRing.run's codes (psring/_native.c)
+_RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, _RING_SEND_ERR = range(7)
+#: a native job with nothing to do gives its core up this many times before it sleeps in poll: with more
+#: ranks than cores the neighbour it waits for runs sooner
+NATIVE_HOT = 64
+#: seconds an abandoned native job waits to send the rest of a frame it began (then the link is shut)
+NATIVE_FINISH = 5.0
 
 
 class PlaneLinkError(Exception):
@@ -136,6 +151,10 @@ class Job:
         self.cancelled = threading.Event()
         self.done: asyncio.Future[None] = self.loop.create_future()
         self._pending = 2  # the send and the receive thread
+        #: the job's place among the plane's jobs: its frames go out after those of the job before
+        self.ticket = 0
+        #: psring._native.NRing: the receive thread sends and receives every frame itself (set in all_reduce)
+        self.native: Any = None
         self._lock = threading.Lock()
 
     def cancel(self) -> None:
@@ -271,9 +290,19 @@ class _Reader:
 class DataPlane:
     """Two data links (to the right, from the left), a thread on each, and a FIFO of jobs."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, native: bool = True) -> None:
         self.rank = rank
         self.world_size = world_size
+        #: whether a job over TCP may run in C on the receive thread alone (psring._native.NRing; jobs whose
+        #: dtype and op its fold takes, neither link in shared memory, no device staging)
+        self.native = native and _NRing is not None
+        self.native_jobs = 0
+        self.jobs_here = 0  #: of native_jobs, those that ended on the caller's thread (run_here)
+        # jobs' tickets, and the last whose frames are all sent (or never will be): a job sends after it
+        self._tickets = 0
+        self._sent_upto = 0
+        self._recv_upto = 0  # the last job the receive thread (or run_here) is done with
+        self._turn = threading.Condition()
         self.send_sock: socket.socket | None = None
         self.recv_sock: socket.socket | None = None
         self.recv_ready: asyncio.Event | None = None
@@ -352,23 +381,37 @@ class DataPlane:
         avg: bool,
         on_error: Callable[[BaseException], None],
         ready: Callable[[int, int], None] | None = None,
+        op: str = "",
+        here: tuple[Any, int, np.ndarray] | None = None,
     ) -> Job:
         """Queue a pipelined ring reduce-scatter + all-gather of flat x; ``parts[c]`` are the
         pieces (element ranges) of ring chunk c. The job's ``out`` holds the result once
         ``done``, folded in the canonical order. ``ready(a, b)``, if given, is called (in the
-        plane's threads) before x[a:b] is read: x may still be arriving from a device."""
+        plane's threads) before x[a:b] is read: x may still be arriving from a device.
+        ``op`` (ufunc's name, "avg" for avg): where the native ring folds it (:attr:`native`), the
+        receive thread sends and receives every frame of the job in C, with no hand-off to the send
+        thread -- the same frames, so a native rank and a threaded one share a ring. ``here``: (the
+        NRing, its ticket) of a job the caller's thread began (:meth:`run_here`): the receive thread
+        carries it on where it stands."""
         n, me = self.world_size, self.rank
-        steps: list[tuple[int, int, int]] = []
-        for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
-            c = (me - k) % n
-            steps.extend((a, b, _REDUCE if k < n - 1 else _FINAL) for a, b in parts[c])
-        for k in range(n - 1):  # all-gather: chunks me, me-1, ..., me+2 (not forwarded: it is done)
-            c = (me - k) % n
-            steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
+        steps = self._steps(parts)
         n_own = len(parts[me])
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
         avg_n = n if avg else 0
         job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop, ready)
+        if here is not None:
+            job.native, job.ticket, job.out = here
+        else:
+            self._tickets += 1
+            job.ticket = self._tickets
+            kind = self._native_kind(x, op, ready)
+            if kind is not None:  # the receive thread alone, in C: no frame goes through the send thread
+                job.native = self._ring(seq, call, x, job.out, parts, kind, op, avg_n)
+        if job.native is not None:
+            job._pending = 1
+            self.native_jobs += 1
+            self._recv_q.put(job)
+            return job
         job.queued = 1 + len(parts[me])  # (before any thread sees the job)
         job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None, None))
         for j, (a, b) in enumerate(parts[me]):
@@ -381,6 +424,85 @@ class DataPlane:
         self._send_q.put(job)
         self._recv_q.put(job)
         return job
+
+    def _steps(self, parts: list[list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
+        """The receive steps of a job, in order: (a, b, what) for every piece this rank receives."""
+        n, me = self.world_size, self.rank
+        steps: list[tuple[int, int, int]] = []
+        for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
+            c = (me - k) % n
+            steps.extend((a, b, _REDUCE if k < n - 1 else _FINAL) for a, b in parts[c])
+        for k in range(n - 1):  # all-gather: chunks me, me-1, ..., me+2 (not forwarded: it is done)
+            c = (me - k) % n
+            steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
+        return steps
+
+    def _ring(
+        self, seq: int, call: bytes, x: np.ndarray, out: np.ndarray, parts: list[list[tuple[int, int]]], kind: str,
+        op: str, avg_n: int,
+    ) -> Any:
+        assert self.send_sock is not None and self.recv_sock is not None
+        return _NRing(
+            self.send_sock.fileno(), self.recv_sock.fileno(), seq, call, x, out, self._steps(parts), parts[self.rank],
+            kind, op, avg_n,
+        )
+
+    def idle(self) -> bool:
+        """Whether every job queued so far ended on both threads (the caller's thread may run one: run_here)."""
+        return self.ready and self._sent_upto == self._tickets and self._recv_upto == self._tickets
+
+    def native_kind(self, x: np.ndarray, op: str) -> str | None:
+        """The native fold's letter where a job of x and op would run in C (see all_reduce), else None."""
+        return self._native_kind(x, op, None)
+
+    def begin_here(
+        self, seq: int, call: bytes, x: np.ndarray, out: np.ndarray, parts: list[list[tuple[int, int]]], kind: str,
+        op: str, avg: bool,
+    ) -> tuple[Any, int, np.ndarray]:
+        """On the caller's thread, the plane :meth:`idle`: a native job of its own, numbered among the
+        plane's jobs; run it with :meth:`run_here`. (The ring, its ticket, ``out``.)"""
+        ring = self._ring(seq, call, x, out, parts, kind, op, self.world_size if avg else 0)
+        self._tickets += 1
+        return ring, self._tickets, out
+
+    def run_here(self, here: tuple[Any, int, np.ndarray], wait: float) -> bool:
+        """Run a job :meth:`begin_here` began, on the caller's thread, until it is done (True) or nothing
+        moved for ``wait`` seconds or something is out of the ordinary (False: hand it to
+        :meth:`all_reduce`, whose receive thread carries it on from where it stands and names what
+        went wrong). The threads are idle meanwhile: the job's turn is theirs to wait for."""
+        ring, ticket, _out = here
+        assert self._reader is not None
+        code = ring.run(self._reader, NATIVE_HOT, wait)
+        if code != _RING_DONE:
+            return False
+        self._bytes_sent_here += ring.sent
+        self.native_jobs += 1
+        self.jobs_here += 1
+        with self._turn:
+            self._sent_upto = self._recv_upto = ticket
+        return True
+
+    def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
+        """The native fold's letter for a job the native ring takes, else None."""
+        if not self.native or ready is not None or self.shm_out is not None or self.shm_in is not None:
+            return None
+        if type(x) is not np.ndarray or not x.flags.c_contiguous or not x.flags.aligned:
+            return None
+        return fold_kind(x.dtype, op)
+
+    def _wait_turn(self, job: Job) -> bool:
+        """Block until the jobs before ``job`` sent all their frames; False if the plane closed meanwhile."""
+        with self._turn:
+            while self._sent_upto < job.ticket - 1:
+                if self.stop.is_set():
+                    return False
+                self._turn.wait(POLL)
+        return True
+
+    def _turn_done(self, job: Job) -> None:
+        with self._turn:
+            self._sent_upto = max(self._sent_upto, job.ticket)
+            self._turn.notify_all()
 
     # -------------------------------------------------------------- threads
     # Each job is handled in a method of its own, so that no local keeps its arrays (the
@@ -403,6 +525,8 @@ class DataPlane:
     def _send_frames(self, job: Job) -> bool:
         sock = self.send_sock
         assert sock is not None
+        if self._sent_upto < job.ticket - 1 and not self._wait_turn(job):  # a native job's frames go first
+            return False
         try:
             while True:
                 with self._slot_lock:
@@ -490,6 +614,7 @@ class DataPlane:
     def _close_send(self, job: Job) -> None:
         """The send thread is done with job: slots filled for frames it will not send are free
         again, and frames that would have needed one are no longer counted."""
+        self._turn_done(job)
         with self._slot_lock:
             job.send_closed = True
             while True:
@@ -579,16 +704,24 @@ class DataPlane:
         assert reader is not None
         while True:
             job = self._recv_q.get()
-            if job is None or not self._recv_job(job, reader):
+            if job is None:
                 return
+            ticket = job.ticket
+            going = self._recv_job(job, reader)
             del job
+            self._recv_upto = max(self._recv_upto, ticket)
+            if not going:
+                return
 
     def _recv_job(self, job: Job, reader: _Reader) -> bool:
         """Receive (and reduce, and hand on) one job's frames; False when the plane is closing."""
-        if job.gone():
+        if job.gone() and job.native is None:
             return True
         try:
-            self._receive(job, reader)
+            if job.native is not None:
+                self._receive_native(job, reader)
+            else:
+                self._receive(job, reader)
         except _Abandoned:
             return True
         except PlaneMismatch as exc:
@@ -669,6 +802,49 @@ class DataPlane:
                     np.divide(dest, dest.dtype.type(job.avg), out=dest)
             if what != _STORE:
                 self._forward(job, view)
+
+    def _receive_native(self, job: Job, reader: _Reader) -> None:
+        """One job's every frame, sent and received in C on this thread (psring._native.NRing), after the
+        frames of the jobs before it; its frames all out (or the link shut) before the next job's."""
+        ring = job.native
+        try:
+            if not self._wait_turn(job) or job.gone():
+                raise _Abandoned
+            while True:
+                code = ring.run(reader, NATIVE_HOT, POLL)
+                if code == _RING_DONE:
+                    return
+                if code == _RING_WAIT:
+                    if job.gone():
+                        raise _Abandoned
+                elif code == _RING_AHEAD:  # the left neighbour abandoned it: wait for ours to be failed
+                    if job.cancelled.wait(POLL) or job.stop.is_set():
+                        raise _Abandoned
+                elif code == _RING_MISMATCH:
+                    try:
+                        theirs = msgpack.unpackb(ring.theirs, use_list=False)
+                    except Exception:
+                        theirs = None
+                    raise PlaneMismatch(theirs)
+                elif code == _RING_BAD:
+                    raise PlaneLinkError(ring.why, "recv")
+                elif code == _RING_RECV_ERR:
+                    raise PlaneLinkError(
+                        f"receiving from the left neighbour failed: {os.strerror(ring.err)}"
+                        if ring.err
+                        else "the left neighbour closed its data link",
+                        "recv",
+                    )
+                else:
+                    raise PlaneLinkError(f"sending to the right neighbour failed: {os.strerror(ring.err)}", "send")
+        finally:
+            if not self.closed and not ring.finish(NATIVE_FINISH) and self.send_sock is not None:
+                # a frame left half sent: no whole frame can follow it, so the right neighbour sees the end
+                with contextlib.suppress(OSError):
+                    self.send_sock.shutdown(socket.SHUT_WR)
+            self._bytes_sent_here += ring.sent
+            job.native = None  # (its buffers: the input and the result)
+            self._turn_done(job)
 
     @staticmethod
     def _next(job: Job, reader: _Reader) -> tuple[int, int, int]:

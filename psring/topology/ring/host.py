@@ -71,6 +71,10 @@ class RingHost(Group):
         self, x: Any, op: str, compression: str | None, on_loop: bool = False
     ) -> tuple[bool, Any] | None: ...
 
+    # ------------------------------------------------ ring/plane.py: the data plane
+    @abc.abstractmethod
+    def _plane_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+
     # ------------------------------------------------ ring/small.py: the same-host links
     @abc.abstractmethod
     def _check_early(self, coll: Collective) -> None: ...

@@ -94,7 +94,7 @@ class PeerNet(PlaneLinks):
         self.plane_shm_offer = max(min(self.config.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
         self.plane_tcp_offer = max(min(self.config.ring_tcp_plane_min, self.plane_offer), 1)  # 4+ ranks over TCP
         if world_size > 1 and plane_possible(self.config):
-            self.plane = DataPlane(rank, world_size)
+            self.plane = DataPlane(rank, world_size, native=self.config.native)
             self.plane.recv_ready = asyncio.Event()
         #: same-host Unix links for small messages (psring.transport.unixnet), when every rank can use them
         self.mesh: UnixMesh | None = None

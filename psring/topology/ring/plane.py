@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
+from ...core.arrays import result_empty
 from ...core.fold import pieces, reduce_op, ring_chunk_bounds
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
 from ...settings import Settings
@@ -31,9 +32,16 @@ else:
 
 logger = logging.getLogger(__name__)
 
+#: seconds the caller's thread runs a plane job with nothing moving before the plane's thread takes it over
+PLANE_ADOPT_AFTER = 0.2
+
 
 class PlaneDriver(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: large all_reduces on the data plane."""
+
+    #: plane all_reduces that ended on the caller's thread (_plane_soon), and those it handed to the plane
+    plane_now = 0
+    plane_adopted = 0
 
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         """On the data plane this rank reads its input chunk by chunk: its own chunk first
@@ -44,15 +52,70 @@ class PlaneDriver(_Host):
         bounds = ring_chunk_bounds(count, n_ranks)
         return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
 
-    async def _plane_all_reduce(self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane) -> np.ndarray:
-        """all_reduce on the threaded data plane (ring.dataplane). Queued before the first
-        await, so concurrent calls reach the plane in call order, the same on every rank."""
-        n_ranks, me = self.world_size, self.rank
+    def _plane_parts(self, x: np.ndarray) -> list[list[tuple[int, int]]]:
+        """The plane's pieces (element ranges) of each ring chunk of flat x."""
         per_piece = max(1, self.net.config.ring_plane_piece // x.itemsize)
-        parts = [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, n_ranks)]
+        return [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, self.world_size)]
+
+    def _plane_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+        """A plane all_reduce on the caller's thread (the blocking API), where the job would run in C
+        (DataPlane.native_kind) and nothing of the group or the plane is in flight: the caller sends and
+        receives every frame itself (DataPlane.run_here), with no hop to the event loop and the plane's
+        threads and back. (True, the result); (False, a coroutine for the loop) when its peers were
+        late or something is out of the ordinary: the plane's receive thread carries the job on from
+        where it stands, a collective like any other; None: not this call."""
+        plane = self.net.plane
+        if (
+            plane is None
+            or not plane.native
+            or compression is not None
+            or type(x) is not np.ndarray
+            or self.gid != "0"
+            or self._all_reduce_path(x.nbytes) is not Path.PLANE
+            or not self._idle()
+            or not plane.idle()
+        ):
+            return None
+        kind = plane.native_kind(x, op)
+        if kind is None:
+            return None
+        x, seq, desc, started = self._number_now(x, op)
+        flat = x.reshape(-1)
+        try:
+            here = plane.begin_here(
+                seq, msgpack.packb(desc), flat, result_empty(flat), self._plane_parts(flat), kind, op, op == "avg"
+            )
+            done = plane.run_here(here, PLANE_ADOPT_AFTER)
+        except BaseException as exc:
+            self._books_now(seq, desc, started, exc)
+            raise
+        if done:
+            self._books_now(seq, desc, started, None)
+            self.plane_now += 1
+            return True, here[2].reshape(x.shape)
+        self.plane_adopted += 1
+        return False, self._plane_adopt(seq, x, op, started, here)
+
+    async def _plane_adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: tuple[Any, int, Any]) -> Any:
+        plane = self.net.plane
+        assert plane is not None
+        coll = self._begin("all_reduce", x, op, seq=seq)
+        coll.started, coll.deadline = started, started + self.timeout
+        out = await self._run(coll, self._plane_all_reduce(coll, x.reshape(-1), op, plane, here))
+        return out.reshape(x.shape)
+
+    async def _plane_all_reduce(
+        self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane, here: tuple[Any, int, Any] | None = None
+    ) -> np.ndarray:
+        """all_reduce on the threaded data plane (ring.dataplane). Queued before the first
+        await, so concurrent calls reach the plane in call order, the same on every rank.
+        ``here``: a job the caller's thread began (_plane_soon), carried on."""
+        n_ranks, me = self.world_size, self.rank
+        parts = self._plane_parts(x)
         on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
         job = plane.all_reduce(
-            coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait
+            coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait, op,
+            here,
         )
         coll.waiting_on = {(me - 1) % n_ranks}
         coll.data_elsewhere = True
