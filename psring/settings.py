@@ -338,6 +338,17 @@ class Settings:
         "never above PSRING_RING_PLANE_MIN",
         tuning=True,
     )
+    # With the plane's job in C on one thread (psring._native.NRing) the plane beat the loop far lower:
+    # 2 ranks over TCP, 256 KiB 75 against 271 us, 1 MiB 449 / 762 (64 KiB: 34 / 28, the one-hop exchange
+    # still ahead); 4 ranks 64 KiB 219 / 302, 1 MiB 1.37 / 1.63 ms.
+    ring_native_plane_min: int = _var(
+        "PSRING_RING_NATIVE_PLANE_MIN",
+        128 << 10,
+        parse_bytes,
+        "ring: the same at any number of ranks whose links are TCP when every rank runs the plane's jobs in C "
+        "(psring._native, PSRING_NATIVE); never above PSRING_RING_PLANE_MIN",
+        tuning=True,
+    )
     ring_plane_piece: int = _var(
         "PSRING_RING_PLANE_PIECE", 4 << 20, parse_bytes, "ring: the data plane's piece", tuning=True
     )

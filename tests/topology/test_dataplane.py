@@ -177,6 +177,38 @@ async def test_ranks_agree_on_one_plane_threshold(make_groups, monkeypatch) -> N
     assert _plane_bytes(groups) == before
 
 
+@pytest.mark.parametrize("all_native", [True, False])
+async def test_over_tcp_the_native_threshold_holds_only_where_every_rank_runs_the_plane_in_c(
+    make_groups, monkeypatch, all_native: bool
+) -> None:
+    """PSRING_RING_NATIVE_PLANE_MIN lowers the plane's threshold over TCP at any number of ranks, agreed
+    like the others: a rank whose jobs would not run in C (no extension, PSRING_NATIVE=off) offers none,
+    and then every rank keeps the plane's own threshold."""
+    _needs_native()
+    from psring.topology.ring.net import PeerNet
+
+    monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(8 << 20))
+    monkeypatch.setenv("PSRING_RING_NATIVE_PLANE_MIN", str(200 << 10))
+    offers = iter([200 << 10, 200 << 10 if all_native else 0])
+    real_init = PeerNet.__init__
+
+    def init(self: PeerNet, *args: object, **kwargs: object) -> None:
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        assert self.plane_native_offer == 200 << 10  # the setting, on a native rank
+        self.plane_native_offer = next(offers)
+
+    monkeypatch.setattr(PeerNet, "__init__", init)
+    groups = await make_groups(2)
+    want = 200 << 10 if all_native else 8 << 20
+    assert [g.net.plane_min for g in groups] == [want] * 2  # type: ignore[attr-defined]
+    before = _plane_bytes(groups)
+    x = np.arange(1 << 18, dtype=np.float32)  # 1 MiB: the plane only with the native threshold
+    ys = await asyncio.gather(*(g.all_reduce(x) for g in groups))
+    assert all(np.array_equal(y, 2 * x) for y in ys)
+    assert all((a > b) == all_native for a, b in zip(_plane_bytes(groups), before, strict=True))
+
+
 @pytest.mark.timeout(60)
 async def test_bad_sizes_in_the_environment_are_named() -> None:
     import sys
@@ -543,6 +575,7 @@ async def test_same_host_threshold_applies_from_three_ranks(make_groups, monkeyp
     hosts (here: PSRING_SAME_HOST=off), at PSRING_RING_PLANE_MIN."""
     monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(8 << 20))
     monkeypatch.setenv("PSRING_RING_SHM_MIN", str(1 << 20))
+    monkeypatch.setenv("PSRING_RING_NATIVE_PLANE_MIN", str(8 << 20))  # (TCP's own threshold: the test above)
     for world, mode, expect in ((3, "auto", 1 << 20), (2, "auto", 8 << 20), (3, "off", 8 << 20)):
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
         groups = await make_groups(world)

@@ -93,9 +93,12 @@ class PeerNet(PlaneLinks):
         self.plane_offer = max(self.config.ring_plane_min, 1)  # this rank's own threshold, published for that
         self.plane_shm_offer = max(min(self.config.ring_shm_plane_min, self.plane_offer), 1)  # the same, on one host
         self.plane_tcp_offer = max(min(self.config.ring_tcp_plane_min, self.plane_offer), 1)  # 4+ ranks over TCP
+        self.plane_native_offer = 0  # the same, over TCP at any number of ranks, where this rank's jobs run in C
         if world_size > 1 and plane_possible(self.config):
             self.plane = DataPlane(rank, world_size, native=self.config.native)
             self.plane.recv_ready = asyncio.Event()
+            if self.plane.native:
+                self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)
         #: same-host Unix links for small messages (psring.transport.unixnet), when every rank can use them
         self.mesh: UnixMesh | None = None
         self.mesh_peers: dict[int, dict[str, Any]] = {}
@@ -137,7 +140,11 @@ class PeerNet(PlaneLinks):
             settings=self.config,
         )
         await self.listener.start(self.settings.bind_host, self.settings.port)
-        offer = f"{self.plane_offer}/{self.plane_shm_offer}/{self.plane_tcp_offer}" if self.plane is not None else "-1"
+        offer = (
+            f"{self.plane_offer}/{self.plane_shm_offer}/{self.plane_tcp_offer}/{self.plane_native_offer}"
+            if self.plane is not None
+            else "-1"
+        )
         await self.store.set(f"{self.prefix}/plane/{self.rank}", offer.encode())
         unix = b"-"
         if self.mesh is not None:
@@ -227,17 +234,22 @@ class PeerNet(PlaneLinks):
             host, _, port = raw.decode().rpartition(":")
             self.addresses[r] = (host, int(port))
         await self._agree_paths()
-        shm_min = tcp_min = NEVER
+        shm_min = tcp_min = native_min = NEVER
         if self.plane is not None:  # every rank must take the same path: the plane only if all can
             offers: list[tuple[int, int, int]] = []
+            natives: list[int] = []
             for r in range(self.world_size):
                 text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
                 try:
                     parts = [int(p) for p in text.split("/")]
                     plane = parts[0]  # plane/shm/tcp; a rank that offers one number offers it for all three
                     offers.append((plane, parts[1] if len(parts) > 1 else plane, parts[2] if len(parts) > 2 else plane))
+                    natives.append(parts[3] if len(parts) > 3 else 0)  # 0: its jobs do not run in C
                 except ValueError:
                     offers.append((-1, -1, -1))
+                    natives.append(0)
+            if min(natives) >= 1:  # the lower threshold only where every rank runs the plane in C
+                native_min = max(natives)
             if any(min(o) < 1 for o in offers):
                 without = [r for r, o in enumerate(offers) if min(o) < 1]
                 logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
@@ -267,8 +279,10 @@ class PeerNet(PlaneLinks):
                 logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
                 self.mesh.close()
                 self.mesh = None
-        if self.mesh is None and self.plane is not None and self.world_size >= 4:  # TCP links (see the setting)
-            self.plane_min = min(self.plane_min, tcp_min)
+        if self.mesh is None and self.plane is not None:  # TCP links (see the settings)
+            if self.world_size >= 4:
+                self.plane_min = min(self.plane_min, tcp_min)
+            self.plane_min = min(self.plane_min, native_min)
         await self._agree_board(timeout)
         if self.tcp_mesh is not None and (self.mesh is not None or self.world_size > self.tcp_mesh_max):
             self.tcp_mesh.close()  # the same answer on every rank: one host (Unix links), or a rank said no
