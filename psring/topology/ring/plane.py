@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: seconds the caller's thread runs a plane job with nothing moving before the plane's thread takes it over
 PLANE_ADOPT_AFTER = 0.2
+#: the largest plane job the event loop's thread runs itself (for as long as it moves, within the spin
+#: budget: PSRING_SPIN_US and the call's share) instead of handing it to the plane's receive thread: the
+#: loop is busy meanwhile, for about a millisecond a MiB
+PLANE_ON_LOOP_MAX = 8 << 20
 
 
 class PlaneDriver(_Host):
@@ -112,6 +116,15 @@ class PlaneDriver(_Host):
         ``here``: a job the caller's thread began (_plane_soon), carried on."""
         n_ranks, me = self.world_size, self.rank
         parts = self._plane_parts(x)
+        if here is None and coll.input_wait is None and x.nbytes <= PLANE_ON_LOOP_MAX and plane.idle():
+            kind = plane.native_kind(x, op)
+            if kind is not None:  # the job in C on the loop's own thread while it moves (as _plane_soon)
+                call = msgpack.packb(coll.desc)
+                here = plane.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, op == "avg")
+                if plane.run_here(here, self._spin_budget(x.nbytes)):
+                    self.plane_now += 1
+                    return here[2]
+                self.plane_adopted += 1
         on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
         job = plane.all_reduce(
             coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait, op,
