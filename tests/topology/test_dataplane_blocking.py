@@ -48,6 +48,8 @@ def test_blocking_plane_calls_over_tcp_run_in_c_on_the_callers_thread(tmp_path, 
     script.write_text(BLOCKING_JOB)
     env = {"PSRING_SAME_HOST": "off", "PSRING_RING_PLANE_MIN": str(64 << 10), "PSRING_RING_PLANE_PIECE": "100000"}
     for r, (here, adopted) in run_blocking_job(script, world, **env).items():
-        assert here >= 30, (r, here, adopted)  # the sums, averages and products (max: the threads)
+        # the 60 sums, averages and products and the 4 calls beside them (max: the threads), but those that
+        # waited on rank 1's naps -- and after a nap the next calls find the plane idle again
+        assert here >= 50, (r, here, adopted)
         if r != 1:
             assert adopted > 0, (r, here, adopted)  # rank 1's naps made the others wait past PLANE_ADOPT_AFTER

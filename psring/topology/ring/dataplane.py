@@ -570,8 +570,10 @@ class DataPlane:
         except OSError as exc:
             if self.closed:
                 return False
+            self._turn_done(job)
             job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
             return True
+        self._turn_done(job)  # (again in _close_send) before the caller hears: its next call finds the plane idle
         job.part_done()
         return True
 
@@ -708,22 +710,23 @@ class DataPlane:
             job = self._recv_q.get()
             if job is None:
                 return
-            ticket = job.ticket
-            going = self._recv_job(job, reader)
-            del job
-            self._recv_upto = max(self._recv_upto, ticket)
-            if not going:
+            if not self._recv_job(job, reader):
                 return
+            del job
 
     def _recv_job(self, job: Job, reader: _Reader) -> bool:
         """Receive (and reduce, and hand on) one job's frames; False when the plane is closing."""
         if job.gone() and job.native is None:
+            self._recv_upto = max(self._recv_upto, job.ticket)
             return True
         try:
-            if job.native is not None:
-                self._receive_native(job, reader)
-            else:
-                self._receive(job, reader)
+            try:
+                if job.native is not None:
+                    self._receive_native(job, reader)
+                else:
+                    self._receive(job, reader)
+            finally:  # before the caller hears of it: its next call finds the plane idle (run_here)
+                self._recv_upto = max(self._recv_upto, job.ticket)
         except _Abandoned:
             return True
         except PlaneMismatch as exc:
