@@ -263,7 +263,8 @@ class Settings:
         "PSRING_NATIVE",
         True,
         parse_switch,
-        "the C extension's hot loops (psring._native: the same-host boards' post, poll and fold) where it "
+        "the C extension's hot loops (psring._native: the same-host boards' post, poll and fold, the TCP "
+        "small-message exchange, the data plane's ring over TCP on one thread) where it "
         "was built; off: the pure-Python path (the same bits)",
         tuning=True,
     )
