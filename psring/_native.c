@@ -1,6 +1,7 @@
-/* psring._native: the same-host board's hot loop in C, and the TCP small-message links' read loop
- * (optional; psring/transport/board.py and tcpmesh.py keep the pure-Python paths and use this only where
- * it imports and PSRING_NATIVE is not off).
+/* psring._native: the same-host board's hot loop in C, the TCP small-message links' exchange, and the
+ * data plane's ring over TCP on one thread (optional; psring/transport/board.py, transport/tcpmesh.py and
+ * topology/ring/dataplane.py keep the pure-Python paths and use this only where it imports and
+ * PSRING_NATIVE is not off).
  *
  * A board (psring.transport.board) is a shared-memory pool of two slots, each a 256-byte head (four
  * int64: post number, mark, payload bytes, tag bytes; then the tag) and the payload, after one header
@@ -461,37 +462,6 @@ static PyMethodDef nb_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* fold(parts, out, kind, op) -> True, or False for a (kind, op) or an alignment this module does not
- * fold: the rows of `parts` (a C-contiguous buffer of whole rows, each out's size, rank order) folded
- * into `out` in the canonical order, as NBoard.fold does a board's posts */
-static PyObject *native_fold(PyObject *Py_UNUSED(module), PyObject *args) {
-    Py_buffer parts, outb;
-    int kind;
-    const char *op;
-    if (!PyArg_ParseTuple(args, "y*w*Cs", &parts, &outb, &kind, &op))
-        return NULL;
-    PyObject *result = NULL;
-    const char **rows = NULL;
-    Py_ssize_t n = outb.len > 0 ? parts.len / outb.len : 0;
-    if (outb.len <= 0 || parts.len % outb.len || n < 1 || n > (1 << 20)) {
-        PyErr_SetString(PyExc_ValueError, "fold: the parts are not whole rows of the output's size");
-        goto done;
-    }
-    rows = PyMem_Malloc((size_t)n * sizeof(*rows));
-    if (rows == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t r = 0; r < n; r++)
-        rows[r] = (const char *)parts.buf + r * outb.len;
-    result = PyBool_FromLong(fold_rows(rows, (int)n, outb.buf, outb.len, kind, op_code(op)));
-done:
-    PyMem_Free(rows);
-    PyBuffer_Release(&parts);
-    PyBuffer_Release(&outb);
-    return result;
-}
-
 /* ------------------------------------------------------------------------------------------------------
  * The TCP small-message links' read loop (psring.transport.tcpmesh): a link is a TcpLink whose `buf` (a
  * bytearray) holds buf[start:end] read and not used yet; a message is a 4-byte length and the message.
@@ -930,28 +900,24 @@ static void fold_into(NRing *r, char *dst, const char *src, Py_ssize_t count, in
         for (Py_ssize_t i = 0; i < count; i++)                                                                     \
             o[i] = EXPR;                                                                                           \
     } while (0)
+#define FOLD2_FLOAT(T)                                                                                             \
+    do {                                                                                                           \
+        if (prod)                                                                                                  \
+            FOLD2(T, o[i] * x[i]);                                                                                 \
+        else                                                                                                       \
+            FOLD2(T, o[i] + x[i]);                                                                                 \
+        if (fin && r->avg) {                                                                                       \
+            T d = (T)r->avg, *o = (T *)dst;                                                                        \
+            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
+                o[i] = o[i] / d;                                                                                   \
+        }                                                                                                          \
+    } while (0)
     switch (r->kind) {
     case 'f':
-        if (prod)
-            FOLD2(float, o[i] * x[i]);
-        else
-            FOLD2(float, o[i] + x[i]);
-        if (fin && r->avg) {
-            float d = (float)r->avg, *o = (float *)dst;
-            for (Py_ssize_t i = 0; i < count; i++)
-                o[i] = o[i] / d;
-        }
+        FOLD2_FLOAT(float);
         break;
     case 'd':
-        if (prod)
-            FOLD2(double, o[i] * x[i]);
-        else
-            FOLD2(double, o[i] + x[i]);
-        if (fin && r->avg) {
-            double d = (double)r->avg, *o = (double *)dst;
-            for (Py_ssize_t i = 0; i < count; i++)
-                o[i] = o[i] / d;
-        }
+        FOLD2_FLOAT(double);
         break;
     case 'i':
     case 'I':
@@ -967,6 +933,7 @@ static void fold_into(NRing *r, char *dst, const char *src, Py_ssize_t count, in
             FOLD2(uint64_t, o[i] + x[i]);
         break;
     }
+#undef FOLD2_FLOAT
 #undef FOLD2
 }
 
@@ -1344,7 +1311,6 @@ static PyTypeObject NRingType = {
 };
 
 static PyMethodDef native_functions[] = {
-    {"fold", native_fold, METH_VARARGS, "fold(parts, out, kind, op) -> folded (False: not here)"},
     {"tcp_read", native_tcp_read, METH_VARARGS, "tcp_read(links, ranks, head, size, out, yields, spin_s, wait_s)"},
     {"tcp_exchange", native_tcp_exchange, METH_VARARGS,
      "tcp_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin_s, wait_s) -> (code, i, sent)"},
@@ -1363,7 +1329,8 @@ static PyTypeObject NBoardType = {
 };
 
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "psring._native", "The same-host board's and the TCP small links' hot loops in C (optional).", -1,
+    PyModuleDef_HEAD_INIT, "psring._native",
+    "The same-host board's, the TCP small links' and the data plane's hot loops in C (optional).", -1,
     native_functions,
 };
 

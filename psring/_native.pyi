@@ -1,5 +1,5 @@
-"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop, and the
-TCP small-message links' read loop."""
+"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop, the TCP
+small-message links' exchange, and the data plane's ring over TCP on one thread."""
 
 from typing import Any
 
@@ -30,7 +30,6 @@ class NBoard:
     ) -> int: ...
     def close(self) -> None: ...
 
-def fold(parts: _Array, out: _Array, kind: str, op: str) -> bool: ...
 def tcp_read(
     links: list[Any], ranks: list[int], head: Buffer, size: int, out: _Array, yields: int, spin_s: float, wait_s: float
 ) -> int: ...

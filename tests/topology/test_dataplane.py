@@ -334,6 +334,23 @@ def _shm_files() -> list[str]:
     return sorted(f for f in os.listdir("/dev/shm") if f.startswith("psring-plane-"))
 
 
+async def _mismatch_timeout_recovery(groups: list[psring.Group]) -> None:
+    """4 ranks over TCP: a mismatch mid-call, then a timeout (rank 3 late), each named; the frames they
+    left on the links are skipped, in order, by the calls after them."""
+    bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
+    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    assert any(f"[{BIG + 4}]" in str(r) for r in results), results
+    x = np.ones(1 << 20, np.float32)
+    results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
+    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
+    with pytest.raises(psring.CollectiveTimeoutError):
+        await groups[3].all_reduce(x)
+    for k in range(3):
+        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
+        assert all(np.all(y == 6 + 4 * k) for y in ys)
+
+
 @pytest.mark.parametrize("sndbuf", [0, 8192])
 async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     make_groups, monkeypatch, sndbuf: int
@@ -373,17 +390,7 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     for per_rank in await asyncio.gather(*(rank(g) for g in groups)):
         for k, y in enumerate(per_rank):
             assert y.shape == (BIG + k,) and np.all(y == sum(r * 10.0 + k for r in range(world)))
-    bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
-    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
-    assert all(isinstance(r, psring.MismatchError) for r in results), results
-    x = np.ones(1 << 20, np.float32)
-    results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
-    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
-    with pytest.raises(psring.CollectiveTimeoutError):
-        await groups[3].all_reduce(x)
-    for k in range(3):
-        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
-        assert all(np.all(y == 6 + 4 * k) for y in ys)
+    await _mismatch_timeout_recovery(groups)
 
 
 @pytest.mark.parametrize("native", ["all", "mixed"])
@@ -426,18 +433,7 @@ async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_grou
         for k, y in enumerate(per_rank):
             want = 30.0 + k if k == 1 else sum(r * 10.0 + k for r in range(world))
             assert y.shape == (BIG + k,) and np.all(y == want), k
-    bad = [np.ones(BIG, np.float32)] * 2 + [np.ones(BIG + 4, np.float32)] + [np.ones(BIG, np.float32)]
-    results = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, bad, strict=True)), return_exceptions=True)
-    assert all(isinstance(r, psring.MismatchError) for r in results), results
-    assert any(f"[{BIG + 4}]" in str(r) for r in results), results
-    x = np.ones(1 << 20, np.float32)
-    results = await asyncio.gather(*(g.all_reduce(x) for g in groups[:3]), return_exceptions=True)
-    assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
-    with pytest.raises(psring.CollectiveTimeoutError):
-        await groups[3].all_reduce(x)
-    for k in range(3):
-        ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + k, np.float32)) for g in groups))
-        assert all(np.all(y == 6 + 4 * k) for y in ys)
+    await _mismatch_timeout_recovery(groups)
 
 
 async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monkeypatch) -> None:

@@ -171,19 +171,3 @@ def test_exchange_queues_what_the_kernel_did_not_take_in_order(mesh3) -> None:
             while len(got) < link.bytes_sent:
                 got += far[p].recv(1 << 20)
         assert got + queued == frame, p
-
-
-def test_the_module_fold_gives_the_canonical_bits() -> None:
-    _needs_native()
-    from psring._native import fold
-
-    rng = np.random.default_rng(3)
-    for n in (2, 3, 5):
-        for size in (1, 4, 7, 64):
-            parts = (rng.standard_normal((n, size)) * 10).astype(np.float32)
-            out = np.empty(size, np.float32)
-            assert fold(parts, out, "f", "sum")
-            assert out.tobytes() == canonical_fold(list(parts), "sum", np.empty_like(out)).tobytes(), (n, size)
-    assert not fold(np.ones((2, 3), np.float16), np.empty(3, np.float16), "e", "sum")  # not the C's: the caller's
-    with pytest.raises(ValueError, match="whole rows"):
-        fold(np.ones(5, np.float32), np.empty(3, np.float32), "f", "sum")
