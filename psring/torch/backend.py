@@ -331,7 +331,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
             return self._start(self._g.all_reduce(x, op), finish)
         future: torch.futures.Future = torch.futures.Future()
         try:
-            got = soon(self._g, x, op)
+            got = soon(self._g, x, op, plane=False)  # a plane job stays off this thread: DDP overlaps it
             if got is None or not got[0]:  # not a board call, or a late peer: the loop runs (the rest of) it
                 return self._start(got[1] if got else self._g.all_reduce(x, op), finish)
             future.set_result(finish(got[1]))

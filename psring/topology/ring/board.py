@@ -241,17 +241,22 @@ class BoardPath(_Host):
             fut.cancel()
             raise
 
-    def all_reduce_soon(self, x: Any, op: str = "sum", compression: str | None = None) -> tuple[bool, Any] | None:
+    def all_reduce_soon(
+        self, x: Any, op: str = "sum", compression: str | None = None, plane: bool = True
+    ) -> tuple[bool, Any] | None:
         """all_reduce's short way for a caller off the event loop that waits in its own way (the
         blocking API, the torch backend), when nothing of this group is in flight on the loop:
         (True, the result) when it ended on the caller's thread; (False, a coroutine to run on the
-        loop) when a peer was late; None: not this call, use all_reduce."""
+        loop) when a peer was late; None: not this call, use all_reduce. ``plane``: a data-plane job
+        may run on the caller's thread too (over TCP, in C: _plane_soon) -- a caller that has other
+        work to overlap with the transfer (DDP's gradient hooks) says False."""
         quick = self._board_quick(x, op, compression)
         if quick is not None:
             return quick
         begun = self._board_start(x, op, compression)
         if begun is None:  # between hosts: the TCP small-message links, or the plane in C
-            return self._tcp_soon(x, op, compression) or self._plane_soon(x, op, compression)
+            soon = self._tcp_soon(x, op, compression)
+            return soon if soon is not None or not plane else self._plane_soon(x, op, compression)
         return self._board_posted(*begun, op)
 
     def _board_posted(

@@ -36,8 +36,8 @@ logger = logging.getLogger(__name__)
 PLANE_ADOPT_AFTER = 0.2
 #: the largest plane job the event loop's thread runs itself (for as long as it moves, within the spin
 #: budget: PSRING_SPIN_US and the call's share) instead of handing it to the plane's receive thread: the
-#: loop is busy meanwhile, for about a millisecond a MiB
-PLANE_ON_LOOP_MAX = 8 << 20
+#: loop is busy meanwhile (here about a millisecond a MiB; on a 1 Gbit/s link ten)
+PLANE_ON_LOOP_MAX = 4 << 20
 
 
 class PlaneDriver(_Host):
