@@ -777,7 +777,7 @@ class DataPlane:
             expect += 1
             if reader.in_slot:  # fold (or copy) straight out of the shared slot
                 src = reader.take_slot(nbytes).view(dest.dtype)
-                k = self._take_slot(nbytes) if what == _REDUCE else None
+                k = self._take_slot(nbytes) if what in (_REDUCE, _STORE_FWD) else None
                 if what <= _FINAL:
                     if job.ready is not None:
                         job.ready(a, b)
@@ -790,6 +790,9 @@ class DataPlane:
                         np.divide(dest, dest.dtype.type(job.avg), out=dest)
                 else:
                     np.copyto(dest, src)
+                    if k is not None:  # handed on too: from the slot just read, still in cache
+                        assert self.shm_out is not None
+                        np.copyto(self.shm_out.view(k, nbytes).view(dest.dtype), src)
                 del src
                 reader.release(nbytes)
                 if k is not None:
