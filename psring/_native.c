@@ -813,7 +813,7 @@ typedef struct {
     char hdr[PLANE_HEADER];
     char theirs[PLANE_MAX_CALL];
     Py_ssize_t theirs_n;
-    long long sent, got; /* bytes sent and received by this ring */
+    long long sent;      /* bytes sent by this ring (those received go to the reader's count) */
     int err;             /* errno of a failed send or receive */
     char why[160];       /* what was wrong with a bad frame */
 } NRing;
@@ -886,7 +886,7 @@ static int nr_init(NRing *r, PyObject *args, PyObject *Py_UNUSED(kwds)) {
         }
     }
     r->recv_i = 0, r->recv_got = -1, r->send_i = 0, r->send_off = 0, r->fwd_ready = 0;
-    r->sent = r->got = 0, r->err = 0, r->theirs_n = 0, r->why[0] = 0;
+    r->sent = 0, r->err = 0, r->theirs_n = 0, r->why[0] = 0;
     return 0;
 }
 
@@ -1224,7 +1224,6 @@ static PyObject *nr_run(NRing *r, PyObject *args) {
         poll(fds, (nfds_t)nfds, (int)((end - now) * 1000.0) + 1);
     }
     Py_END_ALLOW_THREADS
-    r->got += rd.got;
     PyObject *result = PyLong_FromLong(code);
     Py_ssize_t total;
     if (result != NULL &&
@@ -1276,10 +1275,8 @@ static PyObject *nr_get(NRing *r, void *closure) {
         return PyUnicode_FromString(r->why);
     case 2:
         return PyLong_FromLong(r->err);
-    case 3:
-        return PyLong_FromLongLong(r->sent);
     default:
-        return PyLong_FromLongLong(r->got);
+        return PyLong_FromLongLong(r->sent);
     }
 }
 
@@ -1288,7 +1285,6 @@ static PyGetSetDef nr_getset[] = {
     {"why", (getter)nr_get, NULL, "what was wrong with a frame (after RING_BAD)", (void *)1},
     {"err", (getter)nr_get, NULL, "errno of a failed link (0: it ended in order)", (void *)2},
     {"sent", (getter)nr_get, NULL, "bytes sent to the right", (void *)3},
-    {"got", (getter)nr_get, NULL, "bytes received from the left", (void *)4},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

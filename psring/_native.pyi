@@ -53,7 +53,6 @@ class NRing:
     why: str
     err: int
     sent: int
-    got: int
     def __init__(
         self,
         send_fd: int,

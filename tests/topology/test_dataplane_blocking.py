@@ -33,7 +33,7 @@ for i in range(80):
     assert y.tobytes() == ref.tobytes(), (i, op)
     if g.rank == 1 and i % 20 == 19:
         time.sleep(0.5)  # a late rank: the others' calls are handed to the plane's receive thread
-assert plane.jobs_here == grp.plane_now, (plane.jobs_here, grp.plane_now)
+assert plane.native_jobs >= grp.plane_now + grp.plane_adopted, (plane.native_jobs, grp.plane_now, grp.plane_adopted)
 """ + blocking_job_end("grp.plane_now, grp.plane_adopted").replace(
     "np.ones(2, np.float32)", "np.ones(300_000, np.float32)"  # rank 1 gone: a plane call, on this thread, names it
 )
