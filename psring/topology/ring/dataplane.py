@@ -473,14 +473,22 @@ class DataPlane:
         went wrong). The threads are idle meanwhile: the job's turn is theirs to wait for."""
         ring, ticket, _out = here
         assert self._reader is not None
-        code = ring.run(self._reader, NATIVE_HOT, wait)
+        try:
+            code = ring.run(self._reader, NATIVE_HOT, wait)
+        except BaseException:
+            self._here_over(ticket)  # (run raises only setting up or writing back: the job goes no further)
+            raise
         if code != _RING_DONE:
             return False
         self._bytes_sent_here += ring.sent
         self.native_jobs += 1
+        self._here_over(ticket)
+        return True
+
+    def _here_over(self, ticket: int) -> None:
+        """A job the caller's thread ran is over on both sides: the next job's turn."""
         with self._turn:
             self._sent_upto = self._recv_upto = ticket
-        return True
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
         """The native fold's letter for a job the native ring takes, else None."""
