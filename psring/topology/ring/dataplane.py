@@ -407,7 +407,7 @@ class DataPlane:
             job.ticket = self._tickets
             kind = self._native_kind(x, op, ready)
             if kind is not None:  # the receive thread alone, in C: no frame goes through the send thread
-                job.native = self._ring(seq, call, x, job.out, parts, kind, op, avg_n)
+                job.native = self._ring(seq, call, x, job.out, steps, parts[me], kind, op, avg_n)
         if job.native is not None:
             job._pending = 1
             self.native_jobs += 1
@@ -439,14 +439,21 @@ class DataPlane:
         return steps
 
     def _ring(
-        self, seq: int, call: bytes, x: np.ndarray, out: np.ndarray, parts: list[list[tuple[int, int]]], kind: str,
-        op: str, avg_n: int,
+        self,
+        seq: int,
+        call: bytes,
+        x: np.ndarray,
+        out: np.ndarray,
+        steps: list[tuple[int, int, int]],
+        own: list[tuple[int, int]],
+        kind: str,
+        op: str,
+        avg_n: int,
     ) -> Any:
+        """A native job (psring._native.NRing) over the plane's two sockets: ``steps`` as _steps makes
+        them, ``own`` this rank's own pieces."""
         assert self.send_sock is not None and self.recv_sock is not None
-        return _NRing(
-            self.send_sock.fileno(), self.recv_sock.fileno(), seq, call, x, out, self._steps(parts), parts[self.rank],
-            kind, op, avg_n,
-        )
+        return _NRing(self.send_sock.fileno(), self.recv_sock.fileno(), seq, call, x, out, steps, own, kind, op, avg_n)
 
     def idle(self) -> bool:
         """Whether every job queued so far ended on both threads (the caller's thread may run one: run_here)."""
@@ -462,7 +469,8 @@ class DataPlane:
     ) -> tuple[Any, int, np.ndarray]:
         """On the caller's thread, the plane :meth:`idle`: a native job of its own, numbered among the
         plane's jobs; run it with :meth:`run_here`. (The ring, its ticket, ``out``.)"""
-        ring = self._ring(seq, call, x, out, parts, kind, op, self.world_size if avg else 0)
+        avg_n = self.world_size if avg else 0
+        ring = self._ring(seq, call, x, out, self._steps(parts), parts[self.rank], kind, op, avg_n)
         self._tickets += 1
         return ring, self._tickets, out
 
@@ -489,6 +497,7 @@ class DataPlane:
         """A job the caller's thread ran is over on both sides: the next job's turn."""
         with self._turn:
             self._sent_upto = self._recv_upto = ticket
+            self._turn.notify_all()
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
         """The native fold's letter for a job the native ring takes, else None."""
