@@ -27,6 +27,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#endif
 
 #define MAX_PEERS 63
 
@@ -41,6 +44,7 @@ typedef struct {
     Py_buffer peers[MAX_PEERS];
     Py_ssize_t peer_slot[MAX_PEERS];
     int peers_held;
+    int cancel; /* a streamed call (nb_stream) is abandoned: it returns at its next wait */
 } NBoard;
 
 static inline char *slot_at(char *base, Py_ssize_t page, Py_ssize_t slot_bytes, long long k) {
@@ -446,6 +450,246 @@ done:
     return result < 0 ? NULL : PyLong_FromLongLong(result);
 }
 
+/* ------------------------------------------------------------------------------------------------------
+ * A streamed board call (psring.topology.ring.board: all_reduces too large for a post): the split fold
+ * of the board, one block at a time. Block g holds piece g of every ring chunk (`piece` elements of
+ * chunk c from its start, fewer at its end); it goes through sub-slot g % depth of every rank's slot
+ * k % 2: each rank copies its pieces in, folds ring chunk `me`'s piece of every rank's sub-slot in the
+ * canonical order over its own (no other rank reads it before it is folded), and copies every rank's
+ * folded piece out. A block's data is touched while it is in the caches, so a rank reads its input once
+ * and writes its result once from memory, where a copy in, a fold and a copy out of the whole tensor
+ * would each go to memory. Three counters at the start of the slot's payload (a cache line each) say
+ * how far its owner is: blocks posted, folded and done (copied out); a rank reuses a sub-slot once every
+ * peer is done with the block it held. The counters are zeroed before the post that begins the call
+ * (Board.stream_post), so a reader that sees post k reads this call's. */
+#define ST_POSTED 0
+#define ST_FOLDED 64
+#define ST_DONE 128
+#define ST_DATA 256
+
+static inline int64_t *st_own(NBoard *b, long long k, Py_ssize_t at) {
+    return (int64_t *)(own_slot(b, k) + b->head + at);
+}
+
+/* wait until every peer's counter `at` is v or past: hot polls, then the core yielded between polls;
+ * 1 it came, 0 not within budget_s, -1 the call was cancelled (GIL released by the caller) */
+static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, int hot, double budget) {
+    double end = -1.0;
+    for (int polls = 0;; polls++) {
+        int i = 0;
+        while (i < b->npeers && load(peer_slot(b, i, k) + b->head + at) >= v)
+            i++;
+        if (i == b->npeers)
+            return 1;
+        if (__atomic_load_n(&b->cancel, __ATOMIC_RELAXED))
+            return -1;
+        if (polls < hot)
+            continue;
+        if (end < 0.0)
+            end = now_s() + budget;
+        else if (now_s() >= end)
+            return 0;
+        sched_yield();
+    }
+}
+
+/* a copy of a result out of the caches: streaming stores where x86 has them (the result is not read
+ * again soon, and a plain store first reads each line from memory) */
+static void copy_out(char *dst, const char *src, size_t len, int nt) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (nt && len >= 256) {
+        size_t head = (size_t)(-(uintptr_t)dst & 15);
+        memcpy(dst, src, head);
+        dst += head, src += head, len -= head;
+        for (; len >= 64; len -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src), c = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 32)), e = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), c);
+            _mm_stream_si128((__m128i *)(dst + 32), d);
+            _mm_stream_si128((__m128i *)(dst + 48), e);
+        }
+    }
+#else
+    (void)nt;
+#endif
+    memcpy(dst, src, len);
+}
+
+/* rows[first], rows[first + 1], ..., rows[first - 1] (mod n) folded into out, count elements; avg: then
+ * divided by n. out may be rows[first]. (kind, op) checked by the caller. */
+#define FOLD_FROM(T, EXPR)                                                                                         \
+    do {                                                                                                           \
+        T *o = (T *)out;                                                                                           \
+        const T *f0 = (const T *)rows[first];                                                                      \
+        if (o != f0)                                                                                               \
+            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
+                o[i] = f0[i];                                                                                      \
+        for (int j = 1; j < n; j++) {                                                                              \
+            const T *r = (const T *)rows[(first + j) % n];                                                         \
+            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
+                o[i] = EXPR;                                                                                       \
+        }                                                                                                          \
+    } while (0)
+
+#define FOLD_FROM_FLOAT(T)                                                                                         \
+    do {                                                                                                           \
+        if (op == 2)                                                                                               \
+            FOLD_FROM(T, o[i] * r[i]);                                                                             \
+        else                                                                                                       \
+            FOLD_FROM(T, o[i] + r[i]);                                                                             \
+        if (op == 1) {                                                                                             \
+            T d = (T)n, *o = (T *)out;                                                                             \
+            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
+                o[i] = o[i] / d;                                                                                   \
+        }                                                                                                          \
+    } while (0)
+
+static void fold_from(const char **rows, int n, int first, void *out, Py_ssize_t count, int kind, int op) {
+    switch (kind) {
+    case 'f':
+        FOLD_FROM_FLOAT(float);
+        break;
+    case 'd':
+        FOLD_FROM_FLOAT(double);
+        break;
+    case 'i':
+    case 'I':
+        if (op == 2)
+            FOLD_FROM(uint32_t, (uint32_t)(o[i] * r[i]));
+        else
+            FOLD_FROM(uint32_t, (uint32_t)(o[i] + r[i]));
+        break;
+    default: /* 'q', 'Q' */
+        if (op == 2)
+            FOLD_FROM(uint64_t, o[i] * r[i]);
+        else
+            FOLD_FROM(uint64_t, o[i] + r[i]);
+        break;
+    }
+}
+
+typedef struct {
+    const char *x;
+    char *out;
+    Py_ssize_t count, item, piece, depth;
+    int n, me, kind, op, hot, nt;
+    double budget;
+} Stream;
+
+/* a rank's sub-slot s (this rank's own: r == me) */
+static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_ssize_t s) {
+    char *slot = r == st->me ? own_slot(b, k) : peer_slot(b, r < st->me ? r : r - 1, k);
+    return slot + b->head + ST_DATA + s * st->n * st->piece * st->item;
+}
+
+/* on from where this rank's counters say it is; 0 done, 1 a peer was not there within the budget, 2
+ * cancelled. The caller holds no GIL. */
+static int do_stream(NBoard *b, const Stream *st, long long k) {
+    int n = st->n, me = st->me;
+    Py_ssize_t item = st->item, piece = st->piece, longest = (st->count + n - 1) / n;
+    Py_ssize_t blocks = (longest + piece - 1) / piece;
+    int64_t *posted = st_own(b, k, ST_POSTED), *folded = st_own(b, k, ST_FOLDED), *done = st_own(b, k, ST_DONE);
+    int w;
+#define ST_WAIT(at, v)                                                                                             \
+    if ((w = st_wait(b, k, at, v, st->hot, st->budget)) != 1)                                                      \
+        return w == 0 ? 1 : 2;
+    for (int64_t g = *done; g < blocks; g++) {
+        Py_ssize_t s = g % st->depth;
+        if (*posted == g) {
+            if (g >= st->depth) {
+                ST_WAIT(ST_DONE, g - st->depth + 1) /* every peer is done with the block this sub-slot held */
+            }
+            char *mine = st_sub(b, st, k, me, s);
+            for (int c = 0; c < n; c++) {
+                Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
+                Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
+                if (a < z)
+                    memcpy(mine + c * piece * item, st->x + a * item, (size_t)((z - a < piece ? z - a : piece) * item));
+            }
+            __atomic_store_n(posted, g + 1, __ATOMIC_RELEASE);
+        }
+        ST_WAIT(ST_POSTED, g + 1)
+        if (*folded == g) {
+            Py_ssize_t a = (Py_ssize_t)((long long)me * st->count / n) + g * piece;
+            Py_ssize_t z = (Py_ssize_t)((long long)(me + 1) * st->count / n);
+            if (a < z) {
+                const char *rows[MAX_PEERS + 1];
+                for (int r = 0; r < n; r++)
+                    rows[r] = st_sub(b, st, k, r, s) + me * piece * item;
+                fold_from(rows, n, me, (char *)rows[me], z - a < piece ? z - a : piece, st->kind, st->op);
+            }
+            __atomic_store_n(folded, g + 1, __ATOMIC_RELEASE);
+        }
+        ST_WAIT(ST_FOLDED, g + 1)
+        for (int c = 0; c < n; c++) {
+            Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
+            Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
+            if (a < z)
+                copy_out(st->out + a * item, st_sub(b, st, k, c, s) + c * piece * item,
+                         (size_t)((z - a < piece ? z - a : piece) * item), st->nt);
+        }
+        __atomic_store_n(done, g + 1, __ATOMIC_RELEASE);
+    }
+#undef ST_WAIT
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_sfence(); /* the streaming stores are out before another thread reads the result */
+#endif
+    return 0;
+}
+
+/* stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt) -> 0: done (out holds the fold); 1: a
+ * peer was not there within budget_s at one of the waits (call again: it goes on where it stands); 2:
+ * cancelled (cancel_stream). Post k must be this call's on every board (stream_post, then differs); x
+ * and out contiguous, alike, of a (kind, op) the fold takes; piece: elements of a chunk per block; nt:
+ * streaming stores for the result. The GIL is released throughout. */
+static PyObject *nb_stream(NBoard *b, PyObject *args) {
+    long long k;
+    Py_buffer x, outb;
+    Stream st;
+    const char *op;
+    if (!PyArg_ParseTuple(args, "Liy*w*Csnnidi", &k, &st.me, &x, &outb, &st.kind, &op, &st.piece, &st.depth,
+                          &st.hot, &st.budget, &st.nt))
+        return NULL;
+    PyObject *result = NULL;
+    st.op = op_code(op);
+    st.item = kind_size(st.kind);
+    st.n = b->npeers + 1;
+    if (!nb_usable(b))
+        goto done;
+    Py_ssize_t need = ST_DATA + st.depth * st.n * st.piece * st.item;
+    int room = need <= b->own_slot - b->head;
+    for (int i = 0; i < b->npeers; i++)
+        room = room && need <= b->peer_slot[i] - b->head;
+    if (x.len != outb.len || st.op < 0 || st.item == 0 || (st.op == 1 && st.kind != 'f' && st.kind != 'd') ||
+        x.len % st.item || (uintptr_t)x.buf % (uintptr_t)st.item || (uintptr_t)outb.buf % (uintptr_t)st.item ||
+        st.me < 0 || st.me >= st.n || st.piece < 1 || st.depth < 1 || !room) {
+        PyErr_SetString(PyExc_ValueError, "stream: a call the native fold does not take, or one the slots do not hold");
+        goto done;
+    }
+    st.x = (const char *)x.buf;
+    st.out = (char *)outb.buf;
+    st.count = x.len / st.item;
+    int code;
+    Py_BEGIN_ALLOW_THREADS
+    code = do_stream(b, &st, k);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromLong(code);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&outb);
+    return result;
+}
+
+/* cancel_stream(flag): 1: a streamed call running or to run returns 2 at its next wait; 0: no more */
+static PyObject *nb_cancel_stream(NBoard *b, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag))
+        return NULL;
+    __atomic_store_n(&b->cancel, flag, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyObject *nb_close(NBoard *b, PyObject *Py_UNUSED(ignored)) {
     nb_release(b);
     Py_RETURN_NONE;
@@ -458,6 +702,9 @@ static PyMethodDef nb_methods[] = {
     {"differs", (PyCFunction)nb_differs, METH_VARARGS, "differs(k, tag, nbytes) -> first differing peer or -1"},
     {"fold", (PyCFunction)nb_fold, METH_VARARGS, "fold(k, me, own, out, kind, op) -> folded (False: not here)"},
     {"exchange", (PyCFunction)nb_exchange, METH_VARARGS, "exchange(k, tag, x, out, kind, op, me, hot, budget_s)"},
+    {"stream", (PyCFunction)nb_stream, METH_VARARGS,
+     "stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt) -> 0 done, 1 wait, 2 cancelled"},
+    {"cancel_stream", (PyCFunction)nb_cancel_stream, METH_VARARGS, "cancel_stream(flag): see stream"},
     {"close", (PyCFunction)nb_close, METH_NOARGS, "release the buffers (the board's maps may close)"},
     {NULL, NULL, 0, NULL},
 };

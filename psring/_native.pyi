@@ -28,6 +28,21 @@ class NBoard:
     def exchange(
         self, k: int, tag: Buffer, x: _Array, out: _Array, kind: str, op: str, me: int, hot: int, budget_s: float
     ) -> int: ...
+    def stream(
+        self,
+        k: int,
+        me: int,
+        x: _Array,
+        out: _Array,
+        kind: str,
+        op: str,
+        piece: int,
+        depth: int,
+        hot: int,
+        budget_s: float,
+        nt: int,
+    ) -> int: ...
+    def cancel_stream(self, flag: bool) -> None: ...
     def close(self) -> None: ...
 
 def tcp_read(

@@ -311,6 +311,14 @@ class Settings:
         "ring: all_reduces up to this size between ranks of one host go through shared-memory boards (0: never)",
         tuning=True,
     )
+    ring_stream: int = _var(
+        "PSRING_RING_STREAM",
+        16 << 20,
+        parse_bytes,
+        "ring: all_reduces from this size between ranks of one host stream through the boards a block at a time, "
+        "in C, where every rank offers it (0: never; else the plane)",
+        tuning=True,
+    )
     ring_threads: bool = _var(
         "PSRING_RING_THREADS", True, parse_switch, "ring: the threaded data plane for large all_reduces", tuning=True
     )

@@ -26,6 +26,11 @@ a compiler is) and ``native`` is on (PSRING_NATIVE), posting, polling, checking 
 rank's post run in C (:meth:`Board.spin`, :meth:`Board.fold`): the same fields written in the same
 order, so a native rank and a pure-Python one share a board, and the same bits.
 
+An all_reduce too large for a post may be *streamed* through the boards where every rank is native
+(:meth:`Board.stream`: the split fold a block at a time through the slot, in C, so that each block is
+folded while it is in the caches): from the smallest size every rank offers (``stream`` in
+:meth:`Board.describe`; 0: never), the same on every rank (:meth:`Board.attach`).
+
 This module knows posts and peers, not collectives: the ring's board path
 (``psring.topology.ring.board``) decides what a post carries.
 """
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import platform
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,6 +61,11 @@ HEAD = 256
 TAG_MAX = HEAD - 32
 _ACK_AT = 64  # the owner's ack: an int64 in the pool's header page, after the token
 _SLEEP_AT = 72  # the post its owner sleeps waiting on (-1: none), beside it
+#: a streamed call's counters (blocks posted, folded, done: an int64 a cache line each) fill the payload's
+#: first bytes, its blocks follow (psring/_native.c, ST_*)
+_STREAM_DATA = 256
+#: the most blocks a streamed call keeps in flight
+STREAM_DEPTH = 8
 assert _ACK_AT >= TOKEN_BYTES
 
 
@@ -111,9 +122,11 @@ class _Views:
 class Board:
     """This process's posting board, and read-only maps of its peers' boards."""
 
-    def __init__(self, max_bytes: int = BOARD_BYTES, native: bool = True) -> None:
+    def __init__(self, max_bytes: int = BOARD_BYTES, native: bool = True, stream: int = 0) -> None:
         if not 1 <= max_bytes <= 1 << 30:
             raise ValueError(f"a board holds 1 byte to 1 GiB, not {max_bytes}")
+        if stream < 0:
+            raise ValueError(f"a board streams calls from 0 bytes (never) up, not {stream}")
         self.max_bytes = max_bytes
         self.limit = max_bytes  # the most every rank's board holds (see attach)
         self.pool = ShmPool(2, HEAD + max_bytes)
@@ -132,19 +145,27 @@ class Board:
         self.closed = False
         self._want_native = native
         self._nat: NBoard | None = None  # psring._native.NBoard over the same maps, once attached (see native)
+        #: the smallest call this rank offers to stream (0: none), and what every rank agreed (see attach)
+        self.stream_offer = stream if native and _NBoard is not None else 0
+        self.stream_min = 0
+        self._streaming = threading.Lock()  # held while a thread runs a streamed call (close waits for it)
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this board (published through the store)."""
-        return {**self.pool.describe(), "max_bytes": self.max_bytes}
+        return {**self.pool.describe(), "max_bytes": self.max_bytes, "stream": self.stream_offer}
 
     def attach(self, peers: dict[int, Any]) -> None:
         """Map every peer's board (ValueError for a malformed or foreign description, OSError);
-        ``limit`` becomes the smallest board's payload room (what every rank may post)."""
+        ``limit`` becomes the smallest board's payload room (what every rank may post), and
+        ``stream_min`` the largest size any rank streams from where every rank offers to (else 0)."""
+        offers = [self.stream_offer]
         for peer, desc in sorted(peers.items()):
             room = desc.get("max_bytes") if isinstance(desc, dict) else None
             if type(room) is not int or room < 1 or desc.get("slots") != 2 or desc.get("slot_bytes", 0) < HEAD + room:
                 raise ValueError(f"peer {peer}'s board is not a board: {desc!r:.200}")
             pool = PeerPool.open(desc)
+            offer = desc.get("stream", 0)
+            offers.append(offer if type(offer) is int and offer > 0 else 0)
             self.limit = min(self.limit, room)
             self.peers[peer] = pool
             self._mems.append(memoryview(pool.mm))
@@ -162,6 +183,7 @@ class Board:
                 _ACK_AT,
                 _SLEEP_AT,
             )
+        self.stream_min = max(offers) if min(offers) > 0 and self._nat is not None else 0
 
     @property
     def native(self) -> bool:
@@ -297,6 +319,72 @@ class Board:
             self.bytes_read += x.nbytes * len(self._peers)
         return min(code, 3)
 
+    # ---------------------------------------------------------------- streaming
+    def stream_post(self, k: int, tag: bytes, nbytes: int) -> list[int]:
+        """Post number k for a streamed call of ``nbytes`` (no payload: the stream's counters, zeroed
+        first, so that a reader that sees post k reads this call's); the peers asleep on it."""
+        p, own = k & 1, self._own
+        n = len(tag)
+        if n > TAG_MAX or self._nat is None:
+            raise ValueError(f"a streamed post needs a native board and at most a {TAG_MAX}-byte tag")
+        counters = own.body[p][:_STREAM_DATA].cast("q")
+        try:
+            for i in range(len(counters)):
+                counters[i] = 0
+        finally:
+            counters.release()
+        own.tag[p][:n] = tag
+        head = own.head[p]
+        head[2] = nbytes
+        head[3] = n
+        head[0] = k  # last, as post's
+        self.last[p] = k
+        return self.sleepers(k)
+
+    def stream_depth(self, block: int) -> int:
+        """Blocks of ``block`` bytes a streamed call keeps in flight: as many as the smallest slot holds,
+        up to STREAM_DEPTH (0: not one fits)."""
+        return min(STREAM_DEPTH, max(0, self.limit - _STREAM_DATA) // block)
+
+    def stream(
+        self, k: int, me: int, x: np.ndarray, out: np.ndarray, kind: str, op: str, piece: int, depth: int,
+        hot: int, budget: float, nt: bool,
+    ) -> int:
+        """Run streamed call k (posted by every rank: :meth:`stream_post`, checked with :meth:`differs`)
+        on from where this rank stands: 0 done, ``out`` holds the fold; 1 a peer was not there within
+        ``budget`` seconds at some wait (call again); 2 cancelled (:meth:`cancel_stream`). ``piece``:
+        elements of each ring chunk per block; x and out flat, contiguous, of a native fold's kind."""
+        with self._streaming:
+            nat = self._nat
+            if nat is None:
+                raise ValueError("the board is closed")
+            code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt))
+        if code == 0:
+            self.bytes_posted += x.nbytes
+            self.bytes_read += x.nbytes * len(self._peers) // (len(self._peers) + 1) * 2
+        return code
+
+    def cancel_stream(self, flag: bool = True) -> None:
+        """Make a streamed call return (2) at its next wait; ``flag`` False: calls run again."""
+        if self._nat is not None:
+            self._nat.cancel_stream(flag)
+
+    def stream_behind(self, k: int) -> list[int]:
+        """The peers behind this rank in streamed call k (fewer blocks posted, folded and done)."""
+        p = k & 1
+        mine = self._counters(self._own.body[p])
+        return [v.rank for v in self._peers if v.head[p][0] == k and self._counters(v.body[p]) < mine] + [
+            v.rank for v in self._peers if v.head[p][0] != k
+        ]
+
+    @staticmethod
+    def _counters(body: memoryview) -> int:
+        view = body[:_STREAM_DATA].cast("q")
+        try:
+            return sum(view[i * 8] for i in range(3))
+        finally:
+            view.release()
+
     def read(self, peer: int, k: int) -> tuple[int, bytes]:
         """What peer's slot k % 2 holds: (its post number, its tag)."""
         views = self._by_rank[peer]
@@ -348,7 +436,9 @@ class Board:
             return
         self.closed = True
         if self._nat is not None:
-            self._nat.close()  # its buffers first: the maps close below
+            self._nat.cancel_stream(True)
+            with self._streaming:  # a streamed call in another thread returns at its next wait
+                self._nat.close()  # its buffers first: the maps close below
             self._nat = None
         self._arrays.clear()
         for views in (self._own, *self._peers):

@@ -266,6 +266,62 @@ async def test_small_all_reduces_cross_no_socket_and_give_the_canonical_bits(mak
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_large_all_reduces_stream_through_the_boards_with_the_canonical_bits(make_groups, monkeypatch) -> None:
+    """From PSRING_RING_STREAM on (here 300 KiB, with 1 MiB boards), every rank native: the split fold a
+    block at a time in C (Board.stream) -- every dtype and op it takes, sizes whose ring chunks end in part
+    of a block, calls in flight at once (run in call order); what it does not fold takes the plane; a
+    mismatched call is named and the group goes on."""
+    _needs_native()
+    monkeypatch.setenv("PSRING_RING_BOARD", "1M")
+    monkeypatch.setenv("PSRING_RING_STREAM", "300K")
+    groups = await make_groups(3)
+    nets = [g.net for g in groups]  # type: ignore[attr-defined]
+    assert all(n.board is not None and n.board.stream_min == 300 << 10 for n in nets)
+    rng = np.random.default_rng(5)
+    streamed = [g.streamed for g in groups]  # type: ignore[attr-defined]
+    cases = [
+        (300 << 8, np.float32, "sum"),
+        (100_001, np.float64, "avg"),
+        (250_003, np.float32, "prod"),
+        (77_777, np.int64, "sum"),
+        (200_000, np.uint32, "prod"),
+    ]
+    for size, dtype, op in cases:
+        xs = [(rng.standard_normal(size) * 3).astype(dtype) for _ in groups]
+        ys = await asyncio.gather(*(g.all_reduce(x.reshape(-1, 1), op) for g, x in zip(groups, xs, strict=True)))
+        ref = canonical_fold(xs, op, np.empty(size, dtype))
+        assert all(y.shape == (size, 1) and y.tobytes() == ref.tobytes() for y in ys), (size, dtype, op)
+    assert [g.streamed - s for g, s in zip(groups, streamed, strict=True)] == [len(cases)] * 3  # type: ignore[attr-defined]
+    # three in flight on every rank, a small board call between them: each in its turn, the same bits
+    xs = [[rng.standard_normal(90_000 + i).astype(np.float32) for i in range(3)] for _ in groups]
+    calls = [
+        asyncio.gather(g.all_reduce(xs[g.rank][0]), g.all_reduce(np.ones(3)), g.all_reduce(xs[g.rank][1]),
+                       g.all_reduce(xs[g.rank][2], "avg"))
+        for g in groups
+    ]
+    ys = await asyncio.gather(*calls)
+    for i, at, op in ((0, 0, "sum"), (1, 2, "sum"), (2, 3, "avg")):
+        ref = canonical_fold([xs[r][i] for r in range(3)], op, np.empty_like(xs[0][i]))
+        assert all(ys[r][at].tobytes() == ref.tobytes() for r in range(3)), i
+    assert all(np.array_equal(y[1], np.full(3, 3.0)) for y in ys)
+    # max is not the native fold's: the plane, and the same answer
+    before = [g.streamed for g in groups]  # type: ignore[attr-defined]
+    xs1 = [rng.standard_normal(100_000).astype(np.float32) for _ in groups]
+    ys1 = await asyncio.gather(*(g.all_reduce(x, "max") for g, x in zip(groups, xs1, strict=True)))
+    assert all(np.array_equal(y, np.maximum.reduce(xs1)) for y in ys1)
+    assert [g.streamed for g in groups] == before  # type: ignore[attr-defined]
+    # ranks that called different sizes: named on every rank; then the group goes on
+    results = await asyncio.gather(
+        *(g.all_reduce(np.ones(100_000 + (g.rank == 2), np.float32)) for g in groups), return_exceptions=True
+    )
+    assert all(isinstance(r, psring.MismatchError) for r in results), results
+    ys = await asyncio.gather(*(g.all_reduce(np.full(100_000, g.rank + 1.0)) for g in groups))
+    assert all(np.array_equal(y, np.full(100_000, 6.0)) for y in ys)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
 @pytest.mark.timeout(90)
 async def test_many_calls_in_flight_post_in_call_order_and_reuse_slots_safely(make_groups) -> None:
     """Forty all_reduces in flight on every rank at once (two board slots each): each waits for its
@@ -378,6 +434,39 @@ def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop
             assert adopted > 0, (r, on_thread, adopted)  # rank 1's naps made the others wait past their spin
 
 
+STREAM_JOB = """
+import os, time, numpy as np, psring
+from psring.core.fold import canonical_fold
+if os.environ.get("OFF_RANK") == os.environ.get("RANK"):
+    os.environ["PSRING_NATIVE"] = "off"  # this rank does not offer to stream: no rank streams
+g = psring.init()
+n, grp = g.world_size, g.group
+for i in range(24):
+    size = 80_000 + 7919 * i
+    dtype, op = ((np.float32, "sum"), (np.float64, "avg"), (np.int64, "sum"))[i % 3]
+    xs = [(np.random.default_rng(100 * i + r).standard_normal(size) * 3).astype(dtype) for r in range(n)]
+    y = g.all_reduce(xs[g.rank], op)
+    assert y.tobytes() == canonical_fold(xs, op, np.empty_like(xs[0])).tobytes(), i
+    if g.rank == 1 and i % 8 == 3:
+        time.sleep(0.2)  # a late rank: its peers wait for it inside their streams
+""" + blocking_job_end("grp.streamed, grp.board_now")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("off_rank", ["", "2"])
+def test_blocking_large_calls_stream_where_every_rank_offers_to(tmp_path, off_rank: str) -> None:
+    """The blocking API, one rank a process (psring launch): from PSRING_RING_STREAM on, every call streamed
+    where every rank runs the C extension; with one rank on PSRING_NATIVE=off none is (the plane), and the
+    same bits either way; a rank that vanishes afterwards is named by the others' next call."""
+    _needs_native()
+    script = tmp_path / "job.py"
+    script.write_text(STREAM_JOB)
+    env = {"PSRING_RING_BOARD": "1M", "PSRING_RING_STREAM": "300K", "OFF_RANK": off_rank}
+    for r, (streamed, _on_thread) in run_blocking_job(script, 4, **env).items():
+        assert streamed == (0 if off_rank else 24), (r, streamed)
+
+
 def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> None:
     """The blocking API looks for a group's caller-thread way by its class: a non-member subgroup
     answers every name with a refusing coroutine, which must raise, not come back as a result."""
@@ -393,3 +482,126 @@ def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> Non
             sub.all_reduce(np.ones(2, np.float32))
     finally:
         portal.stop()
+
+
+def _streamed(boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece: int, depth: int) -> list[np.ndarray]:
+    """Streamed call k on every board, each rank on a thread of its own; the results."""
+    n = len(boards)
+    tag = f"stream-{k}".encode()
+    for r, board in enumerate(boards):
+        board.stream_post(k, tag, xs[r].nbytes)
+    kind = boards[0].native_kind(xs[0].dtype, op)
+    assert kind is not None
+    outs = [np.empty_like(x) for x in xs]
+    codes: list[int] = [-1] * n
+
+    def run(r: int) -> None:
+        assert boards[r].differs(k, tag, xs[r].nbytes) is None
+        code = 1
+        while code == 1:  # a rank the scheduler left behind: go on where it stands
+            code = boards[r].stream(k, r, xs[r], outs[r], kind, op, piece, depth, 0, 0.05, r % 2 == 0)
+        codes[r] = code
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert codes == [0] * n
+    for board in boards:
+        board.ack(k)
+    return outs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_streamed_call_gives_the_canonical_folds_bits(n: int) -> None:
+    """The split fold a block at a time (Board.stream): every dtype and op the C fold takes, sizes whose ring
+    chunks differ and end in part of a block, a depth smaller than the blocks (sub-slots reused), the same
+    bits as psring.core.fold.canonical_fold on every rank, with streaming stores and without."""
+    _needs_native()
+    boards = _boards(n)
+    rng = np.random.default_rng(n)
+    k = 0
+    try:
+        for dtype in NATIVE_DTYPES:
+            for op in ("sum", "prod", "avg"):
+                if op == "avg" and np.dtype(dtype).kind != "f":
+                    continue
+                for size, piece, depth in ((n, 1, 1), (1000 + n - 1, 7, 3), (4099, 64, 2)):
+                    if np.dtype(dtype).kind == "f":
+                        scale = 10.0 ** rng.integers(-6, 6, (n, size))
+                        xs = list((rng.standard_normal((n, size)) * scale).astype(dtype))
+                    else:
+                        xs = [rng.integers(-(2**20), 2**20, size).astype(dtype) for _ in range(n)]
+                    want = canonical_fold(xs, op, np.empty_like(xs[0]))
+                    outs = _streamed(boards, k, xs, op, piece, depth)
+                    for r in range(n):
+                        assert outs[r].tobytes() == want.tobytes(), (dtype, op, size, piece, depth, r)
+                    k += 1
+    finally:
+        for board in boards:
+            board.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_call_waits_on_a_late_peer_goes_on_and_can_be_cancelled() -> None:
+    """A rank whose peer has not posted its first block returns 1 within its budget and goes on where it
+    stands once the peer runs; a cancelled call returns 2; closing a board waits for a running call."""
+    _needs_native()
+    a, b = _boards(2)
+    try:
+        assert a.stream_min == 0  # neither offered to stream (Board(..., stream=0))
+        x = np.arange(4000, dtype=np.float32)
+        y = np.ones(4000, np.float32)
+        for board, v in ((a, x), (b, y)):
+            board.stream_post(0, b"s", v.nbytes)
+        out_a, out_b = np.empty_like(x), np.empty_like(y)
+        t0 = time.monotonic()
+        assert a.stream(0, 0, x, out_a, "f", "sum", 100, 4, 0, 0.05, False) == 1  # b has not begun
+        assert time.monotonic() - t0 < 5
+        assert a._counters(a._own.body[0]) == 1  # its first block is posted, not folded
+        code_b = [-1]
+        t = threading.Thread(
+            target=lambda: code_b.__setitem__(0, b.stream(0, 1, y, out_b, "f", "sum", 100, 4, 0, 5.0, False))
+        )
+        t.start()
+        assert a.stream(0, 0, x, out_a, "f", "sum", 100, 4, 0, 5.0, False) == 0
+        t.join(10)
+        assert code_b[0] == 0
+        assert np.array_equal(out_a, x + 1) and np.array_equal(out_b, x + 1)
+        a.ack(0)
+        b.ack(0)
+        # a call whose peer posted and never runs: cancelled from another thread, it returns at its wait
+        a.stream_post(2, b"s", x.nbytes)
+        b.stream_post(2, b"s", y.nbytes)
+        timer = threading.Timer(0.2, a.cancel_stream)
+        timer.start()
+        assert a.stream(2, 0, x, out_a, "f", "sum", 100, 4, 0, 30.0, False) == 2
+        a.cancel_stream(False)
+        # and close() makes a call running in another thread return first
+        runner = threading.Thread(target=lambda: a.stream(2, 0, x, out_a, "f", "sum", 100, 4, 0, 30.0, False))
+        runner.start()
+        time.sleep(0.1)
+        a.close()
+        runner.join(5)
+        assert not runner.is_alive()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_boards_stream_only_where_every_rank_offers_to() -> None:
+    _needs_native()
+    a, b, c = Board(1 << 12, stream=1 << 20), Board(1 << 12, stream=4 << 20), Board(1 << 12, stream=0)
+    try:
+        a.attach({1: b.describe()})
+        assert a.stream_min == 4 << 20  # the largest offer: the same answer on both
+        b.attach({0: a.describe(), 2: c.describe()})
+        assert b.stream_min == 0  # c does not stream
+        assert Board(64, native=False, stream=1 << 20).stream_offer == 0
+        with pytest.raises(ValueError, match="streams calls from 0 bytes"):
+            Board(64, stream=-1)
+    finally:
+        for board in (a, b, c):
+            board.close()

@@ -18,11 +18,18 @@ group is in flight (:meth:`BoardPath.all_reduce_now`): it posts, and when every 
 within its spin it folds there, with no hop to the event loop and back (which costs more than the
 exchange itself). A call whose peers are late is handed to the event loop where it stands, and from
 there on is a collective like any other: timed out, reported when it stalls, abandoned on an abort.
+
+An all_reduce from PSRING_RING_STREAM up (every rank native and offering it: Board.attach) is *streamed*:
+posted as a board call is (its post carries no payload), then the split fold runs a block at a time
+through the slots in C (Board.stream), on a thread of the loop's executor with the GIL released, so
+each block is copied in, folded and copied out while it is in the caches. Measured on this 2-core VM,
+64 MiB: 2 ranks xx against the data plane's xx ms, 4 ranks xx against xx (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from types import SimpleNamespace
@@ -32,9 +39,9 @@ import msgpack
 import numpy as np
 
 from ...core import wire
-from ...core.arrays import byte_view, dtype_name
+from ...core.arrays import byte_view, dtype_name, result_empty
 from ...core.fold import canonical_fold, check_op, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
-from ...errors import MismatchError
+from ...errors import GroupClosedError, MismatchError
 from ...transport.board import Board
 from ..collective import Collective, mismatch_message
 from ..recorder import OBSERVERS
@@ -66,6 +73,13 @@ SPIN_MAX = 0.02
 #: (only where every rank of the host can have a core of its own: else a poll holds a core a peer needs)
 HOT_POLLS = 20
 CORES = os.cpu_count() or 1
+#: a streamed call moves this many bytes of the tensor through the slots at a time (every rank's piece of
+#: each ring chunk): measured on this VM, 64 MiB at 2 and 4 ranks, 256 KiB beat 1 and 4 MiB
+STREAM_BLOCK = 256 << 10
+#: a streamed call's result from this size is written with streaming stores (it would leave the caches)
+STREAM_NT = 32 << 20
+#: seconds a streamed call polls at one wait before the loop looks at its collective (then it goes on)
+STREAM_WAIT = 0.05
 
 
 class BoardPath(_Host):
@@ -82,6 +96,9 @@ class BoardPath(_Host):
         #: by (dtype, shape, op): (call, tag, the native fold's letter) where a call takes _board_quick, else False
         self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str] | bool] = {}
         self._wake_msg = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
+        #: a streamed call is running (the next one posts after it ended: every rank runs them in call order)
+        self._streaming = False
+        self.streamed = 0  # streamed calls that ended here
 
     def _board(self, x: Any, compression: str | None) -> Board | None:
         """The board, when this call takes it (the same answer on every rank for the same call)."""
@@ -218,6 +235,108 @@ class BoardPath(_Host):
                     board.sleep_on(-1)
                 self._wake_futs.discard(fut)
 
+    # ------------------------------------------------------------- streamed calls
+    def _stream_kind(self, x: Any, op: str, compression: str | None) -> str | None:
+        """The native fold's letter where this all_reduce is streamed through the boards (the same answer
+        on every rank: its size, dtype and op, and what the ranks agreed), else None."""
+        board = self.net.board
+        if (
+            board is None
+            or board.stream_min <= 0
+            or compression is not None
+            or self.gid != "0"
+            or type(x) is not np.ndarray
+            or x.nbytes < board.stream_min
+            or x.size < self.world_size
+            or self._hier_hosts() is not None
+        ):
+            return None
+        kind = board.native_kind(x.dtype, op)
+        if kind is None or board.stream_depth(self._stream_piece(x) * self.world_size * x.itemsize) < 2:
+            return None
+        return kind
+
+    def _stream_piece(self, x: np.ndarray) -> int:
+        """Elements of each ring chunk a streamed call's block holds."""
+        return max(1, STREAM_BLOCK // (self.world_size * x.itemsize))
+
+    async def _stream_all_reduce(self, board: Board, x: np.ndarray, op: str, kind: str) -> np.ndarray:
+        x = self._checked(x, op)
+        if not x.flags.aligned:
+            x = x.copy()
+        coll = self._begin("all_reduce", x, op)
+        self._unposted.add(coll.seq)
+        try:
+            return await self._run(coll, self._stream_body(coll, board, x, op, kind))
+        finally:
+            self._unposted.discard(coll.seq)
+            if self._wake_futs:
+                self.on_board_wake()
+
+    async def _stream_body(self, coll: Collective, board: Board, x: np.ndarray, op: str, kind: str) -> np.ndarray:
+        k = coll.seq
+        unposted = self._unposted
+
+        def turn() -> bool:  # the calls before it posted, its slot free, no streamed call running
+            return min(unposted) == k and board.clear_to_post(k) and not self._streaming
+
+        if not turn():
+            await self._board_sleep(turn, board, -1)
+        tag = self._tag(coll.desc)
+        self._poke(board.stream_post(k, tag, x.nbytes))
+        unposted.discard(k)
+        self._streaming = True
+        try:
+            return await self._stream_rest(coll, board, x, op, kind, tag)
+        finally:
+            self._streaming = False
+            if self._wake_futs:  # a streamed call after it waits for its turn
+                self.on_board_wake()
+
+    async def _stream_rest(
+        self, coll: Collective, board: Board, x: np.ndarray, op: str, kind: str, tag: bytes
+    ) -> np.ndarray:
+        """Posted: wait for every peer's post, then the stream, on a thread of the loop's executor."""
+        k = coll.seq
+        if self._wake_futs:
+            self.on_board_wake()
+        if not board.all_posted(k):
+            if self._mesh_early:
+                self._check_early(coll)
+            await self._board_sleep(lambda: board.all_posted(k), board, k, coll, nbytes=x.nbytes)
+            coll.waiting_on.clear()
+        peer = board.differs(k, tag, x.nbytes)
+        if peer is not None:
+            raise MismatchError(self._board_mismatch(board, k, peer, coll.desc))
+        flat = x.reshape(-1)
+        out = result_empty(flat)
+        piece = self._stream_piece(x)
+        depth = board.stream_depth(piece * self.world_size * x.itemsize)
+        hot = HOT_POLLS if self.world_size <= CORES else 0
+        nt = x.nbytes >= STREAM_NT
+        loop = asyncio.get_running_loop()
+        while True:
+            run = loop.run_in_executor(
+                None, board.stream, k, self.rank, flat, out, kind, op, piece, depth, hot, STREAM_WAIT, nt
+            )
+            try:
+                code = await asyncio.shield(run)
+            except asyncio.CancelledError:  # abandoned (a peer's abort, the deadline): the thread stops first
+                board.cancel_stream()
+                while not run.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([run])
+                board.cancel_stream(False)
+                raise
+            if code == 0:
+                break
+            if code == 2:
+                raise GroupClosedError(f"{coll.label}: the same-host board closed while the call streamed")
+            coll.waiting_on = {self._local[p] for p in board.stream_behind(k)}
+        coll.waiting_on.clear()
+        self.streamed += 1
+        return out if x.ndim == 1 else out.reshape(x.shape)
+
     # ------------------------------------------------------- the caller's thread
     def all_reduce_now(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
         """all_reduce from the caller's thread, or ``NotImplemented`` where the call must take the
@@ -294,7 +413,8 @@ class BoardPath(_Host):
         if plan is None:
             plan = False
             kind = board.native_kind(x.dtype, op)
-            if kind is not None and x.nbytes <= board.limit and not self._board_split(x):
+            streamed = 0 < board.stream_min <= x.nbytes
+            if kind is not None and x.nbytes <= board.limit and not self._board_split(x) and not streamed:
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
                 plan = (desc, self._tag(desc), kind)
             if len(self._quick) < 1024:
@@ -340,6 +460,8 @@ class BoardPath(_Host):
         board = self._board(x, compression)
         if board is None or not self._idle() or not board.clear_to_post(self._seq):
             return None
+        if board.stream_min and x.nbytes >= board.stream_min and self._stream_kind(x, op, compression) is not None:
+            return None  # streamed, from the loop
         x, seq, desc, started = self._number_now(x, op)
         self._board_post(board, seq, desc, x)
         return board, seq, desc, x, started

@@ -156,7 +156,8 @@ class PeerNet(PlaneLinks):
             else:
                 if board_possible() and self.config.ring_board > 0:
                     try:
-                        self.board = Board(self.config.ring_board, native=self.config.native)
+                        config = self.config
+                        self.board = Board(config.ring_board, native=config.native, stream=config.ring_stream)
                         record["board"] = self.board.describe()
                     except OSError as exc:
                         logger.info("rank %d: no same-host board (%s): small all_reduces use the links", self.rank, exc)

@@ -45,6 +45,10 @@ class SmallPaths(_Host):
 
     # ---------------------------------------------------------- same-host links
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        kind = self._stream_kind(x, op, compression)
+        if kind is not None:  # all ranks on one host, large: streamed through the boards
+            assert self.net.board is not None
+            return await self._stream_all_reduce(self.net.board, x, op, kind)
         board = self._board(x, compression)
         if board is not None:  # all ranks on one host, each with a board: through shared memory
             return await self._board_all_reduce(board, x, op)
