@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from psring.core.fold import canonical_fold
 from psring.topology.ring.board import SPLIT_BYTES
 from psring.transport.board import Board, board_possible, native_built
 
-from ..conftest import blocking_job_end, run_blocking_job
+from ..conftest import blocking_job_end, run_blocking_job, run_tree
 
 pytestmark = pytest.mark.skipif(not board_possible(), reason="the boards need x86's store order; not offered here")
 
@@ -465,6 +466,55 @@ def test_blocking_large_calls_stream_where_every_rank_offers_to(tmp_path, off_ra
     env = {"PSRING_RING_BOARD": "1M", "PSRING_RING_STREAM": "300K", "OFF_RANK": off_rank}
     for r, (streamed, _on_thread) in run_blocking_job(script, 4, **env).items():
         assert streamed == (0 if off_rank else 24), (r, streamed)
+
+
+STREAM_LOSS_JOB = """
+import os, signal, subprocess, threading, time, numpy as np, psring
+g = psring.init()
+x = np.ones(16 << 20, np.float32)  # 64 MiB: streamed, tens of milliseconds a call
+for _ in range(2):
+    assert np.all(g.all_reduce(x) == g.world_size)
+print("streamed", g.group.streamed, flush=True)
+if g.rank == 1 and os.environ["HOW"] == "die":
+    threading.Timer(0.02, os._exit, (0,)).start()  # gone mid-call, as a crash (0: launch waits for the rest)
+elif g.rank == 1:  # stopped mid-call (SIGSTOP), woken 8 s later by a helper
+    subprocess.Popen(["sh", "-c", f"sleep 8; kill -CONT {os.getpid()}"])
+    threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+t0 = time.monotonic()
+try:
+    for _ in range(400):
+        g.all_reduce(x)
+    print("no error", flush=True)
+except psring.PsringError as exc:
+    print("raised", type(exc).__name__, "after %.1f s:" % (time.monotonic() - t0), str(exc)[:300], flush=True)
+g.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["die", "stop"])
+def test_a_rank_lost_or_stopped_in_the_middle_of_a_streamed_call_is_named_without_a_hang(tmp_path, how: str) -> None:
+    """A rank that dies (or stops) while its peers stream a call with it: they leave their waits (the stream
+    thread stops first) and raise -- PeerLostError for the crash, a timeout or loss for the stopped rank
+    (PSRING_TIMEOUT=3) -- naming it, and every process ends."""
+    _needs_native()
+    script = tmp_path / "job.py"
+    script.write_text(STREAM_LOSS_JOB)
+    res = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", "3", "--", sys.executable, str(script)],
+        timeout=110,
+        env={**os.environ, "PSRING_TIMEOUT": "3" if how == "stop" else "30", "HOW": how},
+    )
+    out = res.stdout + res.stderr
+    for r in range(3):
+        assert f"[rank {r}] streamed 2" in out, out[-4000:]
+    for r in (0, 2):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] raised")), None)
+        assert line is not None and ("rank 1" in line or "rank(s) 1" in line), out[-4000:]
+        if how == "die":
+            assert "PeerLostError" in line, line
+        assert float(line.split("after ")[1].split(" s")[0]) < 15, line
 
 
 def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> None:
