@@ -23,7 +23,8 @@ An all_reduce from PSRING_RING_STREAM up (every rank native and offering it: Boa
 posted as a board call is (its post carries no payload), then the split fold runs a block at a time
 through the slots in C (Board.stream), on a thread of the loop's executor with the GIL released, so
 each block is copied in, folded and copied out while it is in the caches. Measured on this 2-core VM,
-64 MiB: 2 ranks xx against the data plane's xx ms, 4 ranks xx against xx (docs/performance.md).
+64 MiB, alternating: 2 ranks 14.3-16.8 ms against the data plane's 20.4-22.6, 4 ranks 31.0-35.5 against
+58.2-60.4 (docs/performance.md).
 """
 
 from __future__ import annotations
