@@ -398,18 +398,57 @@ static PyObject *nb_fold(NBoard *b, PyObject *args) {
     return result;
 }
 
+static void fold_from(const char **rows, int n, int first, void *out, Py_ssize_t count, int kind, int op);
+
+/* the split fold's rest, every post k there and this call's (psring.topology.ring.board): fold ring chunk
+ * `me` of every rank's post in the canonical order (this rank's first) over this rank's own post of it,
+ * mark the post, and once every peer marked its own, copy every rank's folded chunk into out. 0 done; 3
+ * marked, peers asleep on the mark (poke them, then wait for the marks); 5 marked, the marks not all
+ * there within the budget */
+static int split_rest(NBoard *b, long long k, int me, char *out, Py_ssize_t len, int kind, int op, int hot,
+                      double budget) {
+    int n = b->npeers + 1;
+    Py_ssize_t item = kind_size(kind), count = len / item;
+    const char *rows[MAX_PEERS + 1];
+    for (int r = 0; r < n; r++)
+        rows[r] = (r == me ? own_slot(b, k) : peer_slot(b, r < me ? r : r - 1, k)) + b->head;
+    Py_ssize_t a = (Py_ssize_t)((long long)me * count / n), z = (Py_ssize_t)((long long)(me + 1) * count / n);
+    if (a < z) {
+        const char *chunk[MAX_PEERS + 1];
+        for (int r = 0; r < n; r++)
+            chunk[r] = rows[r] + a * item;
+        fold_from(chunk, n, me, (char *)chunk[me], z - a, kind, op);
+    }
+    int64_t *head = (int64_t *)own_slot(b, k);
+    __atomic_store_n(&head[1], (int64_t)k, __ATOMIC_RELEASE); /* marked: after the folded chunk */
+    for (int i = 0; i < b->npeers; i++)
+        if (load((char *)b->peers[i].buf + b->sleep_at) == 2 * (int64_t)k + 1)
+            return 3;
+    int ready = do_spin(b, k, 1, hot, budget);
+    if (ready != 1)
+        return ready < 0 ? -1 : 5; /* -1: closed meanwhile (its maps may be gone) */
+    for (int r = 0; r < n; r++) {
+        Py_ssize_t c0 = (Py_ssize_t)((long long)r * count / n), c1 = (Py_ssize_t)((long long)(r + 1) * count / n);
+        if (c0 < c1)
+            memcpy(out + c0 * item, rows[r] + c0 * item, (size_t)((c1 - c0) * item));
+    }
+    return 0;
+}
+
 /* exchange(k, tag, x, out, kind, op, me, hot, budget_s) -> 0: done (out holds the fold); 1: posted, the
  * peers not all there within the budget; 2: posted, a peer's post is another call's (differs);
  * 4 * mask (mask > 0): posted, and these peers sleep on it (poke them; nothing else done).
  * The whole of a small board all_reduce whose peers are there in time, in one call: post, poll,
- * check, fold. (kind, op) must be one the fold takes. */
+ * check, fold. (kind, op) must be one the fold takes. split: the fold split over the ranks (see
+ * split_rest), which may also return 3: folded and marked, and peers sleep on the mark (poke them), or
+ * 5: folded and marked, the peers' marks not all there within the budget. */
 static PyObject *nb_exchange(NBoard *b, PyObject *args) {
     long long k;
     Py_buffer tag, x, outb;
-    int kind, me, hot;
+    int kind, me, hot, split = 0;
     const char *op;
     double budget;
-    if (!PyArg_ParseTuple(args, "Ly*y*w*Csiid", &k, &tag, &x, &outb, &kind, &op, &me, &hot, &budget))
+    if (!PyArg_ParseTuple(args, "Ly*y*w*Csiid|p", &k, &tag, &x, &outb, &kind, &op, &me, &hot, &budget, &split))
         return NULL;
     long long result = -1;
     int code = op_code(op);
@@ -437,6 +476,12 @@ static PyObject *nb_exchange(NBoard *b, PyObject *args) {
     }
     if (do_differs(b, k, &tag, x.len) >= 0) {
         result = 2;
+        goto done;
+    }
+    if (split) {
+        result = split_rest(b, k, me, outb.buf, x.len, kind, code, hot, budget);
+        if (result < 0)
+            PyErr_SetString(PyExc_ValueError, "the native board is closed");
         goto done;
     }
     int folded = do_fold(b, k, me, x.buf, outb.buf, x.len, kind, code);

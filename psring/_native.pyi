@@ -26,7 +26,17 @@ class NBoard:
     def differs(self, k: int, tag: Buffer, nbytes: int) -> int: ...
     def fold(self, k: int, me: int, own: _Array, out: _Array, kind: str, op: str) -> bool: ...
     def exchange(
-        self, k: int, tag: Buffer, x: _Array, out: _Array, kind: str, op: str, me: int, hot: int, budget_s: float
+        self,
+        k: int,
+        tag: Buffer,
+        x: _Array,
+        out: _Array,
+        kind: str,
+        op: str,
+        me: int,
+        hot: int,
+        budget_s: float,
+        split: bool = ...,
     ) -> int: ...
     def stream(
         self,

@@ -301,23 +301,42 @@ class Board:
         return None if self._nat is None else fold_kind(dtype, op)
 
     def exchange(
-        self, k: int, tag: bytes, x: np.ndarray, out: np.ndarray, kind: str, op: str, me: int, hot: int, budget: float
+        self,
+        k: int,
+        tag: bytes,
+        x: np.ndarray,
+        out: np.ndarray,
+        kind: str,
+        op: str,
+        me: int,
+        hot: int,
+        budget: float,
+        split: bool = False,
     ) -> int:
         """A whole small all_reduce in one native call: post x as post k; when every peer's post k is
         there within the spin (:meth:`spin`'s hot polls and budget) and is this call's (tag, size),
         fold every rank's post into ``out`` (this rank's, ``me``, from x). Returns 0: done; 1: posted,
         the peers not all there; 2: posted, a peer's post differs (name it as :meth:`differs` does);
         3: posted, and peers sleep on it (poke :meth:`sleepers`; nothing else done). x and out flat
-        or not, contiguous, alike; (dtype, op) one :meth:`native_kind` takes."""
+        or not, contiguous, alike; (dtype, op) one :meth:`native_kind` takes.
+
+        ``split``: the fold split over the ranks, as the ring's split path does it -- fold ring chunk
+        ``me`` of every post over this rank's own post of it, :meth:`mark` the post, and once every peer
+        marked its own within the spin, copy every rank's folded chunk into ``out``; besides the codes
+        above, 4: marked, and peers sleep on the mark (poke ``sleepers(k, marked=True)``, then wait for
+        the marks); 5: marked, the peers' marks not all there within the spin."""
         assert self._nat is not None
         if x.nbytes > self.limit or len(tag) > TAG_MAX:
             raise ValueError(f"a post carries at most {self.limit} bytes and a {TAG_MAX}-byte tag")
-        code = self._nat.exchange(k, tag, x, out, kind, op, me, hot, budget)
+        code = self._nat.exchange(k, tag, x, out, kind, op, me, hot, budget, split)
         self.bytes_posted += x.nbytes
         self.last[k & 1] = k
         if code == 0:
-            self.bytes_read += x.nbytes * len(self._peers)
-        return min(code, 3)
+            n = len(self._peers) + 1
+            self.bytes_read += x.nbytes * (n - 1) * 2 // n if split else x.nbytes * (n - 1)
+        if code >= 4 and code % 4 == 0:
+            return 3  # (4 x the mask of the peers asleep on the post)
+        return {3: 4}.get(code, code)
 
     # ---------------------------------------------------------------- streaming
     def stream_post(self, k: int, tag: bytes, nbytes: int) -> list[int]:

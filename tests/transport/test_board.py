@@ -391,6 +391,8 @@ async def _late(call: Any) -> Any:
 BLOCKING_JOB = """
 import os, sys, numpy as np, psring
 from psring.core.fold import canonical_fold
+if os.environ.get("OFF_RANK") == os.environ.get("RANK"):
+    os.environ["PSRING_NATIVE"] = "off"  # this rank folds in numpy beside native ranks: the same board
 g = psring.init()
 n, grp = g.world_size, g.group
 for i in range(400):
@@ -420,14 +422,16 @@ for i in range(400):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world,native", [(2, "on"), (3, "on"), (3, "off")])
+@pytest.mark.parametrize("world,native", [(2, "on"), (3, "on"), (3, "off"), (3, "mixed")])
 def test_blocking_calls_run_on_the_callers_thread_and_hand_late_ones_to_the_loop(
     tmp_path, world: int, native: str
 ) -> None:
-    """(PSRING_NATIVE: the boards' hot loop in C where it is built, and the pure-Python path.)"""
+    """(PSRING_NATIVE: the boards' hot loop in C where it is built, the pure-Python path, and both in one
+    job: rank 2 in Python.)"""
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
-    for r, (on_thread, adopted) in run_blocking_job(script, world, PSRING_NATIVE=native).items():
+    env = {"PSRING_NATIVE": "off" if native == "off" else "on", "OFF_RANK": "2" if native == "mixed" else ""}
+    for r, (on_thread, adopted) in run_blocking_job(script, world, **env).items():
         # calls ended on the caller's thread (on an idle machine most of the 400; under load fewer: a rank
         # that is not scheduled within the spin has its peers' calls handed to the loop)
         assert on_thread >= 20, (r, on_thread, adopted)
@@ -532,6 +536,79 @@ def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> Non
             sub.all_reduce(np.ones(2, np.float32))
     finally:
         portal.stop()
+
+
+def _split_round(
+    boards: list[Board], k: int, tag: bytes, xs: list[np.ndarray], kind: str, op: str
+) -> tuple[list[int], list[np.ndarray]]:
+    """Board.exchange(split=True) of post k on every board, each rank on a thread of its own: codes, results."""
+    n = len(boards)
+    outs = [np.empty_like(x) for x in xs]
+    codes = [-1] * n
+
+    def run(r: int) -> None:
+        codes[r] = boards[r].exchange(k, tag, xs[r], outs[r], kind, op, r, 0, 10.0, True)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return codes, outs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_the_native_split_exchange_gives_the_canonical_folds_bits(n: int) -> None:
+    """Board.exchange(split=True), every rank on a thread of its own: each folds its ring chunk of every post
+    over its own, marks it, and copies the others' folded chunks -- the bits of canonical_fold for every
+    dtype and op the C fold takes, sizes around the ring chunks' edges; and a rank that marks while a peer
+    sleeps on the mark says so (4), one whose peers do not mark within the spin says so (5)."""
+    _needs_native()
+    boards = _boards(n)
+    rng = np.random.default_rng(n + 10)
+    k = 0
+    try:
+        for dtype in NATIVE_DTYPES:
+            for size in (n, n + 1, 37, 1000, 2047):
+                if np.dtype(dtype).kind == "f":
+                    scale = [10.0 ** rng.integers(-8, 9, size) for _ in range(n)]
+                    xs = [(rng.standard_normal(size) * scale[r]).astype(dtype) for r in range(n)]
+                else:
+                    info = np.iinfo(dtype)
+                    xs = [rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True) for _ in range(n)]
+                for op in ("sum", "prod", "avg"):
+                    if op == "avg" and np.dtype(dtype).kind != "f":
+                        continue
+                    tag = f"{dtype}-{size}-{op}".encode()
+                    kind = boards[0].native_kind(np.dtype(dtype), op)
+                    assert kind is not None
+                    codes, outs = _split_round(boards, k, tag, xs, kind, op)
+                    assert codes == [0] * n, codes
+                    with np.errstate(all="ignore"):
+                        ref = canonical_fold(xs, op, np.empty(size, dtype))
+                    for r in range(n):
+                        assert outs[r].tobytes() == ref.tobytes(), (dtype, size, op, r)
+                    for board in boards:
+                        board.ack(k)
+                    k += 1
+        # rank 1 asleep on rank 0's mark: rank 0 posts, folds, marks and says so; then, nobody else marking, 5
+        x = np.ones(4 * n, np.float32)
+        for board in boards[1:]:
+            board.post(k, b"m", memoryview(x).cast("B"))
+        boards[1].sleep_on(k, marked=True)
+        assert boards[0].exchange(k, b"m", x, np.empty_like(x), "f", "sum", 0, 0, 0.01, True) == 4
+        boards[1].sleep_on(-1)
+        for board in boards:
+            board.ack(k)
+        k += 1
+        for board in boards[1:]:
+            board.post(k, b"m", memoryview(x).cast("B"))
+        assert boards[0].exchange(k, b"m", x, np.empty_like(x), "f", "sum", 0, 0, 0.01, True) == 5
+        assert boards[0].unmarked(k) == list(range(1, n)) and 0 not in boards[1].unmarked(k)
+    finally:
+        for board in boards:
+            board.close()
 
 
 def _streamed(boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece: int, depth: int) -> list[np.ndarray]:

@@ -94,8 +94,8 @@ class BoardPath(_Host):
         self._wake_futs: set[asyncio.Future[None]] = set()  # the loop's sleepers
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
-        #: by (dtype, shape, op): (call, tag, the native fold's letter) where a call takes _board_quick, else False
-        self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str] | bool] = {}
+        #: by (dtype, shape, op): (call, tag, the native fold's letter, split) where _board_quick takes it, else False
+        self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str, bool] | bool] = {}
         self._wake_msg = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
         #: a streamed call is running (the next one posts after it ended: every rank runs them in call order)
         self._streaming = False
@@ -402,10 +402,11 @@ class BoardPath(_Host):
         return False, self._board_adopt(board, seq, x, op, started, folded=True)
 
     def _board_quick(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
-        """The short way whole in one native call (Board.exchange: post, poll, check, fold in C) where the
-        board is native, folds the call's dtype and op, and the call is neither split nor two-level;
-        else None, and nothing was done. A call whose peers are late, whose posts differ or that wakes
-        a sleeping peer goes on as _board_start's would, from its post."""
+        """The short way whole in one native call (Board.exchange: post, poll, check, fold in C -- the split
+        fold too: this rank's chunk, the mark, the peers' folded chunks) where the board is native, folds
+        the call's dtype and op, and the call is not two-level; else None, and nothing was done. A call
+        whose peers are late, whose posts differ or that wakes a sleeping peer goes on as _board_start's
+        would, from its post (or from its mark)."""
         board = self.net.board
         if board is None or compression is not None or self.gid != "0" or type(x) is not np.ndarray:
             return None
@@ -415,9 +416,9 @@ class BoardPath(_Host):
             plan = False
             kind = board.native_kind(x.dtype, op)
             streamed = 0 < board.stream_min <= x.nbytes
-            if kind is not None and x.nbytes <= board.limit and not self._board_split(x) and not streamed:
+            if kind is not None and x.nbytes <= board.limit and not streamed:
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
-                plan = (desc, self._tag(desc), kind)
+                plan = (desc, self._tag(desc), kind, self._board_split(x))
             if len(self._quick) < 1024:
                 self._quick[key] = plan
         if (
@@ -429,7 +430,7 @@ class BoardPath(_Host):
             or not board.clear_to_post(self._seq)
         ):
             return None
-        desc, tag, kind = plan  # type: ignore[misc]
+        desc, tag, kind, split = plan  # type: ignore[misc]
         self._check_usable()
         seq = self._seq
         self._seq += 1
@@ -440,7 +441,7 @@ class BoardPath(_Host):
         out = np.empty_like(x)
         try:
             code = board.exchange(
-                seq, tag, x, out, kind, op, self.rank, hot, self._spin_budget(x.nbytes) if spin else 0.0
+                seq, tag, x, out, kind, op, self.rank, hot, self._spin_budget(x.nbytes) if spin else 0.0, split
             )
         except BaseException as exc:
             self._board_books(board, seq, desc, started, exc)
@@ -451,7 +452,16 @@ class BoardPath(_Host):
             return True, out
         if code == 3:
             self._poke(board.sleepers(seq))
-        return self._board_posted(board, seq, desc, x, started, op, late=code == 1)
+        if code <= 3:
+            return self._board_posted(board, seq, desc, x, started, op, late=code == 1)
+        # split: this rank's chunk folded and marked, the peers' marks not all there within the spin
+        if code == 4:
+            self._poke(board.sleepers(seq, marked=True))
+            if board.all_marked(seq) or self._board_spin(board, True, seq, x.nbytes):
+                self.board_now += 1
+                return True, self._board_end(board, seq, desc, x, op, started, folded=True)
+        self.board_adopted += 1
+        return False, self._board_adopt(board, seq, x, op, started, folded=True)
 
     def _board_start(
         self, x: Any, op: str, compression: str | None
