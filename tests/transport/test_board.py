@@ -538,6 +538,16 @@ def test_a_blocking_call_on_a_subgroup_this_rank_is_not_in_still_raises() -> Non
         portal.stop()
 
 
+def _inputs(rng: np.random.Generator, dtype: np.dtype, size: int, n: int) -> list[np.ndarray]:
+    """n ranks' inputs: floats of magnitudes far apart (any other order of the additions rounds
+    differently), integers over their whole range (sums and products wrap around)."""
+    if dtype.kind == "f":
+        scale = 10.0 ** rng.integers(-8, 9, (n, size))
+        return list((rng.standard_normal((n, size)) * scale).astype(dtype))
+    info = np.iinfo(dtype)
+    return list(rng.integers(info.min, info.max, (n, size), dtype=dtype, endpoint=True))
+
+
 def _split_round(
     boards: list[Board], k: int, tag: bytes, xs: list[np.ndarray], kind: str, op: str
 ) -> tuple[list[int], list[np.ndarray]]:
@@ -571,12 +581,7 @@ def test_the_native_split_exchange_gives_the_canonical_folds_bits(n: int) -> Non
     try:
         for dtype in NATIVE_DTYPES:
             for size in (n, n + 1, 37, 1000, 2047):
-                if np.dtype(dtype).kind == "f":
-                    scale = [10.0 ** rng.integers(-8, 9, size) for _ in range(n)]
-                    xs = [(rng.standard_normal(size) * scale[r]).astype(dtype) for r in range(n)]
-                else:
-                    info = np.iinfo(dtype)
-                    xs = [rng.integers(info.min, info.max, size, dtype=dtype, endpoint=True) for _ in range(n)]
+                xs = _inputs(rng, np.dtype(dtype), size, n)
                 for op in ("sum", "prod", "avg"):
                     if op == "avg" and np.dtype(dtype).kind != "f":
                         continue
@@ -656,11 +661,7 @@ def test_a_streamed_call_gives_the_canonical_folds_bits(n: int) -> None:
                 if op == "avg" and np.dtype(dtype).kind != "f":
                     continue
                 for size, piece, depth in ((n, 1, 1), (1000 + n - 1, 7, 3), (4099, 64, 2)):
-                    if np.dtype(dtype).kind == "f":
-                        scale = 10.0 ** rng.integers(-6, 6, (n, size))
-                        xs = list((rng.standard_normal((n, size)) * scale).astype(dtype))
-                    else:
-                        xs = [rng.integers(-(2**20), 2**20, size).astype(dtype) for _ in range(n)]
+                    xs = _inputs(rng, np.dtype(dtype), size, n)
                     want = canonical_fold(xs, op, np.empty_like(xs[0]))
                     outs = _streamed(boards, k, xs, op, piece, depth)
                     for r in range(n):
