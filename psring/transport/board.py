@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -149,6 +150,7 @@ class Board:
         self.stream_offer = stream if native and _NBoard is not None else 0
         self.stream_min = 0
         self._streaming = threading.Lock()  # held while a thread runs a streamed call (close waits for it)
+        self._stream_thread: ThreadPoolExecutor | None = None
 
     def describe(self) -> dict[str, Any]:
         """What a peer needs to map this board (published through the store)."""
@@ -383,6 +385,13 @@ class Board:
             self.bytes_read += x.nbytes * len(self._peers) // (len(self._peers) + 1) * 2
         return code
 
+    def stream_thread(self) -> ThreadPoolExecutor:
+        """The thread this board's streamed calls run on (one, its own: not an event loop's default executor,
+        which a caller's own work may fill); made on first use, ended by :meth:`close`."""
+        if self._stream_thread is None:
+            self._stream_thread = ThreadPoolExecutor(1, thread_name_prefix="psring-stream")
+        return self._stream_thread
+
     def cancel_stream(self, flag: bool = True) -> None:
         """Make a streamed call return (2) at its next wait; ``flag`` False: calls run again."""
         if self._nat is not None:
@@ -459,6 +468,9 @@ class Board:
             with self._streaming:  # a streamed call in another thread returns at its next wait
                 self._nat.close()  # its buffers first: the maps close below
             self._nat = None
+        if self._stream_thread is not None:
+            self._stream_thread.shutdown(wait=False)
+            self._stream_thread = None
         self._arrays.clear()
         for views in (self._own, *self._peers):
             views.release()

@@ -21,7 +21,7 @@ there on is a collective like any other: timed out, reported when it stalls, aba
 
 An all_reduce from PSRING_RING_STREAM up (every rank native and offering it: Board.attach) is *streamed*:
 posted as a board call is (its post carries no payload), then the split fold runs a block at a time
-through the slots in C (Board.stream), on a thread of the loop's executor with the GIL released, so
+through the slots in C (Board.stream), on the board's own thread with the GIL released, so
 each block is copied in, folded and copied out while it is in the caches. Measured on this 2-core VM,
 64 MiB, alternating: 2 ranks 14.3-16.8 ms against the data plane's 20.4-22.6, 4 ranks 31.0-35.5 against
 58.2-60.4 (docs/performance.md).
@@ -298,7 +298,7 @@ class BoardPath(_Host):
     async def _stream_rest(
         self, coll: Collective, board: Board, x: np.ndarray, op: str, kind: str, tag: bytes
     ) -> np.ndarray:
-        """Posted: wait for every peer's post, then the stream, on a thread of the loop's executor."""
+        """Posted: wait for every peer's post, then the stream, on the board's own thread."""
         k = coll.seq
         if self._wake_futs:
             self.on_board_wake()
@@ -319,7 +319,8 @@ class BoardPath(_Host):
         loop = asyncio.get_running_loop()
         while True:
             run = loop.run_in_executor(
-                None, board.stream, k, self.rank, flat, out, kind, op, piece, depth, hot, STREAM_WAIT, nt
+                board.stream_thread(), board.stream, k, self.rank, flat, out, kind, op, piece, depth, hot,
+                STREAM_WAIT, nt,
             )
             try:
                 code = await asyncio.shield(run)
