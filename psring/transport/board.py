@@ -373,12 +373,13 @@ class Board:
     ) -> int:
         """Run streamed call k (posted by every rank: :meth:`stream_post`, checked with :meth:`differs`)
         on from where this rank stands: 0 done, ``out`` holds the fold; 1 a peer was not there within
-        ``budget`` seconds at some wait (call again); 2 cancelled (:meth:`cancel_stream`). ``piece``:
-        elements of each ring chunk per block; x and out flat, contiguous, of a native fold's kind."""
+        ``budget`` seconds at some wait (call again); 2 cancelled (:meth:`cancel_stream`) or the board
+        closed. ``piece``: elements of each ring chunk per block; x and out flat, contiguous, of a native
+        fold's kind."""
         with self._streaming:
             nat = self._nat
             if nat is None:
-                raise ValueError("the board is closed")
+                return 2
             code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt))
         if code == 0:
             self.bytes_posted += x.nbytes

@@ -250,6 +250,7 @@ class BoardPath(_Host):
             or type(x) is not np.ndarray
             or x.nbytes < board.stream_min
             or x.size < self.world_size
+            or x.ndim > 16  # (its call descriptor must fit a post's tag)
             or self._hier_hosts() is not None
         ):
             return None
