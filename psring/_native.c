@@ -141,15 +141,26 @@ static int nb_usable(NBoard *b) {
 
 /* write post k (payload, tag, sizes, the number last) and return the mask of the peers asleep on it
  * (their sleep field 2k); -1 with an exception set when it does not fit */
+static long long do_post_but(NBoard *b, long long k, const Py_buffer *tag, const void *pay, Py_ssize_t len,
+                             Py_ssize_t skip_a, Py_ssize_t skip_z);
+
 static long long do_post(NBoard *b, long long k, const Py_buffer *tag, const void *pay, Py_ssize_t len) {
+    return do_post_but(b, k, tag, pay, len, 0, 0);
+}
+
+/* do_post, the payload's bytes [skip_a, skip_z) not copied (the split fold writes them: split_rest) */
+static long long do_post_but(NBoard *b, long long k, const Py_buffer *tag, const void *pay, Py_ssize_t len,
+                             Py_ssize_t skip_a, Py_ssize_t skip_z) {
     if (tag->len > b->tag_max || len > b->own_slot - b->head) {
         PyErr_Format(PyExc_ValueError, "a post carries at most %zd bytes and a %zd-byte tag", b->own_slot - b->head,
                      b->tag_max);
         return -1;
     }
     char *slot = own_slot(b, k);
-    if (len)
-        memcpy(slot + b->head, pay, (size_t)len);
+    if (skip_a > 0)
+        memcpy(slot + b->head, pay, (size_t)skip_a);
+    if (len > skip_z)
+        memcpy(slot + b->head + skip_z, (const char *)pay + skip_z, (size_t)(len - skip_z));
     memcpy(slot + 32, tag->buf, (size_t)tag->len);
     int64_t *h = (int64_t *)slot;
     __atomic_store_n(&h[2], (int64_t)len, __ATOMIC_RELAXED);
@@ -405,19 +416,19 @@ static void fold_from(const char **rows, int n, int first, void *out, Py_ssize_t
  * mark the post, and once every peer marked its own, copy every rank's folded chunk into out. 0 done; 3
  * marked, peers asleep on the mark (poke them, then wait for the marks); 5 marked, the marks not all
  * there within the budget */
-static int split_rest(NBoard *b, long long k, int me, char *out, Py_ssize_t len, int kind, int op, int hot,
-                      double budget) {
+static int split_rest(NBoard *b, long long k, int me, const char *x, char *out, Py_ssize_t len, int kind, int op,
+                      int hot, double budget) {
     int n = b->npeers + 1;
     Py_ssize_t item = kind_size(kind), count = len / item;
     const char *rows[MAX_PEERS + 1];
     for (int r = 0; r < n; r++)
         rows[r] = (r == me ? own_slot(b, k) : peer_slot(b, r < me ? r : r - 1, k)) + b->head;
     Py_ssize_t a = (Py_ssize_t)((long long)me * count / n), z = (Py_ssize_t)((long long)(me + 1) * count / n);
-    if (a < z) {
+    if (a < z) { /* this rank's own chunk from x (the post left it out), the result over the post's */
         const char *chunk[MAX_PEERS + 1];
         for (int r = 0; r < n; r++)
-            chunk[r] = rows[r] + a * item;
-        fold_from(chunk, n, me, (char *)chunk[me], z - a, kind, op);
+            chunk[r] = r == me ? x + a * item : rows[r] + a * item;
+        fold_from(chunk, n, me, (char *)rows[me] + a * item, z - a, kind, op);
     }
     int64_t *head = (int64_t *)own_slot(b, k);
     __atomic_store_n(&head[1], (int64_t)k, __ATOMIC_RELEASE); /* marked: after the folded chunk */
@@ -456,11 +467,16 @@ static PyObject *nb_exchange(NBoard *b, PyObject *args) {
         goto done;
     Py_ssize_t item = kind_size(kind);
     if (x.len != outb.len || code < 0 || item == 0 || (uintptr_t)x.buf % (uintptr_t)item ||
-        (uintptr_t)outb.buf % (uintptr_t)item) { /* checked before anything is posted */
+        (uintptr_t)outb.buf % (uintptr_t)item || me < 0 || me > b->npeers || x.len % item) {
+        /* checked before anything is posted */
         PyErr_SetString(PyExc_ValueError, "exchange: a call the native fold does not take");
         goto done;
     }
-    long long mask = do_post(b, k, &tag, x.buf, x.len);
+    /* split: this rank's own ring chunk stays out of the post (nobody reads it before split_rest folds it there) */
+    Py_ssize_t n_all = b->npeers + 1, count = x.len / item;
+    Py_ssize_t skip_a = split ? (Py_ssize_t)((long long)me * count / n_all) * item : 0;
+    Py_ssize_t skip_z = split ? (Py_ssize_t)((long long)(me + 1) * count / n_all) * item : 0;
+    long long mask = do_post_but(b, k, &tag, x.buf, x.len, skip_a, skip_z);
     if (mask != 0) {
         result = mask < 0 ? -1 : 4 * mask;
         goto done;
@@ -479,7 +495,7 @@ static PyObject *nb_exchange(NBoard *b, PyObject *args) {
         goto done;
     }
     if (split) {
-        result = split_rest(b, k, me, outb.buf, x.len, kind, code, hot, budget);
+        result = split_rest(b, k, me, x.buf, outb.buf, x.len, kind, code, hot, budget);
         if (result < 0)
             PyErr_SetString(PyExc_ValueError, "the native board is closed");
         goto done;
@@ -499,9 +515,9 @@ done:
  * A streamed board call (psring.topology.ring.board: all_reduces too large for a post): the split fold
  * of the board, one block at a time. Block g holds piece g of every ring chunk (`piece` elements of
  * chunk c from its start, fewer at its end); it goes through sub-slot g % depth of every rank's slot
- * k % 2: each rank copies its pieces in, folds ring chunk `me`'s piece of every rank's sub-slot in the
- * canonical order over its own (no other rank reads it before it is folded), and copies every rank's
- * folded piece out. A block's data is touched while it is in the caches, so a rank reads its input once
+ * k % 2: each rank copies its pieces in (but its own chunk's), folds ring chunk `me`'s piece of every
+ * rank's sub-slot -- its own from x -- in the canonical order into its own sub-slot (no other rank reads
+ * it before it is folded), and copies every rank's folded piece out. A block's data is touched while it is in the caches, so a rank reads its input once
  * and writes its result once from memory, where a copy in, a fold and a copy out of the whole tensor
  * would each go to memory. Three counters at the start of the slot's payload (a cache line each) say
  * how far its owner is: blocks posted, folded and done (copied out); a rank reuses a sub-slot once every
@@ -563,26 +579,37 @@ static void copy_out(char *dst, const char *src, size_t len, int nt) {
 
 /* rows[first], rows[first + 1], ..., rows[first - 1] (mod n) folded into out, count elements; avg: then
  * divided by n. out may be rows[first]. (kind, op) checked by the caller. */
-#define FOLD_FROM(T, EXPR)                                                                                         \
+/* (F: the op on two elements, a and b) */
+#define FOLD_FROM(T, F)                                                                                            \
     do {                                                                                                           \
         T *o = (T *)out;                                                                                           \
         const T *f0 = (const T *)rows[first];                                                                      \
-        if (o != f0)                                                                                               \
-            for (Py_ssize_t i = 0; i < count; i++)                                                                 \
-                o[i] = f0[i];                                                                                      \
-        for (int j = 1; j < n; j++) {                                                                              \
+        if (n == 1) {                                                                                              \
+            if (o != f0)                                                                                           \
+                memcpy(o, f0, (size_t)count * sizeof(T));                                                          \
+            break;                                                                                                 \
+        }                                                                                                          \
+        const T *r1 = (const T *)rows[(first + 1) % n];                                                            \
+        for (Py_ssize_t i = 0; i < count; i++) /* o may be f0: in place */                                         \
+            o[i] = F(f0[i], r1[i]);                                                                                \
+        for (int j = 2; j < n; j++) {                                                                              \
             const T *r = (const T *)rows[(first + j) % n];                                                         \
             for (Py_ssize_t i = 0; i < count; i++)                                                                 \
-                o[i] = EXPR;                                                                                       \
+                o[i] = F(o[i], r[i]);                                                                              \
         }                                                                                                          \
     } while (0)
+
+#define F_ADD(a, b) ((a) + (b))
+#define F_MUL(a, b) ((a) * (b))
+#define F_ADD32(a, b) ((uint32_t)((a) + (b)))
+#define F_MUL32(a, b) ((uint32_t)((a) * (b)))
 
 #define FOLD_FROM_FLOAT(T)                                                                                         \
     do {                                                                                                           \
         if (op == 2)                                                                                               \
-            FOLD_FROM(T, o[i] * r[i]);                                                                             \
+            FOLD_FROM(T, F_MUL);                                                                                   \
         else                                                                                                       \
-            FOLD_FROM(T, o[i] + r[i]);                                                                             \
+            FOLD_FROM(T, F_ADD);                                                                                   \
         if (op == 1) {                                                                                             \
             T d = (T)n, *o = (T *)out;                                                                             \
             for (Py_ssize_t i = 0; i < count; i++)                                                                 \
@@ -601,15 +628,15 @@ static void fold_from(const char **rows, int n, int first, void *out, Py_ssize_t
     case 'i':
     case 'I':
         if (op == 2)
-            FOLD_FROM(uint32_t, (uint32_t)(o[i] * r[i]));
+            FOLD_FROM(uint32_t, F_MUL32);
         else
-            FOLD_FROM(uint32_t, (uint32_t)(o[i] + r[i]));
+            FOLD_FROM(uint32_t, F_ADD32);
         break;
     default: /* 'q', 'Q' */
         if (op == 2)
-            FOLD_FROM(uint64_t, o[i] * r[i]);
+            FOLD_FROM(uint64_t, F_MUL);
         else
-            FOLD_FROM(uint64_t, o[i] + r[i]);
+            FOLD_FROM(uint64_t, F_ADD);
         break;
     }
 }
@@ -646,7 +673,9 @@ static int do_stream(NBoard *b, const Stream *st, long long k) {
                 ST_WAIT(ST_DONE, g - st->depth + 1) /* every peer is done with the block this sub-slot held */
             }
             char *mine = st_sub(b, st, k, me, s);
-            for (int c = 0; c < n; c++) {
+            for (int c = 0; c < n; c++) { /* (its own chunk's piece the fold reads from x) */
+                if (c == me)
+                    continue;
                 Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
                 Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
                 if (a < z)
@@ -661,8 +690,9 @@ static int do_stream(NBoard *b, const Stream *st, long long k) {
             if (a < z) {
                 const char *rows[MAX_PEERS + 1];
                 for (int r = 0; r < n; r++)
-                    rows[r] = st_sub(b, st, k, r, s) + me * piece * item;
-                fold_from(rows, n, me, (char *)rows[me], z - a < piece ? z - a : piece, st->kind, st->op);
+                    rows[r] = r == me ? st->x + a * item : st_sub(b, st, k, r, s) + me * piece * item;
+                fold_from(rows, n, me, st_sub(b, st, k, me, s) + me * piece * item, z - a < piece ? z - a : piece,
+                          st->kind, st->op);
             }
             __atomic_store_n(folded, g + 1, __ATOMIC_RELEASE);
         }

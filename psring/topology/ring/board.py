@@ -601,7 +601,7 @@ class BoardPath(_Host):
 
     def _board_fold_mine(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> None:
         """Split fold, first half: check every post k, fold ring chunk ``rank`` of them (canonical order:
-        this rank's first, then the next ranks') over this rank's own post of that chunk, and mark it."""
+        this rank's first, from x, then the next ranks') over this rank's own post of that chunk, and mark it."""
         me, n = self.rank, self.world_size
         peer = board.differs(k, self._tag(desc), x.nbytes)
         if peer is not None:
@@ -609,7 +609,9 @@ class BoardPath(_Host):
         parts = self._board_rows(board, k, x)
         a, b = ring_chunk_bounds(x.size, n)[me]
         mine = parts[me][a:b]
-        fold_rows([parts[(me + j) % n][a:b] for j in range(n)], reduce_op(op), mine)  # mine is the first row
+        # this rank's own chunk read from x: a native post leaves it out of the board (Board.exchange, split)
+        own = x.reshape(-1)[a:b]
+        fold_rows([own, *(parts[(me + j) % n][a:b] for j in range(1, n))], reduce_op(op), mine)
         if op == "avg":
             finish_avg(mine, n)
         board.bytes_read += (b - a) * x.itemsize * (n - 1)
