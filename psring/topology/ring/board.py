@@ -165,11 +165,7 @@ class BoardPath(_Host):
         every peer's mark and gather; ``folded``: this rank's chunk is folded and marked already)."""
         k = coll.seq
         if not folded:
-            if not board.all_posted(k):
-                if self._mesh_early:  # a peer's message for this number that came first: another call?
-                    self._check_early(coll)
-                await self._board_sleep(lambda: board.all_posted(k), board, k, coll, nbytes=x.nbytes)
-                coll.waiting_on.clear()
+            await self._board_all_posted(coll, board, x.nbytes)
             if not self._board_split(x):
                 return self._board_fold(board, k, coll.desc, x, op)
             self._board_fold_mine(board, k, coll.desc, x, op)
@@ -177,6 +173,15 @@ class BoardPath(_Host):
             await self._board_sleep(lambda: board.all_marked(k), board, k, coll, marked=True, nbytes=x.nbytes)
             coll.waiting_on.clear()
         return self._board_gather(board, k, x)
+
+    async def _board_all_posted(self, coll: Collective, board: Board, nbytes: int) -> None:
+        """Until every peer posted coll's number (asleep past the spin; ``coll.waiting_on`` names who has not)."""
+        k = coll.seq
+        if not board.all_posted(k):
+            if self._mesh_early:  # a peer's message for this number that came first: another call?
+                self._check_early(coll)
+            await self._board_sleep(lambda: board.all_posted(k), board, k, coll, nbytes=nbytes)
+            coll.waiting_on.clear()
 
     async def _board_adopt(
         self, board: Board, seq: int, x: np.ndarray, op: str, started: float, folded: bool = False
@@ -303,11 +308,7 @@ class BoardPath(_Host):
         k = coll.seq
         if self._wake_futs:
             self.on_board_wake()
-        if not board.all_posted(k):
-            if self._mesh_early:
-                self._check_early(coll)
-            await self._board_sleep(lambda: board.all_posted(k), board, k, coll, nbytes=x.nbytes)
-            coll.waiting_on.clear()
+        await self._board_all_posted(coll, board, x.nbytes)
         peer = board.differs(k, tag, x.nbytes)
         if peer is not None:
             raise MismatchError(self._board_mismatch(board, k, peer, coll.desc))
