@@ -55,6 +55,9 @@ if odd is not None:  # rank HIER_MISMATCH all_reduces a larger tensor than the o
         g.barrier()
     except psring.PsringError as exc:
         print(f"BARRIER {rank} {type(exc).__name__} {exc}", flush=True)
+    # and in order: a rank that just exits may go before a peer heard that the barrier ended, which then
+    # reads its going as a loss; closing says which collectives it finished
+    g.close()
     os._exit(0)
 two = flat = total = 0
 # 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
