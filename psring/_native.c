@@ -1100,6 +1100,391 @@ done:
 }
 
 /* ------------------------------------------------------------------------------------------------------
+ * The two-hop all_reduce's exchanges over the same links (psring.topology.ring.twohop): each link sends
+ * its own message (a head, a payload) and receives one whose payload goes straight into place -- the
+ * head's missing bytes into the link's buffer and the payload into its destination in one recvmsg, so
+ * a payload of hundreds of kilobytes is not copied through the buffer. What a call leaves is what
+ * TcpMesh.fill and take would have left: a message half read when it returns is put back in the link's
+ * buffer (its head, then the payload so far), and a message half sent is the caller's to queue. */
+
+typedef struct {
+    TcpState st;
+    Py_buffer bufs[2][4]; /* each phase's: the head and payload to send, the head expected, where its payload goes */
+    int held[2];          /* of each phase's bufs, how many are held */
+    int reads[2];         /* whether this link reads a message in each phase */
+    Py_buffer *sh, *sp, *rh, *dest; /* the phase under way's */
+    Py_ssize_t soff, pgot; /* bytes sent (of sh + sp); payload bytes in dest */
+    int phase;             /* 0 reading the head, 1 the payload, 2 read (or nothing to read) */
+} ScLink;
+
+/* send what is left of link l's message: 1 something went, 0 the kernel took nothing, -1 an error (errno) */
+static int sc_send(ScLink *l) {
+    Py_ssize_t total = l->sh->len + l->sp->len;
+    int moved = 0;
+    while (l->soff < total) {
+        struct iovec iov[2];
+        int cnt = 0;
+        if (l->soff < l->sh->len)
+            iov[cnt].iov_base = (char *)l->sh->buf + l->soff, iov[cnt].iov_len = (size_t)(l->sh->len - l->soff), cnt++;
+        Py_ssize_t at = l->soff > l->sh->len ? l->soff - l->sh->len : 0;
+        if (l->sp->len - at > 0)
+            iov[cnt].iov_base = (char *)l->sp->buf + at, iov[cnt].iov_len = (size_t)(l->sp->len - at), cnt++;
+        struct msghdr msg = {0};
+        msg.msg_iov = iov, msg.msg_iovlen = (size_t)cnt;
+        ssize_t w = sendmsg(l->st.fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? moved : -1;
+        }
+        l->soff += w, moved = 1;
+    }
+    return moved;
+}
+
+/* read on link l: 1 something moved, 0 nothing now, -1 it ended (errno; 0 the peer closed it), -2 its
+ * next message is another (left in the link's buffer) */
+static int sc_recv(ScLink *l) {
+    TcpState *st = &l->st;
+    char *buf = (char *)st->buf.buf;
+    const char *head = l->rh->buf;
+    Py_ssize_t hlen = l->rh->len, size = l->dest->len;
+    char *dest = l->dest->buf;
+    int moved = 0;
+    while (l->phase == 0) {
+        Py_ssize_t have = st->end - st->start;
+        if (memcmp(buf + st->start, head, (size_t)(have < hlen ? have : hlen)) != 0)
+            return -2;
+        if (have >= hlen) { /* the head is here: the payload the buffer holds, then the rest into place */
+            Py_ssize_t take = have - hlen < size ? have - hlen : size;
+            memcpy(dest, buf + st->start + hlen, (size_t)take);
+            st->start += hlen + take, l->pgot = take, l->phase = take == size ? 2 : 1;
+            if (st->start == st->end)
+                st->start = st->end = 0;
+            return 1;
+        }
+        if (st->buf.len - st->end < hlen) { /* room for the head at the end */
+            memmove(buf, buf + st->start, (size_t)have);
+            st->start = 0, st->end = have;
+        }
+        struct iovec iov[2] = {{buf + st->end, (size_t)(hlen - have)}, {dest, (size_t)size}};
+        struct msghdr msg = {0};
+        msg.msg_iov = iov, msg.msg_iovlen = size > 0 ? 2 : 1;
+        ssize_t n = recvmsg(st->fd, &msg, MSG_DONTWAIT);
+        if (n == 0) {
+            errno = 0;
+            return -1;
+        }
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? moved : -1;
+        }
+        st->got += n, moved = 1;
+        Py_ssize_t h = n < hlen - have ? n : hlen - have, extra = n - h;
+        st->end += h;
+        if (memcmp(buf + st->start, head, (size_t)(st->end - st->start)) != 0) {
+            memcpy(buf + st->end, dest, (size_t)extra); /* another message: its bytes back in the buffer */
+            st->end += extra;
+            return -2;
+        }
+        if (st->end - st->start == hlen) {
+            st->start = st->end = 0, l->pgot = extra, l->phase = extra == size ? 2 : 1;
+            return 1;
+        }
+    }
+    while (l->phase == 1) {
+        ssize_t n = recv(st->fd, dest + l->pgot, (size_t)(size - l->pgot), MSG_DONTWAIT);
+        if (n == 0) {
+            errno = 0;
+            return -1;
+        }
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? moved : -1;
+        }
+        st->got += n, l->pgot += n, moved = 1;
+        if (l->pgot == size)
+            l->phase = 2;
+    }
+    return moved;
+}
+
+/* point link l at phase p's buffers, nothing of it sent or read yet */
+static void sc_phase(ScLink *l, int p) {
+    l->sh = &l->bufs[p][0], l->sp = &l->bufs[p][1], l->rh = &l->bufs[p][2], l->dest = &l->bufs[p][3];
+    l->soff = 0, l->pgot = 0, l->phase = l->reads[p] ? 0 : 2;
+}
+
+/* hold phase p's buffers of link i from the lists: -1 with an exception set */
+static int sc_hold(ScLink *l, int p, Py_ssize_t i, PyObject *sheads, PyObject *sends, PyObject *rheads,
+                   PyObject *dests) {
+    PyObject *objs[4] = {PyList_GET_ITEM(sheads, i), PyList_GET_ITEM(sends, i), PyList_GET_ITEM(rheads, i),
+                         PyList_GET_ITEM(dests, i)};
+    l->reads[p] = objs[3] != Py_None;
+    for (int k = 0; k < 4; k++) {
+        if (k == 3 && !l->reads[p]) {
+            static char none[1];
+            PyBuffer_FillInfo(&l->bufs[p][3], NULL, none, 0, 0, PyBUF_WRITABLE);
+        } else if (PyObject_GetBuffer(objs[k], &l->bufs[p][k], k == 3 ? PyBUF_WRITABLE | PyBUF_SIMPLE : PyBUF_SIMPLE) <
+                   0) {
+            return -1;
+        }
+        l->held[p] = k + 1;
+    }
+    return 0;
+}
+
+/* the fold between the phases of a two-hop call (tcp_scatter's `then`) */
+typedef struct {
+    Py_buffer rows, out, own;
+    int held, first, kind, op, n;
+    Py_ssize_t count;
+} ScFold;
+
+/* tcp_scatter(links, sheads, sends, rheads, dests, hot, wait_s, then=None) -> (code, sent, read, phase)
+ * For every link i (a TcpLink): send sheads[i] + sends[i] (bytes-like; empty: nothing to send), and read
+ * its next message, which must begin with the bytes rheads[i] and carry len(dests[i]) bytes after them,
+ * into dests[i] (writable); dests[i] None: read nothing. Sending and reading go on together, without
+ * blocking; with nothing to do the core is yielded `hot` times (counted again after each move), then the
+ * thread sleeps in poll; it returns by wait_s. The GIL is released throughout. `then`, a two-hop call's
+ * second phase: (rows, first, out, kind, op, own, sheads2, sends2, rheads2, dests2) -- once every message
+ * of the first is sent and read, fold_chunk(rows, first, out, kind, op, own) and go on with the second
+ * phase's lists as the first's (`phase` says which one the result is of: 1 or 2). Codes: 0 all sent and
+ * read; 1 wait_s passed; 2 a link's next message is another (left in its buffer); 3 a link ended (its
+ * `error` set as TcpMesh.fill sets it; nothing more is sent). `sent`: the bytes of each link's message
+ * that went (the rest is the caller's to queue); `read`: whether each link's message was read (one half
+ * read is back in the link's buffer, as TcpMesh.fill would have left it). */
+static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *links, *lists[2][4], *then = Py_None, *result = NULL;
+    int hot, code = 1, phases = 1, cur = 0;
+    double wait_s;
+    ScFold fold = {0};
+    const char *op = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!id|O", &PyList_Type, &links, &PyList_Type, &lists[0][0], &PyList_Type,
+                          &lists[0][1], &PyList_Type, &lists[0][2], &PyList_Type, &lists[0][3], &hot, &wait_s, &then))
+        return NULL;
+    Py_ssize_t m = PyList_GET_SIZE(links), bad = -1;
+    int err = 0;
+    ScLink *ls = NULL;
+    struct pollfd *fds = NULL;
+    if (then != Py_None) {
+        if (!PyArg_ParseTuple(then, "y*iw*Csy*O!O!O!O!", &fold.rows, &fold.first, &fold.out, &fold.kind, &op, &fold.own,
+                              &PyList_Type, &lists[1][0], &PyList_Type, &lists[1][1], &PyList_Type, &lists[1][2],
+                              &PyList_Type, &lists[1][3]))
+            return NULL;
+        fold.held = 1, phases = 2;
+        Py_ssize_t item = kind_size(fold.kind), len = fold.out.len;
+        fold.op = op_code(op);
+        fold.n = len > 0 ? (int)(fold.rows.len / len) : 0;
+        if (item == 0 || fold.op < 0 || (fold.op == 1 && fold.kind != 'f' && fold.kind != 'd') || len == 0 ||
+            len % item || fold.rows.len % len || fold.n < 1 || fold.n > TCP_MAX_LINKS + 1 || fold.first < 0 ||
+            fold.first >= fold.n || fold.own.len != len || (uintptr_t)fold.rows.buf % (uintptr_t)item ||
+            (uintptr_t)fold.out.buf % (uintptr_t)item || (uintptr_t)fold.own.buf % (uintptr_t)item) {
+            PyErr_SetString(PyExc_ValueError, "tcp_scatter: a fold the native fold does not take");
+            goto done;
+        }
+        fold.count = len / item;
+    }
+    for (int p = 0; p < phases; p++)
+        for (int k = 0; k < 4; k++)
+            if (PyList_GET_SIZE(lists[p][k]) != m || m > TCP_MAX_LINKS) {
+                PyErr_SetString(PyExc_ValueError, "tcp_scatter: the lists differ in length");
+                goto done;
+            }
+    ls = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(ScLink));
+    fds = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(struct pollfd));
+    if (ls == NULL || fds == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *link = PyList_GET_ITEM(links, i), *buf;
+        ScLink *l = &ls[i];
+        Py_ssize_t fd;
+        if (attr_ssize(link, "start", &l->st.start) < 0 || attr_ssize(link, "end", &l->st.end) < 0 ||
+            attr_ssize(link, "fd", &fd) < 0)
+            goto done;
+        l->st.fd = (int)fd;
+        if ((buf = PyObject_GetAttrString(link, "buf")) == NULL)
+            goto done;
+        int got = PyObject_GetBuffer(buf, &l->st.buf, PyBUF_WRITABLE | PyBUF_SIMPLE);
+        Py_DECREF(buf);
+        if (got < 0)
+            goto done;
+        l->st.done = 1; /* (here: the link's buffer is held) */
+        for (int p = 0; p < phases; p++) {
+            if (sc_hold(l, p, i, lists[p][0], lists[p][1], lists[p][2], lists[p][3]) < 0)
+                goto done;
+            if (l->st.start < 0 || l->st.start > l->st.end || l->st.end > l->st.buf.len ||
+                l->st.buf.len < TCP_READ + l->bufs[p][2].len + l->bufs[p][3].len) {
+                PyErr_SetString(PyExc_ValueError, "tcp_scatter: a link's buffer is out of range or too small");
+                goto done;
+            }
+        }
+        sc_phase(l, 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    double now = now_s(), end = now + wait_s;
+    int idle = 0;
+    for (;;) {
+        int moved = 0, left = 0;
+        for (Py_ssize_t i = 0; i < m && bad < 0; i++) {
+            ScLink *l = &ls[i];
+            if (l->soff < l->sh->len + l->sp->len) {
+                int s = sc_send(l);
+                if (s < 0)
+                    bad = i, err = errno, code = 3;
+                moved |= s > 0;
+                left += l->soff < l->sh->len + l->sp->len;
+            }
+            if (bad < 0 && l->phase < 2) {
+                int r = sc_recv(l);
+                if (r == -1)
+                    bad = i, err = errno, code = 3;
+                else if (r == -2)
+                    bad = i, code = 2;
+                moved |= r > 0;
+                left += l->phase < 2;
+            }
+        }
+        if (bad >= 0)
+            break;
+        if (left == 0) {
+            if (cur + 1 < phases) { /* the first phase is in: fold, and on with the second */
+                const char *rp[TCP_MAX_LINKS + 1];
+                for (int r = 0; r < fold.n; r++)
+                    rp[r] = r == fold.first ? (const char *)fold.own.buf
+                                            : (const char *)fold.rows.buf + (Py_ssize_t)r * fold.out.len;
+                fold_from(rp, fold.n, fold.first, fold.out.buf, fold.count, fold.kind, fold.op);
+                cur++;
+                for (Py_ssize_t i = 0; i < m; i++)
+                    sc_phase(&ls[i], cur);
+                idle = 0;
+                continue;
+            }
+            code = 0;
+            break;
+        }
+        if (moved) {
+            idle = 0;
+            continue;
+        }
+        now = now_s();
+        if (now >= end) {
+            code = 1;
+            break;
+        }
+        if (idle++ < hot) {
+            sched_yield(); /* a peer that shares this core sends sooner, and no sleep to wake from */
+            continue;
+        }
+        nfds_t nfds = 0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            ScLink *l = &ls[i];
+            short ev = (short)((l->phase < 2 ? POLLIN : 0) | (l->soff < l->sh->len + l->sp->len ? POLLOUT : 0));
+            if (ev)
+                fds[nfds].fd = l->st.fd, fds[nfds].events = ev, fds[nfds].revents = 0, nfds++;
+        }
+        poll(fds, nfds, (int)((end - now) * 1000.0) + 1);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* a message half read goes back in the buffer: head, payload so far */
+        ScLink *l = &ls[i];
+        if (l->phase == 1) {
+            memcpy((char *)l->st.buf.buf, l->rh->buf, (size_t)l->rh->len);
+            memcpy((char *)l->st.buf.buf + l->rh->len, l->dest->buf, (size_t)l->pgot);
+            l->st.start = 0, l->st.end = l->rh->len + l->pgot;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *sent = PyTuple_New(m), *read = PyTuple_New(m);
+    if (sent == NULL || read == NULL) {
+        Py_XDECREF(sent);
+        Py_XDECREF(read);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyTuple_SET_ITEM(sent, i, PyLong_FromSsize_t(ls[i].soff));
+        PyTuple_SET_ITEM(read, i, PyBool_FromLong(ls[i].phase == 2 && ls[i].reads[cur]));
+    }
+    result = Py_BuildValue("(iNNi)", code, sent, read, cur + 1);
+    for (Py_ssize_t i = 0; i < m && result != NULL; i++) { /* the links' books, as fill and _push keep them */
+        PyObject *link = PyList_GET_ITEM(links, i);
+        ScLink *l = &ls[i];
+        Py_ssize_t v, wrote = l->soff, frames = l->sh->len + l->sp->len > 0 && l->soff == l->sh->len + l->sp->len;
+        if (cur == 1) { /* (the first phase's messages all went) */
+            wrote += ls[i].bufs[0][0].len + ls[i].bufs[0][1].len;
+            frames += ls[i].bufs[0][0].len + ls[i].bufs[0][1].len > 0;
+        }
+        if (set_ssize(link, "start", l->st.start) < 0 || set_ssize(link, "end", l->st.end) < 0 ||
+            (l->st.got && (attr_ssize(link, "bytes_received", &v) < 0 ||
+                           set_ssize(link, "bytes_received", v + (Py_ssize_t)l->st.got) < 0)) ||
+            (wrote && (attr_ssize(link, "bytes_sent", &v) < 0 || set_ssize(link, "bytes_sent", v + wrote) < 0)) ||
+            (frames && (attr_ssize(link, "frames_sent", &v) < 0 || set_ssize(link, "frames_sent", v + frames) < 0)))
+            Py_CLEAR(result);
+    }
+    if (result != NULL && bad >= 0 && code == 3) { /* the error, or None for an orderly end */
+        PyObject *exc = err ? PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err)) : Py_NewRef(Py_None);
+        if (exc == NULL || PyObject_SetAttrString(PyList_GET_ITEM(links, bad), "error", exc) < 0)
+            Py_CLEAR(result);
+        Py_XDECREF(exc);
+    }
+done:
+    for (Py_ssize_t i = 0; ls != NULL && i < m; i++) {
+        ScLink *l = &ls[i];
+        if (l->st.done)
+            PyBuffer_Release(&l->st.buf);
+        for (int p = 0; p < 2; p++)
+            for (int k = 0; k < l->held[p]; k++)
+                if (!(k == 3 && !l->reads[p]))
+                    PyBuffer_Release(&l->bufs[p][k]);
+    }
+    if (fold.held) {
+        PyBuffer_Release(&fold.rows);
+        PyBuffer_Release(&fold.out);
+        PyBuffer_Release(&fold.own);
+    }
+    PyMem_Free(ls);
+    PyMem_Free(fds);
+    return result;
+}
+
+/* fold_chunk(rows, first, out, kind, op, own): the rows of a 2-D C-contiguous array (one a rank, each this
+ * rank's ring chunk of that rank's tensor) folded into `out` in the canonical order of a ring chunk whose
+ * first rank is `first`: rows[first], rows[first + 1], ... (mod n); avg divides by n at the end. Row
+ * `first` is read from `own` instead (the first rank's chunk where it is, not copied into rows). */
+static PyObject *native_fold_chunk(PyObject *Py_UNUSED(module), PyObject *args) {
+    Py_buffer rows, out, own;
+    int first, kind;
+    const char *op;
+    if (!PyArg_ParseTuple(args, "y*iw*Csy*", &rows, &first, &out, &kind, &op, &own))
+        return NULL;
+    Py_ssize_t item = kind_size(kind), len = out.len;
+    int code = op_code(op), n = len > 0 ? (int)(rows.len / len) : 0;
+    PyObject *result = NULL;
+    if (item == 0 || code < 0 || (code == 1 && kind != 'f' && kind != 'd') || len == 0 || len % item ||
+        rows.len % len || n < 1 || n > TCP_MAX_LINKS + 1 || first < 0 || first >= n || own.len != len ||
+        (uintptr_t)rows.buf % (uintptr_t)item || (uintptr_t)out.buf % (uintptr_t)item ||
+        (uintptr_t)own.buf % (uintptr_t)item) {
+        PyErr_SetString(PyExc_ValueError, "fold_chunk: a call the native fold does not take");
+        goto done;
+    }
+    const char *rp[TCP_MAX_LINKS + 1];
+    for (int r = 0; r < n; r++)
+        rp[r] = r == first ? (const char *)own.buf : (const char *)rows.buf + (Py_ssize_t)r * len;
+    Py_BEGIN_ALLOW_THREADS
+    fold_from(rp, n, first, out.buf, len / item, kind, code);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&own);
+    return result;
+}
+
+/* ------------------------------------------------------------------------------------------------------
  * The data plane's ring over TCP in one thread (psring.topology.ring.dataplane): one all_reduce job's
  * frames -- the call descriptor, this rank's own pieces, every piece it folds or stores and hands on --
  * sent to the right and received from the left on the plane's two sockets, without blocking, by the
@@ -1632,6 +2017,9 @@ static PyMethodDef native_functions[] = {
     {"tcp_read", native_tcp_read, METH_VARARGS, "tcp_read(links, ranks, head, size, out, yields, spin_s, wait_s)"},
     {"tcp_exchange", native_tcp_exchange, METH_VARARGS,
      "tcp_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin_s, wait_s) -> (code, i, sent)"},
+    {"tcp_scatter", native_tcp_scatter, METH_VARARGS,
+     "tcp_scatter(links, sheads, sends, rheads, dests, hot, wait_s, then=None) -> (code, sent, read, phase)"},
+    {"fold_chunk", native_fold_chunk, METH_VARARGS, "fold_chunk(rows, first, out, kind, op, own)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -72,6 +72,17 @@ def tcp_exchange(
     spin_s: float,
     wait_s: float,
 ) -> tuple[int, int, int]: ...
+def tcp_scatter(
+    links: list[Any],
+    sheads: list[bytes],
+    sends: list[Any],
+    rheads: list[bytes],
+    dests: list[Any],
+    hot: int,
+    wait_s: float,
+    then: tuple[Any, ...] | None = ...,
+) -> tuple[int, tuple[int, ...], tuple[bool, ...], int]: ...
+def fold_chunk(rows: _Array, first: int, out: _Array, kind: str, op: str, own: _Array) -> None: ...
 
 class NRing:
     theirs: bytes
