@@ -262,30 +262,33 @@ def is_pinned(a: np.ndarray) -> bool:
     return base is not None and type(base).__name__ == "PinnedMemoryPointer"
 
 
-def pooled_bytes(nbytes: int) -> np.ndarray:
-    """An uninitialized uint8 buffer, from the pool (and back to it once unused) when large.
+def pooled_bytes(nbytes: int, min_bytes: int = _BufferPool.MIN_BYTES) -> np.ndarray:
+    """An uninitialized uint8 buffer, from the pool (and back to it once unused) from ``min_bytes``.
 
     For receive buffers and per-piece outputs that live only as long as one collective: a
-    fresh megabyte-sized buffer costs its page faults on every use (~3 ms per 4 MiB here)."""
-    if nbytes < _BufferPool.MIN_BYTES or _POOL.cap <= 0:
+    fresh megabyte-sized buffer costs its page faults on every use (~3 ms per 4 MiB here). A
+    path that takes two or more buffers of a few hundred KiB a call pools those too (``min_bytes``):
+    glibc hands their pages back when they are freed together, and maps them anew on the next call."""
+    if nbytes < min_bytes or _POOL.cap <= 0:
         return np.empty(nbytes, np.uint8)
     return np.asarray(_Owner(_POOL.take(nbytes)))
 
 
-def pooled_empty(count: int, dtype: np.dtype) -> np.ndarray:
+def pooled_empty(count: int, dtype: np.dtype, min_bytes: int = _BufferPool.MIN_BYTES) -> np.ndarray:
     """An uninitialized flat array of ``count`` elements: :func:`pooled_bytes` viewed as ``dtype``."""
-    return pooled_bytes(count * dtype.itemsize).view(dtype)
+    return pooled_bytes(count * dtype.itemsize, min_bytes).view(dtype)
 
 
-def result_empty(like: np.ndarray) -> np.ndarray:
-    """An uninitialized array shaped like ``like`` (flat, C order), recycled when large.
+def result_empty(like: np.ndarray, min_bytes: int = _BufferPool.MIN_BYTES) -> np.ndarray:
+    """An uninitialized array shaped like ``like`` (flat, C order), recycled from ``min_bytes``
+    (:func:`pooled_bytes`).
 
     The result of a pinned (device-staged) input is pinned too, so it goes back to the
     device in one DMA, without a copy into a staging buffer first."""
     nbytes = like.nbytes
     if nbytes >= _BufferPool.MIN_BYTES and is_pinned(like):
         return pinned_empty(like.shape, like.dtype)
-    if nbytes < _BufferPool.MIN_BYTES or _POOL.cap <= 0:
+    if nbytes < min_bytes or _POOL.cap <= 0:
         return np.empty_like(like)
     mem = _POOL.take(nbytes)
     return np.asarray(_Owner(mem)).view(like.dtype).reshape(like.shape)

@@ -35,16 +35,22 @@ from .mesh import Mesh, MeshLink
 try:  # the C extension's read loop (psring/_native.c, a leaf: it imports nothing of psring)
     from .._native import tcp_exchange as _native_exchange
     from .._native import tcp_read as _native_read
+    from .._native import tcp_scatter as _native_scatter
 except ImportError:  # not built here: the pure-Python loop (the caller's)
-    _native_read = _native_exchange = None  # type: ignore[assignment]
+    _native_read = _native_exchange = _native_scatter = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
-#: the largest message a link carries (the one-hop paths send at most 64 KiB of payload)
-MAX_MESSAGE = 256 << 10
+#: the largest payload a link carries: the one-hop paths send at most 64 KiB, the two-hop all_reduce a
+#: ring chunk of up to a MiB (and a dtype's few bytes over: ring.paths.TWO_HOP_CHUNK_MAX)
+MAX_PAYLOAD = (1 << 20) + 64
+#: the largest message (its header, at most a few hundred bytes, and its payload)
+MAX_MESSAGE = MAX_PAYLOAD + (64 << 10)
 
 _LEN = struct.Struct("<I")
 _READ = 256 << 10
+#: a link's buffer to begin with: room for a read and a one-hop message; it grows for a larger message
+_FIRST_BUF = _READ + (256 << 10) + _LEN.size
 
 
 def _length(size: int) -> bytes:
@@ -63,7 +69,7 @@ class TcpLink(MeshLink):
     def __init__(self, peer: int, sock: socket.socket) -> None:
         super().__init__(peer, sock)
         self.fd = sock.fileno()
-        self.buf = bytearray(_READ + MAX_MESSAGE + _LEN.size)
+        self.buf = bytearray(_FIRST_BUF)
         self.start = 0  #: buf[start:end] was read and not used yet
         self.end = 0
         self.error: BaseException | None = None  #: why it ended, once it did (None: an orderly end, or open)
@@ -248,9 +254,22 @@ class TcpMesh(Mesh[TcpLink]):
         if size > MAX_MESSAGE:
             raise ProtocolError(f"rank {link.peer} sent a {size}-byte message, over the {MAX_MESSAGE}-byte limit")
         if have < _LEN.size + size:
+            self.reserve(link, _LEN.size + size)  # (a message larger than the buffer: it grows, once)
             return None
         at = link.start + _LEN.size
         return wire.decode_message(memoryview(link.buf)[at : at + size])
+
+    @staticmethod
+    def reserve(link: TcpLink, nbytes: int) -> None:
+        """Make ``link``'s buffer hold a read and a message of ``nbytes`` (a length, a header, a payload)
+        after what it holds now: a two-hop chunk is larger than the buffer a link begins with."""
+        need = _READ + nbytes
+        if len(link.buf) >= need:
+            return
+        buf = bytearray(need)
+        left = link.end - link.start
+        buf[:left] = link.buf[link.start : link.end]
+        link.buf, link.start, link.end = buf, 0, left
 
     def consume(self, link: TcpLink) -> None:
         (size,) = _LEN.unpack_from(link.buf, link.start)
@@ -320,6 +339,49 @@ class TcpMesh(Mesh[TcpLink]):
         for link in links[bad + 1 :]:
             self._push(link, frame)
         return 4
+
+    def scatter(
+        self,
+        links: list[TcpLink],
+        sheads: list[bytes],
+        sends: list[Any],
+        rheads: list[bytes],
+        dests: list[Any],
+        hot: int,
+        timeout: float,
+        then: tuple[Any, ...] | None = None,
+    ) -> tuple[int, tuple[int, ...], tuple[bool, ...], int]:
+        """From a thread (or the loop, briefly), the loop not holding the mesh, where :attr:`native`: send
+        each of ``links`` its own message, ``sheads[i]`` + ``sends[i]`` (empty: nothing), and read from it
+        a message that begins with the bytes ``rheads[i]`` (:meth:`head`), its payload straight into
+        ``dests[i]`` (writable, the payload's size; None: read nothing), all at once and without
+        blocking, in C with the GIL released: with nothing to do the core given up ``hot`` times (counted
+        again after each move), then asleep in ``poll``, back within ``timeout`` seconds. ``then``: a second
+        phase, (rows, first, out, kind, op, own, sheads, sends, rheads, dests): once every message of the
+        first is sent and read, ``rows`` folded in the canonical order of a ring chunk that begins at rank
+        ``first`` (row ``first`` read from ``own``) into ``out``, and the second phase's messages as the
+        first's. Returns (code, the bytes of each link's message that went, whether each link's message
+        was read, the phase those are of: 1 or 2); codes as :meth:`read` (3: a link ended; its ``error``
+        says why). A message half read is left in its link's buffer as :meth:`fill` would have left it; one
+        half sent must be queued (:meth:`queue_rest`) before anything else goes on that link. The links
+        must be open (:meth:`usable`)."""
+        assert _native_scatter is not None
+        for link, head, dest in zip(links, rheads, dests, strict=True):
+            if dest is not None:
+                self.reserve(link, len(head) + len(dest))
+        if then is not None:
+            for link, head, dest in zip(links, then[8], then[9], strict=True):
+                if dest is not None:
+                    self.reserve(link, len(head) + len(dest))
+        return _native_scatter(links, sheads, sends, rheads, dests, hot, timeout, then)
+
+    def queue_rest(self, link: TcpLink, message: bytes | memoryview) -> None:
+        """Queue what a thread did not send of one message on ``link`` (in order, after anything queued
+        there): the loop sends it (:meth:`flush`)."""
+        if not link.pending:
+            self.backlog += 1
+        link.pending.append(memoryview(message))
+        link.deferred += 1
 
     def wait(self, links: list[TcpLink], timeout: float) -> bool:
         """Block this thread until one of ``links`` has bytes to read (or ended); False on timeout."""
