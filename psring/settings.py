@@ -358,6 +358,29 @@ class Settings:
         "(psring._native, PSRING_NATIVE); never above PSRING_RING_PLANE_MIN",
         tuning=True,
     )
+    # Two hops over the TCP small-message links (every rank's ring chunk d to rank d, folded there, then
+    # every folded chunk to every rank) against the plane's ring in C: fewer steps a rank waits on its
+    # peers (2 against 2(N-1)), the same bytes. 4 ranks over TCP on 2 cores, alternating: 1 MiB 1.21-1.30
+    # ms against 1.29-1.53, 2 MiB 2.04-2.11 against 2.91-3.20, 512 KiB even, 256 KiB 0.45-0.48 against
+    # 0.36-0.44; 4 MiB even; 8 ranks 1 MiB 2.52-2.60 against 4.44-4.49, 4 MiB 9.8-12.7 against 15.3-16.0.
+    # docs/performance.md has the tables.
+    ring_two_hop_min: int = _var(
+        "PSRING_RING_TWO_HOP_MIN",
+        1 << 20,
+        parse_bytes,
+        "ring: between hosts, all_reduces of 4+ ranks from this size (up to PSRING_RING_TWO_HOP) take two hops "
+        "over the TCP small-message links instead of the data plane's ring (every rank must agree: the largest "
+        "is used)",
+        tuning=True,
+    )
+    ring_two_hop: int = _var(
+        "PSRING_RING_TWO_HOP",
+        4 << 20,
+        parse_bytes,
+        "ring: the largest all_reduce that takes two hops (and a ring chunk of at most 1 MiB: 4 MiB at 4 ranks; "
+        "every rank must agree: the smallest is used; 0: never)",
+        tuning=True,
+    )
     ring_plane_piece: int = _var(
         "PSRING_RING_PLANE_PIECE", 4 << 20, parse_bytes, "ring: the data plane's piece", tuning=True
     )

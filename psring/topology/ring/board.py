@@ -378,9 +378,12 @@ class BoardPath(_Host):
         if quick is not None:
             return quick
         begun = self._board_start(x, op, compression)
-        if begun is None:  # between hosts: the TCP small-message links, or the plane in C
+        if begun is None:  # between hosts: the TCP small-message links (one hop or two), or the plane in C
             soon = self._tcp_soon(x, op, compression)
-            return soon if soon is not None or not plane else self._plane_soon(x, op, compression)
+            if soon is not None or not plane:
+                return soon
+            soon = self._two_hop_soon(x, op, compression)
+            return soon if soon is not None else self._plane_soon(x, op, compression)
         return self._board_posted(*begun, op)
 
     def _board_posted(

@@ -9,6 +9,8 @@ from .paths import SMALL_BYTES
 
 # phases in data tags: (gid, seq, phase, ...)
 RS, AG, DIRECT, BCAST, GATHER_RING, TO_ROOT, SCATTER, RESULT = range(8)
+#: the two-hop all_reduce's (ring.twohop): every rank's chunk d to rank d, then every folded chunk to all
+TWO_SCATTER, TWO_GATHER = 8, 9
 
 #: seconds a rank that waits only on the root of a rooted call gives the root to name the silent
 #: rank before its own timeout names the root

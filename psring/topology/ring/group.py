@@ -39,11 +39,12 @@ from .pipeline import Pipeline
 from .plane import PlaneDriver
 from .small import SmallPaths, _MeshSlot
 from .tcpnow import TcpNow
+from .twohop import TwoHop
 
 logger = logging.getLogger(__name__)
 
 
-class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
+class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
     """Collectives over a ring of peer links.
 
     This module holds what every path shares (set-up, links, subgroups) and which path a
@@ -70,6 +71,7 @@ class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, 
         self._tcp_direct: dict[int, bool] = {}
         self._tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool] = {}
         self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
+        self._two_hop_plans = {}
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
             self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
@@ -165,6 +167,8 @@ class RingGroup(BoardPath, TcpNow, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, 
         if path is Path.HIERARCHICAL:
             assert self.net.hosts is not None
             return await self._hier_all_reduce(coll, x, op, self.net.hosts)
+        if path is Path.TWO_HOP:
+            return await self._two_hop_all_reduce(coll, x.reshape(-1), op)
         if path is Path.RING:
             return await self._ring_reduce(coll, x, op, mode="all")
         return await self._gather_and_fold(coll, x, op, hosts=self._hier_hosts(), path=path)

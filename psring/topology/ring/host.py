@@ -77,6 +77,16 @@ class RingHost(Group):
         self, x: Any, op: str, compression: str | None, on_loop: bool = False
     ) -> tuple[bool, Any] | None: ...
 
+    #: the peers in the order this rank sends to them
+    _tcp_order: tuple[int, ...]
+
+    # ------------------------------------------------ ring/twohop.py: medium all_reduces between hosts
+    @abc.abstractmethod
+    def _two_hop_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+
+    @abc.abstractmethod
+    async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
+
     # ------------------------------------------------ ring/plane.py: the data plane
     @abc.abstractmethod
     def _plane_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
@@ -84,6 +94,20 @@ class RingHost(Group):
     # ------------------------------------------------ ring/small.py: the same-host links
     @abc.abstractmethod
     def _check_early(self, coll: Collective) -> None: ...
+
+    @abc.abstractmethod
+    async def _mesh_exchange(
+        self,
+        coll: Collective,
+        x: np.ndarray | None,
+        phase: int,
+        out: Any,
+        senders: list[int],
+        receivers: list[int],
+        recv_phase: int,
+        payloads: dict[int, np.ndarray] | None = None,
+        spans: dict[int, tuple[int, int]] | None = None,
+    ) -> None: ...
 
     # ------------------------------------------------ ring/group.py: plumbing and the path decision
     @abc.abstractmethod

@@ -110,6 +110,9 @@ class PeerNet(PlaneLinks):
         #: TCP links of their own for small messages (psring.transport.tcpmesh): jobs on several hosts
         #: (no Unix links), up to PSRING_RING_TCP_MESH ranks, when every rank offers them (agreed in resolve)
         self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
+        #: this rank's PSRING_RING_TWO_HOP, then the one every rank agreed (_agree_paths: the smallest)
+        self.two_hop_max = self.config.ring_two_hop
+        self.two_hop_min = max(self.config.ring_two_hop_min, 1)
         self.tcp_mesh: TcpMesh | None = None
         if 2 <= world_size <= self.tcp_mesh_max:  # made now: a lower rank may dial before this one agreed
             self.tcp_mesh = TcpMesh(
@@ -178,6 +181,8 @@ class PeerNet(PlaneLinks):
             "PSRING_RING_PIECE": self.config.ring_piece,
             "PSRING_RING_PLANE_PIECE": self.config.ring_plane_piece,
             "PSRING_RING_TCP_MESH": self.tcp_mesh_max,
+            "PSRING_RING_TWO_HOP": self.two_hop_max,
+            "PSRING_RING_TWO_HOP_MIN": self.two_hop_min,
         }
 
     async def _agree_paths(self) -> None:
@@ -196,8 +201,12 @@ class PeerNet(PlaneLinks):
         self.rooted_min = max([*rooted, self.rooted_min])
         tcp_mesh = [o.get("PSRING_RING_TCP_MESH") for o in offers.values()]  # a rank that has none: never
         self.tcp_mesh_max = min(v if type(v) is int else 0 for v in [*tcp_mesh, self.tcp_mesh_max])
+        two_hop = [o.get("PSRING_RING_TWO_HOP") for o in offers.values()]  # a rank that has none: never
+        self.two_hop_max = min(v if type(v) is int and v > 0 else 0 for v in [*two_hop, self.two_hop_max])
+        two_hop_min = [o.get("PSRING_RING_TWO_HOP_MIN") for o in offers.values()]
+        self.two_hop_min = max(v if type(v) is int and v > 0 else NEVER for v in [*two_hop_min, self.two_hop_min])
         if len(offers) < self.world_size:
-            self.tcp_mesh_max = 0
+            self.tcp_mesh_max = self.two_hop_max = 0
         for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
             values = {r: o.get(name) for r, o in offers.items()}
             if len(set(values.values())) > 1:
@@ -215,6 +224,8 @@ class PeerNet(PlaneLinks):
             rooted_min=self.rooted_min if self.tcp_mesh is None else NEVER,
             plane_min=self.plane_min if self.plane is not None else NEVER,
             hierarchical=self.hosts is not None,
+            two_hop_min=self.two_hop_min,
+            two_hop_max=self.two_hop_max if self.tcp_mesh is not None else 0,
         )
 
     async def resolve(self, timeout: float) -> None:

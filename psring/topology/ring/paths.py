@@ -21,6 +21,13 @@ SMALL_BYTES = 64 << 10
 #: "never": a threshold no tensor reaches
 NEVER = 1 << 62
 
+#: the largest ring chunk (bytes, ceil(size / N)) the two-hop all_reduce sends as one message on a TCP
+#: small-message link (psring.transport.tcpmesh.MAX_PAYLOAD holds it and a dtype's bytes more)
+TWO_HOP_CHUNK_MAX = 1 << 20
+#: and the fewest ranks it is for: at 3 the ring waits 4 times a call, not 6, and two hops were no faster
+#: (3 ranks over TCP on 2 cores, 1 MiB: 0.96-0.99 ms against 0.89-0.94; 2 MiB 1.87-2.28 against 1.94-2.24)
+TWO_HOP_RANKS = 4
+
 
 class Path(enum.Enum):
     """The ways the ring reduces a tensor (all give the canonical fold's bits)."""
@@ -35,6 +42,9 @@ class Path(enum.Enum):
     PLANE = "plane"
     #: reduce within each host, ring across hosts, spread within the host again
     HIERARCHICAL = "hierarchical"
+    #: between hosts, on the TCP small-message links: every rank sends ring chunk d of its tensor to rank
+    #: d, which folds it; then every rank sends its folded chunk to every rank: 2(N-1) messages a rank
+    TWO_HOP = "two_hop"
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,18 @@ class RingPaths:
     #: the job's group reduces in two levels (the ranks' hosts make a layout, nobody turned it off)
     hierarchical: bool = False
     small_bytes: int = SMALL_BYTES
+    #: all_reduces of the job's group from two_hop_min (and above small_bytes) up to two_hop_max bytes take
+    #: two hops over the TCP small-message links, from 4 ranks (PSRING_RING_TWO_HOP_MIN, PSRING_RING_TWO_HOP,
+    #: agreed: the largest minimum, the smallest maximum; a maximum of 0: never)
+    two_hop_min: int = NEVER
+    two_hop_max: int = 0
+
+    def two_hop(self, nbytes: int, n_ranks: int) -> bool:
+        return (
+            n_ranks >= TWO_HOP_RANKS
+            and max(self.small_bytes + 1, self.two_hop_min) <= nbytes <= self.two_hop_max
+            and -(-nbytes // n_ranks) <= TWO_HOP_CHUNK_MAX
+        )
 
     def small(self, nbytes: int, n_ranks: int) -> bool:
         return n_ranks == 1 or nbytes <= self.small_bytes
@@ -72,6 +94,8 @@ def choose_all_reduce(
         return paths.one_hop(n_ranks) if paths.small(nbytes, n_ranks) else Path.RING
     if world and paths.hierarchical and n_ranks > 1:
         return paths.one_hop(n_ranks) if nbytes <= paths.small_bytes else Path.HIERARCHICAL
+    if world and paths.two_hop(nbytes, n_ranks):
+        return Path.TWO_HOP
     if world and plane_up and n_ranks > 1 and nbytes >= paths.plane_min:
         return Path.PLANE
     return paths.one_hop(n_ranks) if paths.small(nbytes, n_ranks) else Path.RING
@@ -90,6 +114,13 @@ def describe(paths: RingPaths) -> list[str]:
     return [
         f"all_reduce up to {paths.small_bytes} bytes: one hop (through a rotating root {rooted}, else direct)",
         "all_reduce of the job's group across hosts: hierarchical" if paths.hierarchical else "hosts: one level",
+        (
+            f"all_reduce of the job's group of {TWO_HOP_RANKS} ranks or more from "
+            f"{max(paths.small_bytes + 1, paths.two_hop_min)} bytes up to {paths.two_hop_max} (a ring chunk up to "
+            f"{TWO_HOP_CHUNK_MAX}): two hops over the TCP small-message links"
+            if paths.two_hop_max
+            else "two hops over the TCP small-message links: off"
+        ),
         f"all_reduce of the job's group on the threaded data plane {plane}",
         "every other all_reduce: the pipelined ring on the event loop; float16 on the wire: never the plane",
     ]

@@ -122,12 +122,15 @@ class SmallPaths(_Host):
         if src not in expect:
             coll.fail(ProtocolError(f"rank {src} sent {coll.label} twice, or was not asked to"))
             return
-        row = slot.row
+        if slot.spans is not None:
+            at, row = slot.spans[src]
+        else:
+            row = slot.row
+            at = slot.at if slot.at >= 0 else src * row
         if len(payload) != row:
             coll.fail(ProtocolError(f"rank {src} sent {len(payload)} bytes for {coll.label}, expected {row}"))
             return
         if row:
-            at = slot.at if slot.at >= 0 else src * row
             slot.dest[at : at + row] = payload
         expect.discard(src)
         if expect:
@@ -177,11 +180,15 @@ class SmallPaths(_Host):
         senders: list[int],
         receivers: list[int],
         recv_phase: int,
+        payloads: dict[int, np.ndarray] | None = None,
+        spans: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         """_direct_exchange over the same-host links, or the TCP small-message links between hosts: one
         message per receiver, one per sender.
 
-        ``out`` is None (no payloads), an array with one row per rank, or {src: array}."""
+        ``out`` is None (no payloads), an array with one row per rank, or {src: array}; with ``spans``
+        ({src: (byte offset, bytes)}) a flat array, each sender's payload at its span. ``payloads``:
+        each receiver's own payload instead of x."""
         me, seq, mesh = self.rank, coll.seq, self.net.small_links
         assert mesh is not None
         slot: _MeshSlot | None = None
@@ -195,7 +202,7 @@ class SmallPaths(_Host):
                 dest, row, at = byte_view(target), target.nbytes, 0
             else:
                 dest, row, at = byte_view(out), out.nbytes // len(out), -1
-            slot = _MeshSlot(coll, dest, row, at, expect, coll.done.get_loop().create_future())
+            slot = _MeshSlot(coll, dest, row, at, expect, coll.done.get_loop().create_future(), spans)
             self._mesh_slots[(seq, recv_phase)] = slot
             coll.waiting_on = set(expect)
             coll.data_elsewhere = True  # a goodbye on the control link may overtake our messages
@@ -210,12 +217,18 @@ class SmallPaths(_Host):
             mesh.hold()  # the loop reads the TCP links only while it waits on them
         try:
             if len(receivers) > (me in receivers):
-                payload = byte_view(x) if x is not None and x.nbytes else None
-                msg = wire.encode_message((self.gid, seq, phase, coll.desc), payload)
                 members, send = self.members, mesh.send
-                for d in receivers:
-                    if d != me:
-                        send(members[d], msg)
+                if payloads is not None:
+                    for d in receivers:
+                        if d != me:
+                            one = payloads[d]
+                            send(members[d], wire.encode_message((self.gid, seq, phase, coll.desc), byte_view(one)))
+                else:
+                    payload = byte_view(x) if x is not None and x.nbytes else None
+                    msg = wire.encode_message((self.gid, seq, phase, coll.desc), payload)
+                    for d in receivers:
+                        if d != me:
+                            send(members[d], msg)
             if slot is not None:
                 if mesh.spins and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
@@ -387,12 +400,20 @@ _VALID_OPS: set[tuple[str, np.dtype]] = set()
 
 class _MeshSlot:
     """A receive posted on the same-host links: the ranks still to hear from, and where their
-    payloads go (``row`` bytes each, at ``at`` in ``dest``, or at src * row when ``at`` is -1)."""
+    payloads go (``row`` bytes each, at ``at`` in ``dest``, or at src * row when ``at`` is -1; or at
+    each sender's own span, {src: (at, bytes)})."""
 
-    __slots__ = ("at", "coll", "dest", "done", "expect", "row")
+    __slots__ = ("at", "coll", "dest", "done", "expect", "row", "spans")
 
     def __init__(
-        self, coll: Collective, dest: Any, row: int, at: int, expect: set[int], done: asyncio.Future[None]
+        self,
+        coll: Collective,
+        dest: Any,
+        row: int,
+        at: int,
+        expect: set[int],
+        done: asyncio.Future[None],
+        spans: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         self.coll = coll
         self.dest = dest
@@ -400,6 +421,7 @@ class _MeshSlot:
         self.at = at
         self.expect = expect
         self.done = done
+        self.spans = spans
 
 
 def _spin_loop(done: asyncio.Future[Any], end: float) -> None:

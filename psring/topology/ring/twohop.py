@@ -1,0 +1,392 @@
+"""The ring's medium all_reduce between hosts: two hops over the TCP small-message links.
+
+Over TCP a ring all_reduce of N ranks waits on its left neighbour 2(N-1) times a call, and with more
+ranks than cores each wait is a trip through the scheduler. Here every rank sends ring chunk d of its
+tensor to rank d (one message each, all at once), rank d folds the N copies of its chunk in the
+canonical order -- the chunk's own order, from rank d on, as the ring folds it -- and sends the folded
+chunk to every rank: two waits a call, the same bytes as the ring (2(N-1)/N of the tensor each way).
+The links are the job's TCP small-message links (psring.transport.tcpmesh), whose buffers grow for a
+chunk; payloads are read straight into place (psring._native.tcp_scatter). Which calls take it depends
+only on the call (ring.paths: the job's group of 3 ranks or more, above the one-hop sizes, up to
+PSRING_RING_TWO_HOP), so every rank sends the same messages whichever thread sends them.
+
+A blocking caller with nothing of the group in flight runs the whole call on its own thread
+(:meth:`TwoHop._two_hop_soon`), as ring.tcpnow does for the one-hop call; the event loop runs it in C
+too while its peers are there within its spin budget. Anything out of the ordinary -- a peer not there
+within ADOPT_AFTER, a message for another call, a link that ended, bytes the kernel did not take --
+hands the call to the event loop where it stands (what was sent and read so far is kept; what was not
+sent is queued on the links; a message half read is left in its link's buffer), and from there it is
+a collective like any other: timed out, reported when it stalls, named as a mismatch, abandoned on an
+abort.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ...core import wire
+from ...core.arrays import byte_view, dtype_name, pooled_empty, result_empty
+from ...core.fold import canonical_fold, ring_chunk_bounds
+from ...transport.board import fold_kind
+from ...transport.tcpmesh import TcpMesh
+from ..collective import Collective
+from .constants import TWO_GATHER, TWO_SCATTER
+from .net import PeerNet
+from .paths import Path
+from .tcpnow import ADOPT_AFTER, LOOK_EVERY
+
+try:  # the C fold of one ring chunk (psring/_native.c, a leaf: it imports nothing of psring)
+    from ..._native import fold_chunk as _fold_chunk
+except ImportError:  # not built here: numpy's fold, the same bits
+    _fold_chunk = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from .host import RingHost as _Host
+else:
+    _Host = object
+
+#: with nothing to do a lone rank in its process gives up its core this many times (counted again after
+#: each move) before it sleeps in poll, as the data plane's native ring does (dataplane.NATIVE_HOT)
+HOT = 64
+#: a call on the loop takes its two buffers (the rows it folds, the result) from the buffer pool from this
+#: size: freed together, buffers of a few hundred KiB went back to the kernel and cost their page faults on
+#: every call (4 ranks over TCP: 97 faults a call at 256 KiB, 225 at 512 KiB; 656 us a call against 370).
+#: The caller's thread's call keeps its rows in its plan (pooling costs ~20 us of Python a call there)
+POOL_FROM = 64 << 10
+
+
+class _Plan:
+    """What every two-hop call of one (dtype, shape, op) shares."""
+
+    __slots__ = ("bounds", "desc", "kind", "makers", "mine", "native", "rows", "spans", "takes")
+
+    def __init__(self, group: TwoHop, x: np.ndarray, op: str) -> None:
+        self.desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+        self.kind = fold_kind(x.dtype, op)
+        self.bounds = ring_chunk_bounds(x.size, group.world_size)
+        self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
+        #: whether a call of this size takes two hops (ring.paths: the same for every call of it)
+        self.takes = group._all_reduce_path(x.nbytes) is Path.TWO_HOP
+        #: and its payloads in bytes: each peer's chunk (in _tcp_order), this rank's own
+        item = x.itemsize
+        self.spans = [(a * item, b * item) for a, b in (self.bounds[p] for p in group._tcp_order)]
+        a, b = self.bounds[group.rank]
+        self.mine = (a * item, b * item)
+        #: the whole call goes in one native call (the fold between the phases in C too)
+        self.native = self.kind is not None and _fold_chunk is not None and b > a
+        #: the rows of the call on the caller's thread (one at a time: it runs only with nothing in flight)
+        self.rows: np.ndarray | None = None
+
+
+class _Call:
+    """One two-hop all_reduce under way: what it sends and reads, and how far it got."""
+
+    __slots__ = ("bounds", "desc", "flat", "kind", "left", "makers", "messages", "op", "out", "phase", "rows", "seq")
+
+    def __init__(self, seq: int, x: np.ndarray, op: str, plan: _Plan, me: int, alone: bool = False):
+        self.desc, self.kind, self.bounds, self.makers = plan.desc, plan.kind, plan.bounds, plan.makers
+        self.seq, self.op = seq, op
+        self.flat = x.reshape(-1)
+        a, b = self.bounds[me]
+        n = len(self.bounds)
+        #: chunk `me` of every rank's tensor (this rank's own row unused: the fold reads it from x); a call
+        #: alone in flight (the caller's thread's, and the loop's call it hands over) uses the plan's own
+        if alone:
+            if plan.rows is None:
+                plan.rows = np.empty((n, b - a), x.dtype)
+            self.rows = plan.rows
+            self.out = result_empty(self.flat)
+        else:
+            self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
+            self.out = result_empty(self.flat, POOL_FROM)
+        self.phase = TWO_SCATTER
+        #: the peers (local ranks) whose message of this phase is still to be read
+        self.left: list[int] = []
+        #: this phase's message to each peer not sent whole yet: [peer, head, payload, bytes sent]
+        self.messages: list[list[Any]] = []
+
+
+class TwoHop(_Host):
+    """Part of :class:`~psring.topology.ring.group.RingGroup`: medium all_reduces between hosts in two hops."""
+
+    #: two-hop all_reduces that ended on the caller's thread, and those the loop took over from it
+    two_hop_now = 0
+    two_hop_adopted = 0
+    #: by (dtype, shape, op): what every call of that kind shares
+    _two_hop_plans: dict[tuple[Any, ...], _Plan]
+
+    def _two_hop_plan(self, x: np.ndarray, op: str) -> _Plan:
+        key = (x.dtype, x.shape, op)
+        plan = self._two_hop_plans.get(key)
+        if plan is None:
+            plan = _Plan(self, x, op)
+            if len(self._two_hop_plans) < 1024:
+                self._two_hop_plans[key] = plan
+        return plan
+
+    # ------------------------------------------------------------------ the caller's thread
+    def _two_hop_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+        """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
+        loop) when it must end there; None: not this call, or not now (take all_reduce)."""
+        mesh = self.net.tcp_mesh
+        if (
+            mesh is None
+            or not mesh.native
+            or compression is not None
+            or type(x) is not np.ndarray
+            or self.gid != "0"
+            or mesh.holds
+            or mesh.backlog
+            or self._mesh_early
+            or not self._idle()
+        ):
+            return None
+        plan = self._two_hop_plan(x, op)
+        if not plan.takes:
+            return None
+        x, seq, desc, started = self._number_now(x, op)
+        call = _Call(seq, x, op, plan, self.rank, alone=True)
+        end = time.monotonic() + ADOPT_AFTER
+        hot = HOT if PeerNet.live == 1 else 0
+        try:
+            code = self._two_hop_first(call, plan, mesh, hot) if plan.native else 1
+            if code == 1 and call.phase == TWO_SCATTER and not call.messages and not call.left:
+                self._two_hop_start(call)  # (not begun: the general way)
+            while code == 1:
+                if time.monotonic() >= end or self._broken is not None or self._aborted or self._closed:
+                    break
+                code = self._two_hop_drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
+        except BaseException as exc:
+            self._books_now(seq, desc, started, exc)
+            raise
+        if code == 0:
+            self._books_now(seq, desc, started, None)
+            self.two_hop_now += 1
+            return True, call.out.reshape(x.shape)
+        self.two_hop_adopted += 1
+        return False, self._two_hop_adopt(call, x, started)
+
+    async def _two_hop_adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
+        coll = self._begin("all_reduce", x, call.op, seq=call.seq)
+        coll.started, coll.deadline = started, started + self.timeout
+        out = await self._run(coll, self._two_hop_rest(coll, call))
+        return out.reshape(x.shape)
+
+    # ---------------------------------------------------------------------- the loop
+    async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
+        messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
+        call = _Call(coll.seq, x, op, self._two_hop_plan(x, op), self.rank)
+        self._two_hop_start(call)
+        mesh = self.net.tcp_mesh
+        if (
+            mesh is not None
+            and mesh.native
+            and not mesh.holds
+            and not mesh.backlog
+            and not self._mesh_early
+            and self.net.config.spin_us > 0
+            and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
+        ):
+            self._two_hop_drive(call, self._spin_budget(x.nbytes), HOT)
+        return await self._two_hop_rest(coll, call)
+
+    async def _two_hop_rest(self, coll: Collective, call: _Call) -> np.ndarray:
+        """The call on from where it stands, on the loop: what was not sent queued on the links, the
+        messages not read yet read there."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        self._two_hop_queue(call, mesh)
+        if call.phase == TWO_SCATTER:
+            if call.left:
+                await self._mesh_exchange(coll, None, TWO_SCATTER, call.rows, call.left, [], TWO_SCATTER)
+            self._two_hop_fold(call)
+            call.left = list(self._tcp_order)
+            call.phase, call.messages = TWO_GATHER, []
+            a, b = call.bounds[self.rank]
+            mine: np.ndarray | None = call.out[a:b]
+            receivers = call.left
+        else:
+            mine, receivers = None, []
+        if call.left or receivers:
+            item = call.flat.itemsize
+            spans = {p: (a * item, (b - a) * item) for p, (a, b) in enumerate(call.bounds)}
+            await self._mesh_exchange(coll, mine, TWO_GATHER, call.out, call.left, receivers, TWO_GATHER, spans=spans)
+        if mesh.backlog:
+            await mesh.drain()
+        return call.out
+
+    # ------------------------------------------------------------------ both
+    def _two_hop_start(self, call: _Call) -> None:
+        """The first phase's messages: chunk d of the tensor to each rank d."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        item, flat = call.flat.itemsize, call.flat
+        header = call.makers[TWO_SCATTER](call.seq)
+        call.left = list(self._tcp_order)
+        call.messages = []
+        for p in self._tcp_order:
+            a, b = call.bounds[p]
+            call.messages.append([p, mesh.head(header, (b - a) * item), byte_view(flat[a:b]), 0])
+
+    def _two_hop_first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int) -> int:
+        """A call's first native call, both phases and the fold, its lists made straight from the plan (the
+        usual case: every peer there within LOOK_EVERY); where it stops, the call's books say where."""
+        flat, out, rows = call.flat, call.out, call.rows
+        xb, ob, rb = byte_view(flat), byte_view(out), byte_view(rows)
+        m0, m1 = plan.mine
+        heads: dict[tuple[int, int], bytes] = {}
+        h1, h2 = plan.makers[TWO_SCATTER](call.seq), plan.makers[TWO_GATHER](call.seq)
+
+        def head(phase: int, size: int) -> bytes:
+            got = heads.get((phase, size))
+            if got is None:
+                got = heads[(phase, size)] = mesh.head(h1 if phase == TWO_SCATTER else h2, size)
+            return got
+
+        row = m1 - m0
+        mine1, mine2 = head(TWO_SCATTER, row), head(TWO_GATHER, row)
+        sheads1, sends1, dests1, rheads2, dests2 = [], [], [], [], []
+        for p, (a, b) in zip(self._tcp_order, plan.spans, strict=True):
+            sheads1.append(head(TWO_SCATTER, b - a))
+            sends1.append(xb[a:b])
+            dests1.append(rb[p * row : (p + 1) * row])
+            rheads2.append(head(TWO_GATHER, b - a))
+            dests2.append(ob[a:b])
+        peers = len(self._tcp_order)
+        own = ob[m0:m1]
+        me = self.rank
+        a, b = call.bounds[me]
+        then = (rows, me, out[a:b], call.kind, call.op, flat[a:b], [mine2] * peers, [own] * peers, rheads2, dests2)
+        links, members = mesh.links, self.members
+        on = [links[members[p]] for p in self._tcp_order]
+        code, sent, read, phase = mesh.scatter(on, sheads1, sends1, [mine1] * peers, dests1, hot, LOOK_EVERY, then)
+        if code == 0 and phase == 2:
+            return 0
+        # the call's books, for the general way on from here
+        if phase == 1:
+            call.messages = [[p, sh, sp, 0] for p, sh, sp in zip(self._tcp_order, sheads1, sends1, strict=True)]
+        else:
+            call.phase = TWO_GATHER
+            call.messages = [[p, mine2, own, 0] for p in self._tcp_order]
+        call.left = list(self._tcp_order)
+        for m, went, got in zip(list(call.messages), sent, read, strict=True):
+            m[3] = went
+            if went == len(m[1]) + len(m[2]):
+                call.messages.remove(m)
+            if got:
+                call.left.remove(m[0])
+        return code
+
+    def _two_hop_drive(self, call: _Call, wait: float, hot: int) -> int:
+        """Send and read this phase's messages in C (TcpMesh.scatter) for up to ``wait`` seconds, folding
+        and going on to the second phase when the first is in (in the same native call where the C fold
+        takes the call); 0 when the call is done, else the code that stopped it (1: time; 2: another
+        message; 3: a link ended)."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        end = time.monotonic() + max(wait, 0.0)
+        while True:
+            code = self._two_hop_round(call, mesh, hot, max(end - time.monotonic(), 0.0))
+            if code != 0 or call.phase == TWO_GATHER:
+                return code
+            self._two_hop_fold(call)
+            self._two_hop_gather(call)
+
+    def _two_hop_lists(self, call: _Call, mesh: TcpMesh) -> tuple[list[Any], ...]:
+        """This phase's TcpMesh.scatter lists, a link for every peer in _tcp_order (empty, None: done)."""
+        me, item = self.rank, call.flat.itemsize
+        sending = {m[0]: m for m in call.messages}
+        header = call.makers[call.phase](call.seq)
+        sheads: list[Any] = []
+        sends: list[Any] = []
+        rheads: list[Any] = []
+        dests: list[Any] = []
+        heads: dict[int, bytes] = {}
+        for p in self._tcp_order:
+            m = sending.get(p)
+            if m is None:
+                sheads.append(b"")
+                sends.append(b"")
+            elif m[3] == 0:
+                sheads.append(m[1])
+                sends.append(m[2])
+            else:
+                head, sent = m[1], m[3]
+                sheads.append(head[sent:])
+                sends.append(m[2][max(0, sent - len(head)) :])
+            if p in call.left:
+                a, b = call.bounds[me] if call.phase == TWO_SCATTER else call.bounds[p]
+                dests.append(byte_view(call.rows[p] if call.phase == TWO_SCATTER else call.out[a:b]))
+                size = (b - a) * item
+                head = heads.get(size)
+                if head is None:
+                    head = heads[size] = mesh.head(header, size)
+                rheads.append(head)
+            else:
+                dests.append(None)
+                rheads.append(b"")
+        return sheads, sends, rheads, dests
+
+    def _two_hop_round(self, call: _Call, mesh: TcpMesh, hot: int, wait: float) -> int:
+        """One native call over every peer's link (the second phase too, in the same call, where the C fold
+        takes the call); the books kept."""
+        me = self.rank
+        sheads, sends, rheads, dests = self._two_hop_lists(call, mesh)
+        then: tuple[Any, ...] | None = None
+        if call.phase == TWO_SCATTER and call.kind is not None and _fold_chunk is not None:
+            first = call.messages, call.left
+            a, b = call.bounds[me]
+            self._two_hop_gather(call)
+            then = (call.rows, me, call.out[a:b], call.kind, call.op, call.flat[a:b], *self._two_hop_lists(call, mesh))
+            call.phase = TWO_SCATTER
+            second, (call.messages, call.left) = (call.messages, call.left), first
+        links, members = mesh.links, self.members
+        on = [links[members[p]] for p in self._tcp_order]
+        code, sent, read, phase = mesh.scatter(on, sheads, sends, rheads, dests, hot, wait, then)
+        if phase == 2:  # the first phase went whole, and the fold: the results are the second's
+            call.phase, (call.messages, call.left) = TWO_GATHER, second
+        sending = {m[0]: m for m in call.messages}
+        for p, went, got in zip(self._tcp_order, sent, read, strict=True):
+            m = sending.get(p)
+            if m is not None:
+                m[3] += went
+                if m[3] == len(m[1]) + len(m[2]):
+                    call.messages.remove(m)
+            if got:
+                call.left.remove(p)
+        return code
+
+    def _two_hop_fold(self, call: _Call) -> None:
+        """This rank's chunk of every rank's tensor, folded in the canonical order into the result."""
+        me = self.rank
+        a, b = call.bounds[me]
+        if call.kind is not None and _fold_chunk is not None and b > a:
+            _fold_chunk(call.rows, me, call.out[a:b], call.kind, call.op, call.flat[a:b])
+        else:
+            call.rows[me] = call.flat[a:b]
+            canonical_fold(call.rows, call.op, call.out[a:b], offset=a, total=call.flat.size)
+
+    def _two_hop_gather(self, call: _Call) -> None:
+        """The second phase's messages: this rank's folded chunk to every rank."""
+        mesh = self.net.tcp_mesh
+        assert mesh is not None
+        a, b = call.bounds[self.rank]
+        call.phase = TWO_GATHER
+        head = mesh.head(call.makers[TWO_GATHER](call.seq), (b - a) * call.flat.itemsize)
+        payload = byte_view(call.out[a:b])
+        call.left = list(self._tcp_order)
+        call.messages = [[p, head, payload, 0] for p in self._tcp_order]
+
+    def _two_hop_queue(self, call: _Call, mesh: TcpMesh) -> None:
+        """What the C calls did not send of this phase's messages, queued on the links for the loop."""
+        for p, head, payload, sent in call.messages:
+            link = mesh.links[self.members[p]]
+            if not link.closed:
+                mesh.queue_rest(link, memoryview(b"".join((head, payload)))[sent:])
+        call.messages = []
+        if mesh.backlog:
+            mesh.flush()
