@@ -63,8 +63,8 @@ class _Plan:
 
     __slots__ = ("bounds", "desc", "kind", "makers", "mine", "native", "rows", "spans", "takes")
 
-    def __init__(self, group: TwoHop, x: np.ndarray, op: str) -> None:
-        self.desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+    def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
+        self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
         self.kind = fold_kind(x.dtype, op)
         self.bounds = ring_chunk_bounds(x.size, group.world_size)
         self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
@@ -118,11 +118,12 @@ class TwoHop(_Host):
     #: by (dtype, shape, op): what every call of that kind shares
     _two_hop_plans: dict[tuple[Any, ...], _Plan]
 
-    def _two_hop_plan(self, x: np.ndarray, op: str) -> _Plan:
-        key = (x.dtype, x.shape, op)
+    def _two_hop_plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
+        """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``."""
+        key = (x.dtype, shape, op)
         plan = self._two_hop_plans.get(key)
         if plan is None:
-            plan = _Plan(self, x, op)
+            plan = _Plan(self, x, op, shape)
             if len(self._two_hop_plans) < 1024:
                 self._two_hop_plans[key] = plan
         return plan
@@ -144,8 +145,8 @@ class TwoHop(_Host):
             or not self._idle()
         ):
             return None
-        plan = self._two_hop_plan(x, op)
-        if not plan.takes:
+        plan = self._two_hop_plan(x, op, x.shape)
+        if not plan.takes or not mesh.usable(list(mesh.links.values())):
             return None
         x, seq, desc, started = self._number_now(x, op)
         call = _Call(seq, x, op, plan, self.rank, alone=True)
@@ -179,7 +180,7 @@ class TwoHop(_Host):
     async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
-        call = _Call(coll.seq, x, op, self._two_hop_plan(x, op), self.rank)
+        call = _Call(coll.seq, x, op, self._two_hop_plan(x, op, coll.desc[2]), self.rank)
         self._two_hop_start(call)
         mesh = self.net.tcp_mesh
         if (
@@ -188,6 +189,7 @@ class TwoHop(_Host):
             and not mesh.holds
             and not mesh.backlog
             and not self._mesh_early
+            and mesh.usable(list(mesh.links.values()))
             and self.net.config.spin_us > 0
             and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
         ):
@@ -263,6 +265,10 @@ class TwoHop(_Host):
         then = (rows, me, out[a:b], call.kind, call.op, flat[a:b], [mine2] * peers, [own] * peers, rheads2, dests2)
         links, members = mesh.links, self.members
         on = [links[members[p]] for p in self._tcp_order]
+        if any(link.closed for link in on):  # (its socket is gone: the loop names the loss)
+            call.messages = [[p, sh, sp, 0] for p, sh, sp in zip(self._tcp_order, sheads1, sends1, strict=True)]
+            call.left = list(self._tcp_order)
+            return 3
         code, sent, read, phase = mesh.scatter(on, sheads1, sends1, [mine1] * peers, dests1, hot, LOOK_EVERY, then)
         if code == 0 and phase == 2:
             return 0
@@ -346,6 +352,8 @@ class TwoHop(_Host):
             second, (call.messages, call.left) = (call.messages, call.left), first
         links, members = mesh.links, self.members
         on = [links[members[p]] for p in self._tcp_order]
+        if any(link.closed for link in on):  # (its socket is gone: the loop names the loss)
+            return 3
         code, sent, read, phase = mesh.scatter(on, sheads, sends, rheads, dests, hot, wait, then)
         if phase == 2:  # the first phase went whole, and the fold: the results are the second's
             call.phase, (call.messages, call.left) = TWO_GATHER, second
