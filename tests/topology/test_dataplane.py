@@ -35,6 +35,7 @@ def _plane_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(64 << 10))
     monkeypatch.setenv("PSRING_RING_PLANE_PIECE", "100000")  # several uneven pieces per chunk
     monkeypatch.setenv("PSRING_RING_BOARD", "0")  # one host: these sizes would take the boards (test_board.py)
+    monkeypatch.setenv("PSRING_RING_TWO_HOP", "0")  # over TCP from 4 ranks they would take two hops (test_two_hop.py)
 
 
 BIG = 300_001  # float32 elements: 1.2 MB, above the one-hop size and not divisible by world sizes

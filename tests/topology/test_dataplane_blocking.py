@@ -49,6 +49,7 @@ def test_blocking_plane_calls_over_tcp_run_in_c_on_the_callers_thread(tmp_path, 
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
     env = {"PSRING_SAME_HOST": "off", "PSRING_RING_PLANE_MIN": str(64 << 10), "PSRING_RING_PLANE_PIECE": "100000"}
+    env["PSRING_RING_TWO_HOP"] = "0"  # the plane's path: from 4 ranks these sizes would take two hops (test_two_hop.py)
     for r, (here, adopted) in run_blocking_job(script, world, **env).items():
         # the 60 sums, averages and products and the 4 calls beside them (max: the threads), but those that
         # waited on rank 1's naps -- and after a nap the next calls find the plane idle again
