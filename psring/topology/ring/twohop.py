@@ -93,7 +93,7 @@ class _Call:
         a, b = self.bounds[me]
         n = len(self.bounds)
         #: chunk `me` of every rank's tensor (this rank's own row unused: the fold reads it from x); a call
-        #: alone in flight (the caller's thread's, and the loop's call it hands over) uses the plan's own
+        #: alone in flight (nothing else of the group active when it began) uses the plan's own
         if alone:
             if plan.rows is None:
                 plan.rows = np.empty((n, b - a), x.dtype)
@@ -180,8 +180,8 @@ class TwoHop(_Host):
     async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
-        call = _Call(coll.seq, x, op, self._two_hop_plan(x, op, coll.desc[2]), self.rank)
-        self._two_hop_start(call)
+        plan = self._two_hop_plan(x, op, coll.desc[2])
+        call = _Call(coll.seq, x, op, plan, self.rank, alone=len(self._active) == 1)
         mesh = self.net.tcp_mesh
         if (
             mesh is not None
@@ -193,7 +193,13 @@ class TwoHop(_Host):
             and self.net.config.spin_us > 0
             and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
         ):
-            self._two_hop_drive(call, self._spin_budget(x.nbytes), HOT)
+            if plan.native:
+                self._two_hop_first(call, plan, mesh, HOT, self._spin_budget(x.nbytes))
+            else:
+                self._two_hop_start(call)
+                self._two_hop_drive(call, self._spin_budget(x.nbytes), HOT)
+        else:
+            self._two_hop_start(call)
         return await self._two_hop_rest(coll, call)
 
     async def _two_hop_rest(self, coll: Collective, call: _Call) -> np.ndarray:
@@ -234,9 +240,9 @@ class TwoHop(_Host):
             a, b = call.bounds[p]
             call.messages.append([p, mesh.head(header, (b - a) * item), byte_view(flat[a:b]), 0])
 
-    def _two_hop_first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int) -> int:
+    def _two_hop_first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int, wait: float = LOOK_EVERY) -> int:
         """A call's first native call, both phases and the fold, its lists made straight from the plan (the
-        usual case: every peer there within LOOK_EVERY); where it stops, the call's books say where."""
+        usual case: every peer there within ``wait``); where it stops, the call's books say where."""
         flat, out, rows = call.flat, call.out, call.rows
         xb, ob, rb = byte_view(flat), byte_view(out), byte_view(rows)
         m0, m1 = plan.mine
@@ -269,8 +275,9 @@ class TwoHop(_Host):
             call.messages = [[p, sh, sp, 0] for p, sh, sp in zip(self._tcp_order, sheads1, sends1, strict=True)]
             call.left = list(self._tcp_order)
             return 3
-        code, sent, read, phase = mesh.scatter(on, sheads1, sends1, [mine1] * peers, dests1, hot, LOOK_EVERY, then)
+        code, sent, read, phase = mesh.scatter(on, sheads1, sends1, [mine1] * peers, dests1, hot, wait, then)
         if code == 0 and phase == 2:
+            call.phase, call.messages, call.left = TWO_GATHER, [], []  # done: nothing left for the loop
             return 0
         # the call's books, for the general way on from here
         if phase == 1:
