@@ -7,7 +7,7 @@ canonical order -- the chunk's own order, from rank d on, as the ring folds it -
 chunk to every rank: two waits a call, the same bytes as the ring (2(N-1)/N of the tensor each way).
 The links are the job's TCP small-message links (psring.transport.tcpmesh), whose buffers grow for a
 chunk; payloads are read straight into place (psring._native.tcp_scatter). Which calls take it depends
-only on the call (ring.paths: the job's group of 3 ranks or more, above the one-hop sizes, up to
+only on the call (ring.paths: the job's group of 4 ranks or more, from PSRING_RING_TWO_HOP_MIN up to
 PSRING_RING_TWO_HOP), so every rank sends the same messages whichever thread sends them.
 
 A blocking caller with nothing of the group in flight runs the whole call on its own thread
@@ -181,11 +181,13 @@ class TwoHop(_Host):
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
         plan = self._two_hop_plan(x, op, coll.desc[2])
-        call = _Call(coll.seq, x, op, plan, self.rank, alone=len(self._active) == 1)
+        # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
+        call = _Call(coll.seq, x, op, plan, self.rank, alone=len(self._active) == 1 and not self._reserved)
         mesh = self.net.tcp_mesh
         if (
             mesh is not None
             and mesh.native
+            and not self._reserved  # (a caller's thread may be reading the links)
             and not mesh.holds
             and not mesh.backlog
             and not self._mesh_early
