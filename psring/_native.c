@@ -1142,6 +1142,22 @@ static int sc_send(ScLink *l) {
     return moved;
 }
 
+/* recvmsg without blocking, again on EINTR: >0 the bytes read, 0 none now, -1 the link ended (errno; 0
+ * the peer closed it) */
+static ssize_t sc_read(int fd, struct msghdr *msg) {
+    for (;;) {
+        ssize_t n = recvmsg(fd, msg, MSG_DONTWAIT);
+        if (n > 0)
+            return n;
+        if (n == 0) {
+            errno = 0;
+            return -1;
+        }
+        if (errno != EINTR)
+            return (errno == EAGAIN || errno == EWOULDBLOCK) ? 0 : -1;
+    }
+}
+
 /* read on link l: 1 something moved, 0 nothing now, -1 it ended (errno; 0 the peer closed it), -2 its
  * next message is another (left in the link's buffer) */
 static int sc_recv(ScLink *l) {
@@ -1170,16 +1186,9 @@ static int sc_recv(ScLink *l) {
         struct iovec iov[2] = {{buf + st->end, (size_t)(hlen - have)}, {dest, (size_t)size}};
         struct msghdr msg = {0};
         msg.msg_iov = iov, msg.msg_iovlen = size > 0 ? 2 : 1;
-        ssize_t n = recvmsg(st->fd, &msg, MSG_DONTWAIT);
-        if (n == 0) {
-            errno = 0;
-            return -1;
-        }
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return (errno == EAGAIN || errno == EWOULDBLOCK) ? moved : -1;
-        }
+        ssize_t n = sc_read(st->fd, &msg);
+        if (n <= 0)
+            return n == 0 ? moved : -1;
         st->got += n, moved = 1;
         Py_ssize_t h = n < hlen - have ? n : hlen - have, extra = n - h;
         st->end += h;
@@ -1194,16 +1203,12 @@ static int sc_recv(ScLink *l) {
         }
     }
     while (l->phase == 1) {
-        ssize_t n = recv(st->fd, dest + l->pgot, (size_t)(size - l->pgot), MSG_DONTWAIT);
-        if (n == 0) {
-            errno = 0;
-            return -1;
-        }
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return (errno == EAGAIN || errno == EWOULDBLOCK) ? moved : -1;
-        }
+        struct iovec iov = {dest + l->pgot, (size_t)(size - l->pgot)};
+        struct msghdr msg = {0};
+        msg.msg_iov = &iov, msg.msg_iovlen = 1;
+        ssize_t n = sc_read(st->fd, &msg);
+        if (n <= 0)
+            return n == 0 ? moved : -1;
         st->got += n, l->pgot += n, moved = 1;
         if (l->pgot == size)
             l->phase = 2;
