@@ -211,8 +211,9 @@ async def test_two_hop_all_reduce_on_the_loop_gives_the_canonical_bits(make_grou
         ys = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(groups, xs, strict=True)))
         ref = canonical_fold(xs, op, np.empty(size, dtype))
         assert all(y.tobytes() == ref.tobytes() for y in ys), (size, op)
-    # the plane carried none of it
+    # the plane carried none of it; the loop ran every call (ranks that share a process: no caller's thread)
     assert [g.net.plane.bytes_sent if g.net.plane else 0 for g in groups] == planes  # type: ignore[attr-defined]
+    assert all(g.two_hop_loop == 6 and g.two_hop_now == 0 for g in groups)  # type: ignore[attr-defined]
     # a tensor of two dimensions: its call (shape and all) is the same on the loop as on a caller's thread
     xs = [rng.standard_normal((300, 1001)).astype(np.float32) for _ in groups]
     ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))

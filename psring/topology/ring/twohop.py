@@ -112,9 +112,11 @@ class _Call:
 class TwoHop(_Host):
     """Part of :class:`~psring.topology.ring.group.RingGroup`: medium all_reduces between hosts in two hops."""
 
-    #: two-hop all_reduces that ended on the caller's thread, and those the loop took over from it
+    #: two-hop all_reduces that ended on the caller's thread, those the loop took over from it, and those
+    #: the loop ran from their start (the asyncio API, the torch backend's, calls beside others)
     two_hop_now = 0
     two_hop_adopted = 0
+    two_hop_loop = 0
     #: by (dtype, shape, op): what every call of that kind shares
     _two_hop_plans: dict[tuple[Any, ...], _Plan]
 
@@ -181,6 +183,7 @@ class TwoHop(_Host):
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
         plan = self._two_hop_plan(x, op, coll.desc[2])
+        self.two_hop_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
         call = _Call(coll.seq, x, op, plan, self.rank, alone=len(self._active) == 1 and not self._reserved)
         mesh = self.net.tcp_mesh
