@@ -105,7 +105,6 @@ class RingHost(Group):
         senders: list[int],
         receivers: list[int],
         recv_phase: int,
-        payloads: dict[int, np.ndarray] | None = None,
         spans: dict[int, tuple[int, int]] | None = None,
     ) -> None: ...
 

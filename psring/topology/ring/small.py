@@ -180,15 +180,13 @@ class SmallPaths(_Host):
         senders: list[int],
         receivers: list[int],
         recv_phase: int,
-        payloads: dict[int, np.ndarray] | None = None,
         spans: dict[int, tuple[int, int]] | None = None,
     ) -> None:
         """_direct_exchange over the same-host links, or the TCP small-message links between hosts: one
         message per receiver, one per sender.
 
         ``out`` is None (no payloads), an array with one row per rank, or {src: array}; with ``spans``
-        ({src: (byte offset, bytes)}) a flat array, each sender's payload at its span. ``payloads``:
-        each receiver's own payload instead of x."""
+        ({src: (byte offset, bytes)}) a flat array, each sender's payload at its span."""
         me, seq, mesh = self.rank, coll.seq, self.net.small_links
         assert mesh is not None
         slot: _MeshSlot | None = None
@@ -217,18 +215,12 @@ class SmallPaths(_Host):
             mesh.hold()  # the loop reads the TCP links only while it waits on them
         try:
             if len(receivers) > (me in receivers):
+                payload = byte_view(x) if x is not None and x.nbytes else None
+                msg = wire.encode_message((self.gid, seq, phase, coll.desc), payload)
                 members, send = self.members, mesh.send
-                if payloads is not None:
-                    for d in receivers:
-                        if d != me:
-                            one = payloads[d]
-                            send(members[d], wire.encode_message((self.gid, seq, phase, coll.desc), byte_view(one)))
-                else:
-                    payload = byte_view(x) if x is not None and x.nbytes else None
-                    msg = wire.encode_message((self.gid, seq, phase, coll.desc), payload)
-                    for d in receivers:
-                        if d != me:
-                            send(members[d], msg)
+                for d in receivers:
+                    if d != me:
+                        send(members[d], msg)
             if slot is not None:
                 if mesh.spins and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
