@@ -1241,12 +1241,37 @@ static int sc_hold(ScLink *l, int p, Py_ssize_t i, PyObject *sheads, PyObject *s
     return 0;
 }
 
-/* the fold between the phases of a two-hop call (tcp_scatter's `then`) */
+/* a ring chunk's fold from every rank's copy of it: fold_chunk's, and tcp_scatter's between its phases */
 typedef struct {
     Py_buffer rows, out, own;
     int held, first, kind, op, n;
     Py_ssize_t count;
 } ScFold;
+
+/* check a fold whose buffers, first rank and kind are parsed (and `op` its name): 0, or -1 with a
+ * ValueError naming `who` */
+static int chunk_fold_check(ScFold *f, const char *op, const char *who) {
+    Py_ssize_t item = kind_size(f->kind), len = f->out.len;
+    f->op = op_code(op);
+    f->n = len > 0 ? (int)(f->rows.len / len) : 0;
+    if (item == 0 || f->op < 0 || (f->op == 1 && f->kind != 'f' && f->kind != 'd') || len == 0 || len % item ||
+        f->rows.len % len || f->n < 1 || f->n > TCP_MAX_LINKS + 1 || f->first < 0 || f->first >= f->n ||
+        f->own.len != len || (uintptr_t)f->rows.buf % (uintptr_t)item || (uintptr_t)f->out.buf % (uintptr_t)item ||
+        (uintptr_t)f->own.buf % (uintptr_t)item) {
+        PyErr_Format(PyExc_ValueError, "%s: a fold the native fold does not take", who);
+        return -1;
+    }
+    f->count = len / item;
+    return 0;
+}
+
+/* the rows folded in the chunk's canonical order (row `first` read from own); no GIL needed */
+static void chunk_fold(const ScFold *f) {
+    const char *rp[TCP_MAX_LINKS + 1];
+    for (int r = 0; r < f->n; r++)
+        rp[r] = r == f->first ? (const char *)f->own.buf : (const char *)f->rows.buf + (Py_ssize_t)r * f->out.len;
+    fold_from(rp, f->n, f->first, f->out.buf, f->count, f->kind, f->op);
+}
 
 /* tcp_scatter(links, sheads, sends, rheads, dests, hot, wait_s, then=None) -> (code, sent, read, phase)
  * For every link i (a TcpLink): send sheads[i] + sends[i] (bytes-like; empty: nothing to send), and read
@@ -1280,17 +1305,8 @@ static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args)
                               &PyList_Type, &lists[1][3]))
             return NULL;
         fold.held = 1, phases = 2;
-        Py_ssize_t item = kind_size(fold.kind), len = fold.out.len;
-        fold.op = op_code(op);
-        fold.n = len > 0 ? (int)(fold.rows.len / len) : 0;
-        if (item == 0 || fold.op < 0 || (fold.op == 1 && fold.kind != 'f' && fold.kind != 'd') || len == 0 ||
-            len % item || fold.rows.len % len || fold.n < 1 || fold.n > TCP_MAX_LINKS + 1 || fold.first < 0 ||
-            fold.first >= fold.n || fold.own.len != len || (uintptr_t)fold.rows.buf % (uintptr_t)item ||
-            (uintptr_t)fold.out.buf % (uintptr_t)item || (uintptr_t)fold.own.buf % (uintptr_t)item) {
-            PyErr_SetString(PyExc_ValueError, "tcp_scatter: a fold the native fold does not take");
+        if (chunk_fold_check(&fold, op, "tcp_scatter") < 0)
             goto done;
-        }
-        fold.count = len / item;
     }
     for (int p = 0; p < phases; p++)
         for (int k = 0; k < 4; k++)
@@ -1358,11 +1374,7 @@ static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args)
             break;
         if (left == 0) {
             if (cur + 1 < phases) { /* the first phase is in: fold, and on with the second */
-                const char *rp[TCP_MAX_LINKS + 1];
-                for (int r = 0; r < fold.n; r++)
-                    rp[r] = r == fold.first ? (const char *)fold.own.buf
-                                            : (const char *)fold.rows.buf + (Py_ssize_t)r * fold.out.len;
-                fold_from(rp, fold.n, fold.first, fold.out.buf, fold.count, fold.kind, fold.op);
+                chunk_fold(&fold);
                 cur++;
                 for (Py_ssize_t i = 0; i < m; i++)
                     sc_phase(&ls[i], cur);
@@ -1460,32 +1472,20 @@ done:
  * first rank is `first`: rows[first], rows[first + 1], ... (mod n); avg divides by n at the end. Row
  * `first` is read from `own` instead (the first rank's chunk where it is, not copied into rows). */
 static PyObject *native_fold_chunk(PyObject *Py_UNUSED(module), PyObject *args) {
-    Py_buffer rows, out, own;
-    int first, kind;
+    ScFold f = {0};
     const char *op;
-    if (!PyArg_ParseTuple(args, "y*iw*Csy*", &rows, &first, &out, &kind, &op, &own))
+    if (!PyArg_ParseTuple(args, "y*iw*Csy*", &f.rows, &f.first, &f.out, &f.kind, &op, &f.own))
         return NULL;
-    Py_ssize_t item = kind_size(kind), len = out.len;
-    int code = op_code(op), n = len > 0 ? (int)(rows.len / len) : 0;
     PyObject *result = NULL;
-    if (item == 0 || code < 0 || (code == 1 && kind != 'f' && kind != 'd') || len == 0 || len % item ||
-        rows.len % len || n < 1 || n > TCP_MAX_LINKS + 1 || first < 0 || first >= n || own.len != len ||
-        (uintptr_t)rows.buf % (uintptr_t)item || (uintptr_t)out.buf % (uintptr_t)item ||
-        (uintptr_t)own.buf % (uintptr_t)item) {
-        PyErr_SetString(PyExc_ValueError, "fold_chunk: a call the native fold does not take");
-        goto done;
+    if (chunk_fold_check(&f, op, "fold_chunk") == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        chunk_fold(&f);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
     }
-    const char *rp[TCP_MAX_LINKS + 1];
-    for (int r = 0; r < n; r++)
-        rp[r] = r == first ? (const char *)own.buf : (const char *)rows.buf + (Py_ssize_t)r * len;
-    Py_BEGIN_ALLOW_THREADS
-    fold_from(rp, n, first, out.buf, len / item, kind, code);
-    Py_END_ALLOW_THREADS
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&rows);
-    PyBuffer_Release(&out);
-    PyBuffer_Release(&own);
+    PyBuffer_Release(&f.rows);
+    PyBuffer_Release(&f.out);
+    PyBuffer_Release(&f.own);
     return result;
 }
 
