@@ -165,8 +165,7 @@ class TcpMesh(Mesh[TcpLink]):
         """Send one framed message given in ``parts`` (one ``sendmsg``); False if the kernel did not take
         it all (the rest queued, in order) or the link failed (its ``error`` says why)."""
         if link.pending:
-            link.pending.append(memoryview(b"".join(parts)))
-            link.deferred += 1
+            self.queue_rest(link, b"".join(parts))
             return False
         try:
             n = link.sock.send(parts[0]) if len(parts) == 1 else link.sock.sendmsg(parts)  # send: less set-up
@@ -179,9 +178,7 @@ class TcpMesh(Mesh[TcpLink]):
         if n == sum(map(len, parts)):
             link.frames_sent += 1
             return True
-        link.pending.append(memoryview(b"".join(parts))[n:])  # the rare partial send: the rest, in order
-        link.deferred += 1
-        self.backlog += 1
+        self.queue_rest(link, memoryview(b"".join(parts))[n:])  # the rare partial send: the rest, in order
         return False
 
     def flush(self) -> None:
@@ -333,9 +330,7 @@ class TcpMesh(Mesh[TcpLink]):
         if sent < 0:
             link.error = OSError(-sent, os.strerror(-sent))
         else:
-            link.pending.append(frame[sent:])  # as _push leaves a partial send: the rest, in order
-            link.deferred += 1
-            self.backlog += 1
+            self.queue_rest(link, frame[sent:])  # as _push leaves a partial send: the rest, in order
         for link in links[bad + 1 :]:
             self._push(link, frame)
         return 4
@@ -376,8 +371,8 @@ class TcpMesh(Mesh[TcpLink]):
         return _native_scatter(links, sheads, sends, rheads, dests, hot, timeout, then)
 
     def queue_rest(self, link: TcpLink, message: bytes | memoryview) -> None:
-        """Queue what a thread did not send of one message on ``link`` (in order, after anything queued
-        there): the loop sends it (:meth:`flush`)."""
+        """Queue what was not sent of one message on ``link`` (in order, after anything queued there; a
+        link with something queued counts once in ``backlog``): the loop sends it (:meth:`flush`)."""
         if not link.pending:
             self.backlog += 1
         link.pending.append(memoryview(message))
