@@ -362,10 +362,15 @@ class PeerNet(PlaneLinks):
         authenticated as any connection, then taken out of the event loop)."""
         mesh = self.tcp_mesh
         assert mesh is not None
-        higher = [r for r in range(self.rank + 1, self.world_size)]
-        conns = await asyncio.gather(*(self.dial(r, timeout, data="mesh") for r in higher))
-        for r, conn in zip(higher, conns, strict=True):
+
+        async def dial(r: int) -> None:
+            # out of the event loop as soon as it is open: a connection left there while another dial
+            # takes longer (a lost SYN is retried after 1 s) pings, and the peer, which took its end
+            # out at once, would read the ping as a message
+            conn = await self.dial(r, timeout, data="mesh")
             mesh.add(r, conn.detach())
+
+        await asyncio.gather(*(dial(r) for r in range(self.rank + 1, self.world_size)))
         try:
             await asyncio.wait_for(mesh.all_in.wait(), timeout)
         except TimeoutError:
