@@ -1193,7 +1193,14 @@ static int sc_recv(ScLink *l) {
         Py_ssize_t h = n < hlen - have ? n : hlen - have, extra = n - h;
         st->end += h;
         if (memcmp(buf + st->start, head, (size_t)(st->end - st->start)) != 0) {
-            memcpy(buf + st->end, dest, (size_t)extra); /* another message: its bytes back in the buffer */
+            /* another message: its bytes back in the buffer, after what the buffer holds of it (less than a
+             * head), moved to the front where the rest would not fit (the buffer holds a read and a message) */
+            if (st->buf.len - st->end < extra) {
+                Py_ssize_t held = st->end - st->start;
+                memmove(buf, buf + st->start, (size_t)held);
+                st->start = 0, st->end = held;
+            }
+            memcpy(buf + st->end, dest, (size_t)extra);
             st->end += extra;
             return -2;
         }

@@ -163,6 +163,33 @@ def test_tcp_scatter_leaves_a_half_read_message_and_another_call_in_the_links_bu
             s.close()
 
 
+@pytest.mark.timeout(30)
+def test_tcp_scatter_keeps_another_message_read_into_place_within_the_links_buffer() -> None:
+    """Another message read in one recvmsg with the head expected: its bytes that went into the
+    destination go back into the link's buffer -- within it, wherever the buffer's bytes began (a buffer
+    the loop had read far into once wrote them past its end)."""
+    _needs_native()
+    from psring._native import tcp_scatter
+
+    link, peer = _pair()
+    try:
+        size = 300_000
+        expect = TcpMesh.head(b"call-1", size)
+        TcpMesh.reserve(link, len(expect) + size)
+        link.start = link.end = len(link.buf) - len(expect) - 100  # what was read before was used up
+        other_msg = _message(b"call-2", bytes(range(256)) * 400)  # longer than the room left
+        peer.sendall(other_msg)
+        time.sleep(0.05)
+        code, _, read, _ = tcp_scatter([link], [b""], [b""], [expect], [bytearray(size)], 0, 1.0)
+        assert code == 2 and read == (False,)
+        assert 0 <= link.start <= link.end <= len(link.buf)
+        kept = bytes(link.buf[link.start : link.end])
+        assert len(kept) > len(expect) and other_msg.startswith(kept)  # what was read, in order
+    finally:
+        link.sock.close()
+        peer.close()
+
+
 @pytest.mark.parametrize(
     ("dtype", "op"), [(np.float32, "sum"), (np.float64, "avg"), (np.int64, "prod"), (np.int32, "sum")]
 )
