@@ -1293,67 +1293,41 @@ static void chunk_fold(const ScFold *f) {
  * `error` set as TcpMesh.fill sets it; nothing more is sent). `sent`: the bytes of each link's message
  * that went (the rest is the caller's to queue); `read`: whether each link's message was read (one half
  * read is back in the link's buffer, as TcpMesh.fill would have left it). */
-static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args) {
-    PyObject *links, *lists[2][4], *then = Py_None, *result = NULL;
-    int hot, code = 1, phases = 1, cur = 0;
-    double wait_s;
-    ScFold fold = {0};
-    const char *op = NULL;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!id|O", &PyList_Type, &links, &PyList_Type, &lists[0][0], &PyList_Type,
-                          &lists[0][1], &PyList_Type, &lists[0][2], &PyList_Type, &lists[0][3], &hot, &wait_s, &then))
-        return NULL;
-    Py_ssize_t m = PyList_GET_SIZE(links), bad = -1;
-    int err = 0;
-    ScLink *ls = NULL;
-    struct pollfd *fds = NULL;
-    if (then != Py_None) {
-        if (!PyArg_ParseTuple(then, "y*iw*Csy*O!O!O!O!", &fold.rows, &fold.first, &fold.out, &fold.kind, &op, &fold.own,
-                              &PyList_Type, &lists[1][0], &PyList_Type, &lists[1][1], &PyList_Type, &lists[1][2],
-                              &PyList_Type, &lists[1][3]))
-            return NULL;
-        fold.held = 1, phases = 2;
-        if (chunk_fold_check(&fold, op, "tcp_scatter") < 0)
-            goto done;
+/* hold link `link`'s socket and buffer in l: -1 with an exception set */
+static int sc_link(ScLink *l, PyObject *link) {
+    PyObject *buf;
+    Py_ssize_t fd;
+    if (attr_ssize(link, "start", &l->st.start) < 0 || attr_ssize(link, "end", &l->st.end) < 0 ||
+        attr_ssize(link, "fd", &fd) < 0)
+        return -1;
+    l->st.fd = (int)fd;
+    if ((buf = PyObject_GetAttrString(link, "buf")) == NULL)
+        return -1;
+    int got = PyObject_GetBuffer(buf, &l->st.buf, PyBUF_WRITABLE | PyBUF_SIMPLE);
+    Py_DECREF(buf);
+    if (got < 0)
+        return -1;
+    l->st.done = 1; /* (here: the link's buffer is held) */
+    return 0;
+}
+
+/* whether link l's buffer holds a read and phase p's message after what it holds: 0, or -1 with a ValueError */
+static int sc_room(ScLink *l, int p, const char *who) {
+    if (l->st.start < 0 || l->st.start > l->st.end || l->st.end > l->st.buf.len ||
+        l->st.buf.len < TCP_READ + l->bufs[p][2].len + l->bufs[p][3].len) {
+        PyErr_Format(PyExc_ValueError, "%s: a link's buffer is out of range or too small", who);
+        return -1;
     }
-    for (int p = 0; p < phases; p++)
-        for (int k = 0; k < 4; k++)
-            if (PyList_GET_SIZE(lists[p][k]) != m || m > TCP_MAX_LINKS) {
-                PyErr_SetString(PyExc_ValueError, "tcp_scatter: the lists differ in length");
-                goto done;
-            }
-    ls = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(ScLink));
-    fds = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(struct pollfd));
-    if (ls == NULL || fds == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        PyObject *link = PyList_GET_ITEM(links, i), *buf;
-        ScLink *l = &ls[i];
-        Py_ssize_t fd;
-        if (attr_ssize(link, "start", &l->st.start) < 0 || attr_ssize(link, "end", &l->st.end) < 0 ||
-            attr_ssize(link, "fd", &fd) < 0)
-            goto done;
-        l->st.fd = (int)fd;
-        if ((buf = PyObject_GetAttrString(link, "buf")) == NULL)
-            goto done;
-        int got = PyObject_GetBuffer(buf, &l->st.buf, PyBUF_WRITABLE | PyBUF_SIMPLE);
-        Py_DECREF(buf);
-        if (got < 0)
-            goto done;
-        l->st.done = 1; /* (here: the link's buffer is held) */
-        for (int p = 0; p < phases; p++) {
-            if (sc_hold(l, p, i, lists[p][0], lists[p][1], lists[p][2], lists[p][3]) < 0)
-                goto done;
-            if (l->st.start < 0 || l->st.start > l->st.end || l->st.end > l->st.buf.len ||
-                l->st.buf.len < TCP_READ + l->bufs[p][2].len + l->bufs[p][3].len) {
-                PyErr_SetString(PyExc_ValueError, "tcp_scatter: a link's buffer is out of range or too small");
-                goto done;
-            }
-        }
-        sc_phase(l, 0);
-    }
-    Py_BEGIN_ALLOW_THREADS
+    return 0;
+}
+
+/* the exchange, every link's message of each phase sent and read (the fold between the phases), the GIL
+ * released by the caller: the code (tcp_scatter's); *bad the link that stopped it, *err its errno, *cur the
+ * phase it stopped in (0 or 1) */
+static int sc_run(ScLink *ls, Py_ssize_t m, struct pollfd *fds, int phases, const ScFold *fold, int hot,
+                  double wait_s, Py_ssize_t *bad_out, int *err_out, int *cur_out) {
+    int code = 1, cur = 0, err = 0;
+    Py_ssize_t bad = -1;
     double now = now_s(), end = now + wait_s;
     int idle = 0;
     for (;;) {
@@ -1381,7 +1355,7 @@ static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args)
             break;
         if (left == 0) {
             if (cur + 1 < phases) { /* the first phase is in: fold, and on with the second */
-                chunk_fold(&fold);
+                chunk_fold(fold);
                 cur++;
                 for (Py_ssize_t i = 0; i < m; i++)
                     sc_phase(&ls[i], cur);
@@ -1421,12 +1395,19 @@ static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args)
             l->st.start = 0, l->st.end = l->rh->len + l->pgot;
         }
     }
-    Py_END_ALLOW_THREADS
+    *bad_out = bad, *err_out = err, *cur_out = cur;
+    return code;
+}
+
+/* (code, sent, read, phase) of an exchange that ended, the links' books written back as fill and _push
+ * keep them (and the error of a link that ended); NULL with an exception set */
+static PyObject *sc_result(ScLink *ls, Py_ssize_t m, PyObject *links, int code, Py_ssize_t bad, int err, int cur) {
+    PyObject *result = NULL;
     PyObject *sent = PyTuple_New(m), *read = PyTuple_New(m);
     if (sent == NULL || read == NULL) {
         Py_XDECREF(sent);
         Py_XDECREF(read);
-        goto done;
+        return NULL;
     }
     for (Py_ssize_t i = 0; i < m; i++) {
         PyTuple_SET_ITEM(sent, i, PyLong_FromSsize_t(ls[i].soff));
@@ -1454,7 +1435,11 @@ static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args)
             Py_CLEAR(result);
         Py_XDECREF(exc);
     }
-done:
+    return result;
+}
+
+/* let go of what the links hold */
+static void sc_release(ScLink *ls, Py_ssize_t m) {
     for (Py_ssize_t i = 0; ls != NULL && i < m; i++) {
         ScLink *l = &ls[i];
         if (l->st.done)
@@ -1464,6 +1449,57 @@ done:
                 if (!(k == 3 && !l->reads[p]))
                     PyBuffer_Release(&l->bufs[p][k]);
     }
+}
+
+static PyObject *native_tcp_scatter(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *links, *lists[2][4], *then = Py_None, *result = NULL;
+    int hot, code, phases = 1, cur = 0, err = 0;
+    double wait_s;
+    ScFold fold = {0};
+    const char *op = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!id|O", &PyList_Type, &links, &PyList_Type, &lists[0][0], &PyList_Type,
+                          &lists[0][1], &PyList_Type, &lists[0][2], &PyList_Type, &lists[0][3], &hot, &wait_s, &then))
+        return NULL;
+    Py_ssize_t m = PyList_GET_SIZE(links), bad = -1;
+    ScLink *ls = NULL;
+    struct pollfd *fds = NULL;
+    if (then != Py_None) {
+        if (!PyArg_ParseTuple(then, "y*iw*Csy*O!O!O!O!", &fold.rows, &fold.first, &fold.out, &fold.kind, &op, &fold.own,
+                              &PyList_Type, &lists[1][0], &PyList_Type, &lists[1][1], &PyList_Type, &lists[1][2],
+                              &PyList_Type, &lists[1][3]))
+            return NULL;
+        fold.held = 1, phases = 2;
+        if (chunk_fold_check(&fold, op, "tcp_scatter") < 0)
+            goto done;
+    }
+    for (int p = 0; p < phases; p++)
+        for (int k = 0; k < 4; k++)
+            if (PyList_GET_SIZE(lists[p][k]) != m || m > TCP_MAX_LINKS) {
+                PyErr_SetString(PyExc_ValueError, "tcp_scatter: the lists differ in length");
+                goto done;
+            }
+    ls = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(ScLink));
+    fds = PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(struct pollfd));
+    if (ls == NULL || fds == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        ScLink *l = &ls[i];
+        if (sc_link(l, PyList_GET_ITEM(links, i)) < 0)
+            goto done;
+        for (int p = 0; p < phases; p++)
+            if (sc_hold(l, p, i, lists[p][0], lists[p][1], lists[p][2], lists[p][3]) < 0 ||
+                sc_room(l, p, "tcp_scatter") < 0)
+                goto done;
+        sc_phase(l, 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    code = sc_run(ls, m, fds, phases, &fold, hot, wait_s, &bad, &err, &cur);
+    Py_END_ALLOW_THREADS
+    result = sc_result(ls, m, links, code, bad, err, cur);
+done:
+    sc_release(ls, m);
     if (fold.held) {
         PyBuffer_Release(&fold.rows);
         PyBuffer_Release(&fold.out);
@@ -1471,6 +1507,111 @@ done:
     }
     PyMem_Free(ls);
     PyMem_Free(fds);
+    return result;
+}
+
+/* tcp_two_hop(links, x, out, rows, order, bounds, first, h1, h2, kind, op, hot, wait_s) -> tcp_scatter's
+ * A two-hop all_reduce's whole exchange, its messages made here rather than listed: link i goes to the rank
+ * order[i] (bytes of int64), whose ring chunk is x's bytes bounds[2 order[i]] to bounds[2 order[i] + 1]
+ * (bytes of int64, every rank's); this rank is `first`. The first phase sends each rank its chunk of x and
+ * reads that rank's copy of this rank's chunk into row order[i] of rows (one row a rank, this rank's
+ * chunk's size); then the fold (fold_chunk(rows, first, out's chunk, kind, op, x's chunk)); the second
+ * sends the folded chunk to every rank and reads each rank's into place in out. Every message is a
+ * 4-byte length, the header (h1 in the first phase, h2 in the second) and the payload: the messages
+ * tcp_scatter would be given. The same result, codes and books as tcp_scatter with `then`. */
+static PyObject *native_tcp_two_hop(PyObject *Py_UNUSED(module), PyObject *args) {
+    PyObject *links, *result = NULL;
+    Py_buffer xb = {0}, ob = {0}, rb = {0}, orderb = {0}, boundsb = {0}, h[2] = {{0}, {0}};
+    int first, hot, code, cur = 0, err = 0;
+    double wait_s;
+    const char *op;
+    ScFold fold = {0};
+    if (!PyArg_ParseTuple(args, "O!y*w*w*y*y*iy*y*Csid", &PyList_Type, &links, &xb, &ob, &rb, &orderb, &boundsb,
+                          &first, &h[0], &h[1], &fold.kind, &op, &hot, &wait_s))
+        return NULL;
+    Py_ssize_t m = PyList_GET_SIZE(links), n = boundsb.len / (Py_ssize_t)(2 * sizeof(int64_t)), bad = -1;
+    const int64_t *order = orderb.buf, *bounds = boundsb.buf;
+    ScLink *ls = NULL;
+    struct pollfd *fds = NULL;
+    char *heads = NULL;
+    if (m < 1 || m > TCP_MAX_LINKS || orderb.len != m * (Py_ssize_t)sizeof(int64_t) || n != m + 1 ||
+        boundsb.len % (Py_ssize_t)(2 * sizeof(int64_t)) || first < 0 || first >= n || ob.len != xb.len ||
+        h[0].len > (1 << 16) || h[1].len > (1 << 16)) {
+        PyErr_SetString(PyExc_ValueError, "tcp_two_hop: links, order and bounds do not make a two-hop call");
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < n; r++)
+        if (bounds[2 * r] < 0 || bounds[2 * r] > bounds[2 * r + 1] || bounds[2 * r + 1] > xb.len ||
+            bounds[2 * r + 1] - bounds[2 * r] > 0x7fffffff - (1 << 16)) {
+            PyErr_SetString(PyExc_ValueError, "tcp_two_hop: a rank's chunk is outside the tensor");
+            goto done;
+        }
+    Py_ssize_t a = bounds[2 * first], row = bounds[2 * first + 1] - a;
+    if (rb.len != n * row) {
+        PyErr_SetString(PyExc_ValueError, "tcp_two_hop: rows is not one row of this rank's chunk a rank");
+        goto done;
+    }
+    /* the fold's buffers: views into x, out and rows, which this call holds */
+    PyBuffer_FillInfo(&fold.rows, NULL, rb.buf, rb.len, 0, PyBUF_SIMPLE);
+    PyBuffer_FillInfo(&fold.out, NULL, (char *)ob.buf + a, row, 0, PyBUF_WRITABLE);
+    PyBuffer_FillInfo(&fold.own, NULL, (char *)xb.buf + a, row, 1, PyBUF_SIMPLE);
+    fold.first = first;
+    if (chunk_fold_check(&fold, op, "tcp_two_hop") < 0)
+        goto done;
+    ls = PyMem_Calloc((size_t)m, sizeof(ScLink));
+    fds = PyMem_Calloc((size_t)m, sizeof(struct pollfd));
+    Py_ssize_t hmax = 4 + (h[0].len > h[1].len ? h[0].len : h[1].len);
+    heads = PyMem_Malloc((size_t)(m * 4 * hmax));
+    if (ls == NULL || fds == NULL || heads == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        ScLink *l = &ls[i];
+        int64_t p = order[i];
+        if (p < 0 || p >= n || p == first) {
+            PyErr_SetString(PyExc_ValueError, "tcp_two_hop: order names a rank outside the call");
+            goto done;
+        }
+        if (sc_link(l, PyList_GET_ITEM(links, i)) < 0)
+            goto done;
+        Py_ssize_t pa = bounds[2 * p], span = bounds[2 * p + 1] - pa;
+        /* each phase: the head and payload sent, the head expected and where its payload goes */
+        const Py_ssize_t sizes[2][2] = {{span, row}, {row, span}};
+        void *sends[2] = {(char *)xb.buf + pa, (char *)ob.buf + a};
+        void *dests[2] = {(char *)rb.buf + p * row, (char *)ob.buf + pa};
+        for (int ph = 0; ph < 2; ph++) {
+            for (int k = 0; k < 2; k++) { /* k 0: the head sent, 1: the head expected */
+                char *at = heads + (i * 4 + ph * 2 + k) * hmax;
+                uint32_t len = (uint32_t)(h[ph].len + sizes[ph][k]);
+                memcpy(at, &len, 4); /* little-endian, as TcpMesh's length (the hosts psring builds on) */
+                memcpy(at + 4, h[ph].buf, (size_t)h[ph].len);
+                PyBuffer_FillInfo(&l->bufs[ph][k * 2], NULL, at, 4 + h[ph].len, 1, PyBUF_SIMPLE);
+            }
+            PyBuffer_FillInfo(&l->bufs[ph][1], NULL, sends[ph], sizes[ph][0], 1, PyBUF_SIMPLE);
+            PyBuffer_FillInfo(&l->bufs[ph][3], NULL, dests[ph], sizes[ph][1], 0, PyBUF_WRITABLE);
+            l->reads[ph] = 1; /* (held stays 0: nothing of these to release) */
+            if (sc_room(l, ph, "tcp_two_hop") < 0)
+                goto done;
+        }
+        sc_phase(l, 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    code = sc_run(ls, m, fds, 2, &fold, hot, wait_s, &bad, &err, &cur);
+    Py_END_ALLOW_THREADS
+    result = sc_result(ls, m, links, code, bad, err, cur);
+done:
+    sc_release(ls, m);
+    PyMem_Free(ls);
+    PyMem_Free(fds);
+    PyMem_Free(heads);
+    PyBuffer_Release(&xb);
+    PyBuffer_Release(&ob);
+    PyBuffer_Release(&rb);
+    PyBuffer_Release(&orderb);
+    PyBuffer_Release(&boundsb);
+    PyBuffer_Release(&h[0]);
+    PyBuffer_Release(&h[1]);
     return result;
 }
 
@@ -2031,6 +2172,8 @@ static PyMethodDef native_functions[] = {
      "tcp_exchange(links, ranks, head, x, bufs, me, out, kind, op, yields, spin_s, wait_s) -> (code, i, sent)"},
     {"tcp_scatter", native_tcp_scatter, METH_VARARGS,
      "tcp_scatter(links, sheads, sends, rheads, dests, hot, wait_s, then=None) -> (code, sent, read, phase)"},
+    {"tcp_two_hop", native_tcp_two_hop, METH_VARARGS,
+     "tcp_two_hop(links, x, out, rows, order, bounds, first, h1, h2, kind, op, hot, wait_s) -> (code, sent, read, phase)"},
     {"fold_chunk", native_fold_chunk, METH_VARARGS, "fold_chunk(rows, first, out, kind, op, own)"},
     {NULL, NULL, 0, NULL},
 };

@@ -82,6 +82,21 @@ def tcp_scatter(
     wait_s: float,
     then: tuple[Any, ...] | None = ...,
 ) -> tuple[int, tuple[int, ...], tuple[bool, ...], int]: ...
+def tcp_two_hop(
+    links: list[Any],
+    x: _Array,
+    out: _Array,
+    rows: _Array,
+    order: Buffer,
+    bounds: Buffer,
+    first: int,
+    h1: Buffer,
+    h2: Buffer,
+    kind: str,
+    op: str,
+    hot: int,
+    wait_s: float,
+) -> tuple[int, tuple[int, ...], tuple[bool, ...], int]: ...
 def fold_chunk(rows: _Array, first: int, out: _Array, kind: str, op: str, own: _Array) -> None: ...
 
 class NRing:

@@ -36,8 +36,9 @@ try:  # the C extension's read loop (psring/_native.c, a leaf: it imports nothin
     from .._native import tcp_exchange as _native_exchange
     from .._native import tcp_read as _native_read
     from .._native import tcp_scatter as _native_scatter
+    from .._native import tcp_two_hop as _native_two_hop
 except ImportError:  # not built here: the pure-Python loop (the caller's)
-    _native_read = _native_exchange = _native_scatter = None  # type: ignore[assignment]
+    _native_read = _native_exchange = _native_scatter = _native_two_hop = None  # type: ignore[assignment]
 
 logger = logging.getLogger(__name__)
 
@@ -369,6 +370,34 @@ class TcpMesh(Mesh[TcpLink]):
                 if dest is not None:
                     self.reserve(link, len(head) + len(dest))
         return _native_scatter(links, sheads, sends, rheads, dests, hot, timeout, then)
+
+    @staticmethod
+    def two_hop(
+        links: list[TcpLink],
+        x: Any,
+        out: Any,
+        rows: Any,
+        order: bytes,
+        bounds: bytes,
+        first: int,
+        h1: bytes,
+        h2: bytes,
+        kind: str,
+        op: str,
+        hot: int,
+        timeout: float,
+    ) -> tuple[int, tuple[int, ...], tuple[bool, ...], int]:
+        """:meth:`scatter` of a two-hop all_reduce's two phases, its messages made in C from the call
+        rather than listed (the lists cost more than the rest of the call's Python): link i goes to rank
+        ``order[i]`` (int64 bytes), whose chunk of the flat tensor ``x`` is the bytes ``bounds[2 r]`` to
+        ``bounds[2 r + 1]`` (int64 bytes, every rank's); this rank is ``first``. The first phase sends each
+        rank its chunk of ``x`` (header ``h1``) and reads its copy of this rank's chunk into row
+        ``order[i]`` of ``rows``; ``rows`` is folded into ``out``'s chunk; the second phase sends that
+        (header ``h2``) to every rank and reads each rank's folded chunk into place in ``out``. The same
+        messages, result and books as :meth:`scatter` with ``then``. Each link's buffer must have room
+        for a read and the largest message it receives (:meth:`reserve`)."""
+        assert _native_two_hop is not None
+        return _native_two_hop(links, x, out, rows, order, bounds, first, h1, h2, kind, op, hot, timeout)
 
     def queue_rest(self, link: TcpLink, message: bytes | memoryview) -> None:
         """Queue what was not sent of one message on ``link`` (in order, after anything queued there; a

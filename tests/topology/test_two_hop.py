@@ -190,6 +190,46 @@ def test_tcp_scatter_keeps_another_message_read_into_place_within_the_links_buff
         peer.close()
 
 
+@pytest.mark.timeout(30)
+def test_tcp_two_hop_names_a_call_its_arguments_do_not_make() -> None:
+    _needs_native()
+    from psring._native import tcp_two_hop
+
+    pairs = [_pair() for _ in range(2)]
+    try:
+        links = [link for link, _ in pairs]
+        for link in links:
+            TcpMesh.reserve(link, 4096)
+        x, out = np.ones(30, np.float32), np.empty(30, np.float32)
+        bounds = np.array([(0, 40), (40, 80), (80, 120)], np.int64).tobytes()
+        order = np.array([1, 2], np.int64).tobytes()
+
+        def call(**kw: Any) -> Any:
+            args = dict(x=x, out=out, rows=np.empty((3, 10), np.float32), order=order, bounds=bounds, first=0)
+            args.update(kw)
+            a = [args[k] for k in ("x", "out", "rows", "order", "bounds", "first")]
+            return tcp_two_hop(links, *a, b"h1", b"h2", "f", "sum", 0, 0.01)
+
+        bad = [
+            dict(order=np.array([0, 2], np.int64).tobytes()),  # a link to this rank itself
+            dict(order=np.array([1, 5], np.int64).tobytes()),  # to a rank outside the call
+            dict(order=np.array([1], np.int64).tobytes()),  # fewer ranks than links
+            dict(bounds=np.array([(0, 40), (40, 80), (80, 400)], np.int64).tobytes()),  # past the tensor
+            dict(bounds=np.array([(0, 40), (80, 40), (80, 120)], np.int64).tobytes()),  # backwards
+            dict(rows=np.empty((3, 9), np.float32)),  # rows not this rank's chunk a rank
+            dict(out=np.empty(29, np.float32)),
+            dict(first=3),
+        ]
+        for kw in bad:
+            with pytest.raises(ValueError, match="tcp_two_hop"):
+                call(**kw)
+        assert call()[0] == 1  # the good call: nobody sends, so the time runs out
+    finally:
+        for link, peer in pairs:
+            link.sock.close()
+            peer.close()
+
+
 @pytest.mark.parametrize(
     ("dtype", "op"), [(np.float32, "sum"), (np.float64, "avg"), (np.int64, "prod"), (np.int32, "sum")]
 )

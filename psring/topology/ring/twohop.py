@@ -61,7 +61,7 @@ POOL_FROM = 64 << 10
 class _Plan:
     """What every two-hop call of one (dtype, shape, op) shares."""
 
-    __slots__ = ("bounds", "desc", "kind", "makers", "mine", "native", "rows", "spans", "takes")
+    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "rows", "takes")
 
     def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
         self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
@@ -70,13 +70,22 @@ class _Plan:
         self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
         #: whether a call of this size takes two hops (ring.paths: the same for every call of it)
         self.takes = group._all_reduce_path(x.nbytes) is Path.TWO_HOP
-        #: and its payloads in bytes: each peer's chunk (in _tcp_order), this rank's own
         item = x.itemsize
-        self.spans = [(a * item, b * item) for a, b in (self.bounds[p] for p in group._tcp_order)]
         a, b = self.bounds[group.rank]
-        self.mine = (a * item, b * item)
         #: the whole call goes in one native call (the fold between the phases in C too)
         self.native = self.kind is not None and _fold_chunk is not None and b > a
+        #: for that call (TcpMesh.two_hop): the links in _tcp_order, each with room for its largest message,
+        #: the ranks they go to and every rank's chunk in bytes, as int64 bytes
+        mesh = group.net.tcp_mesh
+        self.links = [mesh.links[group.members[p]] for p in group._tcp_order] if self.takes and mesh else []
+        self.order = np.array(group._tcp_order, np.int64).tobytes()
+        self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
+        if self.links:
+            assert mesh is not None
+            longest = max(b - a for a, b in self.bounds) * item
+            most = len(mesh.head(self.makers[TWO_GATHER]((1 << 64) - 1), longest))  # the longest header
+            for link in self.links:
+                mesh.reserve(link, most + longest)
         #: the rows of the call on the caller's thread (one at a time: it runs only with nothing in flight)
         self.rows: np.ndarray | None = None
 
@@ -148,7 +157,7 @@ class TwoHop(_Host):
         ):
             return None
         plan = self._two_hop_plan(x, op, x.shape)
-        if not plan.takes or not mesh.usable(list(mesh.links.values())):
+        if not plan.takes or not mesh.usable(plan.links):
             return None
         x, seq, desc, started = self._number_now(x, op)
         call = _Call(seq, x, op, plan, self.rank, alone=True)
@@ -246,51 +255,27 @@ class TwoHop(_Host):
             call.messages.append([p, mesh.head(header, (b - a) * item), byte_view(flat[a:b]), 0])
 
     def _two_hop_first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int, wait: float = LOOK_EVERY) -> int:
-        """A call's first native call, both phases and the fold, its lists made straight from the plan (the
-        usual case: every peer there within ``wait``); where it stops, the call's books say where."""
-        flat, out, rows = call.flat, call.out, call.rows
-        xb, ob, rb = byte_view(flat), byte_view(out), byte_view(rows)
-        m0, m1 = plan.mine
-        heads: dict[tuple[int, int], bytes] = {}
-        h1, h2 = plan.makers[TWO_SCATTER](call.seq), plan.makers[TWO_GATHER](call.seq)
-
-        def head(phase: int, size: int) -> bytes:
-            got = heads.get((phase, size))
-            if got is None:
-                got = heads[(phase, size)] = mesh.head(h1 if phase == TWO_SCATTER else h2, size)
-            return got
-
-        row = m1 - m0
-        mine1, mine2 = head(TWO_SCATTER, row), head(TWO_GATHER, row)
-        sheads1, sends1, dests1, rheads2, dests2 = [], [], [], [], []
-        for p, (a, b) in zip(self._tcp_order, plan.spans, strict=True):
-            sheads1.append(head(TWO_SCATTER, b - a))
-            sends1.append(xb[a:b])
-            dests1.append(rb[p * row : (p + 1) * row])
-            rheads2.append(head(TWO_GATHER, b - a))
-            dests2.append(ob[a:b])
-        peers = len(self._tcp_order)
-        own = ob[m0:m1]
-        me = self.rank
-        a, b = call.bounds[me]
-        then = (rows, me, out[a:b], call.kind, call.op, flat[a:b], [mine2] * peers, [own] * peers, rheads2, dests2)
-        links, members = mesh.links, self.members
-        on = [links[members[p]] for p in self._tcp_order]
-        if any(link.closed for link in on):  # (its socket is gone: the loop names the loss)
-            call.messages = [[p, sh, sp, 0] for p, sh, sp in zip(self._tcp_order, sheads1, sends1, strict=True)]
-            call.left = list(self._tcp_order)
+        """A call's first native call, both phases and the fold, its messages made in C from the plan
+        (TcpMesh.two_hop: the usual case, every peer there within ``wait``); where it stops, the call's
+        books say where."""
+        links = plan.links
+        if any(link.closed for link in links):  # (its socket is gone: the loop names the loss)
+            self._two_hop_start(call)
             return 3
-        code, sent, read, phase = mesh.scatter(on, sheads1, sends1, [mine1] * peers, dests1, hot, wait, then)
+        h1, h2 = plan.makers[TWO_SCATTER](call.seq), plan.makers[TWO_GATHER](call.seq)
+        x, out, rows, kind, op = call.flat, call.out, call.rows, call.kind, call.op
+        assert kind is not None  # (plan.native: the C fold takes the call)
+        code, sent, read, phase = mesh.two_hop(
+            links, x, out, rows, plan.order, plan.edges, self.rank, h1, h2, kind, op, hot, wait
+        )
         if code == 0 and phase == 2:
             call.phase, call.messages, call.left = TWO_GATHER, [], []  # done: nothing left for the loop
             return 0
-        # the call's books, for the general way on from here
+        # the call's books, for the general way on from here: the messages of the phase it stopped in
         if phase == 1:
-            call.messages = [[p, sh, sp, 0] for p, sh, sp in zip(self._tcp_order, sheads1, sends1, strict=True)]
+            self._two_hop_start(call)
         else:
-            call.phase = TWO_GATHER
-            call.messages = [[p, mine2, own, 0] for p in self._tcp_order]
-        call.left = list(self._tcp_order)
+            self._two_hop_gather(call)
         for m, went, got in zip(list(call.messages), sent, read, strict=True):
             m[3] = went
             if went == len(m[1]) + len(m[2]):
