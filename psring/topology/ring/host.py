@@ -80,6 +80,9 @@ class RingHost(Group):
     #: the peers in the order this rank sends to them
     _tcp_order: tuple[int, ...]
 
+    @abc.abstractmethod
+    def _alone_rows(self, n: int, count: int, dtype: np.dtype) -> np.ndarray: ...
+
     # ------------------------------------------------ ring/twohop.py: medium all_reduces between hosts
     @abc.abstractmethod
     def _two_hop_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...core import wire
-from ...core.arrays import byte_view, dtype_name
+from ...core.arrays import byte_view, dtype_name, pooled_empty
 from ...core.fold import canonical_fold
 from ...transport.board import fold_kind
 from .constants import DIRECT, MESH_MAX_BYTES
@@ -51,6 +51,11 @@ YIELDS = 16
 #: loop's: 16 of them were over before a peer on another core answered (4 B at 2 ranks: 18 us a call
 #: against 10.8 with 64; at 4 ranks on 2 cores 52 against 50)
 NATIVE_YIELDS = 64
+#: the buffers a call receives into (a row a rank) and a two-hop call's result come from the buffer pool
+#: from this size (a call alone in flight: from the group's scratch, TcpNow._alone_rows): a few hundred KiB
+#: freed every call went back to the kernel and cost their page faults on every call (4 ranks over TCP: 33
+#: a call for 64 KiB's rows, 272-285 us a call against 211-219 without; two hops: 97 a call at 256 KiB)
+POOL_FROM = 64 << 10
 
 
 class TcpNow(_Host):
@@ -61,6 +66,8 @@ class TcpNow(_Host):
     _tcp_direct: dict[int, bool]
     #: the peers in the order this rank sends to them (set in RingGroup.__init__)
     _tcp_order: tuple[int, ...]
+    #: the rows of the calls alone in flight (_alone_rows)
+    _scratch: np.ndarray | None
     #: by (dtype, shape, op): (call, its header by seq, the native fold's letter, the links in _tcp_order)
     #: where a call takes _tcp_quick, else False (set in RingGroup.__init__)
     _tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool]
@@ -92,7 +99,7 @@ class TcpNow(_Host):
             return None
         x, seq, desc, started = self._number_now(x, op)
         n_ranks, members = self.world_size, self.members
-        bufs = np.empty((n_ranks, x.size), x.dtype)
+        bufs = pooled_empty(n_ranks * x.size, x.dtype, POOL_FROM).reshape(n_ranks, x.size)
         flat = x.reshape(-1)
         bufs[self.rank] = flat
         try:
@@ -127,6 +134,18 @@ class TcpNow(_Host):
         self._books_now(seq, desc, started, None)
         self.tcp_now += 1
         return True, out.reshape(x.shape)
+
+    def _alone_rows(self, n: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """``n`` rows of ``count`` elements (uninitialized) for a call alone in flight -- the caller's
+        thread's, or the loop's while nothing else of the group is active -- in one buffer the group keeps
+        and grows: such a call pays neither page faults nor the buffer pool's upkeep (which cost a 32 KiB
+        call over TCP at 4 ranks ~12 us of CPU, cold after the call's copies). A call alone ends (or is
+        adopted and ends on the loop) before the next begins, so one buffer serves all of them."""
+        nbytes = n * count * dtype.itemsize
+        buf = self._scratch
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._scratch = np.empty(nbytes, np.uint8)
+        return buf[:nbytes].view(dtype).reshape(n, count)
 
     def _tcp_quick(self, x: Any, op: str, compression: str | None, on_loop: bool = False) -> tuple[bool, Any] | None:
         """_tcp_soon's call whole in one native call (TcpMesh.exchange: send, read, fold in C) where the
@@ -165,7 +184,7 @@ class TcpNow(_Host):
         self._seq += 1
         self._reserved.add(seq)
         started = time.monotonic()
-        bufs = np.empty((self.world_size, x.size), x.dtype)
+        bufs = self._alone_rows(self.world_size, x.size, x.dtype)
         out = np.empty_like(x)
         head = mesh.head(header(seq), x.nbytes)
         missing = list(self._tcp_order)

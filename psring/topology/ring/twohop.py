@@ -36,7 +36,7 @@ from ..collective import Collective
 from .constants import TWO_GATHER, TWO_SCATTER
 from .net import PeerNet
 from .paths import Path
-from .tcpnow import ADOPT_AFTER, LOOK_EVERY
+from .tcpnow import ADOPT_AFTER, LOOK_EVERY, POOL_FROM
 
 try:  # the C fold of one ring chunk (psring/_native.c, a leaf: it imports nothing of psring)
     from ..._native import fold_chunk as _fold_chunk
@@ -51,17 +51,12 @@ else:
 #: with nothing to do a lone rank in its process gives up its core this many times (counted again after
 #: each move) before it sleeps in poll, as the data plane's native ring does (dataplane.NATIVE_HOT)
 HOT = 64
-#: a call on the loop takes its two buffers (the rows it folds, the result) from the buffer pool from this
-#: size: freed together, buffers of a few hundred KiB went back to the kernel and cost their page faults on
-#: every call (4 ranks over TCP: 97 faults a call at 256 KiB, 225 at 512 KiB; 656 us a call against 370).
-#: The caller's thread's call keeps its rows in its plan (pooling costs ~20 us of Python a call there)
-POOL_FROM = 64 << 10
 
 
 class _Plan:
     """What every two-hop call of one (dtype, shape, op) shares."""
 
-    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "rows", "takes")
+    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "takes")
 
     def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
         self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
@@ -86,8 +81,6 @@ class _Plan:
             most = len(mesh.head(self.makers[TWO_GATHER]((1 << 64) - 1), longest))  # the longest header
             for link in self.links:
                 mesh.reserve(link, most + longest)
-        #: the rows of the call on the caller's thread (one at a time: it runs only with nothing in flight)
-        self.rows: np.ndarray | None = None
 
 
 class _Call:
@@ -95,22 +88,19 @@ class _Call:
 
     __slots__ = ("bounds", "desc", "flat", "kind", "left", "makers", "messages", "op", "out", "phase", "rows", "seq")
 
-    def __init__(self, seq: int, x: np.ndarray, op: str, plan: _Plan, me: int, alone: bool = False):
+    def __init__(self, group: TwoHop, seq: int, x: np.ndarray, op: str, plan: _Plan, alone: bool = False):
         self.desc, self.kind, self.bounds, self.makers = plan.desc, plan.kind, plan.bounds, plan.makers
         self.seq, self.op = seq, op
         self.flat = x.reshape(-1)
-        a, b = self.bounds[me]
+        a, b = self.bounds[group.rank]
         n = len(self.bounds)
         #: chunk `me` of every rank's tensor (this rank's own row unused: the fold reads it from x); a call
-        #: alone in flight (nothing else of the group active when it began) uses the plan's own
+        #: alone in flight (nothing else of the group active when it began) uses the group's scratch
         if alone:
-            if plan.rows is None:
-                plan.rows = np.empty((n, b - a), x.dtype)
-            self.rows = plan.rows
-            self.out = result_empty(self.flat)
+            self.rows = group._alone_rows(n, b - a, x.dtype)
         else:
             self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
-            self.out = result_empty(self.flat, POOL_FROM)
+        self.out = result_empty(self.flat, POOL_FROM)
         self.phase = TWO_SCATTER
         #: the peers (local ranks) whose message of this phase is still to be read
         self.left: list[int] = []
@@ -160,7 +150,7 @@ class TwoHop(_Host):
         if not plan.takes or not mesh.usable(plan.links):
             return None
         x, seq, desc, started = self._number_now(x, op)
-        call = _Call(seq, x, op, plan, self.rank, alone=True)
+        call = _Call(self, seq, x, op, plan, alone=True)
         end = time.monotonic() + ADOPT_AFTER
         hot = HOT if PeerNet.live == 1 else 0
         try:
@@ -194,7 +184,7 @@ class TwoHop(_Host):
         plan = self._two_hop_plan(x, op, coll.desc[2])
         self.two_hop_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
-        call = _Call(coll.seq, x, op, plan, self.rank, alone=len(self._active) == 1 and not self._reserved)
+        call = _Call(self, coll.seq, x, op, plan, alone=len(self._active) == 1 and not self._reserved)
         mesh = self.net.tcp_mesh
         if (
             mesh is not None
