@@ -349,28 +349,34 @@ class Settings:
     )
     # With the plane's job in C on one thread (psring._native.NRing) the plane beat the loop far lower:
     # 2 ranks over TCP, 256 KiB 75 against 271 us, 1 MiB 449 / 762 (64 KiB: 34 / 28, the one-hop exchange
-    # still ahead); 4 ranks 64 KiB 219 / 302, 1 MiB 1.37 / 1.63 ms.
+    # still ahead); 4 ranks 64 KiB 219 / 302, 1 MiB 1.37 / 1.63 ms. So it starts right above the one-hop
+    # sizes: from 128 KiB, the sizes between went to the loop's ring, 96 KiB at 2 ranks 241 us against the
+    # plane's 41, at 3 ranks 965 against 208.
     ring_native_plane_min: int = _var(
         "PSRING_RING_NATIVE_PLANE_MIN",
-        128 << 10,
+        (64 << 10) + 1,
         parse_bytes,
         "ring: the same at any number of ranks whose links are TCP when every rank runs the plane's jobs in C "
-        "(psring._native, PSRING_NATIVE); never above PSRING_RING_PLANE_MIN",
+        "(psring._native, PSRING_NATIVE); never above PSRING_RING_PLANE_MIN (the default: right above the "
+        "one-hop sizes)",
         tuning=True,
     )
     # Two hops over the TCP small-message links (every rank's ring chunk d to rank d, folded there, then
     # every folded chunk to every rank) against the plane's ring in C: fewer steps a rank waits on its
     # peers (2 against 2(N-1)), the same bytes. 4 ranks over TCP on 2 cores, alternating: 1 MiB 1.21-1.30
-    # ms against 1.29-1.53, 2 MiB 2.04-2.11 against 2.91-3.20, 512 KiB even, 256 KiB 0.45-0.48 against
-    # 0.36-0.44; 4 MiB even; 8 ranks 1 MiB 2.52-2.60 against 4.44-4.49, 4 MiB 9.8-12.7 against 15.3-16.0.
-    # docs/performance.md has the tables.
+    # ms against 1.29-1.53, 2 MiB 2.04-2.11 against 2.91-3.20, 4 MiB even; 8 ranks 1 MiB 2.52-2.60 against
+    # 4.44-4.49, 4 MiB 9.8-12.7 against 15.3-16.0. Below 1 MiB it lost at first to page faults (its result
+    # was not pooled there); with them gone, 4 ranks: 128 KiB 160-207 us against 214-278, 320 KiB 385
+    # against 456, 512 KiB 577-630 against 642-730, 192-256 KiB even; and against the one-hop exchange of
+    # the whole tensor (3x the bytes), 64 KiB 138-150 against 189, 48 KiB 132-145 against 154, 32 KiB
+    # 126-140 against 100-113 (8 ranks: ahead from 32 KiB). docs/performance.md has the tables.
     ring_two_hop_min: int = _var(
         "PSRING_RING_TWO_HOP_MIN",
-        1 << 20,
+        48 << 10,
         parse_bytes,
         "ring: between hosts, all_reduces of 4+ ranks from this size (up to PSRING_RING_TWO_HOP) take two hops "
-        "over the TCP small-message links instead of the data plane's ring (every rank must agree: the largest "
-        "is used)",
+        "over the TCP small-message links instead of the one-hop exchange or the data plane's ring (every rank "
+        "must agree: the largest is used)",
         tuning=True,
     )
     ring_two_hop: int = _var(

@@ -46,14 +46,16 @@ def test_two_hop_takes_the_job_group_of_4_ranks_or_more_between_its_bounds() -> 
     wide = RingPaths(plane_min=128 << 10, two_hop_min=MIB, two_hop_max=64 * MIB)
     assert choose_all_reduce(4 * TWO_HOP_CHUNK_MAX, 4, wide) is Path.TWO_HOP
     assert choose_all_reduce(4 * TWO_HOP_CHUNK_MAX + 4, 4, wide) is Path.PLANE
-    # hosts in two levels come first; off (0) is off; the one-hop sizes stay one hop
+    # hosts in two levels come first; off (0) is off; from its minimum two hops take one-hop sizes too
     assert choose_all_reduce(MIB, 4, RingPaths(two_hop_min=MIB, two_hop_max=4 * MIB, hierarchical=True)) is (
         Path.HIERARCHICAL
     )
     assert choose_all_reduce(MIB, 4, RingPaths(plane_min=128 << 10, two_hop_min=MIB)) is Path.PLANE
-    low = RingPaths(two_hop_min=1, two_hop_max=4 * MIB)
-    assert choose_all_reduce(64 << 10, 4, low) is Path.DIRECT
-    assert choose_all_reduce((64 << 10) + 4, 4, low) is Path.TWO_HOP
+    low = RingPaths(two_hop_min=48 << 10, two_hop_max=4 * MIB)
+    assert choose_all_reduce(64 << 10, 4, low) is Path.TWO_HOP
+    assert choose_all_reduce(48 << 10, 4, low) is Path.TWO_HOP
+    assert choose_all_reduce((48 << 10) - 4, 4, low) is Path.DIRECT
+    assert choose_all_reduce(64 << 10, 3, low) is Path.DIRECT  # (3 ranks: one hop)
 
 
 # --------------------------------------------------------------- the native exchange, on socket pairs

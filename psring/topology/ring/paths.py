@@ -58,8 +58,9 @@ class RingPaths:
     #: the job's group reduces in two levels (the ranks' hosts make a layout, nobody turned it off)
     hierarchical: bool = False
     small_bytes: int = SMALL_BYTES
-    #: all_reduces of the job's group from two_hop_min (and above small_bytes) up to two_hop_max bytes take
-    #: two hops over the TCP small-message links, from 4 ranks (PSRING_RING_TWO_HOP_MIN, PSRING_RING_TWO_HOP,
+    #: all_reduces of the job's group from two_hop_min up to two_hop_max bytes take two hops over the TCP
+    #: small-message links (one-hop sizes too: two messages of a chunk each beat one of the whole tensor to
+    #: every peer from a few dozen KiB), from 4 ranks (PSRING_RING_TWO_HOP_MIN, PSRING_RING_TWO_HOP,
     #: agreed: the largest minimum, the smallest maximum; a maximum of 0: never)
     two_hop_min: int = NEVER
     two_hop_max: int = 0
@@ -67,7 +68,7 @@ class RingPaths:
     def two_hop(self, nbytes: int, n_ranks: int) -> bool:
         return (
             n_ranks >= TWO_HOP_RANKS
-            and max(self.small_bytes + 1, self.two_hop_min) <= nbytes <= self.two_hop_max
+            and self.two_hop_min <= nbytes <= self.two_hop_max
             and -(-nbytes // n_ranks) <= TWO_HOP_CHUNK_MAX
         )
 
@@ -116,7 +117,7 @@ def describe(paths: RingPaths) -> list[str]:
         "all_reduce of the job's group across hosts: hierarchical" if paths.hierarchical else "hosts: one level",
         (
             f"all_reduce of the job's group of {TWO_HOP_RANKS} ranks or more from "
-            f"{max(paths.small_bytes + 1, paths.two_hop_min)} bytes up to {paths.two_hop_max} (a ring chunk up to "
+            f"{paths.two_hop_min} bytes up to {paths.two_hop_max} (a ring chunk up to "
             f"{TWO_HOP_CHUNK_MAX}): two hops over the TCP small-message links"
             if paths.two_hop_max
             else "two hops over the TCP small-message links: off"
