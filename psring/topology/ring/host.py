@@ -85,7 +85,9 @@ class RingHost(Group):
 
     # ------------------------------------------------ ring/twohop.py: medium all_reduces between hosts
     @abc.abstractmethod
-    def _two_hop_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+    def _two_hop_soon(
+        self, x: Any, op: str, compression: str | None, on_loop: bool = False
+    ) -> tuple[bool, Any] | None: ...
 
     @abc.abstractmethod
     async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...

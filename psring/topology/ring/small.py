@@ -54,6 +54,8 @@ class SmallPaths(_Host):
             return await self._board_all_reduce(board, x, op)
         if self.net.tcp_mesh is not None:  # between hosts: the TCP small-message links, from the loop itself
             soon = self._tcp_soon(x, op, compression, on_loop=True)
+            if soon is None:
+                soon = self._two_hop_soon(x, op, compression, on_loop=True)
             if soon is not None:
                 done, value = soon
                 return value if done else await value

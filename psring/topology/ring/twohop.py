@@ -130,9 +130,15 @@ class TwoHop(_Host):
         return plan
 
     # ------------------------------------------------------------------ the caller's thread
-    def _two_hop_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+    def _two_hop_soon(
+        self, x: Any, op: str, compression: str | None, on_loop: bool = False
+    ) -> tuple[bool, Any] | None:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
-        loop) when it must end there; None: not this call, or not now (take all_reduce)."""
+        loop) when it must end there; None: not this call, or not now (take all_reduce).
+
+        ``on_loop``: the caller is the event loop itself (the asyncio API), as in _tcp_soon: it waits for
+        its peers only within its spin budget (not at all for ranks in this process), then goes on as a
+        collective (the Collective machinery before a call cost the asyncio API ~75 us a call at 64 KiB)."""
         mesh = self.net.tcp_mesh
         if (
             mesh is None
@@ -153,8 +159,12 @@ class TwoHop(_Host):
         call = _Call(self, seq, x, op, plan, alone=True)
         end = time.monotonic() + ADOPT_AFTER
         hot = HOT if PeerNet.live == 1 else 0
+        wait = LOOK_EVERY
+        if on_loop:  # (no waiting beyond the first native call)
+            wait = self._spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            end = 0.0
         try:
-            code = self._two_hop_first(call, plan, mesh, hot) if plan.native else 1
+            code = self._two_hop_first(call, plan, mesh, hot, wait) if plan.native else 1
             if code == 1 and call.phase == TWO_SCATTER and not call.messages and not call.left:
                 self._two_hop_start(call)  # (not begun: the general way)
             while code == 1:
