@@ -14,6 +14,10 @@ The model (its assumptions, in the order they matter):
   topology                  latency steps          bytes on the busiest link, one direction
   ========================  =====================  ===============================================
   flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
+  flat ring, two hops       2                      2R(H-1)/H S (every rank's chunks to every other
+  (N >= 4, from                                    rank, then the folded chunks back: R = 1, the
+  PSRING_RING_TWO_HOP_MIN                          ring's bytes); the sizes psring sends so
+  to PSRING_RING_TWO_HOP)
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
   ps, shards colocated      2, and 2N messages     2(H-1)/H S (pushes out, other hosts' pulls out),
                                                    plus 2(R-1)/R S through memory (R > 1: below)
@@ -65,6 +69,7 @@ import numpy as np
 from .. import settings
 from ..settings import parse_bytes
 from ..topology.ps.plan import piece_bytes
+from ..topology.ring.paths import RingPaths
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
 
@@ -267,6 +272,9 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
         out["ps colocated"] = 2 * a_loc + fan + 2 * (n - 1) / n * s / b_loc
         return out
     out["ring"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
+    config = settings.current()
+    if RingPaths(two_hop_min=max(config.ring_two_hop_min, 1), two_hop_max=config.ring_two_hop).two_hop(size, n):
+        out["ring"] = 2 * (a + c) + 2 * r * (h - 1) / h * s / b  # two hops over the TCP small-message links
     if r > 1:
         out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
         out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc

@@ -89,6 +89,18 @@ def test_latency_steps_decide_small_messages() -> None:
     assert t["ps colocated"] == pytest.approx(200e-6 + 16 * 10e-6, rel=1e-3)  # 2 latencies, 2N messages
 
 
+def test_the_ring_between_hosts_takes_two_hops_where_psring_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    links = Links(latency=100e-6, bandwidth=GBIT, per_message=10e-6)
+    s = 1 << 20  # from 48 KiB to 4 MiB at 4 ranks or more: two latency steps, the ring's bytes (R = 1)
+    assert predict(s, Layout(4), links)["ring"] == pytest.approx(2 * 110e-6 + 1.5 * s / GBIT)
+    assert predict(s, Layout(3), links)["ring"] == pytest.approx(4 * 110e-6 + 4 / 3 * s / GBIT)  # 3 ranks: ring
+    assert predict(8 << 20, Layout(4), links)["ring"] == pytest.approx(6 * 110e-6 + 1.5 * (8 << 20) / GBIT)
+    # several ranks a host: every rank's chunks cross to the other hosts, 2R(H-1)/H S
+    assert predict(s, Layout(2, 2), links)["ring"] == pytest.approx(2 * 110e-6 + 2 * s / GBIT)
+    monkeypatch.setenv("PSRING_RING_TWO_HOP", "0")
+    assert predict(s, Layout(4), links)["ring"] == pytest.approx(6 * 110e-6 + 1.5 * s / GBIT)
+
+
 def test_recommendations_and_their_reasons() -> None:
     links = Links(50e-6, GBIT)
     assert advise([25 << 20], Layout(4), links)["recommended"] == "ring"  # ties go to the simpler
