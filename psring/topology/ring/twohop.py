@@ -56,7 +56,7 @@ HOT = 64
 class _Plan:
     """What every two-hop call of one (dtype, shape, op) shares."""
 
-    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "takes")
+    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "reserved", "room", "takes")
 
     def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
         self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
@@ -69,18 +69,17 @@ class _Plan:
         a, b = self.bounds[group.rank]
         #: the whole call goes in one native call (the fold between the phases in C too)
         self.native = self.kind is not None and _fold_chunk is not None and b > a
-        #: for that call (TcpMesh.two_hop): the links in _tcp_order, each with room for its largest message,
-        #: the ranks they go to and every rank's chunk in bytes, as int64 bytes
+        #: for that call (TcpMesh.two_hop): the links in _tcp_order, the ranks they go to and every rank's
+        #: chunk in bytes, as int64 bytes; the room a link's buffer needs for the largest message, made by
+        #: the first such call (where nothing else reads the links: not here, on whichever thread)
         mesh = group.net.tcp_mesh
         self.links = [mesh.links[group.members[p]] for p in group._tcp_order] if self.takes and mesh else []
         self.order = np.array(group._tcp_order, np.int64).tobytes()
         self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
-        if self.links:
-            assert mesh is not None
-            longest = max(b - a for a, b in self.bounds) * item
-            most = len(mesh.head(self.makers[TWO_GATHER]((1 << 64) - 1), longest))  # the longest header
-            for link in self.links:
-                mesh.reserve(link, most + longest)
+        longest = max(b - a for a, b in self.bounds) * item
+        self.room = len(TcpMesh.head(self.makers[TWO_GATHER]((1 << 64) - 1), longest))  # (the longest header)
+        self.room += longest
+        self.reserved = False
 
 
 class _Call:
@@ -262,6 +261,10 @@ class TwoHop(_Host):
         if any(link.closed for link in links):  # (its socket is gone: the loop names the loss)
             self._two_hop_start(call)
             return 3
+        if not plan.reserved:  # (a link's buffer only grows: once is enough)
+            for link in links:
+                mesh.reserve(link, plan.room)
+            plan.reserved = True
         h1, h2 = plan.makers[TWO_SCATTER](call.seq), plan.makers[TWO_GATHER](call.seq)
         x, out, rows, kind, op = call.flat, call.out, call.rows, call.kind, call.op
         assert kind is not None  # (plan.native: the C fold takes the call)
