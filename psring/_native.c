@@ -1566,13 +1566,17 @@ static PyObject *native_tcp_two_hop(PyObject *Py_UNUSED(module), PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
+    for (Py_ssize_t i = 0; i < m; i++) { /* every other rank once: no two links read into one place */
+        int64_t p = order[i];
+        if (p < 0 || p >= n || p == first || fds[p < first ? p : p - 1].fd) {
+            PyErr_SetString(PyExc_ValueError, "tcp_two_hop: order names a rank outside the call, or twice");
+            goto done;
+        }
+        fds[p < first ? p : p - 1].fd = 1; /* (fds is zeroed: its fd fields serve as the marks here) */
+    }
     for (Py_ssize_t i = 0; i < m; i++) {
         ScLink *l = &ls[i];
         int64_t p = order[i];
-        if (p < 0 || p >= n || p == first) {
-            PyErr_SetString(PyExc_ValueError, "tcp_two_hop: order names a rank outside the call");
-            goto done;
-        }
         if (sc_link(l, PyList_GET_ITEM(links, i)) < 0)
             goto done;
         Py_ssize_t pa = bounds[2 * p], span = bounds[2 * p + 1] - pa;
@@ -1584,7 +1588,8 @@ static PyObject *native_tcp_two_hop(PyObject *Py_UNUSED(module), PyObject *args)
             for (int k = 0; k < 2; k++) { /* k 0: the head sent, 1: the head expected */
                 char *at = heads + (i * 4 + ph * 2 + k) * hmax;
                 uint32_t len = (uint32_t)(h[ph].len + sizes[ph][k]);
-                memcpy(at, &len, 4); /* little-endian, as TcpMesh's length (the hosts psring builds on) */
+                for (int byte = 0; byte < 4; byte++) /* little-endian, as TcpMesh's length */
+                    at[byte] = (char)((len >> (8 * byte)) & 0xff);
                 memcpy(at + 4, h[ph].buf, (size_t)h[ph].len);
                 PyBuffer_FillInfo(&l->bufs[ph][k * 2], NULL, at, 4 + h[ph].len, 1, PyBUF_SIMPLE);
             }

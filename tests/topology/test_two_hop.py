@@ -216,6 +216,7 @@ def test_tcp_two_hop_names_a_call_its_arguments_do_not_make() -> None:
             dict(order=np.array([0, 2], np.int64).tobytes()),  # a link to this rank itself
             dict(order=np.array([1, 5], np.int64).tobytes()),  # to a rank outside the call
             dict(order=np.array([1], np.int64).tobytes()),  # fewer ranks than links
+            dict(order=np.array([1, 1], np.int64).tobytes()),  # a rank twice
             dict(bounds=np.array([(0, 40), (40, 80), (80, 400)], np.int64).tobytes()),  # past the tensor
             dict(bounds=np.array([(0, 40), (80, 40), (80, 120)], np.int64).tobytes()),  # backwards
             dict(rows=np.empty((3, 9), np.float32)),  # rows not this rank's chunk a rank
