@@ -297,6 +297,13 @@ async def test_two_hop_all_reduce_on_the_loop_gives_the_canonical_bits(make_grou
         ref = canonical_fold([xs[r][i] for r in range(4)], "sum", np.empty_like(xs[0][i]))
         assert all(ys[r][i].tobytes() == ref.tobytes() for r in range(4)), i
     assert all(g.two_hop_loop > 0 for g in groups)  # (calls beside others: collectives from their start)
+    # above the two-hop sizes (8 MiB: a chunk over what a message carries): the plane, from the same quick
+    # way in (which once sized a two-hop plan's messages for it, and refused the call)
+    xs = [rng.standard_normal(2 * TWO_HOP_CHUNK_MAX).astype(np.float32) for _ in groups]
+    assert all(g._all_reduce_path(xs[0].nbytes) is Path.PLANE for g in groups)  # type: ignore[attr-defined]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
+    ref = canonical_fold(xs, "sum", np.empty(2 * TWO_HOP_CHUNK_MAX, np.float32))
+    assert all(y.tobytes() == ref.tobytes() for y in ys)
 
 
 @pytest.mark.slow

@@ -77,8 +77,8 @@ class _Plan:
         self.order = np.array(group._tcp_order, np.int64).tobytes()
         self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
         longest = max(b - a for a, b in self.bounds) * item
-        self.room = len(TcpMesh.head(self.makers[TWO_GATHER]((1 << 64) - 1), longest))  # (the longest header)
-        self.room += longest
+        most = len(self.makers[TWO_GATHER]((1 << 64) - 1))  # the longest header (a plan of any size is made)
+        self.room = 4 + most + longest  # (a message: its length, the header, the payload)
         self.reserved = False
 
 
