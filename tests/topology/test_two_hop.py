@@ -304,6 +304,7 @@ async def test_two_hop_all_reduce_on_the_loop_gives_the_canonical_bits(make_grou
     ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
     ref = canonical_fold(xs, "sum", np.empty(2 * TWO_HOP_CHUNK_MAX, np.float32))
     assert all(y.tobytes() == ref.tobytes() for y in ys)
+    assert all(plan.takes for g in groups for plan in g._two_hop_plans.values())  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow

@@ -149,6 +149,7 @@ class TwoHop(_Host):
             or mesh.backlog
             or self._mesh_early
             or not self._idle()
+            or not self.net.paths.two_hop(x.nbytes, self.world_size)  # (no plan for a size it never takes)
         ):
             return None
         plan = self._two_hop_plan(x, op, x.shape)
