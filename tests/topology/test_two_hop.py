@@ -389,6 +389,54 @@ def test_blocking_two_hop_calls_run_on_the_callers_thread(tmp_path, native: str)
             assert on_thread == 0, (r, on_thread, adopted)
 
 
+REUSE_JOB = """
+import os, numpy as np, psring
+g = psring.init()
+n, grp, r = g.world_size, g.group, g.rank
+shape = (64, 4097)  # 1 MiB of float32 in two dimensions: two hops
+
+
+def call(k):  # every rank's tensor differs, and every call's
+    return g.all_reduce(np.full(shape, float(k * 10 + r), np.float32))
+
+
+def want(k):
+    return float(sum(k * 10 + q for q in range(n)))
+
+
+call(0)
+call(1)
+held = call(2)
+views = [call(3)[5:9], memoryview(call(4))]  # a view, a memoryview: each holds its whole result
+last = call(5)
+kept = {}
+for k in range(6, 40):  # what nobody holds any more is filled again; the rest is never touched
+    y = call(k)
+    assert y.shape == shape and np.all(y == want(k)), k
+    assert not any(y.ctypes.data == a for a in (held.ctypes.data, last.ctypes.data)), k
+    kept[y.ctypes.data] = kept.get(y.ctypes.data, 0) + 1
+    del y
+assert np.all(held == want(2)) and np.all(last == want(5))
+assert np.all(views[0] == want(3)) and np.all(np.frombuffer(views[1], np.float32) == want(4))
+assert max(kept.values()) >= 30, kept  # (the fast way's result, filled again call after call)
+x = np.ones(shape, np.float32)
+for k in range(6):  # the last result as the next call's input
+    x = g.all_reduce(x)
+    assert np.all(x == float(n ** (k + 1))), k
+""" + blocking_job_end("grp.two_hop_now, grp.two_hop_fast")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_blocking_two_hop_result_is_filled_again_only_when_nothing_holds_it(tmp_path) -> None:
+    _needs_native()
+    script = tmp_path / "job.py"
+    script.write_text(REUSE_JOB)
+    counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off")
+    # (the calls of a kind after its first take the fast way; a late peer could hand one to the loop)
+    assert all(fast >= 30 for _, fast in counts.values()), counts
+
+
 DYING_JOB = """
 import os, time, numpy as np, psring
 g = psring.init()

@@ -351,7 +351,11 @@ class BoardPath(_Host):
         (a lone rank in its process; PSRING_SPIN_US), folds: nothing crosses threads. Otherwise the
         event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
         """
-        soon = self.all_reduce_soon(x, op, compression)
+        soon = None
+        if self._two_hop_plans and compression is None and type(x) is np.ndarray:
+            soon = self._two_hop_fast(x, op)  # (a kind of call that went two hops before: the least Python)
+        if soon is None:
+            soon = self.all_reduce_soon(x, op, compression)
         if soon is None:
             return NotImplemented
         done, value = soon

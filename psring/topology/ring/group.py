@@ -72,6 +72,7 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
         self._tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool] = {}
         self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
         self._two_hop_plans = {}
+        self._two_hop_last = None
         self._scratch = None
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):

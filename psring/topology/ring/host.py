@@ -84,10 +84,16 @@ class RingHost(Group):
     def _alone_rows(self, n: int, count: int, dtype: np.dtype) -> np.ndarray: ...
 
     # ------------------------------------------------ ring/twohop.py: medium all_reduces between hosts
+    #: by (dtype, shape, op): what every two-hop call of that kind shares
+    _two_hop_plans: dict[tuple[Any, ...], Any]
+
     @abc.abstractmethod
     def _two_hop_soon(
         self, x: Any, op: str, compression: str | None, on_loop: bool = False
     ) -> tuple[bool, Any] | None: ...
+
+    @abc.abstractmethod
+    def _two_hop_fast(self, x: np.ndarray, op: str) -> tuple[bool, Any] | None: ...
 
     @abc.abstractmethod
     async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...

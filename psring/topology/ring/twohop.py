@@ -23,6 +23,7 @@ abort.
 from __future__ import annotations
 
 import time
+from sys import getrefcount
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,7 +57,20 @@ HOT = 64
 class _Plan:
     """What every two-hop call of one (dtype, shape, op) shares."""
 
-    __slots__ = ("bounds", "desc", "edges", "kind", "links", "makers", "native", "order", "reserved", "room", "takes")
+    __slots__ = (
+        "bounds",
+        "desc",
+        "edges",
+        "fast",
+        "kind",
+        "links",
+        "makers",
+        "native",
+        "order",
+        "reserved",
+        "room",
+        "takes",
+    )
 
     def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
         self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
@@ -80,6 +94,9 @@ class _Plan:
         most = len(self.makers[TWO_GATHER]((1 << 64) - 1))  # the longest header (a plan of any size is made)
         self.room = 4 + most + longest  # (a message: its length, the header, the payload)
         self.reserved = False
+        #: the blocking API's calls of this kind may take _two_hop_fast: set once a call of it took two
+        #: hops whole on the caller's thread (so its dtype and op were checked, its links are the mesh's)
+        self.fast = False
 
 
 class _Call:
@@ -87,7 +104,17 @@ class _Call:
 
     __slots__ = ("bounds", "desc", "flat", "kind", "left", "makers", "messages", "op", "out", "phase", "rows", "seq")
 
-    def __init__(self, group: TwoHop, seq: int, x: np.ndarray, op: str, plan: _Plan, alone: bool = False):
+    def __init__(
+        self,
+        group: TwoHop,
+        seq: int,
+        x: np.ndarray,
+        op: str,
+        plan: _Plan,
+        alone: bool = False,
+        rows: np.ndarray | None = None,
+        out: np.ndarray | None = None,
+    ):
         self.desc, self.kind, self.bounds, self.makers = plan.desc, plan.kind, plan.bounds, plan.makers
         self.seq, self.op = seq, op
         self.flat = x.reshape(-1)
@@ -95,11 +122,13 @@ class _Call:
         n = len(self.bounds)
         #: chunk `me` of every rank's tensor (this rank's own row unused: the fold reads it from x); a call
         #: alone in flight (nothing else of the group active when it began) uses the group's scratch
-        if alone:
+        if rows is not None:
+            self.rows = rows
+        elif alone:
             self.rows = group._alone_rows(n, b - a, x.dtype)
         else:
             self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
-        self.out = result_empty(self.flat, POOL_FROM)
+        self.out = result_empty(self.flat, POOL_FROM) if out is None else out.reshape(-1)
         self.phase = TWO_SCATTER
         #: the peers (local ranks) whose message of this phase is still to be read
         self.left: list[int] = []
@@ -115,8 +144,13 @@ class TwoHop(_Host):
     two_hop_now = 0
     two_hop_adopted = 0
     two_hop_loop = 0
+    #: of two_hop_now, those that took _two_hop_fast whole
+    two_hop_fast = 0
     #: by (dtype, shape, op): what every call of that kind shares
     _two_hop_plans: dict[tuple[Any, ...], _Plan]
+    #: _two_hop_fast's last result and its plan: the next call of that plan fills it again if the caller
+    #: let go of it (and of every view of it)
+    _two_hop_last: tuple[_Plan, np.ndarray] | None
 
     def _two_hop_plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
         """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``."""
@@ -156,6 +190,8 @@ class TwoHop(_Host):
         if not plan.takes or not mesh.usable(plan.links):
             return None
         x, seq, desc, started = self._number_now(x, op)
+        # (its dtype and op checked: the blocking API's later calls of this kind may take _two_hop_fast)
+        plan.fast = plan.native and self.net.board is None
         call = _Call(self, seq, x, op, plan, alone=True)
         end = time.monotonic() + ADOPT_AFTER
         hot = HOT if PeerNet.live == 1 else 0
@@ -165,6 +201,81 @@ class TwoHop(_Host):
             end = 0.0
         try:
             code = self._two_hop_first(call, plan, mesh, hot, wait) if plan.native else 1
+        except BaseException as exc:
+            self._books_now(seq, desc, started, exc)
+            raise
+        return self._two_hop_then(call, x, started, code, hot, end)
+
+    def _two_hop_fast(self, x: np.ndarray, op: str) -> tuple[bool, Any] | None:
+        """_two_hop_soon for the blocking API, for a kind of call (dtype, shape, op) that took two hops whole
+        on the caller's thread before: the same checks and books with as little Python around the native
+        call as can be. At 1 MiB, 4 ranks over TCP, the Python around the call ran ~95 us of CPU a call
+        (cold: the call's 3 MiB of socket copies leave nothing of it in the caches), ~17% of the rank's
+        CPU, on cores the four ranks share. None: not now, nothing done (the usual way decides)."""
+        plan = self._two_hop_plans.get((x.dtype, x.shape, op))
+        if plan is None or not plan.fast:
+            return None
+        mesh = self.net.tcp_mesh
+        if (
+            mesh is None
+            or mesh.holds
+            or mesh.backlog
+            or self._mesh_early
+            or self._active  # (as _idle and _check_usable: anything out of the ordinary takes the usual way)
+            or self._reserved
+            or self._aborted
+            or self._late_error is not None
+            or self._closed
+            or self._broken is not None
+            or self._departed
+            or self.net.loop is None
+            or not x.flags.c_contiguous
+            or not mesh.usable(plan.links)
+        ):
+            return None
+        seq = self._seq
+        self._seq = seq + 1
+        self._reserved.add(seq)
+        started = time.monotonic()
+        a, b = plan.bounds[self.rank]
+        rows = self._alone_rows(len(plan.bounds), b - a, x.dtype)
+        # the result: the last one again where nothing holds it or its memory any more (a memoryview or a
+        # torch tensor of it holds the array; a view or a reshape, the array's base), else a pooled one -- a
+        # pooled result costs ~40 us of CPU cold (its base, its interface read by numpy, its return to the
+        # pool); one is kept at a time
+        last = self._two_hop_last
+        out = last[1] if last is not None and last[0] is plan else None
+        base = out.base if out is not None else None
+        # (references: the tuple's, `out`, the argument; the base: the array's, `base`, the argument)
+        if out is None or getrefcount(out) != 3 or (base is not None and getrefcount(base) != 3):
+            out = result_empty(x, POOL_FROM)  # (shaped as x)
+            self._two_hop_last = (plan, out)
+        hot = HOT if PeerNet.live == 1 else 0
+        makers, kind = plan.makers, plan.kind
+        assert kind is not None  # (plan.fast: plan.native)
+        try:
+            code, sent, read, phase = mesh.two_hop(
+                plan.links, x, out, rows, plan.order, plan.edges, self.rank,
+                makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, LOOK_EVERY,
+            )  # fmt: skip
+            if code == 0 and phase == 2:
+                self._books_now(seq, plan.desc, started, None)
+                self.two_hop_now += 1
+                self.two_hop_fast += 1
+                return True, out
+            call = _Call(self, seq, x, op, plan, rows=rows, out=out)
+            self._two_hop_stopped(call, code, sent, read, phase)
+        except BaseException as exc:
+            self._books_now(seq, plan.desc, started, exc)
+            raise
+        return self._two_hop_then(call, x, started, code, hot, time.monotonic() + ADOPT_AFTER)
+
+    def _two_hop_then(
+        self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float
+    ) -> tuple[bool, Any]:
+        """A call of the caller's thread after its first native call stopped with ``code``: driven on
+        there until ``end``, then ended, or handed to the loop where it stands."""
+        try:
             if code == 1 and call.phase == TWO_SCATTER and not call.messages and not call.left:
                 self._two_hop_start(call)  # (not begun: the general way)
             while code == 1:
@@ -172,10 +283,10 @@ class TwoHop(_Host):
                     break
                 code = self._two_hop_drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
         except BaseException as exc:
-            self._books_now(seq, desc, started, exc)
+            self._books_now(call.seq, call.desc, started, exc)
             raise
         if code == 0:
-            self._books_now(seq, desc, started, None)
+            self._books_now(call.seq, call.desc, started, None)
             self.two_hop_now += 1
             return True, call.out.reshape(x.shape)
         self.two_hop_adopted += 1
@@ -272,10 +383,15 @@ class TwoHop(_Host):
         code, sent, read, phase = mesh.two_hop(
             links, x, out, rows, plan.order, plan.edges, self.rank, h1, h2, kind, op, hot, wait
         )
+        self._two_hop_stopped(call, code, sent, read, phase)
+        return code
+
+    def _two_hop_stopped(self, call: _Call, code: int, sent: Any, read: Any, phase: int) -> None:
+        """The call's books after its first native call (TcpMesh.two_hop) returned: done, or the messages
+        of the phase it stopped in, as far as they went (for the general way on from there)."""
         if code == 0 and phase == 2:
             call.phase, call.messages, call.left = TWO_GATHER, [], []  # done: nothing left for the loop
-            return 0
-        # the call's books, for the general way on from here: the messages of the phase it stopped in
+            return
         if phase == 1:
             self._two_hop_start(call)
         else:
@@ -286,7 +402,6 @@ class TwoHop(_Host):
                 call.messages.remove(m)
             if got:
                 call.left.remove(m[0])
-        return code
 
     def _two_hop_drive(self, call: _Call, wait: float, hot: int) -> int:
         """Send and read this phase's messages in C (TcpMesh.scatter) for up to ``wait`` seconds, folding
