@@ -80,6 +80,9 @@ class RingHost(Group):
     #: the peers in the order this rank sends to them
     _tcp_order: tuple[int, ...]
 
+    #: the buffer _alone_rows gives out (replaced by a larger one when a call needs more)
+    _scratch: np.ndarray | None
+
     @abc.abstractmethod
     def _alone_rows(self, n: int, count: int, dtype: np.dtype) -> np.ndarray: ...
 

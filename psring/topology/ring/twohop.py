@@ -150,7 +150,7 @@ class TwoHop(_Host):
     _two_hop_plans: dict[tuple[Any, ...], _Plan]
     #: _two_hop_fast's last result and its plan: the next call of that plan fills it again if the caller
     #: let go of it (and of every view of it)
-    _two_hop_last: tuple[_Plan, np.ndarray] | None
+    _two_hop_last: tuple[_Plan, np.ndarray, np.ndarray] | None
 
     def _two_hop_plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
         """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``."""
@@ -237,19 +237,23 @@ class TwoHop(_Host):
         self._seq = seq + 1
         self._reserved.add(seq)
         started = time.monotonic()
-        a, b = plan.bounds[self.rank]
-        rows = self._alone_rows(len(plan.bounds), b - a, x.dtype)
         # the result: the last one again where nothing holds it or its memory any more (a memoryview or a
         # torch tensor of it holds the array; a view or a reshape, the array's base), else a pooled one -- a
         # pooled result costs ~40 us of CPU cold (its base, its interface read by numpy, its return to the
-        # pool); one is kept at a time
+        # pool); one is kept at a time, with its rows (the group's scratch, while it is that)
         last = self._two_hop_last
         out = last[1] if last is not None and last[0] is plan else None
         base = out.base if out is not None else None
         # (references: the tuple's, `out`, the argument; the base: the array's, `base`, the argument)
         if out is None or getrefcount(out) != 3 or (base is not None and getrefcount(base) != 3):
             out = result_empty(x, POOL_FROM)  # (shaped as x)
-            self._two_hop_last = (plan, out)
+            last = None
+        if last is not None and last[2].base is self._scratch:
+            rows = last[2]
+        else:
+            a, b = plan.bounds[self.rank]
+            rows = self._alone_rows(len(plan.bounds), b - a, x.dtype)
+            self._two_hop_last = (plan, out, rows)
         hot = HOT if PeerNet.live == 1 else 0
         makers, kind = plan.makers, plan.kind
         assert kind is not None  # (plan.fast: plan.native)
