@@ -393,7 +393,7 @@ REUSE_JOB = """
 import os, numpy as np, psring
 g = psring.init()
 n, grp, r = g.world_size, g.group, g.rank
-shape = (64, 4097)  # 1 MiB of float32 in two dimensions: two hops
+shape = tuple(map(int, os.environ["SHAPE"].split("x")))  # two dimensions: 1 MiB (two hops) or 4 KiB (one)
 
 
 def call(k):  # every rank's tensor differs, and every call's
@@ -418,23 +418,27 @@ for k in range(6, 40):  # what nobody holds any more is filled again; the rest i
     del y
 assert np.all(held == want(2)) and np.all(last == want(5))
 assert np.all(views[0] == want(3)) and np.all(np.frombuffer(views[1], np.float32) == want(4))
-assert max(kept.values()) >= 30, kept  # (the fast way's result, filled again call after call)
+assert max(kept.values()) >= 30, kept  # (the quick way's result, filled again call after call)
 x = np.ones(shape, np.float32)
 for k in range(6):  # the last result as the next call's input
     x = g.all_reduce(x)
     assert np.all(x == float(n ** (k + 1))), k
-""" + blocking_job_end("grp.two_hop_now, grp.two_hop_fast")
+""" + blocking_job_end("grp.two_hop_fast, grp.tcp_native")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_the_blocking_two_hop_result_is_filled_again_only_when_nothing_holds_it(tmp_path) -> None:
+@pytest.mark.parametrize("shape", ["64x4097", "16x64"])
+def test_a_quick_way_fills_its_result_again_only_when_nothing_holds_it(tmp_path, shape: str) -> None:
     _needs_native()
     script = tmp_path / "job.py"
     script.write_text(REUSE_JOB)
-    counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off")
-    # (the calls of a kind after its first take the fast way; a late peer could hand one to the loop)
-    assert all(fast >= 30 for _, fast in counts.values()), counts
+    counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off", SHAPE=shape)
+    # (the calls of a kind after its first take the quick way; a late peer could hand one to the loop)
+    if shape == "64x4097":
+        assert all(two_hop_fast >= 30 for two_hop_fast, _ in counts.values()), counts
+    else:
+        assert all(one_hop >= 30 for _, one_hop in counts.values()), counts
 
 
 DYING_JOB = """

@@ -70,6 +70,7 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
         self.tcp_native = 0  #: of tcp_now, those that were one native call (TcpMesh.exchange)
         self._tcp_direct: dict[int, bool] = {}
         self._tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool] = {}
+        self._tcp_last = None
         self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
         self._two_hop_plans = {}
         self._two_hop_last = None

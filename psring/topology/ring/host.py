@@ -72,8 +72,16 @@ class RingHost(Group):
     tcp_adopted: int
     tcp_native: int
 
+    #: by (dtype, shape, op): what every one-hop call of that kind shares (False: it takes another way)
+    _tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool]
+
     @abc.abstractmethod
     def _tcp_soon(
+        self, x: Any, op: str, compression: str | None, on_loop: bool = False
+    ) -> tuple[bool, Any] | None: ...
+
+    @abc.abstractmethod
+    def _tcp_quick(
         self, x: Any, op: str, compression: str | None, on_loop: bool = False
     ) -> tuple[bool, Any] | None: ...
 
