@@ -352,13 +352,17 @@ class BoardPath(_Host):
         event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
         """
         soon = None
-        if compression is None and type(x) is np.ndarray and self.net.board is None:
-            # between hosts, a kind of call that went a quick way before goes straight there (each layer of
-            # Python costs the more for the caches a call's copies, or the other ranks on its core, leave cold)
-            if self._two_hop_plans:
-                soon = self._two_hop_fast(x, op)
-            if soon is None and self._tcp_plans:
-                soon = self._tcp_quick(x, op, None)
+        if compression is None and type(x) is np.ndarray:
+            # straight to the quick way that took this kind of call before (what all_reduce_soon would try
+            # first): each layer of Python costs, the more for the caches a call's copies, or the other ranks
+            # on its core, leave cold
+            if self.net.board is not None:
+                soon = self._board_quick(x, op, None)
+            else:
+                if self._two_hop_plans:
+                    soon = self._two_hop_fast(x, op)
+                if soon is None and self._tcp_plans:
+                    soon = self._tcp_quick(x, op, None)
         if soon is None:
             soon = self.all_reduce_soon(x, op, compression)
         if soon is None:

@@ -41,6 +41,9 @@ class RingHost(Group):
     async def _board_all_reduce(self, board: Any, x: np.ndarray, op: str) -> np.ndarray: ...
 
     @abc.abstractmethod
+    def _board_quick(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None: ...
+
+    @abc.abstractmethod
     def _stream_kind(self, x: Any, op: str, compression: str | None) -> str | None: ...
 
     @abc.abstractmethod
