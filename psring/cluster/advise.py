@@ -18,7 +18,9 @@ The model (its assumptions, in the order they matter):
   (N >= 4, from                                    rank, then the folded chunks back: R = 1, the
   PSRING_RING_TWO_HOP_MIN                          ring's bytes); the sizes psring sends so
   to PSRING_RING_TWO_HOP)
-  hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory
+  hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory (up to
+                                                   64 KiB psring sends it one hop, as the flat ring:
+                                                   the flat ring's line)
   ps, shards colocated      2, and 2N messages     2(H-1)/H S (pushes out, other hosts' pulls out),
                                                    plus 2(R-1)/R S through memory (R > 1: below)
   ps, k dedicated hosts     2, and 2N messages     max(S, H S / k) (hosts push and pull S each),
@@ -69,7 +71,7 @@ import numpy as np
 from .. import settings
 from ..settings import parse_bytes
 from ..topology.ps.plan import piece_bytes
-from ..topology.ring.paths import RingPaths
+from ..topology.ring.paths import SMALL_BYTES, RingPaths
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
 
@@ -275,7 +277,9 @@ def predict(size: int, layout: Layout, links: Links) -> dict[str, float]:
     config = settings.current()
     if RingPaths(two_hop_min=max(config.ring_two_hop_min, 1), two_hop_max=config.ring_two_hop).two_hop(size, n):
         out["ring"] = 2 * (a + c) + 2 * r * (h - 1) / h * s / b  # two hops over the TCP small-message links
-    if r > 1:
+    if r > 1 and size <= SMALL_BYTES:  # a small call of a two-level job takes the one-hop path, as a flat one
+        out["hierarchical"] = 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * s / b
+    elif r > 1:
         out["hierarchical"] = 2 * (h - 1) * (a + c) + 2 * (h - 1) / h * s / b
         out["hierarchical"] += 2 * (r - 1) * (a_loc + c) + 2 * (r - 1) / r * s / b_loc
     # the ps reduces within the host before pushing (PSRING_PS_HOST_REDUCE): a host then pushes as one

@@ -87,6 +87,13 @@ def test_latency_steps_decide_small_messages() -> None:
     t = predict(4, Layout(8), links)
     assert t["ring"] == pytest.approx(14 * 110e-6, rel=1e-3)  # 2(N-1) steps of latency and CPU
     assert t["ps colocated"] == pytest.approx(200e-6 + 16 * 10e-6, rel=1e-3)  # 2 latencies, 2N messages
+    # a two-level job's small calls go one hop, as a flat job's (ring.paths): the same time, and the ring is
+    # the simpler (the model once gave the hierarchical ring 2(H-1) + 2(R-1) steps here: 39% under)
+    two = predict(4, Layout(2, 2), links)
+    assert two["hierarchical"] == pytest.approx(two["ring"]) and two["ring"] == pytest.approx(6 * 110e-6, rel=1e-3)
+    fitted = Links(latency=10e-6, bandwidth=GBIT, per_message=90e-6)  # a step mostly CPU, as fit_links counts it
+    assert advise([4], Layout(2, 2), fitted)["recommended"] == "ring"
+    assert predict(1 << 20, Layout(2, 2), links)["hierarchical"] < predict(1 << 20, Layout(2, 2), links)["ring"]
 
 
 def test_the_ring_between_hosts_takes_two_hops_where_psring_does(monkeypatch: pytest.MonkeyPatch) -> None:
