@@ -389,29 +389,26 @@ def test_blocking_two_hop_calls_run_on_the_callers_thread(tmp_path, native: str)
             assert on_thread == 0, (r, on_thread, adopted)
 
 
-REUSE_JOB = """
-import os, numpy as np, psring
-g = psring.init()
-n, grp, r = g.world_size, g.group, g.rank
+_REUSE_BODY = """
 shape = tuple(map(int, os.environ["SHAPE"].split("x")))  # two dimensions: 1 MiB (two hops) or 4 KiB (one)
 
 
-def call(k):  # every rank's tensor differs, and every call's
-    return g.all_reduce(np.full(shape, float(k * 10 + r), np.float32))
+ASYNC_DEF call(k):  # every rank's tensor differs, and every call's
+    return AW g.all_reduce(np.full(shape, float(k * 10 + r), np.float32))
 
 
 def want(k):
     return float(sum(k * 10 + q for q in range(n)))
 
 
-call(0)
-call(1)
-held = call(2)
-views = [call(3)[5:9], memoryview(call(4))]  # a view, a memoryview: each holds its whole result
-last = call(5)
+AW call(0)
+AW call(1)
+held = AW call(2)
+views = [(AW call(3))[5:9], memoryview(AW call(4))]  # a view, a memoryview: each holds its whole result
+last = AW call(5)
 kept = {}
 for k in range(6, 40):  # what nobody holds any more is filled again; the rest is never touched
-    y = call(k)
+    y = AW call(k)
     assert y.shape == shape and np.all(y == want(k)), k
     assert not any(y.ctypes.data == a for a in (held.ctypes.data, last.ctypes.data)), k
     kept[y.ctypes.data] = kept.get(y.ctypes.data, 0) + 1
@@ -421,18 +418,47 @@ assert np.all(views[0] == want(3)) and np.all(np.frombuffer(views[1], np.float32
 assert max(kept.values()) >= 30, kept  # (the quick way's result, filled again call after call)
 x = np.ones(shape, np.float32)
 for k in range(6):  # the last result as the next call's input
-    x = g.all_reduce(x)
+    x = AW g.all_reduce(x)
     assert np.all(x == float(n ** (k + 1))), k
-""" + blocking_job_end("grp.two_hop_fast, grp.tcp_native")
+"""
+REUSE_JOB = (
+    "import os, numpy as np, psring\ng = psring.init()\nn, grp, r = g.world_size, g.group, g.rank\n"
+    + _REUSE_BODY.replace("AW ", "").replace("ASYNC_DEF ", "def ")
+    + blocking_job_end("grp.two_hop_fast, grp.tcp_native")
+)
+# the asyncio API's: the same calls from the loop, and run_blocking_job's ending (rank 1 gone, the others told)
+ASYNC_REUSE_JOB = (
+    "import os, numpy as np, psring, uvloop\n\n\nasync def main():\n"
+    "    g = await psring.init_group()\n    n, grp, r = g.world_size, g, g.rank\n"
+    + "".join(
+        "    " + line if line else line
+        for line in _REUSE_BODY.replace("AW ", "await ").replace("ASYNC_DEF ", "async def ").splitlines(True)
+    )
+    + """    await g.barrier()
+    print("ok", grp.two_hop_fast, grp.tcp_native, flush=True)
+    if os.environ.get("DIE") == str(g.rank):
+        os._exit(0)
+    try:
+        await g.all_reduce(np.ones(2, np.float32))
+        print("no error", flush=True)
+    except psring.PsringError as exc:
+        print("raised", type(exc).__name__, str(exc)[:200], flush=True)
+    await g.close()
+
+
+uvloop.run(main())
+"""
+)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("api", ["blocking", "asyncio"])
 @pytest.mark.parametrize("shape", ["64x4097", "16x64"])
-def test_a_quick_way_fills_its_result_again_only_when_nothing_holds_it(tmp_path, shape: str) -> None:
+def test_a_quick_way_fills_its_result_again_only_when_nothing_holds_it(tmp_path, shape: str, api: str) -> None:
     _needs_native()
     script = tmp_path / "job.py"
-    script.write_text(REUSE_JOB)
+    script.write_text(REUSE_JOB if api == "blocking" else ASYNC_REUSE_JOB)
     counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off", SHAPE=shape)
     # (the calls of a kind after its first take the quick way; a late peer could hand one to the loop)
     if shape == "64x4097":

@@ -45,8 +45,12 @@ class SmallPaths(_Host):
 
     # ---------------------------------------------------------- same-host links
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
-        if compression is None and self.net.board is not None and type(x) is np.ndarray:
-            quick = self._board_quick(x, op, None)  # (what _board_all_reduce tries first, without the layers)
+        if compression is None and type(x) is np.ndarray:
+            # the quick way that took this kind of call before, without the layers before it (as all_reduce_now)
+            if self.net.board is not None:
+                quick = self._board_quick(x, op, None)  # (what _board_all_reduce tries first)
+            else:
+                quick = self._two_hop_fast(x, op, on_loop=True) if self._two_hop_plans else None
             if quick is not None:
                 done, value = quick
                 return value if done else await value

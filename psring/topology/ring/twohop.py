@@ -206,12 +206,13 @@ class TwoHop(_Host):
             raise
         return self._two_hop_then(call, x, started, code, hot, end)
 
-    def _two_hop_fast(self, x: np.ndarray, op: str) -> tuple[bool, Any] | None:
-        """_two_hop_soon for the blocking API, for a kind of call (dtype, shape, op) that took two hops whole
-        on the caller's thread before: the same checks and books with as little Python around the native
-        call as can be. At 1 MiB, 4 ranks over TCP, the Python around the call ran ~95 us of CPU a call
-        (cold: the call's 3 MiB of socket copies leave nothing of it in the caches), ~17% of the rank's
-        CPU, on cores the four ranks share. None: not now, nothing done (the usual way decides)."""
+    def _two_hop_fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+        """_two_hop_soon for a kind of call (dtype, shape, op) that took two hops whole on the caller's thread
+        before: the same checks and books with as little Python around the native call as can be (``on_loop``:
+        the asyncio API's call, from the loop, as _two_hop_soon's). At 1 MiB, 4 ranks over TCP, the Python
+        around the call ran ~95 us of CPU a call (cold: the call's 3 MiB of socket copies leave nothing of it
+        in the caches), ~17% of the rank's CPU, on cores the four ranks share. None: not now, nothing done
+        (the usual way decides)."""
         plan = self._two_hop_plans.get((x.dtype, x.shape, op))
         if plan is None or not plan.fast:
             return None
@@ -255,12 +256,15 @@ class TwoHop(_Host):
             rows = self._alone_rows(len(plan.bounds), b - a, x.dtype)
             self._two_hop_last = (plan, out, rows)
         hot = HOT if PeerNet.live == 1 else 0
+        wait = LOOK_EVERY
+        if on_loop:  # (as _two_hop_soon's: within the spin budget, and no waiting beyond the native call)
+            wait = self._spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
         makers, kind = plan.makers, plan.kind
         assert kind is not None  # (plan.fast: plan.native)
         try:
             code, sent, read, phase = mesh.two_hop(
                 plan.links, x, out, rows, plan.order, plan.edges, self.rank,
-                makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, LOOK_EVERY,
+                makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, wait,
             )  # fmt: skip
             if code == 0 and phase == 2:
                 self._books_now(seq, plan.desc, started, None)
@@ -272,7 +276,7 @@ class TwoHop(_Host):
         except BaseException as exc:
             self._books_now(seq, plan.desc, started, exc)
             raise
-        return self._two_hop_then(call, x, started, code, hot, time.monotonic() + ADOPT_AFTER)
+        return self._two_hop_then(call, x, started, code, hot, 0.0 if on_loop else time.monotonic() + ADOPT_AFTER)
 
     def _two_hop_then(
         self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float
