@@ -504,3 +504,42 @@ def test_a_rank_gone_during_a_two_hop_call_is_named_on_every_other(tmp_path) -> 
         assert line is not None, out[-4000:]
         assert "PeerLostError" in line and "rank 2" in line, line
         assert float(line.split()[4].rstrip("s")) < 10, line  # named, not timed out
+
+
+MISMATCH_JOB = """
+import os, time, numpy as np, psring
+g = psring.init()
+x = np.ones(300_000, np.float32)
+for i in range(30):
+    g.all_reduce(x)
+fast = g.group.two_hop_fast  # (every call of this kind after its first: the fast way)
+t0 = time.monotonic()
+try:
+    g.all_reduce(np.ones(400_000 if g.rank == 2 else 300_000, np.float32))
+    print("no error", flush=True)
+except psring.MismatchError as exc:
+    print("raised", fast, f"{time.monotonic() - t0:.1f}s", str(exc)[:200], flush=True)
+y = g.all_reduce(x)
+print("after", bool(np.all(y == g.world_size)), flush=True)
+g.close()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_call_against_a_fast_two_hop_call_is_a_named_mismatch(tmp_path) -> None:
+    _needs_native()
+    script = tmp_path / "job.py"
+    script.write_text(MISMATCH_JOB)
+    res = run_tree(
+        [sys.executable, "-m", "psring", "launch", "-n", "4", "--", sys.executable, str(script)],
+        timeout=100,
+        env={**os.environ, "PSRING_SAME_HOST": "off", "PSRING_TIMEOUT": "30"},
+    )
+    out = res.stdout + res.stderr
+    for r in range(4):
+        line = next((ln for ln in out.splitlines() if ln.startswith(f"[rank {r}] raised")), None)
+        assert line is not None, out[-4000:]
+        assert int(line.split()[3]) >= 20 and "shape" in line, line  # from the fast way, named
+        assert float(line.split()[4].rstrip("s")) < 10, line  # named, not timed out
+        assert f"[rank {r}] after True" in out, out[-4000:]  # and the group goes on
