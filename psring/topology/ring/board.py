@@ -96,7 +96,7 @@ class BoardPath(_Host):
         self._tags: dict[tuple[Any, ...], bytes] = {}
         self._valid: set[tuple[str, np.dtype]] = set()
         #: by (dtype, shape, op): (call, tag, the native fold's letter, split) where _board_quick takes it, else False
-        self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str, bool] | bool] = {}
+        self._quick: dict[tuple[Any, ...], tuple[tuple[Any, ...], bytes, str, bool, int, float] | bool] = {}
         self._wake_msg = wire.encode_message((self.gid, 0, BOARD_WAKE, _WAKE), None)
         #: a streamed call is running (the next one posts after it ended: every rank runs them in call order)
         self._streaming = False
@@ -438,31 +438,27 @@ class BoardPath(_Host):
             streamed = 0 < board.stream_min <= x.nbytes
             if kind is not None and x.nbytes <= board.limit and not streamed:
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
-                plan = (desc, self._tag(desc), kind, self._board_split(x))
+                hot = HOT_POLLS if self.world_size <= CORES else 0
+                plan = (desc, self._tag(desc), kind, self._board_split(x), hot, self._spin_budget(x.nbytes))
             if len(self._quick) < 1024:
                 self._quick[key] = plan
-        if (
-            plan is False
-            or self.net.hosts is not None
-            or not x.flags.c_contiguous
-            or not x.flags.aligned
-            or not self._idle()
-            or not board.clear_to_post(self._seq)
-        ):
+        if plan is False or self.net.hosts is not None:
             return None
-        desc, tag, kind, split = plan  # type: ignore[misc]
-        self._check_usable()
+        flags = x.flags
+        if not (flags.c_contiguous and flags.aligned) or not self._idle() or not board.clear_to_post(self._seq):
+            return None
+        desc, tag, kind, split, hot, budget = plan  # type: ignore[misc]
+        if self._closed or self._broken is not None or self._departed:
+            self._check_usable()  # (raises what is wrong, or finds a departed peer's calls still to run)
         seq = self._seq
         self._seq += 1
         self._reserved.add(seq)
         started = time.monotonic()
-        spin = self.net.config.spin_us > 0 and PeerNet.live == 1
-        hot = HOT_POLLS if spin and self.world_size <= CORES else 0
+        if not (PeerNet.live == 1 and self.net.config.spin_us > 0):
+            hot, budget = 0, 0.0
         out = np.empty_like(x)
         try:
-            code = board.exchange(
-                seq, tag, x, out, kind, op, self.rank, hot, self._spin_budget(x.nbytes) if spin else 0.0, split
-            )
+            code = board.exchange(seq, tag, x, out, kind, op, self.rank, hot, budget, split)
         except BaseException as exc:
             self._board_books(board, seq, desc, started, exc)
             raise
