@@ -351,20 +351,7 @@ class BoardPath(_Host):
         (a lone rank in its process; PSRING_SPIN_US), folds: nothing crosses threads. Otherwise the
         event loop takes the call over where it stands (_board_adopt) and the thread waits for it.
         """
-        soon = None
-        if compression is None and type(x) is np.ndarray:
-            # straight to the quick way that took this kind of call before (what all_reduce_soon would try
-            # first): each layer of Python costs, the more for the caches a call's copies, or the other ranks
-            # on its core, leave cold
-            if self.net.board is not None:
-                soon = self._board_quick(x, op, None)
-            else:
-                if self._two_hop_plans:
-                    soon = self._two_hop_fast(x, op)
-                if soon is None and self._tcp_plans:
-                    soon = self._tcp_quick(x, op, None)
-        if soon is None:
-            soon = self.all_reduce_soon(x, op, compression)
+        soon = self.all_reduce_soon(x, op, compression)
         if soon is None:
             return NotImplemented
         done, value = soon
@@ -386,10 +373,24 @@ class BoardPath(_Host):
         (True, the result) when it ended on the caller's thread; (False, a coroutine to run on the
         loop) when a peer was late; None: not this call, use all_reduce. ``plane``: a data-plane job
         may run on the caller's thread too (over TCP, in C: _plane_soon) -- a caller that has other
-        work to overlap with the transfer (DDP's gradient hooks) says False."""
-        quick = self._board_quick(x, op, compression)
-        if quick is not None:
-            return quick
+        work to overlap with the transfer (DDP's gradient hooks) says False.
+
+        First the quick way that took this kind of call before, straight: each layer of Python before the
+        native call costs, the more for the caches a call's copies (or the other ranks on its core) leave
+        cold."""
+        if self.net.board is not None:
+            quick = self._board_quick(x, op, compression)
+            if quick is not None:
+                return quick
+        elif compression is None and type(x) is np.ndarray:  # between hosts
+            if plane and self._two_hop_plans:
+                quick = self._two_hop_fast(x, op)
+                if quick is not None:
+                    return quick
+            if self._tcp_plans:
+                quick = self._tcp_quick(x, op, None)
+                if quick is not None:
+                    return quick
         begun = self._board_start(x, op, compression)
         if begun is None:  # between hosts: the TCP small-message links (one hop or two), or the plane in C
             soon = self._tcp_soon(x, op, compression)
