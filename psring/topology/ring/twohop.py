@@ -94,8 +94,8 @@ class _Plan:
         most = len(self.makers[TWO_GATHER]((1 << 64) - 1))  # the longest header (a plan of any size is made)
         self.room = 4 + most + longest  # (a message: its length, the header, the payload)
         self.reserved = False
-        #: the blocking API's calls of this kind may take _two_hop_fast: set once a call of it took two
-        #: hops whole on the caller's thread (so its dtype and op were checked, its links are the mesh's)
+        #: later calls of this kind (either API) may take _two_hop_fast: set once a call of it was numbered
+        #: on the short way (so its dtype and op were checked, its links are the mesh's)
         self.fast = False
 
 
@@ -148,8 +148,8 @@ class TwoHop(_Host):
     two_hop_fast = 0
     #: by (dtype, shape, op): what every call of that kind shares
     _two_hop_plans: dict[tuple[Any, ...], _Plan]
-    #: _two_hop_fast's last result and its plan: the next call of that plan fills it again if the caller
-    #: let go of it (and of every view of it)
+    #: _two_hop_fast's last plan, result and rows: the next call of that plan fills the result again if the
+    #: caller let go of it (and of every view of it), and uses the rows while they are the group's scratch
     _two_hop_last: tuple[_Plan, np.ndarray, np.ndarray] | None
 
     def _two_hop_plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
@@ -190,7 +190,7 @@ class TwoHop(_Host):
         if not plan.takes or not mesh.usable(plan.links):
             return None
         x, seq, desc, started = self._number_now(x, op)
-        # (its dtype and op checked: the blocking API's later calls of this kind may take _two_hop_fast)
+        # (its dtype and op checked: later calls of this kind may take _two_hop_fast)
         plan.fast = plan.native and self.net.board is None
         call = _Call(self, seq, x, op, plan, alone=True)
         end = time.monotonic() + ADOPT_AFTER
@@ -222,14 +222,10 @@ class TwoHop(_Host):
             or mesh.holds
             or mesh.backlog
             or self._mesh_early
-            or self._active  # (as _idle and _check_usable: anything out of the ordinary takes the usual way)
-            or self._reserved
-            or self._aborted
-            or self._late_error is not None
-            or self._closed
+            or not self._idle()
+            or self._closed  # (what _check_usable would raise for, or let run: the usual way does that)
             or self._broken is not None
             or self._departed
-            or self.net.loop is None
             or not x.flags.c_contiguous
             or not mesh.usable(plan.links)
         ):
