@@ -361,9 +361,16 @@ class CollectiveRuntime:
             log = logger.warning if self._active else logger.debug
             log("%r broken: %s", self, err)
         for coll in list(self._active.values()):
+            if self._has_its_data(coll):
+                continue  # everything it waited for came before the loss: it finishes (or fails on its next wait)
             lost = PeerLostError(f"{err} (while {coll.label} was pending on rank {self.rank})", rank=err.rank)
             lost.__cause__ = err.__cause__
             coll.fail(lost)
+
+    def _has_its_data(self, coll: Collective) -> bool:
+        """Whether every message ``coll`` waits for has arrived over links other than the control
+        connections and it has yet to run on (a peer's crash must not fail it then: see the ring's)."""
+        return False
 
     def on_peer_departed(self, local_rank: int, err: PeerLostError, stopped_at: int | None = None) -> bool:
         """A peer closed its connections cleanly (its process is done with the group).

@@ -65,6 +65,10 @@ class Mesh(Generic[L]):
     def release(self) -> None:
         """... and no longer does."""
 
+    def catch_up(self, peer: int) -> None:
+        """Read and hand on, without blocking, every message from ``peer`` the kernel holds now (when
+        the loop reads these links): what a peer sent before it crashed, before its crash is acted on."""
+
     async def drain(self) -> None:
         """Wait until every queued message is with the kernel (or its link has ended)."""
         while self.backlog:

@@ -446,6 +446,16 @@ class TcpMesh(Mesh[TcpLink]):
         if n:
             self._deliver(link)
 
+    def catch_up(self, peer: int) -> None:
+        link = self.links.get(peer)
+        while link is not None and self.holds and not link.closed:  # (not held: a thread may be reading it)
+            n = self.fill(link)
+            if n == 0:
+                return
+            self._deliver(link)
+            if n < 0:  # its end, after what came before it
+                self._ended(link, link.error)
+
     def _deliver(self, link: TcpLink) -> None:
         """Hand every whole message read from ``link`` to on_message (while the loop holds the mesh)."""
         try:

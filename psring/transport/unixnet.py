@@ -211,6 +211,12 @@ class UnixMesh(Mesh[UnixLink]):
             self._ended(link, ProtocolError(f"rank {link.peer} sent a bad same-host message: {exc}"))
         return True
 
+    def catch_up(self, peer: int) -> None:
+        link = self.links.get(peer)
+        if link is not None:
+            while not link.closed and self._readable(link):
+                pass
+
     def poll(self, peers: list[int]) -> bool:
         """Take at most one waiting message from each of these peers' links, without blocking;
         True if any came."""

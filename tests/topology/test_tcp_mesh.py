@@ -196,3 +196,36 @@ def test_blocking_small_calls_between_hosts_run_on_the_callers_thread(tmp_path, 
         assert on_thread >= 100, (r, on_thread, adopted)  # most of the 400 small calls ended on the caller's thread
         if r != 1:
             assert adopted > 0, (r, on_thread, adopted)  # rank 1's naps made the others wait past ADOPT_AFTER
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_catch_up_hands_on_what_a_peer_sent_before_its_link_ended_and_then_the_end() -> None:
+    """A peer lost on its control link may have sent messages on its small-message link that the loop has
+    not read yet: ``catch_up`` reads them at once, in order, then the link's end -- and only while the
+    loop reads the links (held): otherwise a thread may be reading them."""
+    import socket
+    import struct
+
+    from psring.core import wire
+    from psring.transport.tcpmesh import TcpMesh
+
+    events: list[Any] = []
+    mesh = TcpMesh(0, 1, lambda p, h, pl: events.append((p, h[1], bytes(pl))), lambda p, e: events.append((p, e)))
+    mine, theirs = socket.socketpair()
+    mesh.add(1, mine)
+    try:
+        for seq in (7, 8):
+            msg = wire.encode_message(("0", seq, 0, ("barrier", None, None, None, None)), b"ab" * seq)
+            theirs.sendall(struct.pack("<I", len(msg)) + msg)
+        theirs.close()
+        mesh.catch_up(1)  # not held: left to whoever reads the link
+        assert events == [] and not mesh.links[1].closed
+        mesh.hold()
+        events.clear()  # (hold hands on nothing: nothing was read)
+        mesh.catch_up(1)
+        assert events == [(1, 7, b"ab" * 7), (1, 8, b"ab" * 8), (1, None)], events
+        assert mesh.links[1].closed
+        mesh.release()
+    finally:
+        mesh.close()

@@ -346,3 +346,74 @@ async def test_rooted_small_call_timeout_names_the_silent_rank_everywhere(make_g
     assert time.monotonic() - t0 < 5
     assert all(isinstance(r, psring.CollectiveTimeoutError) for r in results), results
     assert all(f"rank(s) {silent}" in str(r) for r in results), results
+
+
+CRASH_AFTER_SCRIPT = """
+import asyncio, os, sys, time, numpy as np, psring, uvloop
+async def main():
+    g = await psring.init_group(timeout=30)
+    call = sys.argv[1]
+
+    def one():
+        return g.barrier() if call == "barrier" else g.all_reduce(np.full(4, g.rank + 1.0, np.float32))
+
+    for _ in range(3):
+        await one()
+    if g.rank == 1:  # comes late to its call, returns from it and crashes at once
+        await asyncio.sleep(0.5)
+        await one()
+        print("ok", flush=True)
+        os._exit(0)
+    task = asyncio.ensure_future(one())
+    for _ in range(100_000):  # until its own message is out and it waits on rank 1's
+        if task.done() or any(c.waiting_on for c in g._active.values()):
+            break
+        await asyncio.sleep(0)
+    print("waiting" if not task.done() else "done early", flush=True)
+    time.sleep(1.5)  # the loop looks away: rank 1's message and its crash are both in when it looks again
+    try:
+        y = await task
+        print("ok", y if y is None else y.tolist(), flush=True)
+    except psring.PsringError as exc:
+        print("failed", type(exc).__name__, exc, flush=True)
+    try:
+        await one()
+        print("no error", flush=True)
+    except psring.PeerLostError as exc:
+        print("raised", exc.rank, flush=True)
+    os._exit(3)
+uvloop.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("same_host", ["on", "off"])
+@pytest.mark.parametrize("call", ["barrier", "all_reduce"])
+async def test_a_rank_that_crashes_right_after_a_call_costs_the_others_nothing_in_it(
+    store, tmp_path, same_host: str, call: str
+) -> None:
+    """Rank 1 returns from a small call and dies at once (its message to rank 0 sent, its control link
+    ended): rank 0, whose loop finds the message and the crash together, completes the call with the
+    message that arrived, and its next call raises PeerLostError naming rank 1. (The message came over
+    the small-message links; the control link's end used to fail the call before it could finish.)"""
+    script = tmp_path / "rank.py"
+    script.write_text(CRASH_AFTER_SCRIPT)
+    env = {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "PSRING_TOPOLOGY": "ring",
+        "PSRING_JOB": f"crash-after-{call}-{same_host}",
+        "PSRING_SAME_HOST": same_host,
+    }
+    procs = [spawn([str(script), call], {**env, "RANK": str(r)}) for r in range(2)]
+    try:
+        codes = [await asyncio.to_thread(p.wait, 40) for p in procs]
+        outs = [end(p) for p in procs]
+        assert codes == [3, 0], outs
+        assert outs[1].strip().endswith("ok"), outs
+        want = "ok None" if call == "barrier" else "ok [3.0, 3.0, 3.0, 3.0]"
+        assert outs[0].startswith("waiting") and want in outs[0] and "raised 1" in outs[0], outs
+    finally:
+        for p in procs:
+            end(p)

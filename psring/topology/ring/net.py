@@ -529,6 +529,10 @@ class PeerNet(PlaneLinks):
         if peer_rank in self.lost:
             return
         self.lost[peer_rank] = err
+        mesh = self.small_links
+        if mesh is not None:  # what it sent on its small-message link before it went is in the kernel
+            with contextlib.suppress(PsringError):
+                mesh.catch_up(peer_rank)
         for group in list(self.groups.values()):
             if peer_rank in group.members:
                 group.on_peer_lost(err)

@@ -158,6 +158,15 @@ class SmallPaths(_Host):
                 coll = slot.coll
                 coll.fail(PeerLostError(f"{gone} (while {coll.label} was pending on rank {self.rank})", rank=gone.rank))
 
+    def _has_its_data(self, coll: Collective) -> bool:
+        """Whether coll's receive on the small-message links has every message in and coll has not run
+        on yet: a peer that crashed right after it sent them (its control link ended in the same turn of
+        the loop) must not fail it. If coll waits again, the broken group fails it there."""
+        for slot in self._mesh_slots.values():
+            if slot.coll is coll:
+                return slot.done.done() and not slot.done.cancelled() and slot.done.exception() is None
+        return False
+
     def _end(self, coll: Collective, ok: bool) -> None:
         super()._end(coll, ok)
         if self._mesh_early:
@@ -233,6 +242,8 @@ class SmallPaths(_Host):
                     if d != me:
                         send(members[d], msg)
             if slot is not None:
+                if self._broken is not None and not slot.done.done():
+                    self._check_usable()  # a peer was lost: raise, rather than wait on what may never come
                 if mesh.spins and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._mesh_spin(slot)  # not with other ranks in this process: they could not run
                 await slot.done
