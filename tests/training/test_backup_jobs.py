@@ -50,7 +50,9 @@ def test_every_worker_holds_the_same_parameters_at_every_step_with_a_straggler_l
     assert sorted(ends) == [0, 1, 2, 3], out
     assert len({r["final"] for r in ends.values()}) == 1 and all(r["sum"] == 4.0 for r in ends.values())
     straggler = ends[3]
-    assert straggler["calls"] + straggler["skipped"] == 40 and straggler["skipped"] > 0, straggler
+    # every step is one the straggler pushed, skipped, or found done when it pulled the first parameters
+    # (start(): with a backup worker the others may complete step 0 before the straggler pulls)
+    assert straggler["first"] + straggler["calls"] + straggler["skipped"] == 40 and straggler["skipped"] > 0, straggler
     assert straggler["dropped"] > 0, straggler
 
 

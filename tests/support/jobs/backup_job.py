@@ -22,6 +22,7 @@ async def main() -> None:
     g = await psring.init_group(timeout=60)
     opt = SyncSGD(g, {"w": np.zeros(4, np.float32)}, SGD(lr=1.0), backup=backup)
     await opt.start()
+    first = opt.step_count  # 0, or 1+ where the others completed steps before this worker pulled the parameters
     calls = 0
     while opt.step_count < steps:
         if g.rank == slow_rank:
@@ -31,7 +32,7 @@ async def main() -> None:
         print(json.dumps({"rank": g.rank, "step": opt.step_count, "w": float(params["w"][0])}), flush=True)
     stats = g.stats()
     total = await g.all_reduce(np.array([1.0]))  # every worker is still in the group
-    print(json.dumps({"rank": g.rank, "calls": calls, "skipped": opt.skipped, "final": float(params["w"][0]),
+    print(json.dumps({"rank": g.rank, "first": first, "calls": calls, "skipped": opt.skipped, "final": float(params["w"][0]),
                       "dropped": stats.get("backup_dropped"), "sum": float(total[0])}), flush=True)  # fmt: skip
     await g.close()
 
