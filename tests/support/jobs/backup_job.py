@@ -32,8 +32,9 @@ async def main() -> None:
         print(json.dumps({"rank": g.rank, "step": opt.step_count, "w": float(params["w"][0])}), flush=True)
     stats = g.stats()
     total = await g.all_reduce(np.array([1.0]))  # every worker is still in the group
-    print(json.dumps({"rank": g.rank, "first": first, "calls": calls, "skipped": opt.skipped, "final": float(params["w"][0]),
-                      "dropped": stats.get("backup_dropped"), "sum": float(total[0])}), flush=True)  # fmt: skip
+    print(json.dumps({"rank": g.rank, "first": first, "calls": calls, "skipped": opt.skipped,
+                      "final": float(params["w"][0]), "dropped": stats.get("backup_dropped"),
+                      "sum": float(total[0])}), flush=True)  # fmt: skip
     await g.close()
 
 
