@@ -256,7 +256,8 @@ class Settings:
         "PSRING_SPIN_US",
         500,
         parse_count,
-        "microseconds a lone rank polls for a small call's peers (same-host links, boards, TCP) before sleeping",
+        "microseconds a lone rank polls for a small call's peers (same-host links, boards, TCP; a ps worker: "
+        "its answer) before sleeping",
         tuning=True,
     )
     native: bool = _var(

@@ -74,6 +74,10 @@ class LocalConnection(Connection):
     ) -> None:
         self._queue(header, payload, None)
 
+    def send_frames(self, frames: list[tuple[dict[str, Any], memoryview | bytes | None]]) -> None:
+        for header, payload in frames:
+            self._queue(header, payload, None)
+
     def lend_tensor(self, header: dict[str, Any], x: np.ndarray) -> None:
         """Like send_tensor, but the partner takes ``x``'s memory itself rather than a copy of it: only
         for a payload the sender will not change until the partner is done with it (the receiver's

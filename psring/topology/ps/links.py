@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from ...rendezvous.scheduler import GroupSettings
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 class ServerLinks:
     """A worker's connections to the server shards, and the mailbox they deliver to."""
+
+    #: workers open in this process (a lone one polls for a small call's answer: PSRING_SPIN_US)
+    live: ClassVar[int] = 0
 
     def __init__(self, rank: int, world_size: int, settings: GroupSettings, store: Any, prefix: str) -> None:
         self.rank = rank
@@ -59,6 +62,8 @@ class ServerLinks:
         #: each shard's share of every large tensor (PSRING_PS_WEIGHTS as rank 0 set it; None: equal)
         self.weights: tuple[int, ...] | None = None
         self.host_reduce: Any = None  # the job's group's HostReduce (its board is closed with the links)
+        ServerLinks.live += 1
+        self._counted = True
 
     def loss_future(self) -> asyncio.Future[None]:
         """A future that fails with the PeerLostError of the next lost shard connection."""
@@ -325,6 +330,9 @@ class ServerLinks:
 
     async def close(self) -> None:
         self._closing = True
+        if self._counted:
+            self._counted = False
+            ServerLinks.live -= 1
         await self.stalls.close()
         goodbye = farewell(self.groups, self.stopped_at)
         await asyncio.gather(*(c.close(farewell=goodbye) for c in self.shards), return_exceptions=True)

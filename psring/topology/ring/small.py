@@ -18,6 +18,7 @@ from ...core.arrays import DTYPES, byte_view, dtype_name, prod
 from ...core.fold import Layout, canonical_fold
 from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
+from ...transport.loop import poll_until
 from ..collective import Collective
 from .constants import (
     BOARD_HERE,
@@ -321,7 +322,7 @@ class SmallPaths(_Host):
                 conn.send_frame(header if i == last else dict(header), payload)
         if done is not None:
             if not done.done() and self.net.config.spin_us > 0 and PeerNet.live == 1:
-                _spin_loop(done, time.perf_counter() + self.net.config.spin_s)
+                poll_until(done, time.perf_counter() + self.net.config.spin_s)
             await done
         for conn in conns:
             transport = conn.transport
@@ -436,18 +437,3 @@ class _MeshSlot:
         self.expect = expect
         self.done = done
         self.spans = spans
-
-
-def _spin_loop(done: asyncio.Future[Any], end: float) -> None:
-    """Keep the event loop polling its sockets without sleeping until ``done`` or ``end``: a callback
-    that schedules itself again makes each turn of the loop poll with a zero timeout, so a frame
-    is read as it lands instead of after the kernel wakes a sleeping process (tens of microseconds
-    here, the most of a small call's time over TCP). It yields its core between turns."""
-    loop = done.get_loop()
-
-    def turn() -> None:
-        if not done.done() and time.perf_counter() < end:
-            os.sched_yield()
-            loop.call_soon(turn)
-
-    loop.call_soon(turn)

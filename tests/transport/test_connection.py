@@ -1,0 +1,49 @@
+"""Connection.send_frames: several frames in one write, as send_frame would send each."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from psring.core import wire
+from psring.core.arrays import byte_view
+from psring.transport.listener import Listener, open_connection
+from psring.transport.mailbox import Mailbox
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+@pytest.mark.parametrize("checksum", [None, "crc32"])
+@pytest.mark.parametrize("size", [3, 40_000])  # joined into one bytes object; written as a list (writelines)
+async def test_frames_sent_together_arrive_whole_in_order_with_their_checksums(
+    monkeypatch, checksum: str | None, size: int
+) -> None:
+    if checksum is not None:
+        monkeypatch.setenv("PSRING_CHECKSUM", checksum)
+    mailbox = Mailbox()
+    listener = await Listener(lambda c: None, secret=None, router_for=lambda c: mailbox).start("127.0.0.1", 0)
+    conn = None
+    try:
+        conn = await open_connection("127.0.0.1", listener.port, secret=None, hello={"role": "t"})
+        xs = [np.arange(size, dtype=np.float32) * k for k in range(3)]
+        futs = [mailbox.expect(("t", k)) for k in range(4)]
+        frames = [({"kind": "data", "tag": ("t", 0)}, None)]  # a frame without a payload among them
+        for k, x in enumerate(xs):
+            frames.append(({"kind": "data", "tag": ("t", k + 1), **wire.tensor_fields(x)}, byte_view(x)))
+        before = conn.frames_sent, conn.bytes_sent
+        conn.send_frames(frames)
+        await conn.flush()
+        got = await asyncio.wait_for(asyncio.gather(*futs), 10)
+        assert got[0][1]["nbytes"] == 0
+        for k, x in enumerate(xs):
+            _conn, header, payload = got[k + 1]
+            assert np.array_equal(np.frombuffer(payload, np.float32), x), k
+            assert ("sum" in header) == (checksum is not None), header
+        assert conn.frames_sent - before[0] == 4
+        assert conn.bytes_sent - before[1] > sum(x.nbytes for x in xs)
+    finally:
+        if conn is not None:
+            await conn.close()
+        await listener.close()
