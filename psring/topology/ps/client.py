@@ -348,7 +348,7 @@ class PsGroup(ParameterMode, SparseTables, Group):
         for shard, a, b in layout:
             conn = self.links.shards[shard]
             join = self._join(coll, step * itemsize)
-            if push and x is not None and (b - a) * itemsize <= SMALL_COPY and not conn.is_local:
+            if push and x is not None and (b - a) * itemsize <= SMALL_COPY and not shared and not conn.is_local:
                 # a small slice: the join and its pieces in one write (the kernel's send is most of their cost)
                 frames: list[tuple[dict[str, Any], Any]] = [(join, None)]
                 for j, (pa, pb) in enumerate(pieces(a, b, step)):
