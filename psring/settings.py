@@ -375,7 +375,8 @@ class Settings:
         "PSRING_RING_TWO_HOP_MIN",
         48 << 10,
         parse_bytes,
-        "ring: between hosts, all_reduces of 4+ ranks from this size (up to PSRING_RING_TWO_HOP) take two hops "
+        "ring: between hosts, all_reduces of 4+ ranks from this size (up to PSRING_RING_TWO_HOP; of 2 ranks: "
+        "above 64 KiB, up to 1.5 MiB) take two hops "
         "over the TCP small-message links instead of the one-hop exchange or the data plane's ring (every rank "
         "must agree: the largest is used)",
         tuning=True,

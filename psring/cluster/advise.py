@@ -15,7 +15,7 @@ The model (its assumptions, in the order they matter):
   ========================  =====================  ===============================================
   flat ring                 2(N-1)                 2(N-1)/N S (one ring edge leaves each host)
   flat ring, two hops       2                      2R(H-1)/H S (every rank's chunks to every other
-  (N >= 4, from                                    rank, then the folded chunks back: R = 1, the
+  (N >= 4 or N = 2, from                           rank, then the folded chunks back: R = 1, the
   PSRING_RING_TWO_HOP_MIN                          ring's bytes); the sizes psring sends so
   to PSRING_RING_TWO_HOP)
   hierarchical ring (R>1)   2(H-1) + 2(R-1) local  2(H-1)/H S, plus 2(R-1)/R S through memory (up to

@@ -16,7 +16,7 @@ import pytest
 
 import psring
 from psring.core.fold import canonical_fold, ring_chunk_bounds
-from psring.topology.ring.paths import TWO_HOP_CHUNK_MAX, Path, RingPaths, choose_all_reduce
+from psring.topology.ring.paths import PAIR_TWO_HOP_MAX, TWO_HOP_CHUNK_MAX, Path, RingPaths, choose_all_reduce
 from psring.transport.tcpmesh import TcpLink, TcpMesh
 
 from ..conftest import blocking_job_end, run_blocking_job, run_tree
@@ -56,6 +56,23 @@ def test_two_hop_takes_the_job_group_of_4_ranks_or_more_between_its_bounds() -> 
     assert choose_all_reduce(48 << 10, 4, low) is Path.TWO_HOP
     assert choose_all_reduce((48 << 10) - 4, 4, low) is Path.DIRECT
     assert choose_all_reduce(64 << 10, 3, low) is Path.DIRECT  # (3 ranks: one hop)
+
+
+def test_a_pair_takes_two_hops_above_the_one_hop_sizes_up_to_its_own_maximum() -> None:
+    paths = RingPaths(plane_min=128 << 10, two_hop_min=48 << 10, two_hop_max=4 * MIB)
+    assert choose_all_reduce(64 << 10, 2, paths) is Path.DIRECT  # a pair's one hop: one message each way
+    assert choose_all_reduce((64 << 10) + 4, 2, paths) is Path.TWO_HOP
+    assert choose_all_reduce(PAIR_TWO_HOP_MAX, 2, paths) is Path.TWO_HOP
+    assert choose_all_reduce(PAIR_TWO_HOP_MAX + 4, 2, paths) is Path.PLANE  # (the plane wins from 2 MiB)
+    assert choose_all_reduce(MIB, 3, paths) is Path.PLANE  # 3 ranks: still the ring's
+    # the settings bound it as for more ranks: the larger minimum, the smaller maximum, off is off
+    assert choose_all_reduce(200 << 10, 2, RingPaths(plane_min=128 << 10, two_hop_min=MIB, two_hop_max=4 * MIB)) is (
+        Path.PLANE
+    )
+    assert choose_all_reduce(MIB, 2, RingPaths(plane_min=128 << 10, two_hop_min=1, two_hop_max=512 << 10)) is (
+        Path.PLANE
+    )
+    assert choose_all_reduce(MIB, 2, RingPaths(plane_min=128 << 10, two_hop_min=1)) is Path.PLANE
 
 
 # --------------------------------------------------------------- the native exchange, on socket pairs
@@ -309,6 +326,38 @@ async def test_two_hop_all_reduce_on_the_loop_gives_the_canonical_bits(make_grou
 
 @pytest.mark.slow
 @pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_a_pairs_two_hop_all_reduce_gives_the_canonical_bits(make_groups, tcp_only) -> None:
+    groups = await make_groups(2)
+    rng = np.random.default_rng(11)
+    for size, dtype, op in [
+        (65_537 // 4 + 1, np.float32, "sum"),  # just over the one-hop sizes
+        (250_001, np.float32, "sum"),  # halves of unequal sizes
+        (100_003, np.float64, "avg"),
+        (70_001, np.int64, "prod"),
+        (80_000, np.float32, "max"),  # no C fold for max: numpy's, the same bits
+        (PAIR_TWO_HOP_MAX // 4, np.float32, "sum"),  # the largest a pair sends in two hops
+    ]:
+        xs = [(rng.standard_normal(size) * 100).astype(dtype) for _ in groups]
+        assert all(g._all_reduce_path(xs[0].nbytes) is Path.TWO_HOP for g in groups)  # type: ignore[attr-defined]
+        ys = await asyncio.gather(*(g.all_reduce(x, op) for g, x in zip(groups, xs, strict=True)))
+        ref = canonical_fold(xs, op, np.empty(size, dtype))
+        assert all(y.tobytes() == ref.tobytes() for y in ys), (size, op)
+    assert all(g.two_hop_now + g.two_hop_adopted + g.two_hop_loop == 6 for g in groups)  # type: ignore[attr-defined]
+    # several in flight at once (collectives from their start), and the plane above the pair's maximum
+    xs = [[rng.standard_normal(30_000 + i).astype(np.float32) for i in range(4)] for _ in groups]
+    ys = await asyncio.gather(*(asyncio.gather(*(g.all_reduce(x) for x in xs[g.rank])) for g in groups))
+    for i in range(4):
+        ref = canonical_fold([xs[r][i] for r in range(2)], "sum", np.empty_like(xs[0][i]))
+        assert all(ys[r][i].tobytes() == ref.tobytes() for r in range(2)), i
+    big = [rng.standard_normal(PAIR_TWO_HOP_MAX // 4 + 1).astype(np.float32) for _ in groups]
+    assert all(g._all_reduce_path(big[0].nbytes) is Path.PLANE for g in groups)  # type: ignore[attr-defined]
+    ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, big, strict=True)))
+    assert all(y.tobytes() == canonical_fold(big, "sum", np.empty_like(big[0])).tobytes() for y in ys)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
 @pytest.mark.timeout(90)
 async def test_a_two_hop_call_against_another_call_is_a_named_mismatch(make_groups, tcp_only) -> None:
     groups = await make_groups(4)
@@ -373,13 +422,14 @@ assert (grp.two_hop_now >= 50) if native else (grp.two_hop_now == 0), grp.two_ho
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("native", ["on", "off", "mixed"])
-def test_blocking_two_hop_calls_run_on_the_callers_thread(tmp_path, native: str) -> None:
+@pytest.mark.parametrize("world", [2, 4])
+def test_blocking_two_hop_calls_run_on_the_callers_thread(tmp_path, native: str, world: int) -> None:
     if native != "off":
         _needs_native()
     script = tmp_path / "job.py"
     script.write_text(BLOCKING_JOB)
     env = {"PSRING_NATIVE": native} if native == "off" else {"MIXED": str(int(native == "mixed"))}
-    counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off", PSRING_RING_TWO_HOP_MIN="65537", **env)
+    counts = run_blocking_job(script, world, PSRING_SAME_HOST="off", PSRING_RING_TWO_HOP_MIN="65537", **env)
     for r, (on_thread, adopted) in counts.items():
         if native == "on" or (native == "mixed" and r % 2 == 0):
             assert on_thread >= 50, (r, on_thread, adopted)

@@ -27,6 +27,13 @@ TWO_HOP_CHUNK_MAX = 1 << 20
 #: and the fewest ranks it is for: at 3 the ring waits 4 times a call, not 6, and two hops were no faster
 #: (3 ranks over TCP on 2 cores, 1 MiB: 0.96-0.99 ms against 0.89-0.94; 2 MiB 1.87-2.28 against 1.94-2.24)
 TWO_HOP_RANKS = 4
+#: ... but for a pair of ranks, where two hops wait as often as the ring (twice) and the native call on
+#: the caller's thread is what makes them faster: above the one-hop sizes (a pair's one-hop exchange is
+#: already one message each way) up to this size. 2 ranks over TCP on 2 cores, blocking / asyncio API,
+#: two runs: 128 KiB 42-50 / 42-51 us against 90-94 / 67-70, 256 KiB 71-80 / 67-76 against 79-83 / 91,
+#: 1 MiB 281-296 / 278-285 against 313 / 362-381, 1.5 MiB 424-444 / 431-447 against 462-520 / 508-604;
+#: 2 MiB lost to the data plane (1022-1049 against 817-894)
+PAIR_TWO_HOP_MAX = 1536 << 10
 
 
 class Path(enum.Enum):
@@ -66,6 +73,8 @@ class RingPaths:
     two_hop_max: int = 0
 
     def two_hop(self, nbytes: int, n_ranks: int) -> bool:
+        if n_ranks == 2:
+            return max(self.two_hop_min, self.small_bytes + 1) <= nbytes <= min(self.two_hop_max, PAIR_TWO_HOP_MAX)
         return (
             n_ranks >= TWO_HOP_RANKS
             and self.two_hop_min <= nbytes <= self.two_hop_max
@@ -118,7 +127,8 @@ def describe(paths: RingPaths) -> list[str]:
         (
             f"all_reduce of the job's group of {TWO_HOP_RANKS} ranks or more from "
             f"{paths.two_hop_min} bytes up to {paths.two_hop_max} (a ring chunk up to "
-            f"{TWO_HOP_CHUNK_MAX}): two hops over the TCP small-message links"
+            f"{TWO_HOP_CHUNK_MAX}), of 2 ranks from {max(paths.two_hop_min, paths.small_bytes + 1)} up to "
+            f"{min(paths.two_hop_max, PAIR_TWO_HOP_MAX)}: two hops over the TCP small-message links"
             if paths.two_hop_max
             else "two hops over the TCP small-message links: off"
         ),
