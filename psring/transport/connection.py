@@ -152,6 +152,24 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             self.peername = f"{peer[0]}:{peer[1]}"
         self.last_heard = self._last_sent = time.monotonic()
 
+    def limit_send_buffer(self, nbytes: int) -> bool:
+        """Bound the kernel's send buffer of this TCP connection to ``nbytes`` (SO_SNDBUF, which also
+        turns off the kernel's sizing of it; Linux doubles it for its own bookkeeping): the bytes in
+        flight and queued in the kernel stay about that, so connections that share a link take even
+        shares of it -- at the price of at most ``nbytes`` / the round trip each. False where this is
+        no TCP socket (or not open)."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or nbytes <= 0:
+            return False
+        try:
+            sock = transport.get_extra_info("socket")
+            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return False
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+        except (OSError, ValueError):  # a socket closed under us
+            return False
+        return True
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost is None and not self._closing:
             detail = f": {exc}" if exc else " (closed by the peer)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import numpy as np
 import pytest
@@ -47,3 +48,27 @@ async def test_frames_sent_together_arrive_whole_in_order_with_their_checksums(
         if conn is not None:
             await conn.close()
         await listener.close()
+
+
+async def test_limit_send_buffer_sets_a_tcp_sockets_buffer_and_frames_still_flow() -> None:
+    mailbox = Mailbox()
+    listener = await Listener(lambda c: None, secret=None, router_for=lambda c: mailbox).start("127.0.0.1", 0)
+    conn = None
+    try:
+        conn = await open_connection("127.0.0.1", listener.port, secret=None, hello={"role": "t"})
+        sock = conn.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) != 2 * (48 << 10)  # the kernel's own size
+        assert conn.limit_send_buffer(48 << 10) is True
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (48 << 10)  # Linux keeps twice it
+        assert conn.limit_send_buffer(0) is False  # nothing to set
+        x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB through the small buffer, whole
+        fut = mailbox.expect(("t", 1))
+        conn.send_tensor({"kind": "data", "tag": ("t", 1)}, x)
+        await conn.flush()
+        _conn, _header, payload = await asyncio.wait_for(fut, 10)
+        assert np.array_equal(np.frombuffer(payload, np.float32), x)
+    finally:
+        if conn is not None:
+            await conn.close()
+        await listener.close()
+    assert conn.limit_send_buffer(48 << 10) is False  # closed: no socket

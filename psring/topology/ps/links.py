@@ -107,6 +107,7 @@ class ServerLinks:
                         raise PeerLostError(f"server shard {i} did not come back: {exc}") from exc
                     await asyncio.sleep(0.2)
             new.peer["shard"] = i
+            self._tune(new)
             self.shards[i] = new
             self.addresses[i] = f"{host}:{port}"
         self.lost = None
@@ -150,6 +151,12 @@ class ServerLinks:
             # which host this rank counts as for all_reduce's two-level order, and whether that order is on
             "where": [self.config.host_id or host_key(), self.config.hierarchical],
         }
+
+    def _tune(self, conn: Connection) -> None:
+        """PSRING_PS_SNDBUF on a connection to a shard on another host (the shard does the same at its end)."""
+        me = host_key()
+        if self.config.ps_sndbuf > 0 and (me is None or conn.peer.get("host") != me):
+            conn.limit_send_buffer(self.config.ps_sndbuf)
 
     def reaches_other_hosts(self) -> bool:
         """Whether some shard connection of this worker leaves its host (its handshake says so)."""
@@ -233,6 +240,7 @@ class ServerLinks:
             except PeerLostError as exc:
                 raise PeerLostError(f"server shard {i} at {self.addresses[i]} is unreachable: {exc}") from exc
             conn.peer["shard"] = i
+            self._tune(conn)
             return conn
 
         self.shards = list(await asyncio.gather(*(dial(i) for i in range(len(self.addresses)))))
