@@ -15,10 +15,13 @@ Needs root (namespaces, tc). ``--quick`` runs three configurations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from hosts import run_variant, shape  # noqa: E402
 
 from psring.cli.bench import human  # noqa: E402
-from psring.cluster.advise import MARGIN, Layout, advise, fit_links, parse_rate, predict  # noqa: E402
+from psring.cluster.advise import MARGIN, Layout, advise, fit_links, parse_rate, predict, ps_tuning  # noqa: E402
 from tests.support.harness.netns import NetnsCluster, netns_available  # noqa: E402
 
 #: (hosts, ranks per host, server hosts, rate, size)
@@ -54,6 +57,21 @@ def measure(cluster: NetnsCluster, variant: str, hosts: int, ranks: int, sizes: 
     return [statistics.median(r[i]["time_s"] for r in per_round) for i in range(len(sizes))]
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """These variables set in this process (and so in the ranks and shards hosts.py starts) meanwhile."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]:
     hosts, ranks, servers, rate, size = config
     cluster = NetnsCluster(uuid.uuid4().hex[:6])
@@ -67,15 +85,18 @@ def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]
         small, large = measure(cluster, "flat", hosts, ranks, [4 << 10, 8 << 20], rounds)
         links = fit_links(hosts * ranks, (4 << 10, small), (8 << 20, large))
         layout = Layout(hosts, ranks, servers)
-        predicted = predict(size, layout, links)
-        # colocated shards as psring runs them: reduced within the host first where hosts hold several ranks
-        variants = ["flat", "psh" if ranks > 1 else "ps"] + (["hier"] if ranks > 1 else [])
-        variants += ["psd"] if servers else []
-        variants += ["split"] if "BytePS split" in predicted else []  # its weights: advise's (hosts.py)
-        measured = {MODEL[v]: measure(cluster, v, hosts, ranks, [size], rounds)[0] for v in variants}
+        # the ps runs (and the model counts it) with the settings advise gives it for these links
+        tuning = ps_tuning(layout, links)
+        with _environ(tuning):
+            predicted = predict(size, layout, links)
+            # colocated shards as psring runs them: reduced within the host first where hosts hold several ranks
+            variants = ["flat", "psh" if ranks > 1 else "ps"] + (["hier"] if ranks > 1 else [])
+            variants += ["psd"] if servers else []
+            variants += ["split"] if "BytePS split" in predicted else []  # its weights: advise's (hosts.py)
+            measured = {MODEL[v]: measure(cluster, v, hosts, ranks, [size], rounds)[0] for v in variants}
+            recommended = advise([size], layout, links)["recommended"]  # what psring advise says, as it says it
     finally:
         cluster.close()
-    recommended = advise([size], layout, links)["recommended"]  # what psring advise says, as it says it
     predicted = {name: t for name, t in predicted.items() if name in measured}
     best_measured = min(measured, key=lambda n: measured[n])
     return {
@@ -85,6 +106,7 @@ def check(config: tuple[int, int, int, str, int], rounds: int) -> dict[str, Any]
             "bandwidth_Bps": links.bandwidth,
             "rate_Bps": parse_rate(rate),
         },
+        "tuning": tuning,
         "predicted_s": predicted,
         "measured_s": measured,
         "error": {n: predicted[n] / measured[n] - 1 for n in measured},
@@ -111,7 +133,8 @@ def main() -> None:
         c = row["config"]
         print(f"# {c['hosts']}x{c['ranks']}, {c['server_hosts']} server hosts, {c['rate']}, {human(c['size'])}: "
               f"fitted {row['links']['latency_s'] * 1e6:.0f} us/step, "
-              f"{row['links']['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s", flush=True)  # fmt: skip
+              f"{row['links']['bandwidth_Bps'] * 8 / 1e9:.3f} Gbit/s; the ps with "
+              f"{' '.join(f'{k}={v}' for k, v in row['tuning'].items()) or 'the defaults'}", flush=True)  # fmt: skip
         for name in row["measured_s"]:
             print(f"  {name:<14} predicted {row['predicted_s'][name] * 1e3:9.2f} ms  measured "
                   f"{row['measured_s'][name] * 1e3:9.2f} ms  error {row['error'][name]:+.0%}", flush=True)  # fmt: skip

@@ -227,8 +227,43 @@ def split_weights(layout: Layout) -> tuple[int, ...]:
     return (colocated // common,) * n + (dedicated // common,) * k
 
 
-def settings_for(name: str, layout: Layout) -> dict[str, str]:
-    """The PSRING_* settings that run topology ``name`` (as :func:`predict` names them)."""
+#: links up to this rate (bytes/s) are slow for the ps: a piece's CPU is small beside its time on the
+#: wire, so smaller pieces pay (a shorter first and last piece: PSRING_PS_WIRE_PIECES)
+SLOW_LINK = 2.5e9 / 8
+SLOW_LINK_PIECES = 32
+#: the send buffer advise gives a ps's connections between hosts (PSRING_PS_SNDBUF), on links up to
+#: SNDBUF_LINK_MAX whose bandwidth-delay product it covers four times over (it caps a connection at
+#: the buffer / the round trip)
+SNDBUF = 128 << 10
+SNDBUF_LINK_MAX = 10e9 / 8
+
+
+def ps_tuning(layout: Layout, links: Links) -> dict[str, str]:
+    """The ps's settings for these links where they differ from psring's defaults (between hosts only).
+
+    On the hosts bed, 4 workers + 4 server hosts, 1 Gbit/s, 64 MiB, ps dedicated against the flat ring:
+    1.12-1.17x as psring starts; 1.34-1.37x with 32 pieces a slice and 128 KiB send buffers. With the
+    kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to 4 shards, 4
+    workers' pushes into a shard -- take uneven shares, and a shard waits for the slowest worker's piece
+    while its link out idles; small buffers keep them even. At 10 Gbit/s the buffers paid there too
+    (ps colocated 0.84x -> 1.24x the ring at 64 MiB), the pieces did not (the bed is CPU-bound there)."""
+    if layout.hosts == 1 and layout.server_hosts == 0:
+        return {}
+    config = settings.current()
+    out = {}
+    if links.bandwidth <= SLOW_LINK and config.ps_wire_pieces < SLOW_LINK_PIECES:
+        out["PSRING_PS_WIRE_PIECES"] = str(SLOW_LINK_PIECES)
+    round_trip = 2 * links.latency  # the wire's (the kernel acks; per_message is the processes' time)
+    if config.ps_sndbuf == 0 and links.bandwidth <= SNDBUF_LINK_MAX and 4 * round_trip * links.bandwidth <= SNDBUF:
+        out["PSRING_PS_SNDBUF"] = f"{SNDBUF >> 10}K"
+    return out
+
+
+def settings_for(name: str, layout: Layout, links: Links | None = None) -> dict[str, str]:
+    """The PSRING_* settings that run topology ``name`` (as :func:`predict` names them); with the
+    links, the ps's tuning for them too (:func:`ps_tuning`)."""
+    if links is not None and name.startswith(("ps", "BytePS")):
+        return {**settings_for(name, layout), **ps_tuning(layout, links)}
     k = layout.server_hosts
     if name == "ring":
         return {"PSRING_TOPOLOGY": "ring", "PSRING_HIERARCHICAL": "off"}
@@ -384,7 +419,7 @@ def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
         "predicted_s": times,
         "recommended": best,
         "reason": _reason(best, times, layout, sizes),
-        "settings": settings_for(best, layout),
+        "settings": settings_for(best, layout, links),
         "model_only": {name: why for name, why in MODEL_ONLY.items() if name in times},
     }
 

@@ -17,6 +17,8 @@ from psring.cluster.advise import (
     fit_links,
     parse_rate,
     predict,
+    ps_tuning,
+    settings_for,
     split_share,
     split_time,
     split_weights,
@@ -116,7 +118,8 @@ def test_recommendations_and_their_reasons() -> None:
     three = advise([25 << 20], Layout(4, server_hosts=3), links)  # 3 server hosts for 4 workers: the split
     assert three["recommended"] == "BytePS split" and "43% of every tensor" in three["reason"]
     assert three["predicted_s"]["BytePS split"] < min(three["predicted_s"][t] for t in ("ring", "ps dedicated"))
-    assert three["settings"] == {"PSRING_TOPOLOGY": "ps", "PSRING_PS_COLOCATE": "1", "PSRING_PS_DEDICATED": "3"}
+    assert three["settings"] == {"PSRING_TOPOLOGY": "ps", "PSRING_PS_COLOCATE": "1", "PSRING_PS_DEDICATED": "3",
+                                 "PSRING_PS_WIRE_PIECES": "32", "PSRING_PS_SNDBUF": "128K"}  # fmt: skip
     two = advise([25 << 20], Layout(4, server_hosts=2), links)  # 2: the split's edge is within the margin
     assert two["recommended"] == "ring" and "BytePS split" in two["predicted_s"]
     assert "BytePS split" not in advise([25 << 20], Layout(4, server_hosts=4), links)["predicted_s"]  # x = 1
@@ -162,6 +165,29 @@ def test_bad_input_is_named(argv: list[str], says: str) -> None:
     assert run.returncode == 2 and says in run.stderr, (run.returncode, run.stdout, run.stderr)
 
 
+def test_the_ps_on_slow_links_is_told_smaller_pieces_and_send_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("PSRING_PS_SNDBUF", "PSRING_PS_WIRE_PIECES"):
+        monkeypatch.delenv(name, raising=False)
+    slow = Links(latency=15e-6, bandwidth=GBIT, per_message=135e-6)  # fit_links of the hosts bed at 1 Gbit/s
+    got = advise([64 << 20], Layout(4, server_hosts=4), slow)
+    assert got["recommended"] == "ps dedicated"
+    assert got["settings"] == {"PSRING_TOPOLOGY": "ps", "PSRING_PS_WIRE_PIECES": "32", "PSRING_PS_SNDBUF": "128K"}
+    split = Layout(4, server_hosts=2)
+    assert settings_for("BytePS split", split, slow)["PSRING_PS_SNDBUF"] == "128K"
+    # 10 Gbit/s: the pieces stay (a piece's CPU counts there); the buffer only where it covers 4x the
+    # link's bandwidth-delay product (it caps a connection at the buffer / the round trip)
+    assert ps_tuning(Layout(4, server_hosts=4), Links(10e-6, 10 * GBIT)) == {"PSRING_PS_SNDBUF": "128K"}
+    assert ps_tuning(Layout(4, server_hosts=4), Links(50e-6, 10 * GBIT)) == {}
+    assert ps_tuning(Layout(4, server_hosts=4), Links(1e-6, 40 * GBIT)) == {}
+    assert ps_tuning(Layout(1, 4), slow) == {}  # one host: nothing crosses a link
+    ring = advise([64 << 20], Layout(4), slow)
+    assert ring["recommended"] == "ring" and set(ring["settings"]) == {"PSRING_TOPOLOGY", "PSRING_HIERARCHICAL"}
+    # what the job sets already is left as it is
+    monkeypatch.setenv("PSRING_PS_SNDBUF", "64K")
+    monkeypatch.setenv("PSRING_PS_WIRE_PIECES", "64")
+    assert ps_tuning(Layout(4, server_hosts=4), slow) == {}
+
+
 def test_hosts_and_server_hosts_by_name() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "psring", "advise", "--hosts", "n1,n2,n3,n4", "--rate", "1gbit", "--server-hosts",
@@ -182,6 +208,7 @@ def test_described_hosts_print_a_table_and_a_recommendation() -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "recommended: ps dedicated" in run.stdout and "50.00 MiB in all" in run.stdout, run.stdout
+    assert "run it with: PSRING_TOPOLOGY=ps PSRING_PS_WIRE_PIECES=32 PSRING_PS_SNDBUF=128K" in run.stdout, run.stdout
 
 
 @pytest.mark.slow
