@@ -435,8 +435,8 @@ class Settings:
     # 4 workers + 4 server hosts, 1 Gbit/s, 64 MiB: a server host's link in takes 4 workers' pushes and a
     # worker's link out carries 4 shards' -- with send buffers the kernel sizes (up to 4 MiB) those flows
     # share the links unevenly, the shard waits for the slowest worker's piece and its link out idles:
-    # 1.13x the flat ring; 128 KiB: 1.22x, with 32 pieces a slice 1.33-1.35x (64: 1.35x). It caps a
-    # connection at that / the round trip (10 Gbit/s needs 125 KB at 100 us): off unless set.
+    # 1.12-1.17x the flat ring; 128 KiB: 1.21-1.27x, with 32 pieces a slice 1.32-1.38x (64: 1.34-1.38x).
+    # It caps a connection at that / the round trip (10 Gbit/s needs 125 KB at 100 us): off unless set.
     ps_sndbuf: int = _var(
         "PSRING_PS_SNDBUF",
         0,

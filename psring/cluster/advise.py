@@ -242,7 +242,7 @@ def ps_tuning(layout: Layout, links: Links) -> dict[str, str]:
     """The ps's settings for these links where they differ from psring's defaults (between hosts only).
 
     On the hosts bed, 4 workers + 4 server hosts, 1 Gbit/s, 64 MiB, ps dedicated against the flat ring:
-    1.12-1.17x as psring starts; 1.34-1.37x with 32 pieces a slice and 128 KiB send buffers. With the
+    1.12-1.17x as psring starts; 1.34-1.38x with 32 pieces a slice and 128 KiB send buffers. With the
     kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to 4 shards, 4
     workers' pushes into a shard -- take uneven shares, and a shard waits for the slowest worker's piece
     while its link out idles; small buffers keep them even. At 10 Gbit/s the buffers paid there too
