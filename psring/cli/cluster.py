@@ -303,11 +303,14 @@ def cli_advise(args: Any) -> int:
     print(f"recommended: {result['recommended']}: {result['reason']}")
     print("run it with: " + " ".join(f"{k}={v}" for k, v in result["settings"].items()))
     k, n = lay["server_hosts"], lay["workers"]
+    # a shard sets the send buffers of its end itself
+    env = "".join(f"{key}={value} " for key, value in result["settings"].items() if key == "PSRING_PS_SNDBUF")
     if result["recommended"] == "ps dedicated":
-        print(f"  and on server host i (0 to {k - 1}): psring server --store HOST:PORT --shard i --num-shards {k}")
+        print(f"  and on server host i (0 to {k - 1}): {env}psring server --store HOST:PORT --shard i --num-shards {k}")
     elif result["recommended"] == "BytePS split":
         print(
-            f"  and on server host i (0 to {k - 1}): psring server --store HOST:PORT --shard {n}+i --num-shards {n + k}"
+            f"  and on server host i (0 to {k - 1}): {env}psring server --store HOST:PORT --shard {n}+i "
+            f"--num-shards {n + k}"
         )
     return 0
 

@@ -209,6 +209,7 @@ def test_described_hosts_print_a_table_and_a_recommendation() -> None:
     assert run.returncode == 0, run.stderr
     assert "recommended: ps dedicated" in run.stdout and "50.00 MiB in all" in run.stdout, run.stdout
     assert "run it with: PSRING_TOPOLOGY=ps PSRING_PS_WIRE_PIECES=32 PSRING_PS_SNDBUF=128K" in run.stdout, run.stdout
+    assert "PSRING_PS_SNDBUF=128K psring server --store HOST:PORT --shard i --num-shards 4" in run.stdout, run.stdout
 
 
 @pytest.mark.slow
