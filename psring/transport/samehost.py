@@ -32,3 +32,10 @@ def host_key() -> str | None:
     except OSError:
         return None
     return f"{boot}/{net}/{pid}"
+
+
+def elsewhere(peer_host: object) -> bool:
+    """Whether a peer whose handshake named host key ``peer_host`` runs on another host (or this one
+    cannot tell its own)."""
+    me = host_key()
+    return me is None or peer_host != me

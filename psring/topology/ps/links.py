@@ -15,7 +15,7 @@ from ...settings import parse_weights
 from ...transport.connection import Connection
 from ...transport.listener import open_connection
 from ...transport.mailbox import Mailbox
-from ...transport.samehost import host_key
+from ...transport.samehost import elsewhere, host_key
 from ...transport.shmpool import ShmPool
 from ..group import farewell
 from ..stall import StallInspector
@@ -154,14 +154,12 @@ class ServerLinks:
 
     def _tune(self, conn: Connection) -> None:
         """PSRING_PS_SNDBUF on a connection to a shard on another host (the shard does the same at its end)."""
-        me = host_key()
-        if self.config.ps_sndbuf > 0 and (me is None or conn.peer.get("host") != me):
+        if self.config.ps_sndbuf > 0 and elsewhere(conn.peer.get("host")):
             conn.limit_send_buffer(self.config.ps_sndbuf)
 
     def reaches_other_hosts(self) -> bool:
         """Whether some shard connection of this worker leaves its host (its handshake says so)."""
-        me = host_key()
-        return any(not c.is_local and (me is None or c.peer.get("host") != me) for c in self.shards)
+        return any(not c.is_local and elsewhere(c.peer.get("host")) for c in self.shards)
 
     async def tell_piece(self, key: str) -> None:
         """Count, in the store, whether this worker reaches a shard on another host, and on rank 0 write

@@ -45,7 +45,7 @@ from ...core.fold import Layout, host_layout
 from ...errors import PeerLostError, ProtocolError, PsringError
 from ...settings import Settings
 from ...transport.connection import Connection
-from ...transport.samehost import host_key
+from ...transport.samehost import elsewhere
 from ..collective import mismatch_message
 from .folding import Folding
 from .paramstore import handle_param
@@ -124,8 +124,7 @@ class Shard(Folding):
         if old is not None and old.is_open and old is not conn:
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
         self.by_rank[rank] = conn
-        me = host_key()
-        if self.settings.ps_sndbuf > 0 and (me is None or conn.peer.get("host") != me):
+        if self.settings.ps_sndbuf > 0 and elsewhere(conn.peer.get("host")):
             conn.limit_send_buffer(self.settings.ps_sndbuf)  # PSRING_PS_SNDBUF: a worker on another host
         self._layouts.clear()
         self.gone.pop(rank, None)
