@@ -103,8 +103,8 @@ def test_each_layer_imports_only_layers_below_it() -> None:
 
 
 def test_no_import_circles() -> None:
-    """No circle among the imports that run (the type checkers' interface stubs, ring.host and
-    transport.host, name the classes they describe under TYPE_CHECKING: that is no circle)."""
+    """No circle among the imports that run (an algorithm names the group it is part of under
+    TYPE_CHECKING, for its type hints: that is no circle)."""
     graph = _imports(runtime_only=True)
     state: dict[str, int] = {}
     cycles: list[list[str]] = []

@@ -32,7 +32,7 @@ from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 from .mesh import Mesh, MeshLink
 
-try:  # the C extension's read loop (psring/_native.c, a leaf: it imports nothing of psring)
+try:  # the C extension's read loop (psring/native/tcpmesh.c, a leaf: it imports nothing of psring)
     from .._native import tcp_exchange as _native_exchange
     from .._native import tcp_read as _native_read
     from .._native import tcp_scatter as _native_scatter
@@ -87,7 +87,7 @@ class TcpMesh(Mesh[TcpLink]):
 
     #: a waiting rank sleeps in the loop (or ``poll``): with more ranks than cores a spinning one takes
     #: the core its peers need (a 4-byte exchange at 4 ranks on 2 cores: 115 us asleep, 294 us spinning).
-    #: (The caller's-thread path gives its core up a few times before it sleeps: ring.tcpnow.YIELDS.)
+    #: (The caller's-thread path gives its core up a few times before it sleeps: ring.tcpdirect.YIELDS.)
     spins = False
 
     def __init__(

@@ -1,5 +1,5 @@
 """The TCP small-message links between hosts (psring.transport.tcpmesh) and the small all_reduce that
-runs on the caller's thread over them (psring.topology.ring.tcpnow). ``PSRING_SAME_HOST=off`` makes
+runs on the caller's thread over them (psring.topology.ring.tcpdirect). ``PSRING_SAME_HOST=off`` makes
 ranks of one machine behave as if on separate hosts: no Unix links, no boards, only TCP."""
 
 from __future__ import annotations
@@ -179,8 +179,8 @@ for i in range(400):
 native = grp.net.tcp_mesh.native
 assert native == (os.environ.get("PSRING_NATIVE") != "off"), native
 # the sums and averages in one C call each (psring._native.tcp_exchange) where the rank is native
-assert (grp.tcp_native >= 100) if native else (grp.tcp_native == 0), grp.tcp_native
-""" + blocking_job_end("grp.tcp_now, grp.tcp_adopted")
+assert (grp.tcp.ran_native >= 100) if native else (grp.tcp.ran_native == 0), grp.tcp.ran_native
+""" + blocking_job_end("grp.tcp.ran_now, grp.tcp.adopted")
 
 
 @pytest.mark.slow

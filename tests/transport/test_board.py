@@ -280,7 +280,7 @@ async def test_large_all_reduces_stream_through_the_boards_with_the_canonical_bi
     nets = [g.net for g in groups]  # type: ignore[attr-defined]
     assert all(n.board is not None and n.board.stream_min == 300 << 10 for n in nets)
     rng = np.random.default_rng(5)
-    streamed = [g.streamed for g in groups]  # type: ignore[attr-defined]
+    streamed = [g.streamed.ran for g in groups]  # type: ignore[attr-defined]
     cases = [
         (300 << 8, np.float32, "sum"),
         (100_001, np.float64, "avg"),
@@ -293,7 +293,7 @@ async def test_large_all_reduces_stream_through_the_boards_with_the_canonical_bi
         ys = await asyncio.gather(*(g.all_reduce(x.reshape(-1, 1), op) for g, x in zip(groups, xs, strict=True)))
         ref = canonical_fold(xs, op, np.empty(size, dtype))
         assert all(y.shape == (size, 1) and y.tobytes() == ref.tobytes() for y in ys), (size, dtype, op)
-    assert [g.streamed - s for g, s in zip(groups, streamed, strict=True)] == [len(cases)] * 3  # type: ignore[attr-defined]
+    assert [g.streamed.ran - s for g, s in zip(groups, streamed, strict=True)] == [len(cases)] * 3  # type: ignore[attr-defined]
     # three in flight on every rank, a small board call between them: each in its turn, the same bits
     xs = [[rng.standard_normal(90_000 + i).astype(np.float32) for i in range(3)] for _ in groups]
     calls = [
@@ -307,11 +307,11 @@ async def test_large_all_reduces_stream_through_the_boards_with_the_canonical_bi
         assert all(ys[r][at].tobytes() == ref.tobytes() for r in range(3)), i
     assert all(np.array_equal(y[1], np.full(3, 3.0)) for y in ys)
     # max is not the native fold's: the plane, and the same answer
-    before = [g.streamed for g in groups]  # type: ignore[attr-defined]
+    before = [g.streamed.ran for g in groups]  # type: ignore[attr-defined]
     xs1 = [rng.standard_normal(100_000).astype(np.float32) for _ in groups]
     ys1 = await asyncio.gather(*(g.all_reduce(x, "max") for g, x in zip(groups, xs1, strict=True)))
     assert all(np.array_equal(y, np.maximum.reduce(xs1)) for y in ys1)
-    assert [g.streamed for g in groups] == before  # type: ignore[attr-defined]
+    assert [g.streamed.ran for g in groups] == before  # type: ignore[attr-defined]
     # ranks that called different sizes: named on every rank; then the group goes on
     results = await asyncio.gather(
         *(g.all_reduce(np.ones(100_000 + (g.rank == 2), np.float32)) for g in groups), return_exceptions=True
@@ -417,7 +417,7 @@ for i in range(400):
     assert y.tobytes() == ref.tobytes(), i
     if g.rank == 1 and i % 100 in (12, 99):
         import time; time.sleep(0.2)  # a late rank: the others' calls (a split one after 12) are handed to the loop
-""" + blocking_job_end("grp.board_now, grp.board_adopted")
+""" + blocking_job_end("grp.board.ran_now, grp.board.adopted")
 
 
 @pytest.mark.slow
@@ -454,7 +454,7 @@ for i in range(24):
     assert y.tobytes() == canonical_fold(xs, op, np.empty_like(xs[0])).tobytes(), i
     if g.rank == 1 and i % 8 == 3:
         time.sleep(0.2)  # a late rank: its peers wait for it inside their streams
-""" + blocking_job_end("grp.streamed, grp.board_now")
+""" + blocking_job_end("grp.streamed.ran, grp.board.ran_now")
 
 
 @pytest.mark.slow
@@ -478,7 +478,7 @@ g = psring.init()
 x = np.ones(16 << 20, np.float32)  # 64 MiB: streamed, tens of milliseconds a call
 for _ in range(2):
     assert np.all(g.all_reduce(x) == g.world_size)
-print("streamed", g.group.streamed, flush=True)
+print("streamed", g.group.streamed.ran, flush=True)
 if g.rank == 1 and os.environ["HOW"] == "die":
     threading.Timer(0.02, os._exit, (0,)).start()  # gone mid-call, as a crash (0: launch waits for the rest)
 elif g.rank == 1:  # stopped mid-call (SIGSTOP), woken 8 s later by a helper

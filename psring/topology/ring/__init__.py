@@ -1,13 +1,16 @@
 """The ring topology: peer-to-peer links between the ranks.
 
-``group`` (``RingGroup``) is assembled from its paths: ``board`` (small all_reduces through
-same-host shared memory, from the loop or the caller's thread), ``tcpnow`` (small all_reduces
-between hosts from the caller's thread, over the TCP small-message links), ``twohop`` (medium
-all_reduces between hosts in two hops over the same links), ``small`` (one-hop exchanges for small
-tensors), ``pipeline`` (the pipelined ring on the event loop), ``fp16`` (float16 on the wire),
-``plane`` (large all_reduces on the threaded data plane, whose threads, links and schedule are
-``dataplane``) and ``hier`` (two levels across hosts);
-``paths`` decides which one a reduction takes. ``net`` (``PeerNet``) is the rank's endpoint under
-them: the listening port, the links, losses; ``constants`` the phases and bounds they share;
-``host`` writes down, for type checkers, what the path mixins need from RingGroup and each other.
+``group`` (``RingGroup``) holds the rank's endpoint and one object per algorithm, composed, and
+``chooser`` (``Chooser``, ``Algorithm``) picks an all_reduce's algorithm in one place, the same on
+every rank, from the thresholds ``paths`` keeps (which ``psring advise`` predicts from). The
+algorithms: ``board`` (same-host shared-memory boards, from the loop or the caller's thread),
+``streamed`` (large same-host calls through the boards' slots, in C), ``onehop`` (DIRECT and ROOTED
+one-hop calls for small tensors; between hosts ``tcpdirect`` runs the DIRECT one on the caller's
+thread over the TCP small-message links), ``twohop`` (medium calls between hosts in two hops over
+the same links), ``pipeline`` (the pipelined ring on the event loop), ``plane`` (large calls on the
+threaded data plane, whose threads, links and schedule are ``dataplane``), ``hier`` (two levels
+across hosts) and ``fp16`` (float16 on the wire). What they share: ``caller`` (numbering a call
+off the loop and closing its books), ``exchange`` (the small-message exchange every one-hop phase
+goes through). ``net`` (``PeerNet``) is the rank's endpoint under them: the listening port, the
+links, losses; ``constants`` the phases and bounds they share.
 """

@@ -55,7 +55,7 @@ from ...core.arrays import byte_view, result_empty
 from ...transport.board import fold_kind
 from ...transport.shmpool import PeerPool, ShmPool
 
-try:  # the C extension's one-thread ring (psring/_native.c, a leaf: it imports nothing of psring)
+try:  # the C extension's one-thread ring (psring/native/ring.c, a leaf: it imports nothing of psring)
     from ..._native import NRing as _NRing
 except ImportError:  # not built here: the two threads
     _NRing = None  # type: ignore[assignment,misc]
@@ -78,7 +78,7 @@ _REDUCE, _FINAL, _STORE_FWD, _STORE = range(4)
 #: put in a job's queue when the receive thread sent its last frame itself: the send thread wakes and ends it
 _ALL_OUT: tuple[bytes, None, None] = (b"", None, None)
 
-#: NRing.run's codes (psring/_native.c)
+#: NRing.run's codes (psring/native/ring.c)
 _RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, _RING_SEND_ERR = range(7)
 #: a native job with nothing to do gives its core up this many times before it sleeps in poll: with more
 #: ranks than cores the neighbour it waits for runs sooner

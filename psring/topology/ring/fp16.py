@@ -17,32 +17,37 @@ from .constants import AG, DIRECT, RS
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .host import RingHost as _Host
-else:
-    _Host = object
+    from .group import RingGroup
 
 logger = logging.getLogger(__name__)
 
 
-class Fp16Ring(_Host):
-    """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce with float16 on the wire."""
+class Fp16Ring:
+    """all_reduce with float16 on the wire (compression="fp16"): one hop when small, else the pipelined
+    ring's skeleton with float16 pieces."""
 
-    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+    def __init__(self, g: RingGroup) -> None:
+        self.g = g
+        self.net = g.net
+        self.rank = g.rank
+        self.world_size = g.world_size
+
+    async def all_reduce(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
         n_ranks = self.world_size
         q = quantize(x, e)
-        path = self._all_reduce_path(x.nbytes, fp16=True)
+        path = self.g.chooser.loop_path(x.nbytes, fp16=True)
         if path is Path.ROOTED:  # the result travels as float16 too
-            return dequantize(await self._rooted(coll, q, lambda b: fold_fp16(b, op, e, np.empty_like(q))), e)
+            return dequantize(await self.g.one_hop.rooted(coll, q, lambda b: fold_fp16(b, op, e, np.empty_like(q))), e)
         if path is Path.DIRECT:
             bufs = np.empty((n_ranks, x.size), np.float16)
             bufs[self.rank] = q
             if n_ranks > 1:
                 ranks = list(range(n_ranks))
-                await self._direct_exchange(coll, q, DIRECT, bufs, ranks, ranks)
+                await self.g.exchange.direct(coll, q, DIRECT, bufs, ranks, ranks)
             return dequantize(fold_fp16(bufs, op, e, np.empty(x.size, np.float16)), e)
-        return await self._ring_fp16(coll, q, op, e)
+        return await self._ring(coll, q, op, e)
 
-    async def _ring_fp16(self, coll: Collective, q: np.ndarray, op: str, e: int) -> np.ndarray:
+    async def _ring(self, coll: Collective, q: np.ndarray, op: str, e: int) -> np.ndarray:
         """The pipelined ring all_reduce with float16 on the wire (psring.core.compress gives the rules)."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
@@ -51,9 +56,9 @@ class Fp16Ring(_Host):
         out = np.empty(q.size, np.float32)
         rs16, ag16 = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
         final_chunk = right_rank
-        right = await self._link(right_rank)
+        right = await self.g._link(right_rank)
         ag_chunks = [c for c in range(n_ranks) if c != final_chunk]
-        header = self._header
+        header = self.g._header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
@@ -84,5 +89,5 @@ class Fp16Ring(_Host):
 
             return cb
 
-        await self._ring_pass(coll, right, chunk_pieces, ag_chunks, q, rs16, ag16, rs_arrived, ag_arrived)
+        await self.g.ring.ring_pass(coll, right, chunk_pieces, ag_chunks, q, rs16, ag16, rs_arrived, ag_arrived)
         return out

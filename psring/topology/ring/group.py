@@ -29,27 +29,32 @@ from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
-from .board import BoardPath
+from .board import BoardAllReduce
+from .caller import CallerThread
+from .chooser import Algorithm, Chooser
 from .constants import SCATTER
+from .exchange import Exchange
 from .fp16 import Fp16Ring
 from .hier import Hierarchical
 from .net import PeerNet
-from .paths import Path, choose_all_reduce, choose_reduce
-from .pipeline import Pipeline
-from .plane import PlaneDriver
-from .small import SmallPaths, _MeshSlot
-from .tcpnow import TcpNow
+from .onehop import OneHop
+from .paths import Path, choose_reduce
+from .pipeline import PipelinedRing
+from .plane import PlaneAllReduce
+from .streamed import StreamedBoard
+from .tcpdirect import TcpDirect
 from .twohop import TwoHop
 
 logger = logging.getLogger(__name__)
 
 
-class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, PlaneDriver, Hierarchical, Group):
+class RingGroup(Group):
     """Collectives over a ring of peer links.
 
-    This module holds what every path shares (set-up, links, subgroups) and which path a
-    call takes; the paths themselves are mixed in from ``small``, ``pipeline``, ``fp16``
-    and ``plane``.
+    The group holds the rank's endpoint (``net``: links, boards, the data plane) and one object per
+    algorithm (ring.chooser); the chooser picks an all_reduce's algorithm, the same on every rank. What
+    the algorithms share is here or below: the group's numbering and books (Group, ``caller``), the
+    small-message exchange (``exchange``), the links (``_link``, ``_links``, ``_header``).
     """
 
     topology = "ring"
@@ -60,24 +65,34 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
         self.members = members
         self._owns_resources = gid == "0"
         self._local = {g: r for r, g in enumerate(members)}
-        #: receives posted on the same-host links, by (seq, phase); and messages that came first
-        self._mesh_slots: dict[tuple[int, int], _MeshSlot] = {}
-        self._mesh_early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
-        self._init_board()
-        #: small all_reduces between hosts that ended on the caller's thread (tcpnow), and those the loop took over
-        self.tcp_now = 0
-        self.tcp_adopted = 0
-        self.tcp_native = 0  #: of tcp_now, those that were one native call (TcpMesh.exchange)
-        self._tcp_direct: dict[int, bool] = {}
-        self._tcp_plans: dict[tuple[Any, ...], tuple[Any, ...] | bool] = {}
-        self._tcp_last = None
-        self._tcp_order = tuple((self.rank + k) % self.world_size for k in range(1, self.world_size))
-        self._two_hop_plans = {}
-        self._two_hop_last = None
-        self._scratch = None
+        #: the peers in the order this rank sends to them (not everyone to rank 0 first)
+        self.peer_order = tuple((rank + k) % world_size for k in range(1, world_size))
+        self.caller = CallerThread(self)
+        self.exchange = Exchange(self)
+        # the algorithms (ring.chooser), each owning its state and plan caches
+        self.board = BoardAllReduce(self)
+        self.streamed = StreamedBoard(self, self.board)
+        self.hier = Hierarchical(self)
+        self.tcp = TcpDirect(self)  # (the DIRECT route's short way between hosts)
+        self.direct = OneHop(self, Path.DIRECT)
+        self.rooted = OneHop(self, Path.ROOTED)
+        self.one_hop = self.direct  # (gather_and_fold for reduce_scatter and reduce, either route)
+        self.two_hop = TwoHop(self)
+        self.ring = PipelinedRing(self)
+        self.plane = PlaneAllReduce(self)
+        self.fp16 = Fp16Ring(self)
+        by_route: dict[Path, Algorithm] = {
+            Path.HIERARCHICAL: self.hier,
+            Path.TWO_HOP: self.two_hop,
+            Path.PLANE: self.plane,
+            Path.DIRECT: self.direct,
+            Path.ROOTED: self.rooted,
+            Path.RING: self.ring,
+        }
+        self.chooser = Chooser(self, [self.streamed, self.board], by_route)
         net.groups[gid] = self
         for peer, head, payload in net._mesh_orphans.pop(gid, ()):
-            self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
+            self.exchange.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
 
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> RingGroup:
@@ -138,6 +153,25 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
             err = PeerLostError(f"{err} [rank {local} of subgroup {self.gid}]", rank=err.rank)
         super().on_peer_lost(err)
 
+    # ---------------------------------------------------------------- the runtime's hooks
+    def _end(self, coll: Collective, ok: bool) -> None:
+        super()._end(coll, ok)
+        self.exchange.ended(coll.seq)
+        self.board.end(coll)
+
+    def on_abort(self, seq: int, reason: str, message: str, missing: Any = (), lost: int | None = None) -> None:
+        super().on_abort(seq, reason, message, missing, lost)
+        self.exchange.ended(seq)
+
+    def _has_its_data(self, coll: Collective) -> bool:
+        return self.exchange.has_its_data(coll)
+
+    def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
+        self.exchange.on_mesh(peer, seq, phase, call, payload)
+
+    def on_mesh_closed(self, local_rank: int, gone: PeerLostError) -> None:
+        self.exchange.on_mesh_closed(local_rank, gone)
+
     def stats(self) -> dict[str, int]:
         return self.net.stats()
 
@@ -148,48 +182,81 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
         for conn in conns:
             await conn.flush()
 
-    def _all_reduce_path(self, nbytes: int, fp16: bool = False) -> Path:
-        """This call's path: ring.paths decides, from what every rank agreed (see choose_all_reduce)."""
-        plane = self.net.plane
-        return choose_all_reduce(
-            nbytes,
-            self.world_size,
-            self.net.paths,
-            world=self.gid == "0",
-            fp16=fp16,
-            plane_up=plane is not None and plane.ready,
-        )
+    # ---------------------------------------------------------------- all_reduce: the chooser's
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        if compression is None and type(x) is np.ndarray:
+            algo = self.chooser.algorithm(x, op)
+            soon = algo.soon(x, op, on_loop=True)
+            if soon is not None:
+                done, value = soon
+                return value if done else await value
+            return await algo.all_reduce(x, op)
+        return await super().all_reduce(x, op, compression)
+
+    async def general_all_reduce(self, x: np.ndarray, op: str) -> Any:
+        """all_reduce the general way: Group's checks and staging, a Collective, then _all_reduce."""
+        return await super().all_reduce(x, op)
+
+    def all_reduce_now(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+        """all_reduce from the caller's thread (the blocking API), or ``NotImplemented`` where the call
+        must take the event loop (no short way for it, or something of this group in flight there).
+        A call whose peers are late is carried on by the loop, and the thread waits for it."""
+        soon = self.all_reduce_soon(x, op, compression)
+        if soon is None:
+            return NotImplemented
+        done, value = soon
+        if done:
+            return value
+        assert self.net.loop is not None
+        fut = asyncio.run_coroutine_threadsafe(value, self.net.loop)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
+    def all_reduce_soon(
+        self, x: Any, op: str = "sum", compression: str | None = None, plane: bool = True
+    ) -> tuple[bool, Any] | None:
+        """all_reduce's short way for a caller off the event loop that waits in its own way (the
+        blocking API, the torch backend), when nothing of this group is in flight on the loop: (True,
+        the result) when it ended on the caller's thread; (False, a coroutine to run on the loop) when a
+        peer was late; None: not this call, use all_reduce. ``plane``: a call whose algorithm holds the
+        caller's thread for the whole transfer (two hops, the data plane) may run there too -- a caller
+        that has other work to overlap with the transfer (DDP's gradient hooks) says False."""
+        if compression is not None or type(x) is not np.ndarray:
+            return None
+        algo = self.chooser.algorithm(x, op)
+        if algo.holds_caller and not plane:
+            return None
+        return algo.soon(x, op)
 
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        path = self._all_reduce_path(x.nbytes)
-        if path is Path.PLANE:  # reads its input range by range (coll.input_wait): see _input_order
-            assert self.net.plane is not None
-            return await self._plane_all_reduce(coll, x, op, self.net.plane)
-        if coll.input_wait is not None:  # the input is still coming off the device: the others need all of it
-            coll.input_wait(0, x.size)
-        if path is Path.HIERARCHICAL:
-            assert self.net.hosts is not None
-            return await self._hier_all_reduce(coll, x, op, self.net.hosts)
-        if path is Path.TWO_HOP:
-            return await self._two_hop_all_reduce(coll, x.reshape(-1), op)
-        if path is Path.RING:
-            return await self._ring_reduce(coll, x, op, mode="all")
-        return await self._gather_and_fold(coll, x, op, hosts=self._hier_hosts(), path=path)
+        algo = self.chooser.by_route[self.chooser.loop_path(x.nbytes)]
+        if algo.route is not Path.PLANE and coll.input_wait is not None:
+            coll.input_wait(0, x.size)  # the input is still coming off the device: the others need all of it
+        return await algo.run(coll, x, op)
+
+    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
+        return await self.fp16.all_reduce(coll, x, op, e)
+
+    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+        return self.plane.input_order(count, nbytes)
 
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         a, b = ring_chunk_bounds(x.size, self.world_size)[self.rank]
         path = choose_reduce(x.nbytes, self.world_size, self.net.paths, to_all=True)
         if path is Path.RING:
-            out = await self._ring_reduce(coll, x, op, mode="scatter")
+            out = await self.ring.reduce(coll, x, op, mode="scatter")
         else:
-            out = await self._gather_and_fold(coll, x, op, path=path)
+            out = await self.one_hop.gather_and_fold(coll, x, op, path=path)
         return out[a:b].copy()
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
         path = choose_reduce(x.nbytes, self.world_size, self.net.paths, to_all=False)
         if path is not Path.RING:
-            return await self._gather_and_fold(coll, x, op, dst, path=path)
-        out = await self._ring_reduce(coll, x, op, mode="reduce", dst=dst)
+            return await self.one_hop.gather_and_fold(coll, x, op, dst, path=path)
+        out = await self.ring.reduce(coll, x, op, mode="reduce", dst=dst)
         return out if self.rank == dst else None
 
     async def _scatter(
@@ -214,6 +281,18 @@ class RingGroup(BoardPath, TcpNow, TwoHop, SmallPaths, Pipeline, Fp16Ring, Plane
             raise ProtocolError(f"scatter frame from rank {src} carries no array")
         y = wire.decode_tensor(hdr, payload)
         return y, (hdr["dtype"], tuple(hdr["shape"])), str(hdr.get("dev", "cpu"))
+
+    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+        return await self.ring.broadcast(coll, x, src)
+
+    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+        return await self.ring.all_gather(coll, x)
+
+    async def _barrier(self, coll: Collective) -> None:
+        await self.direct.barrier(coll)
+
+    async def _gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None:
+        return await self.direct.gather(coll, x, dst)
 
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
         conn = await self._link(dst)

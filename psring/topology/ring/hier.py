@@ -31,28 +31,35 @@ from ...core.fold import Layout, finish_avg, fold_rows, reduce_op, ring_chunk_bo
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
+from .chooser import Algorithm, Call
 from .constants import HIER, HIER_BLOCK, HIER_DEPTH
+from .paths import Path
 
 if TYPE_CHECKING:
-    from .host import RingHost as _Host
-else:
-    _Host = object
+    pass
 
 
-class Hierarchical(_Host):
-    """Part of :class:`~psring.topology.ring.group.RingGroup`: all_reduce in two levels across hosts."""
+class Hierarchical(Algorithm):
+    """The HIERARCHICAL route: all_reduce in two levels across hosts."""
 
-    def _hier_hosts(self) -> Layout | None:
+    route = Path.HIERARCHICAL
+
+    def eligible(self, call: Call) -> bool:
+        return self.g.chooser.loop_path(call.nbytes) is Path.HIERARCHICAL
+
+    def hosts(self) -> Layout | None:
         """The hosts, when this group's all_reduces go hierarchical (the whole job's group only)."""
         return self.net.hosts if self.gid == "0" else None
 
-    async def _hier_all_reduce(self, coll: Collective, x: np.ndarray, op: str, hosts: Layout) -> np.ndarray:
+    async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        hosts = self.net.hosts
+        assert hosts is not None
         me: int = self.rank
         home = next(h for h in hosts if me in h)
         local = home.index(me)
         cross = [h[local] for h in hosts]  # this rank's counterparts, one per host, in host order
         peers = sorted({*home, *cross} - {me})
-        conns = dict(zip(peers, await self._links(peers), strict=True))
+        conns = dict(zip(peers, await self.g._links(peers), strict=True))
         out = result_empty(x)  # recycled when large, as the flat ring's: no page faults per call
         ufunc = reduce_op(op)
         per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
@@ -62,7 +69,7 @@ class Hierarchical(_Host):
 
         async def block(b: int, a0: int, a1: int) -> None:
             async with room:
-                await self._hier_block(coll, x[a0:a1], out[a0:a1], ufunc, op, b, home, cross, conns, owed)
+                await self._block(coll, x[a0:a1], out[a0:a1], ufunc, op, b, home, cross, conns, owed)
 
         tasks = [asyncio.ensure_future(block(b, a0, a1)) for b, (a0, a1) in enumerate(blocks)]
         try:
@@ -72,7 +79,7 @@ class Hierarchical(_Host):
                 task.cancel()
         return out
 
-    async def _hier_block(
+    async def _block(
         self,
         coll: Collective,
         x: np.ndarray,
@@ -96,20 +103,18 @@ class Hierarchical(_Host):
         # every receive is posted first, so payloads land in place
         gathered = {q: pooled_empty(e - s, x.dtype) for q in home if q != me}
         partials = {r: pooled_empty(ce - cs, x.dtype) for r in cross if r != me}
-        post = functools.partial(self._hier_post, coll, owed=owed)
+        post = functools.partial(self._post, coll, owed=owed)
         step1 = post(phase, gathered)
         step2 = post(phase + 1, partials)
         step3 = post(phase + 2, {r: out[a:z] for r, (a, z) in zip(cross, subs, strict=True) if r != me})
         step4 = post(phase + 3, {q: out[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me})
         # 1: slice j of this host's ranks to local rank j; fold them in rank order
-        await self._hier_send(
-            coll, phase, conns, {q: x[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me}
-        )
+        await self._send(coll, phase, conns, {q: x[a:z] for q, (a, z) in zip(home, slices, strict=True) if q != me})
         await step1
         host_sum = fold_rows([x[s:e] if q == me else gathered[q] for q in home], ufunc, pooled_empty(e - s, x.dtype))
         del gathered
         # 2: sub-chunk k of it to host k's rank; fold the hosts in order
-        await self._hier_send(
+        await self._send(
             coll,
             phase + 1,
             conns,
@@ -120,12 +125,12 @@ class Hierarchical(_Host):
         if op == "avg":
             finish_avg(mine, len(home) * n_hosts)
         # 3: the finished sub-chunk to the other hosts; 4: the finished slice to this host's ranks
-        await self._hier_send(coll, phase + 2, conns, {r: mine for r in cross if r != me})
+        await self._send(coll, phase + 2, conns, {r: mine for r in cross if r != me})
         await step3
-        await self._hier_send(coll, phase + 3, conns, {q: out[s:e] for q in home if q != me})
+        await self._send(coll, phase + 3, conns, {q: out[s:e] for q in home if q != me})
         await step4
 
-    def _hier_post(
+    def _post(
         self, coll: Collective, phase: int, into: dict[int, np.ndarray], owed: dict[int, int]
     ) -> asyncio.Future[None]:
         """Post one receive per sender, straight into its buffer; the future is done when all are in."""
@@ -153,16 +158,16 @@ class Hierarchical(_Host):
             if left == 0 and not done.done():
                 done.set_result(None)
 
-        post = self.mailbox.post
+        post = self.g.mailbox.post
         for src, buf in into.items():
             post((gid, seq, phase, src), byte_view(buf) if buf.nbytes else None, arrived)
         return done
 
-    async def _hier_send(
+    async def _send(
         self, coll: Collective, phase: int, conns: dict[int, Connection], parts: dict[int, np.ndarray]
     ) -> None:
         me = self.rank
         for dst, part in parts.items():  # a header each: send_frame writes its size into it
-            conns[dst].send_frame(self._header(coll, phase, me), byte_view(part) if part.nbytes else None)
+            conns[dst].send_frame(self.g._header(coll, phase, me), byte_view(part) if part.nbytes else None)
         for dst in parts:
             await conns[dst].flush()

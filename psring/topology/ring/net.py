@@ -220,7 +220,7 @@ class PeerNet(PlaneLinks):
     def freeze_paths(self) -> None:
         """Fix the thresholds the ranks agreed (resolve) and the links they opened as this job's RingPaths."""
         self.paths = RingPaths(
-            # with the TCP small-message links every rank sends to every other (tcpnow): one hop, not two
+            # with the TCP small-message links every rank sends to every other (ring.tcpdirect): one hop, not two
             rooted_min=self.rooted_min if self.tcp_mesh is None else NEVER,
             plane_min=self.plane_min if self.plane is not None else NEVER,
             hierarchical=self.hosts is not None,

@@ -37,8 +37,14 @@ PAIR_TWO_HOP_MAX = 1536 << 10
 
 
 class Path(enum.Enum):
-    """The ways the ring reduces a tensor (all give the canonical fold's bits)."""
+    """The ways the ring reduces a tensor (all give the canonical fold's bits): each is one algorithm
+    (ring.chooser), and a trace or ``psring advise`` names a call's route by it."""
 
+    #: every rank of one host posts its tensor on its shared-memory board and folds every post (or its
+    #: ring chunk of them, then gathers the others' folded chunks)
+    BOARD = "board"
+    #: the same through the boards' slots a block at a time, in C on the board's thread (large calls)
+    STREAMED = "streamed"
     #: every rank sends its whole tensor to every rank (or to dst) and folds: one hop, N(N-1) frames
     DIRECT = "direct"
     #: every rank sends to the call's root (seq mod N), which folds and sends the result back: 2(N-1) frames

@@ -16,19 +16,27 @@ from ...core.fold import finish_avg, pieces, reduce_op, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
+from .chooser import Algorithm, Call
 from .constants import AG, BCAST, DIRECT, GATHER_RING, RS
-from .paths import SMALL_BYTES
+from .paths import SMALL_BYTES, Path
 
 if TYPE_CHECKING:
-    from .host import RingHost as _Host
-else:
-    _Host = object
+    pass
 
 logger = logging.getLogger(__name__)
 
 
-class Pipeline(_Host):
-    """Part of :class:`~psring.topology.ring.group.RingGroup`: the pipelined paths on the event loop."""
+class PipelinedRing(Algorithm):
+    """The RING route: the pipelined ring on the event loop (all_reduce, reduce_scatter, reduce), and the
+    broadcast chain and the all_gather ring."""
+
+    route = Path.RING
+
+    def eligible(self, call: Call) -> bool:
+        return self.g.chooser.loop_path(call.nbytes) is Path.RING
+
+    async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        return await self.reduce(coll, x, op, mode="all")
 
     def _wait_piece(self, coll: Collective, conn_count: int) -> tuple[asyncio.Future[None], Callable[[], None]]:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -44,8 +52,7 @@ class Pipeline(_Host):
             done.set_result(None)
         return done, one_done
 
-
-    async def _ring_pass(
+    async def ring_pass(
         self,
         coll: Collective,
         right: Connection,
@@ -72,9 +79,9 @@ class Pipeline(_Host):
                 cb(conn, hdr, payload)
                 one_done()  # every posted receive counts once: done means all forwarding duties are met too
 
-            return self._guard(coll, run)
+            return self.g._guard(coll, run)
 
-        post, gid, seq = self.mailbox.post, self.gid, coll.seq
+        post, gid, seq = self.g.mailbox.post, self.gid, coll.seq
         for c in range(n_ranks):
             if c != me:
                 for j, (a, b) in enumerate(chunk_pieces[c]):
@@ -83,11 +90,11 @@ class Pipeline(_Host):
             for j, (a, b) in enumerate(chunk_pieces[c]):
                 post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b)))
         for j, (a, b) in enumerate(chunk_pieces[me]):
-            right.send_tensor(self._header(coll, RS, me, j), sends[a:b])
+            right.send_tensor(self.g._header(coll, RS, me, j), sends[a:b])
         await done
         await right.flush()
 
-    async def _ring_reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
+    async def reduce(self, coll: Collective, x: np.ndarray, op: str, mode: str, dst: int = 0) -> np.ndarray:
         """Pipelined ring reduce-scatter, then (mode) all-gather / hand chunk to owner / gather to dst."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
@@ -97,15 +104,15 @@ class Pipeline(_Host):
         out = result_empty(x)
         ufunc = reduce_op(op)
         final_chunk = right_rank  # the chunk whose fold completes here
-        right = await self._link(right_rank)
-        to_dst = await self._link(dst) if mode == "reduce" and me != dst else None
+        right = await self.g._link(right_rank)
+        to_dst = await self.g._link(dst) if mode == "reduce" and me != dst else None
         ag_chunks = [
             c
             for c in range(n_ranks)
             if c != final_chunk
             and (mode == "all" or (mode == "scatter" and c == me) or (mode == "reduce" and me == dst))
         ]
-        header = self._header
+        header = self.g._header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
@@ -134,32 +141,32 @@ class Pipeline(_Host):
 
             return cb
 
-        await self._ring_pass(coll, right, chunk_pieces, ag_chunks, x, out, out, rs_arrived, ag_arrived)
+        await self.ring_pass(coll, right, chunk_pieces, ag_chunks, x, out, out, rs_arrived, ag_arrived)
         if to_dst is not None:
             await to_dst.flush()
         return out
 
-    async def _broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
+    async def broadcast(self, coll: Collective, x: np.ndarray, src: int) -> np.ndarray:
         n_ranks, me = self.world_size, self.rank
         out = x.copy() if me == src else np.empty_like(x)
         if n_ranks == 1:
             return out
         if x.nbytes <= SMALL_BYTES:
             if me == src:
-                await self._direct_exchange(coll, x, BCAST, None, [], list(range(n_ranks)))
+                await self.g.exchange.direct(coll, x, BCAST, None, [], list(range(n_ranks)))
             else:
-                await self._direct_exchange(coll, None, BCAST, {src: out}, [src], [])
+                await self.g.exchange.direct(coll, None, BCAST, {src: out}, [src], [])
             return out
         # pipelined chain src -> src+1 -> ... -> src-1
         right_rank = (me + 1) % n_ranks
         forward = right_rank != src
-        right = await self._link(right_rank) if (forward or me == src) else None
+        right = await self.g._link(right_rank) if (forward or me == src) else None
         per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         if me == src:
             assert right is not None
             for j, (a, b) in enumerate(parts):
-                right.send_tensor(self._header(coll, BCAST, "p", j), x[a:b])
+                right.send_tensor(self.g._header(coll, BCAST, "p", j), x[a:b])
             await right.flush()
             return out
         done, one_done = self._wait_piece(coll, len(parts))
@@ -168,21 +175,21 @@ class Pipeline(_Host):
         def arrived(a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if forward and right is not None:
-                    right.send_tensor(self._header(coll, *hdr["tag"][2:]), out[a:b])
+                    right.send_tensor(self.g._header(coll, *hdr["tag"][2:]), out[a:b])
                 one_done()
 
             return cb
 
         for j, (a, b) in enumerate(parts):
-            self.mailbox.post(
-                (self.gid, coll.seq, BCAST, "p", j), byte_view(out[a:b]), self._guard(coll, arrived(a, b))
+            self.g.mailbox.post(
+                (self.gid, coll.seq, BCAST, "p", j), byte_view(out[a:b]), self.g._guard(coll, arrived(a, b))
             )
         await done
         if right is not None:
             await right.flush()
         return out
 
-    async def _all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
+    async def all_gather(self, coll: Collective, x: np.ndarray) -> np.ndarray:
         n_ranks, me = self.world_size, self.rank
         out = np.empty((n_ranks, x.size), x.dtype)
         out[me] = x
@@ -190,10 +197,10 @@ class Pipeline(_Host):
             return out
         ranks = list(range(n_ranks))
         if x.nbytes <= SMALL_BYTES:
-            await self._direct_exchange(coll, x, DIRECT, out, ranks, ranks)
+            await self.g.exchange.direct(coll, x, DIRECT, out, ranks, ranks)
             return out
         right_rank = (me + 1) % n_ranks
-        right = await self._link(right_rank)
+        right = await self.g._link(right_rank)
         per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         done, one_done = self._wait_piece(coll, (n_ranks - 1) * len(parts))
@@ -204,7 +211,7 @@ class Pipeline(_Host):
 
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if forward:
-                    right.send_tensor(self._header(coll, GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
+                    right.send_tensor(self.g._header(coll, GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
                 one_done()
 
             return cb
@@ -213,13 +220,13 @@ class Pipeline(_Host):
             if c == me:
                 continue
             for j, (a, b) in enumerate(parts):
-                self.mailbox.post(
+                self.g.mailbox.post(
                     (self.gid, coll.seq, GATHER_RING, c, j),
                     byte_view(out[c, a:b]),
-                    self._guard(coll, arrived(c, a, b)),
+                    self.g._guard(coll, arrived(c, a, b)),
                 )
         for j, (a, b) in enumerate(parts):
-            right.send_tensor(self._header(coll, GATHER_RING, me, j), x[a:b])
+            right.send_tensor(self.g._header(coll, GATHER_RING, me, j), x[a:b])
         await done
         await right.flush()
         return out

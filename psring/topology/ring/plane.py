@@ -21,14 +21,13 @@ from ...transport.connection import Connection
 from ...transport.shmpool import PeerPool, ShmPool
 from ...transport.unixnet import UnixMesh
 from ..collective import Collective
+from .chooser import Algorithm, Call
 from .constants import PLANE_GRACE
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .host import RingHost as _Host
-else:
-    _Host = object
+    from .group import RingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -40,28 +39,42 @@ PLANE_ADOPT_AFTER = 0.2
 PLANE_ON_LOOP_MAX = 4 << 20
 
 
-class PlaneDriver(_Host):
-    """Part of :class:`~psring.topology.ring.group.RingGroup`: large all_reduces on the data plane."""
+class PlaneAllReduce(Algorithm):
+    """The PLANE route: large all_reduces of the job's group on the threaded data plane (ring.dataplane),
+    from the loop, or whole on the caller's thread (:meth:`soon`) where the job runs in C."""
 
-    #: plane all_reduces that ended on the caller's thread (_plane_soon), and those it handed to the plane
-    plane_now = 0
-    plane_adopted = 0
+    route = Path.PLANE
+    holds_caller = True
 
-    def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
+    def __init__(self, g: RingGroup) -> None:
+        super().__init__(g)
+        #: plane all_reduces that ended on the caller's thread (soon), and those it handed to the plane
+        self.ran_now = 0
+        self.adopted = 0
+
+    def eligible(self, call: Call) -> bool:
+        return self.g.chooser.loop_path(call.nbytes) is Path.PLANE
+
+    async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+        plane = self.net.plane
+        assert plane is not None
+        return await self.run_job(coll, x, op, plane)
+
+    def input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         """On the data plane this rank reads its input chunk by chunk: its own chunk first
         (sent as is), then the chunks it folds, in ring order."""
-        if self._all_reduce_path(nbytes) is not Path.PLANE:
+        if self.g.chooser.loop_path(nbytes) is not Path.PLANE:
             return None
         n_ranks, me = self.world_size, self.rank
         bounds = ring_chunk_bounds(count, n_ranks)
         return [bounds[(me - k) % n_ranks] for k in range(n_ranks)]
 
-    def _plane_parts(self, x: np.ndarray) -> list[list[tuple[int, int]]]:
+    def _parts(self, x: np.ndarray) -> list[list[tuple[int, int]]]:
         """The plane's pieces (element ranges) of each ring chunk of flat x."""
         per_piece = max(1, self.net.config.ring_plane_piece // x.itemsize)
         return [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, self.world_size)]
 
-    def _plane_soon(self, x: Any, op: str, compression: str | None) -> tuple[bool, Any] | None:
+    def soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """A plane all_reduce on the caller's thread (the blocking API), where the job would run in C
         (DataPlane.native_kind) and nothing of the group or the plane is in flight: the caller sends and
         receives every frame itself (DataPlane.run_here), with no hop to the event loop and the plane's
@@ -71,63 +84,71 @@ class PlaneDriver(_Host):
         plane = self.net.plane
         if (
             plane is None
+            or on_loop  # (the loop runs a plane job in C itself, within its spin: run_job)
             or not plane.native
-            or compression is not None
             or type(x) is not np.ndarray
             or self.gid != "0"
-            or self._all_reduce_path(x.nbytes) is not Path.PLANE
-            or not self._idle()
+            or self.g.chooser.loop_path(x.nbytes) is not Path.PLANE
+            or not self.g.caller.idle()
             or not plane.idle()
         ):
             return None
         kind = plane.native_kind(x, op)
         if kind is None:
             return None
-        x, seq, desc, started = self._number_now(x, op)
+        x, seq, desc, started = self.g.caller.number(x, op)
         flat = x.reshape(-1)
         try:
             here = plane.begin_here(
-                seq, msgpack.packb(desc), flat, result_empty(flat), self._plane_parts(flat), kind, op, op == "avg"
+                seq, msgpack.packb(desc), flat, result_empty(flat), self._parts(flat), kind, op, op == "avg"
             )
             done = plane.run_here(here, PLANE_ADOPT_AFTER)
         except BaseException as exc:
-            self._books_now(seq, desc, started, exc)
+            self.g.caller.books(seq, desc, started, exc)
             raise
         if done:
-            self._books_now(seq, desc, started, None)
-            self.plane_now += 1
+            self.g.caller.books(seq, desc, started, None)
+            self.ran_now += 1
             return True, here[2].reshape(x.shape)
-        self.plane_adopted += 1
-        return False, self._plane_adopt(seq, x, op, started, here)
+        self.adopted += 1
+        return False, self._adopt(seq, x, op, started, here)
 
-    async def _plane_adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: tuple[Any, int, Any]) -> Any:
+    async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: tuple[Any, int, Any]) -> Any:
         plane = self.net.plane
         assert plane is not None
-        coll = self._begin("all_reduce", x, op, seq=seq)
-        coll.started, coll.deadline = started, started + self.timeout
-        out = await self._run(coll, self._plane_all_reduce(coll, x.reshape(-1), op, plane, here))
+        coll = self.g._begin("all_reduce", x, op, seq=seq)
+        coll.started, coll.deadline = started, started + self.g.timeout
+        out = await self.g._run(coll, self.run_job(coll, x.reshape(-1), op, plane, here))
         return out.reshape(x.shape)
 
-    async def _plane_all_reduce(
+    async def run_job(
         self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane, here: tuple[Any, int, Any] | None = None
     ) -> np.ndarray:
         """all_reduce on the threaded data plane (ring.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank.
-        ``here``: a job the caller's thread began (_plane_soon), carried on."""
+        ``here``: a job the caller's thread began (soon), carried on."""
         n_ranks, me = self.world_size, self.rank
-        parts = self._plane_parts(x)
+        parts = self._parts(x)
         if here is None and coll.input_wait is None and x.nbytes <= PLANE_ON_LOOP_MAX and plane.idle():
             kind = plane.native_kind(x, op)
-            if kind is not None:  # the job in C on the loop's own thread while it moves (as _plane_soon)
+            if kind is not None:  # the job in C on the loop's own thread while it moves (as soon)
                 call = msgpack.packb(coll.desc)
                 here = plane.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, op == "avg")
-                if plane.run_here(here, self._spin_budget(x.nbytes)):
-                    self.plane_now += 1
+                if plane.run_here(here, self.g.caller.spin_budget(x.nbytes)):
+                    self.ran_now += 1
                     return here[2]
-                self.plane_adopted += 1
-        on_error = functools.partial(self._plane_failed, coll)  # no cycle through the job: out is freed at once
+                self.adopted += 1
+        on_error = functools.partial(self._failed, coll)  # no cycle through the job: out is freed at once
         job = plane.all_reduce(
-            coll.seq, msgpack.packb(coll.desc), x, parts, reduce_op(op), op == "avg", on_error, coll.input_wait, op,
+            coll.seq,
+            msgpack.packb(coll.desc),
+            x,
+            parts,
+            reduce_op(op),
+            op == "avg",
+            on_error,
+            coll.input_wait,
+            op,
             here,
         )
         coll.waiting_on = {(me - 1) % n_ranks}
@@ -141,12 +162,12 @@ class PlaneDriver(_Host):
                 job.cancel()  # failed from elsewhere (which also cancelled job.done): the threads drop it
         return job.out
 
-    def _plane_failed(self, coll: Collective, exc: BaseException) -> None:
+    def _failed(self, coll: Collective, exc: BaseException) -> None:
         if coll.done.done():
             return
         n_ranks, me = self.world_size, self.rank
         if isinstance(exc, PlaneMismatch):
-            self._abort_everywhere(coll, self._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
+            self.g._abort_everywhere(coll, self.g._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
         elif isinstance(exc, PlaneLinkError):
             self.net.plane_broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
         else:

@@ -11,7 +11,7 @@ only on the call (ring.paths: the job's group of 4 ranks or more, from PSRING_RI
 PSRING_RING_TWO_HOP), so every rank sends the same messages whichever thread sends them.
 
 A blocking caller with nothing of the group in flight runs the whole call on its own thread
-(:meth:`TwoHop._two_hop_soon`), as ring.tcpnow does for the one-hop call; the event loop runs it in C
+(:meth:`TwoHop.soon`), as ring.tcpdirect does for the one-hop call; the event loop runs it in C
 too while its peers are there within its spin budget. Anything out of the ordinary -- a peer not there
 within ADOPT_AFTER, a message for another call, a link that ended, bytes the kernel did not take --
 hands the call to the event loop where it stands (what was sent and read so far is kept; what was not
@@ -34,20 +34,19 @@ from ...core.fold import canonical_fold, ring_chunk_bounds
 from ...transport.board import fold_kind
 from ...transport.tcpmesh import TcpMesh
 from ..collective import Collective
+from .chooser import Algorithm, Call
 from .constants import TWO_GATHER, TWO_SCATTER
 from .net import PeerNet
 from .paths import Path
-from .tcpnow import ADOPT_AFTER, LOOK_EVERY, POOL_FROM
+from .tcpdirect import ADOPT_AFTER, LOOK_EVERY, POOL_FROM
 
-try:  # the C fold of one ring chunk (psring/_native.c, a leaf: it imports nothing of psring)
+try:  # the C fold of one ring chunk (psring/native/twohop.c, a leaf: it imports nothing of psring)
     from ..._native import fold_chunk as _fold_chunk
 except ImportError:  # not built here: numpy's fold, the same bits
     _fold_chunk = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .host import RingHost as _Host
-else:
-    _Host = object
+    from .group import RingGroup
 
 #: with nothing to do a lone rank in its process gives up its core this many times (counted again after
 #: each move) before it sleeps in poll, as the data plane's native ring does (dataplane.NATIVE_HOT)
@@ -78,23 +77,23 @@ class _Plan:
         self.bounds = ring_chunk_bounds(x.size, group.world_size)
         self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
         #: whether a call of this size takes two hops (ring.paths: the same for every call of it)
-        self.takes = group._all_reduce_path(x.nbytes) is Path.TWO_HOP
+        self.takes = group.g.chooser.loop_path(x.nbytes) is Path.TWO_HOP
         item = x.itemsize
         a, b = self.bounds[group.rank]
         #: the whole call goes in one native call (the fold between the phases in C too)
         self.native = self.kind is not None and _fold_chunk is not None and b > a
-        #: for that call (TcpMesh.two_hop): the links in _tcp_order, the ranks they go to and every rank's
+        #: for that call (TcpMesh.two_hop): the links in peer_order, the ranks they go to and every rank's
         #: chunk in bytes, as int64 bytes; the room a link's buffer needs for the largest message, made by
         #: the first such call (where nothing else reads the links: not here, on whichever thread)
         mesh = group.net.tcp_mesh
-        self.links = [mesh.links[group.members[p]] for p in group._tcp_order] if self.takes and mesh else []
-        self.order = np.array(group._tcp_order, np.int64).tobytes()
+        self.links = [mesh.links[group.members[p]] for p in group.g.peer_order] if self.takes and mesh else []
+        self.order = np.array(group.g.peer_order, np.int64).tobytes()
         self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
         longest = max(b - a for a, b in self.bounds) * item
         most = len(self.makers[TWO_GATHER]((1 << 64) - 1))  # the longest header (a plan of any size is made)
         self.room = 4 + most + longest  # (a message: its length, the header, the payload)
         self.reserved = False
-        #: later calls of this kind (either API) may take _two_hop_fast: set once a call of it was numbered
+        #: later calls of this kind (either API) may take fast: set once a call of it was numbered
         #: on the short way (so its dtype and op were checked, its links are the mesh's)
         self.fast = False
 
@@ -125,7 +124,7 @@ class _Call:
         if rows is not None:
             self.rows = rows
         elif alone:
-            self.rows = group._alone_rows(n, b - a, x.dtype)
+            self.rows = group.g.caller.alone_rows(n, b - a, x.dtype)
         else:
             self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
         self.out = result_empty(self.flat, POOL_FROM) if out is None else out.reshape(-1)
@@ -136,84 +135,98 @@ class _Call:
         self.messages: list[list[Any]] = []
 
 
-class TwoHop(_Host):
-    """Part of :class:`~psring.topology.ring.group.RingGroup`: medium all_reduces between hosts in two hops."""
+class TwoHop(Algorithm):
+    """Medium all_reduces between hosts in two hops over the TCP small-message links (ring.chooser's
+    TWO_HOP route): from the caller's thread or the loop (:meth:`soon`), or as a collective (:meth:`run`)."""
 
-    #: two-hop all_reduces that ended on the caller's thread, those the loop took over from it, and those
-    #: the loop ran from their start (the asyncio API, the torch backend's, calls beside others)
-    two_hop_now = 0
-    two_hop_adopted = 0
-    two_hop_loop = 0
-    #: of two_hop_now, those that took _two_hop_fast whole
-    two_hop_fast = 0
-    #: by (dtype, shape, op): what every call of that kind shares
-    _two_hop_plans: dict[tuple[Any, ...], _Plan]
-    #: _two_hop_fast's last plan, result and rows: the next call of that plan fills the result again if the
-    #: caller let go of it (and of every view of it), and uses the rows while they are the group's scratch
-    _two_hop_last: tuple[_Plan, np.ndarray, np.ndarray] | None
+    route = Path.TWO_HOP
+    holds_caller = True
 
-    def _two_hop_plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
+    def __init__(self, g: RingGroup) -> None:
+        super().__init__(g)
+        #: calls that ended on the caller's thread, those the loop took over from it, and those the loop
+        #: ran from their start (the asyncio API, the torch backend's, calls beside others); of the first,
+        #: those that took fast whole
+        self.ran_now = 0
+        self.adopted = 0
+        self.ran_on_loop = 0
+        self.ran_fast = 0
+        #: by (dtype, shape, op): what every call of that kind shares
+        self.plans: dict[tuple[Any, ...], _Plan] = {}
+        #: fast's last plan, result and rows: the next call of that plan fills the result again if the
+        #: caller let go of it (and of every view of it), and uses the rows while they are the group's scratch
+        self._last: tuple[_Plan, np.ndarray, np.ndarray] | None = None
+
+    def eligible(self, call: Call) -> bool:
+        return call.world and self.net.paths.two_hop(call.nbytes, self.world_size)
+
+    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+        """The kind of call that took two hops whole before goes the fastest way (fast); else _soon."""
+        if self.plans:
+            quick = self.fast(x, op, on_loop)
+            if quick is not None:
+                return quick
+        return self._soon(x, op, on_loop)
+
+    def _plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
         """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``."""
         key = (x.dtype, shape, op)
-        plan = self._two_hop_plans.get(key)
+        plan = self.plans.get(key)
         if plan is None:
             plan = _Plan(self, x, op, shape)
-            if len(self._two_hop_plans) < 1024:
-                self._two_hop_plans[key] = plan
+            if len(self.plans) < 1024:
+                self.plans[key] = plan
         return plan
 
     # ------------------------------------------------------------------ the caller's thread
-    def _two_hop_soon(
-        self, x: Any, op: str, compression: str | None, on_loop: bool = False
-    ) -> tuple[bool, Any] | None:
+    def _soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
         loop) when it must end there; None: not this call, or not now (take all_reduce).
 
-        ``on_loop``: the caller is the event loop itself (the asyncio API), as in _tcp_soon: it waits for
+        ``on_loop``: the caller is the event loop itself (the asyncio API), as in TcpDirect.soon: it waits for
         its peers only within its spin budget (not at all for ranks in this process), then goes on as a
         collective (the Collective machinery before a call cost the asyncio API ~75 us a call at 64 KiB)."""
         mesh = self.net.tcp_mesh
         if (
             mesh is None
             or not mesh.native
-            or compression is not None
             or type(x) is not np.ndarray
             or self.gid != "0"
             or mesh.holds
             or mesh.backlog
-            or self._mesh_early
-            or not self._idle()
+            or self.g.exchange.early
+            or not self.g.caller.idle()
             or not self.net.paths.two_hop(x.nbytes, self.world_size)  # (no plan for a size it never takes)
         ):
             return None
-        plan = self._two_hop_plan(x, op, x.shape)
+        plan = self._plan(x, op, x.shape)
         if not plan.takes or not mesh.usable(plan.links):
             return None
-        x, seq, desc, started = self._number_now(x, op)
-        # (its dtype and op checked: later calls of this kind may take _two_hop_fast)
+        x, seq, desc, started = self.g.caller.number(x, op)
+        # (its dtype and op checked: later calls of this kind may take fast)
         plan.fast = plan.native and self.net.board is None
         call = _Call(self, seq, x, op, plan, alone=True)
         end = time.monotonic() + ADOPT_AFTER
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
         if on_loop:  # (no waiting beyond the first native call)
-            wait = self._spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            wait = self.g.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
             end = 0.0
         try:
-            code = self._two_hop_first(call, plan, mesh, hot, wait) if plan.native else 1
+            code = self._first(call, plan, mesh, hot, wait) if plan.native else 1
         except BaseException as exc:
-            self._books_now(seq, desc, started, exc)
+            self.g.caller.books(seq, desc, started, exc)
             raise
-        return self._two_hop_then(call, x, started, code, hot, end)
+        return self._then(call, x, started, code, hot, end)
 
-    def _two_hop_fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
-        """_two_hop_soon for a kind of call (dtype, shape, op) that took two hops whole on the caller's thread
+    def fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+        """_soon for a kind of call (dtype, shape, op) that took two hops whole on the caller's thread
         before: the same checks and books with as little Python around the native call as can be (``on_loop``:
-        the asyncio API's call, from the loop, as _two_hop_soon's). At 1 MiB, 4 ranks over TCP, the Python
+        the asyncio API's call, from the loop, as _soon's). At 1 MiB, 4 ranks over TCP, the Python
         around the call ran ~95 us of CPU a call (cold: the call's 3 MiB of socket copies leave nothing of it
         in the caches), ~17% of the rank's CPU, on cores the four ranks share. None: not now, nothing done
         (the usual way decides)."""
-        plan = self._two_hop_plans.get((x.dtype, x.shape, op))
+        plan = self.plans.get((x.dtype, x.shape, op))
         if plan is None or not plan.fast:
             return None
         mesh = self.net.tcp_mesh
@@ -221,40 +234,40 @@ class TwoHop(_Host):
             mesh is None
             or mesh.holds
             or mesh.backlog
-            or self._mesh_early
-            or not self._idle()
-            or self._closed  # (what _check_usable would raise for, or let run: the usual way does that)
-            or self._broken is not None
-            or self._departed
+            or self.g.exchange.early
+            or not self.g.caller.idle()
+            or self.g._closed  # (what _check_usable would raise for, or let run: the usual way does that)
+            or self.g._broken is not None
+            or self.g._departed
             or not x.flags.c_contiguous
             or not mesh.usable(plan.links)
         ):
             return None
-        seq = self._seq
-        self._seq = seq + 1
-        self._reserved.add(seq)
+        seq = self.g._seq
+        self.g._seq = seq + 1
+        self.g._reserved.add(seq)
         started = time.monotonic()
         # the result: the last one again where nothing holds it or its memory any more (a memoryview or a
         # torch tensor of it holds the array; a view or a reshape, the array's base), else a pooled one -- a
         # pooled result costs ~40 us of CPU cold (its base, its interface read by numpy, its return to the
         # pool); one is kept at a time, with its rows (the group's scratch, while it is that)
-        last = self._two_hop_last
+        last = self._last
         out = last[1] if last is not None and last[0] is plan else None
         base = out.base if out is not None else None
         # (references: the tuple's, `out`, the argument; the base: the array's, `base`, the argument)
         if out is None or getrefcount(out) != 3 or (base is not None and getrefcount(base) != 3):
             out = result_empty(x, POOL_FROM)  # (shaped as x)
             last = None
-        if last is not None and last[2].base is self._scratch:
+        if last is not None and last[2].base is self.g.caller.scratch:
             rows = last[2]
         else:
             a, b = plan.bounds[self.rank]
-            rows = self._alone_rows(len(plan.bounds), b - a, x.dtype)
-            self._two_hop_last = (plan, out, rows)
+            rows = self.g.caller.alone_rows(len(plan.bounds), b - a, x.dtype)
+            self._last = (plan, out, rows)
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
-        if on_loop:  # (as _two_hop_soon's: within the spin budget, and no waiting beyond the native call)
-            wait = self._spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+        if on_loop:  # (as _soon's: within the spin budget, and no waiting beyond the native call)
+            wait = self.g.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
         makers, kind = plan.makers, plan.kind
         assert kind is not None  # (plan.fast: plan.native)
         try:
@@ -263,85 +276,84 @@ class TwoHop(_Host):
                 makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, wait,
             )  # fmt: skip
             if code == 0 and phase == 2:
-                self._books_now(seq, plan.desc, started, None)
-                self.two_hop_now += 1
-                self.two_hop_fast += 1
+                self.g.caller.books(seq, plan.desc, started, None)
+                self.ran_now += 1
+                self.ran_fast += 1
                 return True, out
             call = _Call(self, seq, x, op, plan, rows=rows, out=out)
-            self._two_hop_stopped(call, code, sent, read, phase)
+            self._stopped(call, code, sent, read, phase)
         except BaseException as exc:
-            self._books_now(seq, plan.desc, started, exc)
+            self.g.caller.books(seq, plan.desc, started, exc)
             raise
-        return self._two_hop_then(call, x, started, code, hot, 0.0 if on_loop else time.monotonic() + ADOPT_AFTER)
+        return self._then(call, x, started, code, hot, 0.0 if on_loop else time.monotonic() + ADOPT_AFTER)
 
-    def _two_hop_then(
-        self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float
-    ) -> tuple[bool, Any]:
+    def _then(self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float) -> tuple[bool, Any]:
         """A call of the caller's thread after its first native call stopped with ``code``: driven on
         there until ``end``, then ended, or handed to the loop where it stands."""
         try:
             if code == 1 and call.phase == TWO_SCATTER and not call.messages and not call.left:
-                self._two_hop_start(call)  # (not begun: the general way)
+                self._start(call)  # (not begun: the general way)
             while code == 1:
-                if time.monotonic() >= end or self._broken is not None or self._aborted or self._closed:
+                if time.monotonic() >= end or self.g._broken is not None or self.g._aborted or self.g._closed:
                     break
-                code = self._two_hop_drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
+                code = self._drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
         except BaseException as exc:
-            self._books_now(call.seq, call.desc, started, exc)
+            self.g.caller.books(call.seq, call.desc, started, exc)
             raise
         if code == 0:
-            self._books_now(call.seq, call.desc, started, None)
-            self.two_hop_now += 1
+            self.g.caller.books(call.seq, call.desc, started, None)
+            self.ran_now += 1
             return True, call.out.reshape(x.shape)
-        self.two_hop_adopted += 1
-        return False, self._two_hop_adopt(call, x, started)
+        self.adopted += 1
+        return False, self._adopt(call, x, started)
 
-    async def _two_hop_adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
-        coll = self._begin("all_reduce", x, call.op, seq=call.seq)
-        coll.started, coll.deadline = started, started + self.timeout
-        out = await self._run(coll, self._two_hop_rest(coll, call))
+    async def _adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
+        coll = self.g._begin("all_reduce", x, call.op, seq=call.seq)
+        coll.started, coll.deadline = started, started + self.g.timeout
+        out = await self.g._run(coll, self._rest(coll, call))
         return out.reshape(x.shape)
 
     # ---------------------------------------------------------------------- the loop
-    async def _two_hop_all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
+    async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
-        plan = self._two_hop_plan(x, op, coll.desc[2])
-        self.two_hop_loop += 1
+        x = x.reshape(-1)
+        plan = self._plan(x, op, coll.desc[2])
+        self.ran_on_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
-        call = _Call(self, coll.seq, x, op, plan, alone=len(self._active) == 1 and not self._reserved)
+        call = _Call(self, coll.seq, x, op, plan, alone=len(self.g._active) == 1 and not self.g._reserved)
         mesh = self.net.tcp_mesh
         if (
             mesh is not None
             and mesh.native
-            and not self._reserved  # (a caller's thread may be reading the links)
+            and not self.g._reserved  # (a caller's thread may be reading the links)
             and not mesh.holds
             and not mesh.backlog
-            and not self._mesh_early
+            and not self.g.exchange.early
             and mesh.usable(list(mesh.links.values()))
             and self.net.config.spin_us > 0
             and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
         ):
             if plan.native:
-                self._two_hop_first(call, plan, mesh, HOT, self._spin_budget(x.nbytes))
+                self._first(call, plan, mesh, HOT, self.g.caller.spin_budget(x.nbytes))
             else:
-                self._two_hop_start(call)
-                self._two_hop_drive(call, self._spin_budget(x.nbytes), HOT)
+                self._start(call)
+                self._drive(call, self.g.caller.spin_budget(x.nbytes), HOT)
         else:
-            self._two_hop_start(call)
-        return await self._two_hop_rest(coll, call)
+            self._start(call)
+        return await self._rest(coll, call)
 
-    async def _two_hop_rest(self, coll: Collective, call: _Call) -> np.ndarray:
+    async def _rest(self, coll: Collective, call: _Call) -> np.ndarray:
         """The call on from where it stands, on the loop: what was not sent queued on the links, the
         messages not read yet read there."""
         mesh = self.net.tcp_mesh
         assert mesh is not None
-        self._two_hop_queue(call, mesh)
+        self._queue(call, mesh)
         if call.phase == TWO_SCATTER:
             if call.left:
-                await self._mesh_exchange(coll, None, TWO_SCATTER, call.rows, call.left, [], TWO_SCATTER)
-            self._two_hop_fold(call)
-            call.left = list(self._tcp_order)
+                await self.g.exchange.mesh_exchange(coll, None, TWO_SCATTER, call.rows, call.left, [], TWO_SCATTER)
+            self._fold(call)
+            call.left = list(self.g.peer_order)
             call.phase, call.messages = TWO_GATHER, []
             a, b = call.bounds[self.rank]
             mine: np.ndarray | None = call.out[a:b]
@@ -351,31 +363,33 @@ class TwoHop(_Host):
         if call.left or receivers:
             item = call.flat.itemsize
             spans = {p: (a * item, (b - a) * item) for p, (a, b) in enumerate(call.bounds)}
-            await self._mesh_exchange(coll, mine, TWO_GATHER, call.out, call.left, receivers, TWO_GATHER, spans=spans)
+            await self.g.exchange.mesh_exchange(
+                coll, mine, TWO_GATHER, call.out, call.left, receivers, TWO_GATHER, spans=spans
+            )
         if mesh.backlog:
             await mesh.drain()
         return call.out
 
     # ------------------------------------------------------------------ both
-    def _two_hop_start(self, call: _Call) -> None:
+    def _start(self, call: _Call) -> None:
         """The first phase's messages: chunk d of the tensor to each rank d."""
         mesh = self.net.tcp_mesh
         assert mesh is not None
         item, flat = call.flat.itemsize, call.flat
         header = call.makers[TWO_SCATTER](call.seq)
-        call.left = list(self._tcp_order)
+        call.left = list(self.g.peer_order)
         call.messages = []
-        for p in self._tcp_order:
+        for p in self.g.peer_order:
             a, b = call.bounds[p]
             call.messages.append([p, mesh.head(header, (b - a) * item), byte_view(flat[a:b]), 0])
 
-    def _two_hop_first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int, wait: float = LOOK_EVERY) -> int:
+    def _first(self, call: _Call, plan: _Plan, mesh: TcpMesh, hot: int, wait: float = LOOK_EVERY) -> int:
         """A call's first native call, both phases and the fold, its messages made in C from the plan
         (TcpMesh.two_hop: the usual case, every peer there within ``wait``); where it stops, the call's
         books say where."""
         links = plan.links
         if any(link.closed for link in links):  # (its socket is gone: the loop names the loss)
-            self._two_hop_start(call)
+            self._start(call)
             return 3
         if not plan.reserved:  # (a link's buffer only grows: once is enough)
             for link in links:
@@ -387,19 +401,19 @@ class TwoHop(_Host):
         code, sent, read, phase = mesh.two_hop(
             links, x, out, rows, plan.order, plan.edges, self.rank, h1, h2, kind, op, hot, wait
         )
-        self._two_hop_stopped(call, code, sent, read, phase)
+        self._stopped(call, code, sent, read, phase)
         return code
 
-    def _two_hop_stopped(self, call: _Call, code: int, sent: Any, read: Any, phase: int) -> None:
+    def _stopped(self, call: _Call, code: int, sent: Any, read: Any, phase: int) -> None:
         """The call's books after its first native call (TcpMesh.two_hop) returned: done, or the messages
         of the phase it stopped in, as far as they went (for the general way on from there)."""
         if code == 0 and phase == 2:
             call.phase, call.messages, call.left = TWO_GATHER, [], []  # done: nothing left for the loop
             return
         if phase == 1:
-            self._two_hop_start(call)
+            self._start(call)
         else:
-            self._two_hop_gather(call)
+            self._gather(call)
         for m, went, got in zip(list(call.messages), sent, read, strict=True):
             m[3] = went
             if went == len(m[1]) + len(m[2]):
@@ -407,7 +421,7 @@ class TwoHop(_Host):
             if got:
                 call.left.remove(m[0])
 
-    def _two_hop_drive(self, call: _Call, wait: float, hot: int) -> int:
+    def _drive(self, call: _Call, wait: float, hot: int) -> int:
         """Send and read this phase's messages in C (TcpMesh.scatter) for up to ``wait`` seconds, folding
         and going on to the second phase when the first is in (in the same native call where the C fold
         takes the call); 0 when the call is done, else the code that stopped it (1: time; 2: another
@@ -416,14 +430,14 @@ class TwoHop(_Host):
         assert mesh is not None
         end = time.monotonic() + max(wait, 0.0)
         while True:
-            code = self._two_hop_round(call, mesh, hot, max(end - time.monotonic(), 0.0))
+            code = self._round(call, mesh, hot, max(end - time.monotonic(), 0.0))
             if code != 0 or call.phase == TWO_GATHER:
                 return code
-            self._two_hop_fold(call)
-            self._two_hop_gather(call)
+            self._fold(call)
+            self._gather(call)
 
-    def _two_hop_lists(self, call: _Call, mesh: TcpMesh) -> tuple[list[Any], ...]:
-        """This phase's TcpMesh.scatter lists, a link for every peer in _tcp_order (empty, None: done)."""
+    def _lists(self, call: _Call, mesh: TcpMesh) -> tuple[list[Any], ...]:
+        """This phase's TcpMesh.scatter lists, a link for every peer in peer_order (empty, None: done)."""
         me, item = self.rank, call.flat.itemsize
         sending = {m[0]: m for m in call.messages}
         header = call.makers[call.phase](call.seq)
@@ -432,7 +446,7 @@ class TwoHop(_Host):
         rheads: list[Any] = []
         dests: list[Any] = []
         heads: dict[int, bytes] = {}
-        for p in self._tcp_order:
+        for p in self.g.peer_order:
             m = sending.get(p)
             if m is None:
                 sheads.append(b"")
@@ -457,28 +471,28 @@ class TwoHop(_Host):
                 rheads.append(b"")
         return sheads, sends, rheads, dests
 
-    def _two_hop_round(self, call: _Call, mesh: TcpMesh, hot: int, wait: float) -> int:
+    def _round(self, call: _Call, mesh: TcpMesh, hot: int, wait: float) -> int:
         """One native call over every peer's link (the second phase too, in the same call, where the C fold
         takes the call); the books kept."""
         me = self.rank
-        sheads, sends, rheads, dests = self._two_hop_lists(call, mesh)
+        sheads, sends, rheads, dests = self._lists(call, mesh)
         then: tuple[Any, ...] | None = None
         if call.phase == TWO_SCATTER and call.kind is not None and _fold_chunk is not None:
             first = call.messages, call.left
             a, b = call.bounds[me]
-            self._two_hop_gather(call)
-            then = (call.rows, me, call.out[a:b], call.kind, call.op, call.flat[a:b], *self._two_hop_lists(call, mesh))
+            self._gather(call)
+            then = (call.rows, me, call.out[a:b], call.kind, call.op, call.flat[a:b], *self._lists(call, mesh))
             call.phase = TWO_SCATTER
             second, (call.messages, call.left) = (call.messages, call.left), first
         links, members = mesh.links, self.members
-        on = [links[members[p]] for p in self._tcp_order]
+        on = [links[members[p]] for p in self.g.peer_order]
         if any(link.closed for link in on):  # (its socket is gone: the loop names the loss)
             return 3
         code, sent, read, phase = mesh.scatter(on, sheads, sends, rheads, dests, hot, wait, then)
         if phase == 2:  # the first phase went whole, and the fold: the results are the second's
             call.phase, (call.messages, call.left) = TWO_GATHER, second
         sending = {m[0]: m for m in call.messages}
-        for p, went, got in zip(self._tcp_order, sent, read, strict=True):
+        for p, went, got in zip(self.g.peer_order, sent, read, strict=True):
             m = sending.get(p)
             if m is not None:
                 m[3] += went
@@ -488,7 +502,7 @@ class TwoHop(_Host):
                 call.left.remove(p)
         return code
 
-    def _two_hop_fold(self, call: _Call) -> None:
+    def _fold(self, call: _Call) -> None:
         """This rank's chunk of every rank's tensor, folded in the canonical order into the result."""
         me = self.rank
         a, b = call.bounds[me]
@@ -498,7 +512,7 @@ class TwoHop(_Host):
             call.rows[me] = call.flat[a:b]
             canonical_fold(call.rows, call.op, call.out[a:b], offset=a, total=call.flat.size)
 
-    def _two_hop_gather(self, call: _Call) -> None:
+    def _gather(self, call: _Call) -> None:
         """The second phase's messages: this rank's folded chunk to every rank."""
         mesh = self.net.tcp_mesh
         assert mesh is not None
@@ -506,10 +520,10 @@ class TwoHop(_Host):
         call.phase = TWO_GATHER
         head = mesh.head(call.makers[TWO_GATHER](call.seq), (b - a) * call.flat.itemsize)
         payload = byte_view(call.out[a:b])
-        call.left = list(self._tcp_order)
-        call.messages = [[p, head, payload, 0] for p in self._tcp_order]
+        call.left = list(self.g.peer_order)
+        call.messages = [[p, head, payload, 0] for p in self.g.peer_order]
 
-    def _two_hop_queue(self, call: _Call, mesh: TcpMesh) -> None:
+    def _queue(self, call: _Call, mesh: TcpMesh) -> None:
         """What the C calls did not send of this phase's messages, queued on the links for the loop."""
         for p, head, payload, sent in call.messages:
             link = mesh.links[self.members[p]]
