@@ -1,5 +1,6 @@
-"""Types of the C extension psring._native (psring/_native.c): the same-host board's hot loop, the TCP
-small-message links' exchange, and the data plane's ring over TCP on one thread."""
+"""Types of the C extension psring._native (psring/native/: module.c says where each engine is): the
+same-host board's hot loop, the TCP small-message links' exchange, and the data plane's ring over TCP on
+one thread."""
 
 from typing import Any
 

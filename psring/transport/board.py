@@ -49,7 +49,7 @@ from .shmpool import PAGE, TOKEN_BYTES, PeerPool, ShmPool
 
 if TYPE_CHECKING:
     from .._native import NBoard
-try:  # the C extension (psring/_native.c, a leaf: it imports nothing of psring)
+try:  # the C extension (psring/native/board.c, a leaf: it imports nothing of psring)
     from .._native import NBoard as _NBoard
 except ImportError:  # not built here (no compiler where it was installed): the pure-Python path
     _NBoard = None  # type: ignore[assignment,misc]
@@ -63,7 +63,7 @@ TAG_MAX = HEAD - 32
 _ACK_AT = 64  # the owner's ack: an int64 in the pool's header page, after the token
 _SLEEP_AT = 72  # the post its owner sleeps waiting on (-1: none), beside it
 #: a streamed call's counters (blocks posted, folded, done: an int64 a cache line each) fill the payload's
-#: first bytes, its blocks follow (psring/_native.c, ST_*)
+#: first bytes, its blocks follow (psring/native/board.c, ST_*)
 _STREAM_DATA = 256
 #: the most blocks a streamed call keeps in flight
 STREAM_DEPTH = 8
