@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
-import time
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -24,23 +22,23 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..core import gpu, wire
+from ..core import gpu
 from ..core.arrays import array_module, check_array, cupy_module, is_cupy
 from ..core.compress import check_codec, codec_op, scale_exponent
 from ..core.fold import check_op
-from ..core.sparse import SparseRows, merge_rows
+from ..core.sparse import SparseRows
 from ..errors import (
-    CollectiveTimeoutError,
     GroupClosedError,
     MismatchError,
     PeerLostError,
-    ProtocolError,
     PsringError,
 )
 from ..settings import Settings
 from ..transport.mailbox import Mailbox
 from .collective import Collective
-from .runtime import RECENT, CollectiveRuntime, RecvWait
+from .p2p import PointToPoint
+from .runtime import RECENT, CollectiveRuntime
+from .sparsecall import sparse_all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +74,6 @@ class Group(CollectiveRuntime, abc.ABC):
         self.gid = gid
         self.mailbox = mailbox
         self._seq = 0
-        self._p2p_sent: dict[int, int] = {}
-        self._p2p_recv: dict[int, int] = {}
         self._active: dict[int, Collective] = {}
         self._reserved: set[int] = set()  # numbers taken for collectives not begun yet
         self._aborted: dict[int, PsringError] = {}
@@ -89,7 +85,7 @@ class Group(CollectiveRuntime, abc.ABC):
         #: the flight recorder: the last RECENT calls that ended, at seq % RECENT (see runtime)
         self._recent: list[tuple[int, tuple[Any, ...], bool, float] | None] = [None] * RECENT  # Recent's fields
         self._late_error: MismatchError | None = None  # raised by the next collective (runtime._found_late)
-        self._recv_waits: dict[tuple[int, int], RecvWait] = {}  # recvs in progress, by (src, n)
+        self.p2p = PointToPoint(self)  # send, recv, recv_any
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
         self.bytes_sent = 0
 
@@ -207,28 +203,7 @@ class Group(CollectiveRuntime, abc.ABC):
         share: a ValueError (MismatchError for disagreement) naming the ranks, on every rank;
         nothing is summed and the group stays usable.
         """
-        if not isinstance(rows, SparseRows):
-            raise TypeError(f"sparse_all_reduce takes a psring.SparseRows, got {type(rows).__name__}")
-        idx, xp = self._host(rows.indices)
-        val, _ = self._host(rows.values)
-        problem = rows.problem()
-        meta = np.array([idx.size, rows.width, rows.num_rows, val.dtype.num, problem is not None], np.int64)
-        # three collectives, all numbered now, before any wait: calls made while this one runs take
-        # later numbers on every rank, whichever of them the loop resumes first
-        first = self._begin("all_gather", meta)
-        seqs = self._reserve(2)
-        try:
-            metas = np.array(await self._run(first, self._all_gather(first, meta))).reshape(self.world_size, -1)
-        except BaseException:  # as a compressed all_reduce's agreement: give the numbers back
-            self._give_back(seqs)
-            raise
-        try:
-            merged = await self._sparse_merge(rows, idx, val, metas, problem, seqs)
-        finally:  # numbers not begun (every rank stopped at the same check): skipped alike everywhere
-            self._reserved.difference_update(seqs)
-        if xp is np:
-            return merged
-        return SparseRows(self._back(merged.indices, xp), self._back(merged.values, xp), merged.num_rows)
+        return await sparse_all_reduce(self, rows)
 
     def _reserve(self, k: int) -> list[int]:
         """The next k sequence numbers, taken now for collectives begun later (``_begin(seq=)``)."""
@@ -237,49 +212,12 @@ class Group(CollectiveRuntime, abc.ABC):
         self._reserved.update(seqs)
         return seqs
 
-    async def _all_gather_at(self, x: np.ndarray, seq: int) -> list[np.ndarray]:
-        """all_gather of a host array as collective number ``seq`` (reserved)."""
-        coll = self._begin("all_gather", x, seq=seq)
-        out = await self._run(coll, self._all_gather(coll, x.reshape(-1)))
-        return [out[r].reshape(x.shape) for r in range(self.world_size)]
-
     def _give_back(self, seqs: list[int]) -> None:
         """Reserved numbers of a call whose first collective failed: ranks that made another call
         in its place never took them; give them back unless later calls took numbers since."""
         self._reserved.difference_update(seqs)
         if self._seq == seqs[-1] + 1:
             self._seq = seqs[0]
-
-    async def _sparse_merge(
-        self, rows: SparseRows, idx: np.ndarray, val: np.ndarray, metas: np.ndarray, problem: str | None,
-        seqs: list[int],
-    ) -> SparseRows:  # fmt: skip
-        bad = [r for r in range(self.world_size) if metas[r, 4]]
-        if bad:
-            mine = f" (this rank: {problem})" if problem is not None else ""
-            raise ValueError(
-                f"sparse_all_reduce: rank(s) {', '.join(map(str, bad))} passed an index outside the table's "
-                f"rows{mine}; nothing was summed"
-            )
-        for col, what in ((1, "width"), (2, "num_rows"), (3, "dtype")):
-            differ = [r for r in range(self.world_size) if metas[r, col] != metas[0, col]]
-            if differ:
-                raise MismatchError(
-                    f"sparse_all_reduce: rank(s) {', '.join(map(str, differ))} passed rows of another {what} than "
-                    f"rank 0 (this is rank {self.rank}: {rows!r}); nothing was summed"
-                )
-        top = int(metas[:, 0].max())
-        if top == 0:
-            return merge_rows([], rows.num_rows, rows.width, val.dtype)
-        pad_idx = np.zeros(top, np.int64)
-        pad_idx[: idx.size] = idx
-        pad_val = np.zeros((top, rows.width), val.dtype)
-        pad_val[: idx.size] = val
-        all_idx = await self._all_gather_at(pad_idx, seqs[0])
-        all_val = await self._all_gather_at(pad_val, seqs[1])
-        counts = [int(c) for c in metas[:, 0]]
-        parts = [(all_idx[r][: counts[r]], all_val[r][: counts[r]]) for r in range(self.world_size)]
-        return merge_rows(parts, rows.num_rows, rows.width, val.dtype)
 
     async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """This rank's 1/world_size share of the reduction of x.
@@ -349,87 +287,18 @@ class Group(CollectiveRuntime, abc.ABC):
 
     async def send(self, x: Any, dst: int) -> None:
         """Send x to rank dst (returns once the bytes left this process)."""
-        self._check_rank(dst, "dst")
-        if dst == self.rank:
-            raise ValueError(f"send: dst={dst} is this rank; use a local copy")
-        self._check_usable(peer=dst)
-        host, xp = self._host(x)
-        n = self._p2p_sent.get(dst, 0)
-        self._p2p_sent[dst] = n + 1
-        await self._send(host, dst, n, "cuda" if xp is not np else "cpu")
+        await self.p2p.send(x, dst)
 
     async def recv(self, src: int, timeout: float | None = None) -> Any:
         """The next array rank src sent to this rank, as the type it was sent as."""
-        self._check_rank(src, "src")
-        if src == self.rank:
-            raise ValueError(f"recv: src={src} is this rank")
-        self._check_usable(peer=src, receiving=True)
-        n = self._p2p_recv.get(src, 0)
-        self._p2p_recv[src] = n + 1
-        try:
-            y, dev = await self._recv(src, n, self.timeout if timeout is None else timeout)
-        except MismatchError:
-            if self._p2p_recv.get(src) == n + 1:  # nothing was taken: the next recv waits for the same send
-                self._p2p_recv[src] = n
-            raise
-        return self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
+        return await self.p2p.recv(src, timeout)
 
     async def recv_any(self, timeout: float | None = None) -> tuple[int, Any]:
         """The next array any rank sent to this rank, and the rank that sent it (torch's recv
         without src). Each sender's arrays still come in the order it sent them; between senders,
         the first to arrive is taken. A recv from a given src posted meanwhile keeps that src's
         next array for itself."""
-        self._check_usable(receiving=True)
-        loop = asyncio.get_running_loop()
-        got: asyncio.Future[tuple[int, dict[str, Any], Any]] = loop.create_future()
-        posted: dict[int, tuple[Any, ...]] = {}
-
-        def taker(src: int, tag: tuple[Any, ...]) -> Any:
-            def take(conn: Any, header: dict[str, Any], payload: Any) -> None:
-                # runs inside the delivery of the frame: the others are unposted before any other
-                # frame can arrive, so exactly one is taken
-                for other in posted.values():
-                    if other != tag:
-                        self.mailbox.unpost(other)
-                self._p2p_recv[src] = self._p2p_recv.get(src, 0) + 1
-                got.set_result((src, header, payload))
-
-            return take
-
-        for src in range(self.world_size):
-            if src == self.rank or src in self._departed:
-                continue
-            tag = (self.gid, "p2p", src, self._p2p_recv.get(src, 0))
-            if self.mailbox.is_posted(tag):
-                continue  # a recv(src) waits for it
-            posted[src] = tag
-            self.mailbox.post(tag, callback=taker(src, tag))
-            if got.done():  # one had arrived already: taken, the rest not posted
-                break
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        try:
-            while not got.done():
-                self._check_usable(receiving=True)
-                if not posted:
-                    raise PeerLostError(f"recv from any source on rank {self.rank}: no other rank can send")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CollectiveTimeoutError(
-                        f"recv from any source on rank {self.rank} timed out after "
-                        f"{self.timeout if timeout is None else timeout:g}s", missing=tuple(posted),
-                    )  # fmt: skip
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(got), min(remaining, 0.25))
-        finally:
-            if not got.done():
-                for tag in posted.values():
-                    self.mailbox.unpost(tag)
-        src, hdr, payload = got.result()
-        if "dtype" not in hdr:
-            raise ProtocolError(f"frame from rank {src} carries no array")
-        dev = str(hdr.get("dev", "cpu"))
-        y = wire.decode_tensor(hdr, payload)
-        return src, self._back(y, cupy_module() if dev == "cuda" and cupy_module() is not None else np)
+        return await self.p2p.recv_any(timeout)
 
     async def new_group(self, ranks: Sequence[int]) -> Group | NonMemberGroup:
         """A Group over ranks (renumbered 0..k-1); every rank of this group must call it.
@@ -486,44 +355,6 @@ class Group(CollectiveRuntime, abc.ABC):
     @abc.abstractmethod
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None: ...
 
-    async def _recv(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
-        """The n-th array src sent this rank (whichever way it travelled), and its device."""
-        tag = (self.gid, "p2p", src, n)
-        fut = self.mailbox.expect(tag)
-        deadline = time.monotonic() + timeout
-        wait = self._recv_waits[(src, n)] = RecvWait()
-        try:
-            while True:
-                if fut.done():  # it arrived before anything went wrong: deliver it
-                    _conn, hdr, payload = fut.result()
-                    break
-                if wait.error is not None:  # the stall inspector found this recv deadlocked
-                    raise wait.error
-                self._check_usable(peer=src, receiving=True)
-                if src in self._departed:  # it left, and everything it sent has arrived
-                    raise PeerLostError(f"recv from rank {src}: {self._departed[src]}", rank=src)
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CollectiveTimeoutError(
-                        f"recv on rank {self.rank} from rank {src} timed out after {timeout:g}s", missing=(src,)
-                    )
-                if time.monotonic() - wait.started >= self.config.stall * (wait.stalled + 1):
-                    wait.stalled += 1
-                    self._layer().stalls.stalled(self, recv=(src, n, wait))
-                with contextlib.suppress(asyncio.TimeoutError):
-                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
-                    break
-        finally:
-            del self._recv_waits[(src, n)]
-            if wait.stalled:
-                self._layer().stalls.resolved(self, None, wait.error)
-            self.mailbox.unpost(tag)
-            if not fut.done():
-                fut.cancel()
-        if "dtype" not in hdr:
-            raise ProtocolError(f"frame from rank {src} carries no array")
-        return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
-
     @abc.abstractmethod
     def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
 
@@ -548,10 +379,7 @@ class Group(CollectiveRuntime, abc.ABC):
 
     def fail_recv(self, src: int, err: PsringError) -> None:
         """End the recvs from world rank src in progress with err (the stall inspector's verdict)."""
-        local = self.members.index(src) if src in self.members else None
-        for (s, _n), wait in self._recv_waits.items():
-            if s == local:
-                wait.error = err
+        self.p2p.fail(src, err)
 
     def stats(self) -> dict[str, int]:
         """Bytes and frames this rank's connections sent and received."""

@@ -69,7 +69,7 @@ def snapshot(layer: Any) -> dict[str, Any]:
             waiting_on = sorted(g.members[r] for r in c.waiting_on if 0 <= r < len(g.members))
             calls.append([c.seq, list(c.desc), "waiting", round(now - c.started, 3), waiting_on])
         groups.append([gid, list(g.members), g._seq, calls])
-        for (src, n), wait in list(g._recv_waits.items()):
+        for (src, n), wait in list(g.p2p.waits.items()):
             recvs.append([gid, g.members[src], n, round(now - wait.started, 3)])
     return {"rank": layer.rank, "host": socket.gethostname(), "pid": os.getpid(), "groups": groups, "recvs": recvs}
 
@@ -421,7 +421,7 @@ class StallInspector:
             else:
                 assert recv is not None
                 src, _n, wait = recv
-                if wait.error is not None or (src, _n) not in group._recv_waits:
+                if wait.error is not None or (src, _n) not in group.p2p.waits:
                     return
                 verdict = judge(self.layer.rank, views, group.gid, src=group.members[src])
             if verdict.mismatch:
