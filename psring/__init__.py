@@ -25,6 +25,7 @@ from .errors import (
     PeerLostError,
     ProtocolError,
     PsringError,
+    StoreDiskError,
     StoreError,
 )
 from .rendezvous.client import FileStoreClient, StoreClient
@@ -52,6 +53,7 @@ __all__ = [
     "PsringError",
     "SparseRows",
     "StoreClient",
+    "StoreDiskError",
     "StoreError",
     "StoreServer",
     "SyncSGD",

@@ -47,6 +47,11 @@ class StoreError(PsringError, RuntimeError):
     """The rendezvous store refused or failed a request."""
 
 
+class StoreDiskError(StoreError):
+    """The store could not put a change on its disk (full, failing): the change was not made. Daemons
+    retry within PSRING_STORE_RECONNECT_S; the store goes on by itself once the disk takes writes."""
+
+
 __all__ = [
     "AuthError",
     "CollectiveTimeoutError",
@@ -55,5 +60,6 @@ __all__ = [
     "PeerLostError",
     "ProtocolError",
     "PsringError",
+    "StoreDiskError",
     "StoreError",
 ]

@@ -35,6 +35,9 @@ def _serve(daemon: _Daemon, label: str) -> int:
     try:
         _run(daemon.serve())  # type: ignore[attr-defined]
     except (PsringError, OSError) as exc:
+        if daemon.signalled_by is not None:  # told to stop, and its store was away: a clean stop all the same
+            print(f"psring {label} {daemon.id}: stopped ({daemon.signalled_by}; {exc})", flush=True)
+            return 0
         print(f"psring {label}: {exc}", flush=True)
         return 1
     return 0

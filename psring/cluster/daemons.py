@@ -59,6 +59,9 @@ PORT_BACK_S = 10.0  # how long an idle daemon waits for a cancelled job's group 
 #: a daemon record nobody refreshes for this long goes away where the store supports it (etcd, a lease);
 #: long after it shows as lost (cluster.client.LOST_AFTER_S)
 RECORD_TTL_S = 3600.0
+#: after SIGTERM, how long a daemon's goodbyes to a reachable store may take before it gives the store up
+#: (docker stop and a Kubernetes eviction SIGKILL after 10 s and 30 s; a store that is away is given up at once)
+STOP_GRACE_S = 4.0
 
 
 def key(*parts: Any) -> str:
@@ -118,6 +121,8 @@ class _Daemon:
         self.beat = 0
         self.jobs_run = 0
         self.stopping = asyncio.Event()
+        #: the signal that told this daemon to stop (SIGTERM, SIGINT), if one did
+        self.signalled_by: str | None = None
         #: the specs of the jobs this daemon takes part in now, by id (put back into a store that lost them)
         self.owned: dict[int, dict[str, Any]] = {}
         #: a server daemon's hosting records, by job (likewise)
@@ -178,7 +183,8 @@ class _Daemon:
 
     def _stop_heartbeat(self, thread: threading.Thread) -> None:
         self._beat_stop.set()
-        thread.join(timeout=5)
+        # (its own store connection may be reconnecting: a daemon thread, it ends with the process)
+        thread.join(timeout=1.0)
 
     async def _open_port(self) -> None:
         """Listen on the declared port while idle: doctor's reachability and secret checks land here."""
@@ -210,6 +216,8 @@ class _Daemon:
 
         address = parse_store_address(self.store_spec)
         self.store = await connect_store(address, secret=self.secret, timeout=60.0, role=self.kind[:-1])
+        if hasattr(self.store, "disk_retry_s"):  # a store whose disk refuses changes: wait, as for a lost one
+            self.store.disk_retry_s = self.store.reconnect_s
         if self.advertise is None:
             self.advertise = settings_mod.current().advertise_host or routable_host_towards(address.host or "")
         if self.metrics_port is not None:
@@ -221,7 +229,26 @@ class _Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.stopping.set)
+                loop.add_signal_handler(sig, self.signalled, sig.name)
+
+    def signalled(self, name: str = "SIGTERM") -> None:
+        """Stop within docker's grace in any state: the serve loop and a job in flight see ``stopping``;
+        the store's goodbyes (this daemon's records, a job's outcome) get STOP_GRACE_S, and a store that
+        is away now (reconnecting) is given up at once -- waiting out its reconnect window is what a
+        SIGKILL would end."""
+        if self.stopping.is_set():
+            return
+        self.signalled_by = name
+        self.stopping.set()
+        store = self.store
+        if store is None or not hasattr(store, "give_up"):
+            return
+        reason = f"{self.kind[:-1]} {self.id} stopped ({name}) while the store was unreachable"
+        if getattr(store, "reconnecting", False):
+            logger.warning("%s %s: %s; not waiting for it", self.kind[:-1], self.id, name)
+            store.give_up(reason)
+        else:
+            asyncio.get_running_loop().call_later(STOP_GRACE_S, store.give_up, reason)
 
     async def _reregister(self, restarted: bool) -> None:
         """After reconnecting to a store that restarted: put back what this daemon owns. A store with a

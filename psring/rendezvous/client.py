@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import settings as settings_mod
-from ..errors import AuthError, PeerLostError, PsringError, StoreError
+from ..errors import AuthError, PeerLostError, PsringError, StoreDiskError, StoreError
 from ..transport.connection import Connection
 from ..transport.handshake import HANDSHAKE_TIMEOUT
 from ..transport.listener import open_connection
@@ -68,6 +68,9 @@ class StoreClient:
         self.instance = conn.peer.get("instance")
         #: async callables ``cb(restarted: bool)`` run after every reconnection
         self.on_reconnect: list[Any] = []
+        #: seconds a change the store could not put on its disk is tried again (StoreDiskError): 0 for a
+        #: caller that should say so at once (a submitter); daemons wait as for a lost store
+        self.disk_retry_s = 0.0
         self.reconnects = 0
 
     @classmethod
@@ -128,6 +131,8 @@ class StoreClient:
             fields["token"] = f"{self._client_id}:{next(self._ids)}"  # the same on every retry of this call
         timeout = fields.get("timeout")
         deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None
+        refused_since: float | None = None
+        pause = 0.1
         while True:
             if self._unreachable is not None:  # past the bound once: every later call says so at once
                 raise PeerLostError(str(self._unreachable)) from self._unreachable
@@ -137,6 +142,16 @@ class StoreClient:
             except PeerLostError:
                 if self._closed or not self.reconnect_s or not self._host:
                     raise
+            except StoreDiskError as exc:  # the store is up, its disk is not: wait for it where asked to
+                now = time.monotonic()
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since + pause > self.disk_retry_s or self._closed:
+                    raise
+                if refused_since == now:
+                    logger.warning("%s; retrying for up to %gs", exc, self.disk_retry_s)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 1.0)
+                continue
             await self._reconnect(conn)
             if deadline is not None:  # a wait goes on with what is left of its one deadline
                 fields["timeout"] = max(deadline - time.monotonic(), 0.001)
@@ -160,16 +175,41 @@ class StoreClient:
             raise conn.lost or PeerLostError(f"rendezvous store at {self.address} closed the connection")
         _conn, header, payload = fut.result()
         if "error" in header:
-            raise StoreError(f"store at {self.address} refused {op}: {header['error']}")
+            kind = StoreDiskError if header.get("disk") else StoreError
+            raise kind(f"store at {self.address} refused {op}: {header['error']}")
         return header, payload
 
     async def _reconnect(self, broken: Connection) -> None:
         """Reconnect once for every caller that saw ``broken`` fail (they wait on the same attempt)."""
+        if self._unreachable is not None:  # given up on meanwhile (give_up)
+            raise self._unreachable
         if self._conn is not broken:
             return  # somebody reconnected already
         if self._reconnecting is None or self._reconnecting.done():
             self._reconnecting = asyncio.ensure_future(self._redial(broken))
-        await asyncio.shield(self._reconnecting)
+        reconnecting = self._reconnecting
+        try:
+            await asyncio.shield(reconnecting)
+        except asyncio.CancelledError:
+            if reconnecting.cancelled() and self._unreachable is not None:  # given up on (give_up)
+                raise self._unreachable from None
+            raise
+
+    @property
+    def reconnecting(self) -> bool:
+        """Whether the connection is lost and being dialled again (calls wait for it)."""
+        return self._reconnecting is not None and not self._reconnecting.done()
+
+    def give_up(self, reason: str) -> None:
+        """Stop waiting for a store that went away: the reconnection under way ends, and every call
+        waiting on it and every later call raises PeerLostError(``reason``) at once. A daemon told to
+        stop does this rather than wait out PSRING_STORE_RECONNECT_S."""
+        if self._unreachable is None:
+            self._unreachable = PeerLostError(f"the rendezvous store at {self.address}: {reason}")
+        if self._reconnecting is not None and not self._reconnecting.done():
+            self._reconnecting.cancel()
+        elif self._conn.is_open:  # up, but a call may wait on an answer that does not come (a stopped store)
+            self._conn.abort(self._unreachable)
 
     async def _redial(self, broken: Connection) -> None:
         started = time.monotonic()

@@ -25,9 +25,12 @@ from ..core import wire
 from ..errors import PeerLostError, ProtocolError, StoreError
 from ..transport.connection import Connection
 from ..transport.listener import Listener
-from .storelog import StoreLog, _remember
+from .storelog import DiskError, StoreLog, _remember
 
 logger = logging.getLogger(__name__)
+
+#: seconds between tries of a data dir that refused a write (StoreServer._disk_back)
+DISK_PROBE_S = 0.5
 
 STORE_MAX_VALUE = 64 << 20
 STORE_MAX_KEYS = 1_000_000
@@ -67,6 +70,10 @@ class StoreServer:
         self._bytes = 0
         self.requests = 0
         self.bad_requests = 0
+        self.disk_errors = 0  #: changes the data dir refused (and so not made)
+        #: the data dir's last refusal, while it lasts (every request answers with it), and the next probe
+        self._disk_error: DiskError | None = None
+        self._disk_probe_at = 0.0
 
     @property
     def port(self) -> int:
@@ -166,11 +173,58 @@ class StoreServer:
         else:
             token = None
         if self._log is not None:
-            self._log.append(key, self._data.get(key), token, response)
-            if sync:
-                await self._log.sync()
+            try:
+                self._log.append(key, self._data.get(key), token, response)
+                if sync:
+                    await self._log.sync()
+            except DiskError:
+                if token is not None:
+                    self._tokens.pop(token, None)  # not made: a retry must try again, not get this answer
+                raise
             if self._log is not None and self._log.wants_compaction():
                 await self._log.compact(self._data, self._tokens)
+
+    async def _change(
+        self, key: str, token: Any, response: dict[str, Any], value: bytes | None, sync: bool = True
+    ) -> None:
+        """Make a change (``value`` None: delete the key) and put it on disk; where the disk refuses it,
+        the change is undone here too (nothing a client was not told of stands) and DiskError says why."""
+        old = self._data.get(key)
+        if value is None:
+            self._forget(key)
+        else:
+            self._set(key, value)
+        try:
+            await self._durable(key, token, response, sync=sync)
+        except DiskError as exc:
+            self.disk_errors += 1
+            self._disk_error, self._disk_probe_at = exc, time.monotonic() + DISK_PROBE_S
+            if self._data.get(key) is (None if value is None else value):  # (unless a later change followed)
+                if old is None:
+                    self._forget(key)
+                else:
+                    self._set(key, old)
+            logger.error("store: %s", exc)
+            raise
+
+    def _disk_back(self) -> bool:
+        """Whether the data dir takes writes again (tried at most every DISK_PROBE_S: a block written,
+        synced and removed); until then every request but ping answers with the disk's error, so a
+        client learns at once what is wrong instead of reading a state no change can follow."""
+        now = time.monotonic()
+        if self._log is None or now < self._disk_probe_at:
+            return False
+        self._disk_probe_at = now + DISK_PROBE_S
+        if not self._log.probe():
+            return False
+        logger.warning("store: %s takes writes again", self._log.directory)
+        self._disk_error = None
+        return True
+
+    def _forget(self, key: str) -> None:
+        old = self._data.pop(key, None)
+        self._written.pop(key, None)
+        self._bytes -= len(old or b"")
 
     async def handle(self, req: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes]:
         """Apply one request; return the response fields and payload."""
@@ -179,13 +233,14 @@ class StoreServer:
             raise StoreError(f"unknown store op {op!r} (expected one of {', '.join(_OPS)})")
         if op == "ping":
             return {"instance": self.instance, "epoch": self.epoch}, b""
+        if self._disk_error is not None and not self._disk_back():
+            raise self._disk_error  # every request says so until the disk takes writes again
         token = req.get("token")
         if token is not None and token in self._tokens:  # a retry of a change already made
             return dict(self._tokens[token]), b""
         if op == "set":
             key = _key(req)
-            self._set(key, bytes(payload))
-            await self._durable(key, token, {}, sync=not req.get("ttl"))
+            await self._change(key, token, {}, bytes(payload), sync=not req.get("ttl"))
             return {}, b""
         if op == "get":
             key = _key(req)
@@ -207,26 +262,21 @@ class StoreServer:
                 total = int(held.decode()) + amount
             except ValueError:
                 raise StoreError(f"store add: key {key!r} does not hold an integer") from None
-            self._set(key, str(total).encode())
-            await self._durable(key, token, {"value": total})
+            await self._change(key, token, {"value": total}, str(total).encode())
             return {"value": total}, b""
         if op == "cas":
             key = _key(req)
             expected = req.get("expected")
             current = self._data.get(key)
             if (expected is None and current is None) or (expected is not None and current == expected):
-                self._set(key, bytes(payload))
-                await self._durable(key, token, {"ok": True})
+                await self._change(key, token, {"ok": True}, bytes(payload))
                 return {"ok": True}, b""
             return {"ok": False, "found": current is not None}, current or b""
         if op == "delete":
             key = _key(req)
-            old = self._data.pop(key, None)
-            self._written.pop(key, None)
-            self._bytes -= len(old or b"")
-            existed = old is not None
+            existed = key in self._data
             if existed:
-                await self._durable(key, token, {"deleted": True})
+                await self._change(key, token, {"deleted": True}, None)
             return {"deleted": existed}, b""
         if op == "list":
             prefix = req.get("prefix", "")
@@ -278,12 +328,20 @@ class StoreServer:
         except StoreError as exc:
             self.bad_requests += 1
             resp = {"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": str(exc)}
+            if isinstance(exc, DiskError):
+                resp["disk"] = True  # (a client may retry it: StoreDiskError)
             value = b""
         except ProtocolError as exc:
             self.bad_requests += 1
             logger.warning("store: dropping %s: %s", conn.peername, exc)
             conn.abort(exc)
             return
+        except Exception as exc:  # broad on purpose: whatever went wrong, the request gets an answer
+            logger.exception("store: %s failed", header.get("op"))
+            self.bad_requests += 1
+            error = f"store failed on {header.get('op')!r}: {type(exc).__name__}: {exc}"
+            resp = {"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": error}
+            value = b""
         if conn.is_open:
             try:
                 conn.send_frame(resp, value)

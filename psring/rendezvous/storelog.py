@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import struct
+import time
 import zlib
 from collections import OrderedDict
 from typing import Any
 
 import msgpack
+
+from ..errors import StoreDiskError
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,23 @@ _HEAD = struct.Struct("<II")
 COMPACT_MIN_BYTES = 16 << 20
 #: request tokens remembered (and their answers) for retried requests
 TOKENS_KEPT = 100_000
+#: bytes a probe of a data dir that refused a write writes (StoreLog.probe): a record's worth and more
+PROBE_BYTES = 64 << 10
+#: seconds between tries to compact after the disk refused a snapshot
+COMPACT_RETRY_S = 10.0
+
+
+class DiskError(StoreDiskError):
+    """The store's data dir refused a write: the change was not made (the store answers with this)."""
+
+    def __init__(self, path: str, exc: OSError) -> None:
+        what = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        super().__init__(
+            f"the store cannot write its data dir: {exc.strerror or exc} ({what}) on {path}; the change was not "
+            "made (the store goes on once the disk takes writes again)"
+        )
+        self.path = path
+        self.errno = exc.errno
 
 
 class StoreLog:
@@ -67,6 +88,7 @@ class StoreLog:
         self.snapshot_bytes = 0
         self._flushing: asyncio.Task[None] | None = None
         self._compacting = False
+        self._compact_after = 0.0  # (after a compaction the disk refused: not before then)
 
     # ------------------------------------------------------------------ load
     def _next_epoch(self) -> int:
@@ -136,14 +158,40 @@ class StoreLog:
 
     # ------------------------------------------------------------------ write
     def append(self, key: str, value: bytes | None, token: str | None, response: Any) -> None:
-        """Append one change (``value`` None: the key was deleted); durable after :meth:`sync`."""
+        """Append one change (``value`` None: the key was deleted); durable after :meth:`sync`.
+
+        A write the disk refuses (ENOSPC, EIO) raises :class:`DiskError` and leaves nothing of the
+        record in the log: what it wrote of it is cut off, so a later append (the disk has room again)
+        follows the last whole record, and a restart replays everything acknowledged."""
         body = msgpack.packb([key, value, token, response], use_bin_type=True)
         record = _HEAD.pack(len(body), zlib.crc32(body)) + body
         view = memoryview(record)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.written)  # (the log opens O_APPEND: the next write follows)
+            raise DiskError(self._log_path, exc) from None
         self.written += len(record)
+
+    def probe(self) -> bool:
+        """Whether the directory takes a write now: a block written, synced and removed."""
+        path = os.path.join(self.directory, "probe")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, bytes(PROBE_BYTES))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     async def sync(self) -> None:
         """Return once everything appended so far is on disk (one fsync for every waiting writer)."""
@@ -155,11 +203,23 @@ class StoreLog:
 
     async def _flush(self) -> None:
         upto = self.written
-        await asyncio.to_thread(os.fsync, self._fd)
+        try:
+            await asyncio.to_thread(os.fsync, self._fd)
+        except OSError as exc:
+            # what was written since the last good fsync may or may not be on disk: cut it off, and
+            # every writer waiting on this fsync answers with the error (none of their changes stand)
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self.synced)
+            self.written = self.synced
+            raise DiskError(self._log_path, exc) from None
         self.synced = max(self.synced, upto)
 
     def wants_compaction(self) -> bool:
-        return not self._compacting and self.written > max(COMPACT_MIN_BYTES, self.snapshot_bytes)
+        return (
+            not self._compacting
+            and time.monotonic() >= self._compact_after
+            and self.written > max(COMPACT_MIN_BYTES, self.snapshot_bytes)
+        )
 
     async def compact(self, data: dict[str, bytes], tokens: OrderedDict[str, Any]) -> None:
         """Write the whole state as the new snapshot and empty the log."""
@@ -167,7 +227,14 @@ class StoreLog:
         try:
             snap = msgpack.packb({"data": data, "tokens": list(tokens.items())}, use_bin_type=True)
             await self.sync()  # the snapshot must not be older than anything acknowledged
-            await asyncio.to_thread(_write_atomically, self._snapshot_path, snap, self.directory)
+            try:
+                await asyncio.to_thread(_write_atomically, self._snapshot_path, snap, self.directory)
+            except OSError as exc:  # the log still holds everything: compaction waits for room
+                with contextlib.suppress(OSError):
+                    os.unlink(self._snapshot_path + ".tmp")
+                self._compact_after = time.monotonic() + COMPACT_RETRY_S
+                logger.warning("store: cannot compact %s (%s); the log keeps every change", self.directory, exc)
+                return
             self.snapshot_bytes = len(snap)
             os.ftruncate(self._fd, 0)
             await asyncio.to_thread(os.fsync, self._fd)

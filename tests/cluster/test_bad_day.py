@@ -1,0 +1,174 @@
+"""An operator's bad day (#59), the two cases that broke: a daemon told to stop while its store is gone,
+and a store whose data disk is full. Real processes on loopback, a real tmpfs for the full disk."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from psring.errors import StoreDiskError
+from psring.rendezvous.client import connect_store, parse_store_address
+from psring.rendezvous.store import StoreServer
+
+from ..conftest import end
+from .test_cluster import Cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+#: docker stop's grace: a daemon must be gone within it, in every state
+GRACE_S = 10.0
+
+
+def _gone_within(proc: subprocess.Popen[str], seconds: float) -> float:
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running {seconds:g}s after SIGTERM:\n{end(proc)[-2000:]}")
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("when", ["idle", "mid-job"])
+def test_sigterm_ends_daemons_within_the_grace_while_their_store_is_gone(tmp_path: Path, when: str) -> None:
+    """Before the fix an idle worker daemon waited out the whole reconnect window (60 s) after SIGTERM."""
+    c = Cluster(tmp_path)
+    try:
+        workers = [c.worker(f"w{i}") for i in range(2)]
+        server = c.spawn_server_daemon("s0")
+        if when == "mid-job":
+            with c.client() as client:
+                job = client.submit("ring", 2, train={"epochs": 500})
+                for rec in job.stream():
+                    if rec.get("step", 0) >= 5:
+                        break
+        os.kill(c.store.pid, signal.SIGKILL)
+        c.store.wait(timeout=10)
+        time.sleep(1.5)  # the daemons found the store gone and are reconnecting
+        for proc in (*workers, server):
+            os.kill(proc.pid, signal.SIGTERM)
+        for proc in (*workers, server):
+            took = _gone_within(proc, GRACE_S)
+            out = proc.stdout.read() if proc.stdout else ""
+            assert proc.returncode == 0, (took, out[-2000:])  # a stop it was told to make: no failure
+            assert "stopped" in out, out[-2000:]
+    finally:
+        c.close()
+
+
+def _mount_tmpfs(where: Path, size: str) -> None:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs for a disk that fills (needs root): {done.stderr.decode().strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB filesystem of its own, unmounted at the end."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a disk that fills needs a tmpfs mount (root)")
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "1m")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def _fill(disk: Path) -> Path:
+    """Fill the filesystem to its last byte (what it holds stays)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (4096, 1):  # blocks, then the last bytes
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * chunk)
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.mark.timeout(60)
+def test_a_store_whose_disk_is_full_answers_naming_it_makes_no_change_and_recovers(small_disk: Path) -> None:
+    """Before the fix the OSError escaped the request's task: the request never got an answer."""
+
+    async def main() -> None:
+        data = small_disk / "data"
+        server = await StoreServer(data_dir=str(data)).start()
+        client = await connect_store(parse_store_address(f"127.0.0.1:{server.port}"), secret=None, timeout=10)
+        try:
+            await client.set("kept", b"before")
+            filler = _fill(small_disk)
+            t0 = time.monotonic()
+            with pytest.raises(StoreDiskError, match=rf"ENOSPC.*{data}"):
+                await client.set("kept", b"x" * 8192)
+            with pytest.raises(StoreDiskError, match="ENOSPC"):  # every request says so while it lasts
+                await client.get("kept")
+            assert time.monotonic() - t0 < 5
+            for extra in (disk for disk in small_disk.iterdir() if disk.name.startswith("filler")):
+                extra.unlink()
+            assert not filler.exists()
+            await asyncio.sleep(0.6)  # (the store tries its disk at most every half second)
+            assert await client.get("kept") == b"before"  # the refused change was not made
+            await client.set("after", b"1")
+            assert await client.add("n", 2) == 2
+        finally:
+            await client.close()
+            await server.close()
+        again = await StoreServer(data_dir=str(data)).start()  # what was acknowledged, and only that
+        client = await connect_store(parse_store_address(f"127.0.0.1:{again.port}"), secret=None, timeout=10)
+        try:
+            assert await client.get("kept") == b"before"
+            assert await client.get("after") == b"1"
+            assert await client.add("n", 1) == 3
+        finally:
+            await client.close()
+            await again.close()
+
+    asyncio.run(main())
+
+
+def test_a_full_disk_fails_the_submitter_at_once_and_the_cluster_goes_on(tmp_path: Path, small_disk: Path) -> None:
+    """The submitter fails naming the disk within seconds; the worker daemons wait for the store's disk
+    within their bound (they do not exit); with room again the next job runs."""
+    c = Cluster.__new__(Cluster)
+    c.tmp, c.secret, c.env, c.daemons = tmp_path, None, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, {}
+    c.store = subprocess.Popen(
+        [sys.executable, "-m", "psring", "store", "--host", "127.0.0.1", "--port", "0", "--data-dir",
+         str(small_disk / "data")],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        line = c.store.stdout.readline() if c.store.stdout else ""
+        assert "listening on 127.0.0.1:" in line, line
+        c.address = "127.0.0.1:" + line.split("127.0.0.1:")[1].split(",")[0].split()[0]
+        workers = [c.worker(f"w{i}") for i in range(2)]
+        _fill(small_disk)
+        submit = [sys.executable, "-m", "psring", "submit", "--store", c.address, "--workers", "2", "--epochs", "1"]
+        t0 = time.monotonic()
+        done = subprocess.run(submit, capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert done.returncode == 1, done.stdout + done.stderr
+        lines = [ln for ln in done.stdout.splitlines() if ln.strip()]
+        assert len(lines) == 1 and "ENOSPC" in lines[0] and str(small_disk / "data") in lines[0], done.stdout
+        assert took < 15, took
+        time.sleep(2)
+        assert all(w.poll() is None for w in workers)  # waiting for the disk, within their bound
+        for extra in small_disk.iterdir():
+            if extra.name.startswith("filler"):
+                extra.unlink()
+        done = subprocess.run(submit, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "ranks bit-identical True" in done.stdout, done.stdout[-3000:]
+    finally:
+        c.close()
