@@ -222,7 +222,7 @@ class SyncSGD:
     def live_group(self) -> Any:
         """A group of the workers there now (elastic; the group itself while nobody left or joined),
         for the loop's own collectives. Every worker makes the same one at the same step."""
-        return self.group._live_subgroup() if self.elastic else self.group
+        return self.group.params.live_subgroup() if self.elastic else self.group
 
     async def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
         """Elastic: at a boundary of the loop's choosing (between steps; every live worker calls it),
@@ -234,7 +234,7 @@ class SyncSGD:
         if not self.started:
             await self.start()
         host = [_to_host(f) for f in self._flat]
-        return await self.group.param_admit(self.step_count, host, extra)
+        return await self.group.params.admit(self.step_count, host, extra)
 
     async def close_joins(self) -> None:
         """Elastic: no boundary will admit workers any more (the loop is near its end; every live
@@ -242,7 +242,7 @@ class SyncSGD:
         raise at once, saying so, instead of waiting out their timeout."""
         if not self.elastic:
             raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
-        await self.group.param_close_joins(self.step_count)
+        await self.group.params.close_joins(self.step_count)
 
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
@@ -255,7 +255,7 @@ class SyncSGD:
         if getattr(self.group, "joining", False):  # a new worker of a running elastic job
             if not self.elastic:
                 raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
-            outs, step, self.joined_with = await self.group.param_join([_to_host(f) for f in self._flat])
+            outs, step, self.joined_with = await self.group.params.join([_to_host(f) for f in self._flat])
             self._flat = [_like(self.xp, o) for o in outs]
             self.step_count = step
             self.started = True
@@ -267,7 +267,7 @@ class SyncSGD:
         if self.topology == "ps":
             host = [_to_host(f) for f in self._flat]
             step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
-            outs, step = await self.group.param_init(host, self.optimizer.config(), step, state)
+            outs, step = await self.group.params.init(host, self.optimizer.config(), step, state)
             self._flat = [_like(self.xp, o) for o in outs]
             self.step_count = step
         else:
@@ -290,7 +290,7 @@ class SyncSGD:
             rows, width, dtype = self._table_shape[name]
             if self.topology == "ps":
                 table = _to_host(self._tables[name]) if self.group.rank == 0 else None
-                await self.group.sparse_init(k, table, rows, width, dtype, self.optimizer.config())
+                await self.group.tables.init(k, table, rows, width, dtype, self.optimizer.config())
                 self._tables[name] = None  # the shards hold it now: workers never do
             else:
                 self._tables[name] = await self.group.broadcast(self._tables[name], src=0)
@@ -309,7 +309,7 @@ class SyncSGD:
             if got is not None and np.array_equal(got[0], idx):  # they came back with the last step
                 return _like(self.xp, got[1])
             k = self.sparse.index(name)
-            out = await self.group.sparse_pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
+            out = await self.group.tables.pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
             return _like(self.xp, out)
         return self.xp.take(self._tables[name], self.xp.asarray(idx), axis=0)
 
@@ -345,7 +345,7 @@ class SyncSGD:
             if summed is None:  # ps: each rank's word on its rows goes with its push; shards apply none if one is bad
                 problem = g.problem()
                 pull = prefetch.get(name)
-                bad, pulled = await self.group.sparse_step(
+                bad, pulled = await self.group.tables.step(
                     k, self.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None,
                     pull=None if pull is None else pull.astype(np.int64, copy=False),
                 )  # fmt: skip
@@ -375,7 +375,7 @@ class SyncSGD:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
         keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
         if self.topology == "ps":
-            per_bucket, step = await self.group.param_state([_to_host(f) for f in self._flat], keys)
+            per_bucket, step = await self.group.params.state([_to_host(f) for f in self._flat], keys)
         else:
             per_bucket = [{k: _to_host(s[k]) for k in keys} for s in self._state]
             step = self.step_count
@@ -497,7 +497,7 @@ class SyncSGD:
         if self.topology == "ps":
             host = [_to_host(f) for f in flats]
             outs = [np.empty_like(h) for h in host]
-            taken = await self.group.param_step(self.step_count, host, outs, compression=self.compression)
+            taken = await self.group.params.step(self.step_count, host, outs, compression=self.compression)
             self.skipped += taken - 1
             self.step_count += taken - 1  # backup workers: a worker that was behind skips ahead
             self._flat = [_like(self.xp, o) for o in outs]

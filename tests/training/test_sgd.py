@@ -279,7 +279,7 @@ async def test_resent_push_is_applied_exactly_once(make_groups) -> None:
     # rank 1 re-sends its step-0 push (as after a reconnect): answered, not applied again
     host = [np.concatenate([g.reshape(-1) for g in _grads(0, 1).values()])]
     out = [np.empty_like(host[0])]
-    await groups[1].param_step(0, host, out)
+    await groups[1].params.step(0, host, out)
     assert store.updates_applied == applied
     flat0 = np.concatenate([v.reshape(-1) for v in params_after_0.values()])
     assert np.array_equal(out[0], flat0)

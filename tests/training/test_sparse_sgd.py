@@ -104,7 +104,7 @@ async def test_rows_prefetched_with_a_step_are_those_a_pull_after_it_reads(make_
     everything = np.arange(ROWS)
 
     def asked(g: psring.Group) -> int:
-        return int(getattr(g, "_pull_requests", 0))
+        return int(getattr(getattr(g, "tables", None), "_pull_requests", 0))
 
     for t in range(3):
         ids = [np.array([49, 0, 7, 7, 25 + t]), np.arange(ROWS)[:: 3 + t]]

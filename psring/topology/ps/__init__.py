@@ -1,6 +1,8 @@
 """The parameter-server topology: workers push to and pull from sharded servers.
 
-Worker side: ``client`` (``PsGroup``, the collectives), ``params`` (parameter mode for SyncSGD),
+Worker side: ``client`` (``PsGroup``, the collectives), ``setup`` (making one: its shards, links, the
+wire's piece; or joining a running elastic job), ``params`` (``ParameterClient``: parameter mode for
+SyncSGD; ``SparseTables``: sparse tables on the shards),
 ``links`` (connections to the shards), ``hostreduce`` (all_reduce reduced within each host before it is
 pushed, several ranks a host). Server side (a process of them: ``python -m psring.topology.ps``,
 ``psring server``): ``server`` (a process's shards behind one

@@ -23,10 +23,7 @@ from .plan import per_piece, plan
 from .tables import pack_by_shard, row_range
 
 if TYPE_CHECKING:
-    from ..group import Group as _Host
-    from .links import ServerLinks
-else:
-    _Host = object
+    from .client import PsGroup
 
 logger = logging.getLogger(__name__)
 
@@ -52,31 +49,22 @@ def _note_arrived(got: set[tuple[Any, ...]], tag: tuple[Any, ...], fut: asyncio.
         got.add(tag)
 
 
-class ParameterMode(_Host):
-    """Part of :class:`~psring.topology.ps.client.PsGroup`: parameter mode, used by SyncSGD."""
+class ParameterClient:
+    """A PsGroup's parameter mode (SyncSGD over ps): parameters and optimizer state on the shards,
+    gradients pushed and parameters pulled by piece; the group holds one (``group.params``)."""
 
-    # what this part uses of PsGroup (client.py)
-    links: ServerLinks
-    members: list[int]
-    elastic: bool
-    backup: int
-    backup_dropped: int
-    backup_skipped: int
-    _broken_waiters: set[asyncio.Future[None]]
-
-    if TYPE_CHECKING:
-
-        @property
-        def num_servers(self) -> int: ...
+    def __init__(self, g: PsGroup) -> None:
+        self.g = g
+        self._state_requests = 0
 
     def _param_layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        step = per_piece(flat.itemsize, self.links.config.ps_piece)
+        step = per_piece(flat.itemsize, self.g.links.config.ps_piece)
         return [
             (s, a, pieces(a, z, step))
-            for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.num_servers, b, self.links.weights)
+            for s, a, z in plan("all_reduce", flat.size, flat.itemsize, self.g.num_servers, b, self.g.links.weights)
         ]
 
-    async def param_init(
+    async def init(
         self,
         buckets: list[np.ndarray],
         optimizer: dict[str, Any],
@@ -89,26 +77,26 @@ class ParameterMode(_Host):
         those too: shards that hold nothing yet take them; shards that already hold the bucket
         (alive, or restored from their own checkpoints) keep theirs.
         """
-        self._check_usable()
-        if self.gid != "0":
+        self.g._check_usable()
+        if self.g.gid != "0":
             raise ValueError("parameter mode runs on the main group, not a subgroup")
-        if self.rank == 0:
+        if self.g.rank == 0:
             for b, flat in enumerate(buckets):
                 for shard, _a, parts in self._param_layout(b, flat):
-                    conn = self.links.shards[shard]
+                    conn = self.g.links.shards[shard]
                     base = {
                         "kind": "ps_param",
                         "op": "init",
                         "n": flat.size,
                         "dtype": wire.tensor_fields(flat)["dtype"],
-                        "size": self.world_size,
+                        "size": self.g.world_size,
                         "optimizer": optimizer,
-                        "elastic": self.elastic,
+                        "elastic": self.g.elastic,
                     }
-                    if self.backup:
-                        base["backup"] = self.backup
-                    if self.links.weights:
-                        base["weights"] = list(self.links.weights)
+                    if self.g.backup:
+                        base["backup"] = self.g.backup
+                    if self.g.links.weights:
+                        base["weights"] = list(self.g.links.weights)
                     if step is not None and state is not None:
                         base.update(step=step, state_keys=sorted(state[b]))
                     if not parts:
@@ -120,8 +108,8 @@ class ParameterMode(_Host):
                             for j, (pa, pb) in enumerate(parts):
                                 header = {"kind": "ps_param", "op": "init_state", "tag": ("param", b, "init_state", j)}
                                 conn.send_tensor({**header, "key": key}, state[b][key][pa:pb])
-        if self.elastic and self.rank == 0:  # new workers may join it (init_group(join=True))
-            await self.links.store.set(f"{self.links.prefix}/elastic", b"1")
+        if self.g.elastic and self.g.rank == 0:  # new workers may join it (init_group(join=True))
+            await self.g.links.store.set(f"{self.g.links.prefix}/elastic", b"1")
         outs, steps = await self._pull_all(buckets, "pulling the initial parameters")
         if len(set(steps)) > 1:
             raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
@@ -134,12 +122,12 @@ class ParameterMode(_Host):
 
         async def pull(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
             futs = [
-                self.mailbox.expect(("param", b, "pull", shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
+                self.g.mailbox.expect(("param", b, "pull", shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
                 for j, (pa, pb) in enumerate(parts)
             ]
-            marker = self.mailbox.expect(("param", b, "pulled", shard))
-            self.links.shards[shard].send_frame(
-                {"kind": "ps_param", "op": "pull", "tag": ("param", b, "pull"), "src": self.rank}
+            marker = self.g.mailbox.expect(("param", b, "pulled", shard))
+            self.g.links.shards[shard].send_frame(
+                {"kind": "ps_param", "op": "pull", "tag": ("param", b, "pull"), "src": self.g.rank}
             )
             for fut in futs:
                 _c, hdr, payload = await fut
@@ -152,26 +140,26 @@ class ParameterMode(_Host):
         jobs = [
             pull(b, shard, parts) for b, flat in enumerate(buckets) for shard, _a, parts in self._param_layout(b, flat)
         ]
-        await self._param_wait(asyncio.gather(*jobs), what)
+        await self.wait(asyncio.gather(*jobs), what)
         return outs, steps
 
-    async def param_join(self, buckets: list[np.ndarray]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+    async def join(self, buckets: list[np.ndarray]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         """A joining worker (init_group(join=True)): wait until a boundary of the running job admits
         it, then take the shards' parameters of that step. Returns them, the step, and what the
         admitting loop said (``extra``: e.g. the epoch it starts)."""
-        store, key = self.links.store, f"{self.links.prefix}/join/{self.rank}/admitted"
-        deadline = time.monotonic() + self.timeout
+        store, key = self.g.links.store, f"{self.g.links.prefix}/join/{self.g.rank}/admitted"
+        deadline = time.monotonic() + self.g.timeout
         while True:  # admitted, or told that no boundary will come (SyncSGD.close_joins), or the timeout
             raw = await store.get(key, max(min(JOIN_LOOK_S, deadline - time.monotonic()), 0.0))
             if raw is not None:
                 break
-            closed = await store.get(joins_closed_key(self.links.prefix))
+            closed = await store.get(joins_closed_key(self.g.links.prefix))
             if closed is not None:
-                job = self.links.prefix.partition("/")[2]
-                raise PsringError(f"rank {self.rank} cannot join: the elastic job {job!r} {joins_closed(closed)}")
+                job = self.g.links.prefix.partition("/")[2]
+                raise PsringError(f"rank {self.g.rank} cannot join: the elastic job {job!r} {joins_closed(closed)}")
             if time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
-                    f"rank {self.rank} was not admitted to the running elastic job within {self.timeout:g}s (its "
+                    f"rank {self.g.rank} was not admitted to the running elastic job within {self.g.timeout:g}s (its "
                     "loop admits new workers at its boundaries: SyncSGD.admit_waiting)"
                 )
         admitted = json.loads(raw)
@@ -179,43 +167,43 @@ class ParameterMode(_Host):
         outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
         if any(s != at for s in steps):
             raise PsringError(
-                f"rank {self.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
+                f"rank {self.g.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
             )
-        self.live_members = members
-        self.joining = False
+        self.g.live_members = members
+        self.g.joining = False
         return outs, at, dict(admitted.get("extra") or {})
 
-    async def param_close_joins(self, step: int) -> None:
+    async def close_joins(self, step: int) -> None:
         """No boundary will admit workers any more (every live worker calls it; the live rank 0 says
         so in the store): workers waiting to join, and any that ask later, raise at once."""
-        if self.members[self.rank] == self.live_members[0]:
-            await self.links.store.set(joins_closed_key(self.links.prefix), json.dumps({"step": step}).encode())
+        if self.g.members[self.g.rank] == self.g.live_members[0]:
+            await self.g.links.store.set(joins_closed_key(self.g.links.prefix), json.dumps({"step": step}).encode())
 
-    async def param_admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
+    async def admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
         """At a boundary (between steps; called by every live worker with the same arguments): admit
         the workers waiting to join. The live rank 0 finds them in the store and tells the others,
         the shards (before its own pushes of ``step``) and the new workers. Returns the new ranks."""
-        live = self.live_members
-        me = self.members[self.rank]
+        live = self.g.live_members
+        me = self.g.members[self.g.rank]
         found = np.zeros(64, np.int64) - 1
         if me == live[0]:
-            count = int(await self.links.store.add(f"{self.links.prefix}/joiners", 0))
-            first = self.links.world_size
+            count = int(await self.g.links.store.add(f"{self.g.links.prefix}/joiners", 0))
+            first = self.g.links.world_size
             waiting = [
                 r for r in range(first, first + count)
-                if r not in live and await self.links.store.get(f"{self.links.prefix}/join/{r}") == b"waiting"
+                if r not in live and await self.g.links.store.get(f"{self.g.links.prefix}/join/{r}") == b"waiting"
             ][: found.size]  # fmt: skip
             found[: len(waiting)] = waiting
         try:
             # an all_reduce (max over -1s and rank 0's list), not a broadcast: a broadcast's root
             # returns once it has sent, so it could admit while the others saw a loss end the call
-            found = await self._live_subgroup().all_reduce(found, op="max")
+            found = await self.live_subgroup().all_reduce(found, op="max")
         except PeerLostError as exc:
             if type(exc.rank) is not int:
                 raise  # a server: not this boundary's to absorb
             # a worker was lost during the call: the shard ended it alike for every survivor (or it
             # finished for all), so all of them take this branch; the joiners wait for the next boundary
-            logger.warning("%r: elastic: %s; nobody joins at step %d", self, exc, step)
+            logger.warning("%r: elastic: %s; nobody joins at step %d", self.g, exc, step)
             return []
         new = [int(r) for r in found if r >= 0]
         if not new:
@@ -224,51 +212,51 @@ class ParameterMode(_Host):
         if me == live[0]:
             for b, flat in enumerate(buckets):  # every shard that holds a slice of it
                 for shard, _a, _parts in self._param_layout(b, flat):
-                    self.links.shards[shard].send_frame(
+                    self.g.links.shards[shard].send_frame(
                         {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
                     )
             for r in new:
-                await self.links.store.set(f"{self.links.prefix}/join/{r}", b"admitted")
+                await self.g.links.store.set(f"{self.g.links.prefix}/join/{r}", b"admitted")
                 value = json.dumps({"step": step, "members": members, "extra": extra or {}})
-                await self.links.store.set(f"{self.links.prefix}/join/{r}/admitted", value.encode())
+                await self.g.links.store.set(f"{self.g.links.prefix}/join/{r}/admitted", value.encode())
         logger.warning(
             "%r: elastic: worker(s) %s join at step %d; %d workers (results now depend on membership)",
-            self, new, step, len(members),
+            self.g, new, step, len(members),
         )  # fmt: skip
-        self.live_members = members
+        self.g.live_members = members
         return new
 
-    def _live_subgroup(self) -> Any:
+    def live_subgroup(self) -> Any:
         """A group of the live workers (this group while they are its members, in order)."""
-        live = self.live_members
-        if live == self.members == list(range(self.links.world_size)):  # the job's own world, as it began
+        live = self.g.live_members
+        if live == self.g.members == list(range(self.g.links.world_size)):  # the job's own world, as it began
             return self
         gid = "0.live." + ".".join(map(str, live))
-        group = self.links.groups.get(gid)
+        group = self.g.links.groups.get(gid)
         if group is None:
-            me = live.index(self.members[self.rank])
+            me = live.index(self.g.members[self.g.rank])
             make: Any = type(self)  # PsGroup: (links, rank, world_size, members, gid, timeout)
-            group = make(self.links, me, len(live), list(live), gid, self.timeout)
+            group = make(self.g.links, me, len(live), list(live), gid, self.g.timeout)
         return group
 
-    async def param_state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
+    async def state(self, buckets: list[np.ndarray], keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state the shards hold (``keys`` of it, per bucket, as flat arrays shaped
         like the buckets), and their step: what a worker-side checkpoint of a ps run needs. Asks
         again after a server restart, as a step re-sends."""
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.g.timeout
         while True:
             try:
-                lost = self.links.lost
+                lost = self.g.links.lost
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away: reconnect first
-                self._check_usable()
+                self.g._check_usable()
                 return await self._param_state_once(buckets, keys)
             except PeerLostError as exc:
-                if exc.rank is not None or not self.links.reconnect_servers:
+                if exc.rank is not None or not self.g.links.reconnect_servers:
                     raise
-                logger.warning("%r: %s; reconnecting to read the optimizer state again", self, exc)
-                await self.links.reconnect(deadline)
-                self._broken = None
+                logger.warning("%r: %s; reconnecting to read the optimizer state again", self.g, exc)
+                await self.g.links.reconnect(deadline)
+                self.g._broken = None
 
     async def _param_state_once(
         self, buckets: list[np.ndarray], keys: list[str]
@@ -277,7 +265,7 @@ class ParameterMode(_Host):
         steps: list[int] = []
         # each request is numbered and the shards echo the number in their answers' tags, so an
         # answer to a try cut short by a server restart can never pass for one to this try
-        self._state_requests = req = getattr(self, "_state_requests", 0) + 1
+        self._state_requests = req = self._state_requests + 1
 
         async def fetch(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
             tags = [
@@ -285,10 +273,10 @@ class ParameterMode(_Host):
                 for k in keys
                 for j, (pa, pb) in enumerate(parts)
             ]
-            futs = [self.mailbox.expect(tag, byte_view(dest) if dest.size else None) for tag, dest in tags]
-            marker = self.mailbox.expect(("param", b, "stated", shard, req))
-            self.links.shards[shard].send_frame(
-                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.rank, "req": req}
+            futs = [self.g.mailbox.expect(tag, byte_view(dest) if dest.size else None) for tag, dest in tags]
+            marker = self.g.mailbox.expect(("param", b, "stated", shard, req))
+            self.g.links.shards[shard].send_frame(
+                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.g.rank, "req": req}
             )
             try:
                 for fut in futs:
@@ -296,19 +284,19 @@ class ParameterMode(_Host):
                 _c, hdr, _p = await marker
             finally:  # cut short (a server lost): nothing stays posted for answers that will not come
                 for tag, _dest in tags:
-                    self.mailbox.unpost(tag)
-                self.mailbox.unpost(("param", b, "stated", shard, req))
+                    self.g.mailbox.unpost(tag)
+                self.g.mailbox.unpost(("param", b, "stated", shard, req))
             if sorted(hdr.get("keys") or []) != sorted(keys):
                 raise ProtocolError(f"server shard {shard} holds optimizer state {hdr.get('keys')}, expected {keys}")
             steps.append(int(hdr["step"]))
 
         jobs = [fetch(b, s, parts) for b, flat in enumerate(buckets) for s, _a, parts in self._param_layout(b, flat)]
-        await self._param_wait(asyncio.gather(*jobs), "reading the optimizer state")
+        await self.wait(asyncio.gather(*jobs), "reading the optimizer state")
         if len(set(steps)) > 1:
             raise PsringError(f"server shards hold parameters of different steps {sorted(set(steps))}")
         return outs, (steps[0] if steps else 0)
 
-    async def param_step(
+    async def step(
         self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | None = None
     ) -> int:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
@@ -325,26 +313,26 @@ class ParameterMode(_Host):
             for g in grads:
                 check_codec(compression, g.dtype, "avg")
             amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
-            amax = await self.all_reduce(amax, op="max")
-            exps = [scale_exponent(float(a), self.world_size) for a in amax]
+            amax = await self.g.all_reduce(amax, op="max")
+            exps = [scale_exponent(float(a), self.g.world_size) for a in amax]
             wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.g.timeout
         resend = False
         while True:
             try:
-                lost = self.links.lost
+                lost = self.g.links.lost
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
-                self._check_usable()
+                self.g._check_usable()
                 await self._param_round(t, grads, wire_grads, outs, got, deadline, resend)
-                return 1 + self._catch_up(t, grads, outs) if self.backup else 1
+                return 1 + self._catch_up(t, grads, outs) if self.g.backup else 1
             except PeerLostError as exc:
-                if exc.rank is not None or not self.links.reconnect_servers:
+                if exc.rank is not None or not self.g.links.reconnect_servers:
                     raise
-                logger.warning("%r: %s; reconnecting to re-send step %d", self, exc, t)
-                await self.links.reconnect(deadline)
-                self._broken = None
+                logger.warning("%r: %s; reconnecting to re-send step %d", self.g, exc, t)
+                await self.g.links.reconnect(deadline)
+                self.g._broken = None
                 resend = True
 
     def _param_result_tags(self, t: int, grads: list[np.ndarray]) -> list[tuple[tuple[Any, ...], int, int, int]]:
@@ -362,15 +350,15 @@ class ParameterMode(_Host):
         skipped = 0
         while True:
             tags = self._param_result_tags(t + skipped + 1, grads)
-            if not tags or not all(self.mailbox.is_queued(tag) for tag, *_ in tags):
+            if not tags or not all(self.g.mailbox.is_queued(tag) for tag, *_ in tags):
                 break
             for tag, b, pa, pb in tags:  # each step's pieces in turn (the last one's stay in outs)
-                fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                fut = self.g.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
                 assert fut.done()
             skipped += 1
         if skipped:
-            self.backup_skipped += skipped
-            logger.info("%r: behind by %d step(s): skipped to step %d", self, skipped, t + skipped + 1)
+            self.g.backup_skipped += skipped
+            logger.info("%r: behind by %d step(s): skipped to step %d", self.g, skipped, t + skipped + 1)
         return skipped
 
     async def _param_round(
@@ -384,36 +372,38 @@ class ParameterMode(_Host):
         resend: bool = False,
     ) -> None:
         futs = []
-        if self.links.share_memory_pending() and any(g.nbytes >= self.links.config.ps_shm_min for g, _e in wire_grads):
-            await self.links.share_memory()
+        if self.g.links.share_memory_pending() and any(
+            g.nbytes >= self.g.links.config.ps_shm_min for g, _e in wire_grads
+        ):
+            await self.g.links.share_memory()
         for b, flat in enumerate(grads):
             sent, e = wire_grads[b]
-            push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.rank}
+            push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.g.rank}
             if e is not None:
                 push["scale"] = e
             if resend:  # after a reconnect: a piece applied already is answered, not dropped as late
                 push["resend"] = True
             for shard, _a, parts in self._param_layout(b, flat):
-                conn = self.links.shards[shard]
+                conn = self.g.links.shards[shard]
                 for j, (pa, pb) in enumerate(parts):
                     tag = ("param", b, t, "r", shard, j)
                     if tag in got:
                         continue
-                    self.mailbox.unpost(tag)
-                    fut = self.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                    self.g.mailbox.unpost(tag)
+                    fut = self.g.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
                     fut.add_done_callback(functools.partial(_note_arrived, got, tag))
-                    if self.elastic:
+                    if self.g.elastic:
                         fut.add_done_callback(self._note_members)
                     futs.append(fut)
                     piece = sent[pa:pb]
-                    shared = piece.nbytes >= self.links.config.ps_shm_min and conn.peer_maps_pool
+                    shared = piece.nbytes >= self.g.links.config.ps_shm_min and conn.peer_maps_pool
                     if shared:
-                        await self.links.slot_for(("param", t))
+                        await self.g.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
-        await self._param_wait(asyncio.gather(*futs), f"step {t}", deadline)
+        await self.wait(asyncio.gather(*futs), f"step {t}", deadline)
         # backup workers: a step whose results did not take this worker's pushes (it came late)
-        if self.backup and any(self.rank not in f.result()[1].get("folded", (self.rank,)) for f in futs):
-            self.backup_dropped += 1
+        if self.g.backup and any(self.g.rank not in f.result()[1].get("folded", (self.g.rank,)) for f in futs):
+            self.g.backup_dropped += 1
 
     def _note_members(self, fut: asyncio.Future[Any]) -> None:
         """Elastic: the workers a shard averaged a piece over; the live workers are those every
@@ -422,28 +412,28 @@ class ParameterMode(_Host):
             return
         members = fut.result()[1].get("members")
         if isinstance(members, (list, tuple)):  # msgpack gives tuples
-            live = set(members) & set(self.live_members)
-            if live != set(self.live_members):
-                gone = sorted(set(self.live_members) - live)
+            live = set(members) & set(self.g.live_members)
+            if live != set(self.g.live_members):
+                gone = sorted(set(self.g.live_members) - live)
                 logger.warning(
                     "%r: elastic: worker(s) %s left; %d go on (results now depend on membership)",
-                    self, gone, len(live),
+                    self.g, gone, len(live),
                 )  # fmt: skip
-                self.live_members = sorted(live)
+                self.g.live_members = sorted(live)
 
-    async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None:
-        lost = self.links.loss_future()
+    async def wait(self, work: Any, what: str, deadline: float | None = None) -> None:
+        lost = self.g.links.loss_future()
         broken: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # a worker was lost
-        if self._broken is not None:
+        if self.g._broken is not None:
             broken.set_result(None)
-        self._broken_waiters.add(broken)
-        remaining = (deadline or time.monotonic() + self.timeout) - time.monotonic()
+        self.g._broken_waiters.add(broken)
+        remaining = (deadline or time.monotonic() + self.g.timeout) - time.monotonic()
         try:
             done, _ = await asyncio.wait(
                 {work, lost, broken}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            self._broken_waiters.discard(broken)
+            self.g._broken_waiters.discard(broken)
             if not lost.done():
                 lost.cancel()
         if work in done:
@@ -454,10 +444,12 @@ class ParameterMode(_Host):
             await work
         if lost in done:
             raise lost.exception() or PeerLostError("a server shard was lost")
-        if broken in done and isinstance(self._broken, PeerLostError):
-            lost_rank = self._broken.rank if self._broken.rank is not None else -1  # a worker, not a server
-            raise PeerLostError(f"{self!r}: {self._broken} (during {what})", rank=lost_rank) from self._broken
-        raise CollectiveTimeoutError(f"rank {self.rank}: the servers did not answer {what} within {self.timeout:g}s")
+        if broken in done and isinstance(self.g._broken, PeerLostError):
+            lost_rank = self.g._broken.rank if self.g._broken.rank is not None else -1  # a worker, not a server
+            raise PeerLostError(f"{self.g!r}: {self.g._broken} (during {what})", rank=lost_rank) from self.g._broken
+        raise CollectiveTimeoutError(
+            f"rank {self.g.rank}: the servers did not answer {what} within {self.g.timeout:g}s"
+        )
 
 
 def _same(payload: Any, out: np.ndarray) -> bool:
@@ -471,33 +463,28 @@ def _same(payload: Any, out: np.ndarray) -> bool:
 INIT_QUEUE = 64 << 20
 
 
-class SparseTables(_Host):
-    """Part of :class:`~psring.topology.ps.client.PsGroup`: sparse tables that live on the shards
-    (SyncSGD(..., sparse=[...]) over ps; the shard side is ``tables``)."""
+class SparseTables:
+    """A PsGroup's sparse tables that live on the shards (SyncSGD(..., sparse=[...]) over ps; the shard
+    side is ``tables``); the group holds one (``group.tables``)."""
 
-    links: ServerLinks
-
-    if TYPE_CHECKING:
-
-        @property
-        def num_servers(self) -> int: ...
-
-        async def _param_wait(self, work: Any, what: str, deadline: float | None = None) -> None: ...
+    def __init__(self, g: PsGroup) -> None:
+        self.g = g
+        self._pull_requests = 0
 
     def _shard_rows(self, num_rows: int) -> list[tuple[int, int]]:
-        return [row_range(num_rows, self.num_servers, s) for s in range(self.num_servers)]
+        return [row_range(num_rows, self.g.num_servers, s) for s in range(self.g.num_servers)]
 
-    async def sparse_init(self, k: int, table: np.ndarray | None, num_rows: int, width: int, dtype: str,
+    async def init(self, k: int, table: np.ndarray | None, num_rows: int, width: int, dtype: str,
                           optimizer: dict[str, Any]) -> None:  # fmt: skip
         """Rank 0 hands each shard its rows of table k (``table``; None elsewhere); every rank
         then waits until every shard holds them (an empty pull each)."""
-        if self.rank == 0:
+        if self.g.rank == 0:
             assert table is not None
-            per = max(1, self.links.config.ps_piece // max(width * table.itemsize, 1))
+            per = max(1, self.g.links.config.ps_piece // max(width * table.itemsize, 1))
             for s, (a, b) in enumerate(self._shard_rows(num_rows)):
-                conn = self.links.shards[s]
+                conn = self.g.links.shards[s]
                 base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
-                        "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.world_size,
+                        "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.g.world_size,
                         "optimizer": optimizer}  # fmt: skip
                 for first in range(a, max(b, a + 1), per):
                     count = max(0, min(per, b - first))
@@ -505,9 +492,9 @@ class SparseTables(_Host):
                     transport = conn.transport
                     if transport is not None and transport.get_write_buffer_size() > INIT_QUEUE:
                         await conn.flush()  # not the whole table queued in a second copy (a 4 GiB one: 8 GiB)
-        await self.sparse_pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
+        await self.pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
 
-    async def sparse_step(
+    async def step(
         self,
         k: int,
         t: int,
@@ -530,15 +517,15 @@ class SparseTables(_Host):
         if pull is not None:
             wheres = [np.nonzero((pull >= a) & (pull < b))[0] for a, b in self._shard_rows(num_rows)]
             pulls = [pull[w] for w in wheres]
-        packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.num_servers, pulls)
+        packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.g.num_servers, pulls)
         for s, (count, payload) in enumerate(packed):
-            futs.append(self.mailbox.expect(("param", k, "sp_done", s, t)))
+            futs.append(self.g.mailbox.expect(("param", k, "sp_done", s, t)))
             header = {"kind": "ps_param", "op": "sp_push", "tag": ("param", k, "sp_push"), "step": t,
-                      "src": self.rank, "count": count, "bad": bool(bad)}  # fmt: skip
+                      "src": self.g.rank, "count": count, "bad": bool(bad)}  # fmt: skip
             if pulls is not None:
                 header["pull"] = int(pulls[s].size)
-            self.links.shards[s].send_tensor(header, payload)
-        await self._param_wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
+            self.g.links.shards[s].send_tensor(header, payload)
+        await self.g.params.wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
         said = [int(r) for r in futs[0].result()[1].get("bad") or []]
         if said or pull is None or wheres is None:
             return said, None
@@ -554,9 +541,9 @@ class SparseTables(_Host):
                 out[where] = np.frombuffer(payload, values.dtype).reshape(-1, width)
         return said, out
 
-    async def sparse_pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
+    async def pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
         """The current rows ``indices`` of table k, in that order (duplicates allowed)."""
-        self._pull_requests = req = getattr(self, "_pull_requests", 0) + 1
+        self._pull_requests = req = self._pull_requests + 1
         out = np.empty((indices.size, width), dtype)
         jobs = []
         for s, (a, b) in enumerate(self._shard_rows(num_rows)):
@@ -564,10 +551,10 @@ class SparseTables(_Host):
             if where.size == 0 and indices.size:
                 continue
             tag = ("param", k, "sp_rows", s, req)
-            fut = self.mailbox.expect(tag)
+            fut = self.g.mailbox.expect(tag)
             header = {"kind": "ps_param", "op": "sp_pull", "tag": ("param", k, "sp_pull"), "req": req,
                       "count": int(where.size)}  # fmt: skip
-            self.links.shards[s].send_tensor(header, indices[where].astype(np.int64))
+            self.g.links.shards[s].send_tensor(header, indices[where].astype(np.int64))
             jobs.append((fut, where))
 
         async def land() -> None:
@@ -582,8 +569,8 @@ class SparseTables(_Host):
                     out[where] = rows
 
         try:
-            await self._param_wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
+            await self.g.params.wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
         finally:  # cut short: nothing stays posted for answers that will not come
-            for s in range(self.num_servers):
-                self.mailbox.unpost(("param", k, "sp_rows", s, req))
+            for s in range(self.g.num_servers):
+                self.g.mailbox.unpost(("param", k, "sp_rows", s, req))
         return out
