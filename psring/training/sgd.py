@@ -92,7 +92,7 @@ class SyncSGD:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
         sparse = [sparse] if isinstance(sparse, str) else list(sparse)
-        self._check_sparse(params, sparse, optimizer, compression, accumulate, elastic, backup)
+        check_sparse(params, sparse, optimizer, compression, accumulate, elastic, backup)
         if type(backup) is not int or not 0 <= backup < group.world_size:
             raise ValueError(
                 f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
@@ -179,27 +179,6 @@ class SyncSGD:
                 raise TypeError(f"grads[{name!r}] is on another device than the parameters")
             flat[off : off + a.size] = a.reshape(-1)
         return flat
-
-    @staticmethod
-    def _check_sparse(
-        params: Mapping[str, Any], sparse: list[str], optimizer: Any, compression: Any, accumulate: int, elastic: bool,
-        backup: int,
-    ) -> None:  # fmt: skip
-        for name in sparse:
-            if name not in params:
-                raise ValueError(f"sparse={sparse!r}: {name!r} is not one of the parameters {sorted(params)}")
-            v = params[name]
-            if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
-                raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
-                                 f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
-        if sparse and (compression is not None or accumulate != 1 or elastic or backup):
-            raise ValueError("sparse tables take no compression, accumulate, elastic or backup (not yet)")
-        decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
-        if sparse and decay:
-            raise ValueError(
-                "sparse tables take no weight_decay: it would decay every row each step, which a sparse update "
-                "does not touch (torch's SparseAdam has none either)"
-            )
 
     def _views(self) -> dict[str, Any]:
         out = {}
@@ -587,6 +566,29 @@ class BlockingSyncSGD:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._inner.load_state_dict(state)
+
+
+def check_sparse(
+    params: Mapping[str, Any], sparse: list[str], optimizer: Any, compression: Any, accumulate: int, elastic: bool,
+    backup: int,
+) -> None:  # fmt: skip
+    """ValueError naming what SyncSGD(sparse=...) cannot take: a name that is no parameter, a table that
+    is not 2-D floating, an option sparse tables do not take yet, weight decay."""
+    for name in sparse:
+        if name not in params:
+            raise ValueError(f"sparse={sparse!r}: {name!r} is not one of the parameters {sorted(params)}")
+        v = params[name]
+        if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
+            raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
+                             f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
+    if sparse and (compression is not None or accumulate != 1 or elastic or backup):
+        raise ValueError("sparse tables take no compression, accumulate, elastic or backup (not yet)")
+    decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
+    if sparse and decay:
+        raise ValueError(
+            "sparse tables take no weight_decay: it would decay every row each step, which a sparse update "
+            "does not touch (torch's SparseAdam has none either)"
+        )
 
 
 __all__ = ["BlockingSyncSGD", "SyncSGD", "make_buckets"]

@@ -565,7 +565,7 @@ g = psring.init()
 x = np.ones(300_000, np.float32)
 for i in range(30):
     g.all_reduce(x)
-fast = g.group.two_hop_fast  # (every call of this kind after its first: the fast way)
+fast = g.group.two_hop.ran_fast  # (every call of this kind after its first: the fast way)
 t0 = time.monotonic()
 try:
     g.all_reduce(np.ones(400_000 if g.rank == 2 else 300_000, np.float32))

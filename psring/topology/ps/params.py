@@ -230,12 +230,12 @@ class ParameterClient:
         """A group of the live workers (this group while they are its members, in order)."""
         live = self.g.live_members
         if live == self.g.members == list(range(self.g.links.world_size)):  # the job's own world, as it began
-            return self
+            return self.g
         gid = "0.live." + ".".join(map(str, live))
         group = self.g.links.groups.get(gid)
         if group is None:
             me = live.index(self.g.members[self.g.rank])
-            make: Any = type(self)  # PsGroup: (links, rank, world_size, members, gid, timeout)
+            make: Any = type(self.g)  # PsGroup: (links, rank, world_size, members, gid, timeout)
             group = make(self.g.links, me, len(live), list(live), gid, self.g.timeout)
         return group
 

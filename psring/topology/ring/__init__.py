@@ -12,5 +12,5 @@ threaded data plane, whose threads, links and schedule are ``dataplane``), ``hie
 across hosts) and ``fp16`` (float16 on the wire). What they share: ``caller`` (numbering a call
 off the loop and closing its books), ``exchange`` (the small-message exchange every one-hop phase
 goes through). ``net`` (``PeerNet``) is the rank's endpoint under them: the listening port, the
-links, losses; ``constants`` the phases and bounds they share.
+links, losses; ``agree`` what its ranks agree at set-up; ``constants`` the phases and bounds they share.
 """

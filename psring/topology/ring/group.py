@@ -29,6 +29,7 @@ from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
+from . import agree
 from .board import BoardAllReduce
 from .caller import CallerThread
 from .chooser import Algorithm, Chooser
@@ -107,7 +108,7 @@ class RingGroup(Group):
             net = setup.owner = PeerNet(rank, world, settings, store, prefix)
             net.embedded_store = setup.embedded
             await net.start()
-            await net.resolve(settings.timeout)
+            await agree.resolve(net, settings.timeout)
             group = cls(net, rank, world, list(range(world)), "0", settings.timeout)
             if world > 1:
                 await net.link((rank + 1) % world, settings.timeout)
@@ -117,7 +118,7 @@ class RingGroup(Group):
                 await net.open_mesh(settings.timeout)
             if net.tcp_mesh is not None:
                 await net.open_tcp_mesh(settings.timeout)
-            net.freeze_paths()
+            agree.freeze_paths(net)
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group

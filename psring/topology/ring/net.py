@@ -4,7 +4,6 @@ happens when a rank is lost."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -12,8 +11,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from ...core.fold import Layout, host_layout
-from ...errors import CollectiveTimeoutError, MismatchError, PeerLostError, ProtocolError, PsringError, StoreError
+from ...core.fold import Layout
+from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
@@ -26,6 +25,7 @@ from ...transport.tcpmesh import TcpMesh
 from ...transport.unixnet import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
+from . import agree
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
 from .dataplane import DataPlane
 from .paths import NEVER, RingPaths
@@ -65,7 +65,7 @@ class PeerNet(PlaneLinks):
         self.config = settings.config
         #: from this world size on, small calls go through a rotating root (PSRING_RING_ROOTED_MIN)
         self.rooted_min = settings.config.ring_rooted_min or NEVER
-        #: what every rank decides paths by (ring.paths), frozen once set-up agreed it (freeze_paths)
+        #: what every rank decides paths by (ring.paths), frozen once set-up agreed it (ring.agree.freeze_paths)
         self.paths = RingPaths(rooted_min=self.rooted_min)
         self.store = store
         self.prefix = prefix
@@ -110,7 +110,7 @@ class PeerNet(PlaneLinks):
         #: TCP links of their own for small messages (psring.transport.tcpmesh): jobs on several hosts
         #: (no Unix links), up to PSRING_RING_TCP_MESH ranks, when every rank offers them (agreed in resolve)
         self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
-        #: this rank's PSRING_RING_TWO_HOP, then the one every rank agreed (_agree_paths: the smallest)
+        #: this rank's PSRING_RING_TWO_HOP, then the one every rank agreed (ring.agree.agree_paths: the smallest)
         self.two_hop_max = self.config.ring_two_hop
         self.two_hop_min = max(self.config.ring_two_hop_min, 1)
         self.tcp_mesh: TcpMesh | None = None
@@ -167,195 +167,11 @@ class PeerNet(PlaneLinks):
                         self.board = None
                 unix = msgpack.packb(record)
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
-        await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(self.path_settings()))
+        await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(agree.path_settings(self)))
         where = [self.config.host_id or host_key(), self.config.hierarchical]
         await self.store.set(f"{self.prefix}/host/{self.rank}", msgpack.packb(where))
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
-
-    def path_settings(self) -> dict[str, int]:
-        """This rank's settings that decide which path a call takes or how it is cut into frames:
-        ranks that differ would wait on frames the others never send (agreed in resolve)."""
-        return {
-            "PSRING_RING_ROOTED_MIN": self.config.ring_rooted_min,
-            "PSRING_RING_PIECE": self.config.ring_piece,
-            "PSRING_RING_PLANE_PIECE": self.config.ring_plane_piece,
-            "PSRING_RING_TCP_MESH": self.tcp_mesh_max,
-            "PSRING_RING_TWO_HOP": self.two_hop_max,
-            "PSRING_RING_TWO_HOP_MIN": self.two_hop_min,
-        }
-
-    async def _agree_paths(self) -> None:
-        """The same path on every rank: thresholds are agreed (the largest, so a path is taken only
-        when every rank would take it); a piece size that differs is named, since no value is right."""
-        offers: dict[int, dict[str, int]] = {}
-        for r in range(self.world_size):
-            raw = await self.store.get(f"{self.prefix}/paths/{r}")
-            try:
-                offer = msgpack.unpackb(raw) if raw else None
-            except (TypeError, ValueError):
-                offer = None
-            if isinstance(offer, dict):
-                offers[r] = offer
-        rooted = [o.get("PSRING_RING_ROOTED_MIN") or NEVER for o in offers.values()]
-        self.rooted_min = max([*rooted, self.rooted_min])
-        tcp_mesh = [o.get("PSRING_RING_TCP_MESH") for o in offers.values()]  # a rank that has none: never
-        self.tcp_mesh_max = min(v if type(v) is int else 0 for v in [*tcp_mesh, self.tcp_mesh_max])
-        two_hop = [o.get("PSRING_RING_TWO_HOP") for o in offers.values()]  # a rank that has none: never
-        self.two_hop_max = min(v if type(v) is int and v > 0 else 0 for v in [*two_hop, self.two_hop_max])
-        two_hop_min = [o.get("PSRING_RING_TWO_HOP_MIN") for o in offers.values()]
-        self.two_hop_min = max(v if type(v) is int and v > 0 else NEVER for v in [*two_hop_min, self.two_hop_min])
-        if len(offers) < self.world_size:
-            self.tcp_mesh_max = self.two_hop_max = 0
-        for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
-            values = {r: o.get(name) for r, o in offers.items()}
-            if len(set(values.values())) > 1:
-                mine = values.get(self.rank)
-                others = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()) if v != mine)
-                raise MismatchError(
-                    f"rank {self.rank}: {name} differs across the ranks of job {self.settings.job!r}: "
-                    f"rank {self.rank} has {mine}, {others}; set it to the same value for every rank"
-                )
-
-    def freeze_paths(self) -> None:
-        """Fix the thresholds the ranks agreed (resolve) and the links they opened as this job's RingPaths."""
-        self.paths = RingPaths(
-            # with the TCP small-message links every rank sends to every other (ring.tcpdirect): one hop, not two
-            rooted_min=self.rooted_min if self.tcp_mesh is None else NEVER,
-            plane_min=self.plane_min if self.plane is not None else NEVER,
-            hierarchical=self.hosts is not None,
-            two_hop_min=self.two_hop_min,
-            two_hop_max=self.two_hop_max if self.tcp_mesh is not None else 0,
-        )
-
-    async def resolve(self, timeout: float) -> None:
-        keys = [f"{self.prefix}/addr/{r}" for r in range(self.world_size)]
-        try:
-            await self.store.wait(keys, timeout)
-        except StoreError:
-            present = [r for r in range(self.world_size) if await self.store.get(keys[r]) is not None]
-            missing = sorted(set(range(self.world_size)) - set(present))
-            raise CollectiveTimeoutError(
-                f"rendezvous: rank(s) {missing} did not join within {timeout:g}s "
-                f"({len(present)} of {self.world_size} ranks joined at {self.store.address})",
-                missing=tuple(missing),
-            ) from None
-        for r in range(self.world_size):
-            raw = await self.store.get(keys[r])
-            assert raw is not None
-            host, _, port = raw.decode().rpartition(":")
-            self.addresses[r] = (host, int(port))
-        await self._agree_paths()
-        shm_min = tcp_min = native_min = NEVER
-        if self.plane is not None:  # every rank must take the same path: the plane only if all can
-            offers: list[tuple[int, int, int]] = []
-            natives: list[int] = []
-            for r in range(self.world_size):
-                text = (await self.store.get(f"{self.prefix}/plane/{r}") or b"-1").decode()
-                try:
-                    parts = [int(p) for p in text.split("/")]
-                    plane = parts[0]  # plane/shm/tcp; a rank that offers one number offers it for all three
-                    offers.append((plane, parts[1] if len(parts) > 1 else plane, parts[2] if len(parts) > 2 else plane))
-                    natives.append(parts[3] if len(parts) > 3 else 0)  # 0: its jobs do not run in C
-                except ValueError:
-                    offers.append((-1, -1, -1))
-                    natives.append(0)
-            if min(natives) >= 1:  # the lower threshold only where every rank runs the plane in C
-                native_min = max(natives)
-            if any(min(o) < 1 for o in offers):
-                without = [r for r, o in enumerate(offers) if min(o) < 1]
-                logger.info("rank(s) %s run without the threaded data plane: all_reduce stays on asyncio", without)
-                self.plane = None
-            else:  # the same threshold on every rank, or they would take different paths
-                self.plane_min = max(o[0] for o in offers)
-                shm_min = max(o[1] for o in offers)
-                tcp_min = max(o[2] for o in offers)
-        await self._agree_hierarchy()
-        if self.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
-            peers: dict[int, dict[str, Any]] = {}
-            mine = host_key()
-            for r in range(self.world_size):
-                raw = await self.store.get(f"{self.prefix}/unix/{r}")
-                try:
-                    info = msgpack.unpackb(raw) if raw and raw != b"-" else None
-                except Exception:
-                    info = None
-                if isinstance(info, dict) and info.get("key") == mine:
-                    peers[r] = info
-            if len(peers) == self.world_size:
-                self.mesh_peers = {r: info for r, info in peers.items() if r != self.rank}
-                if self.world_size >= 3:  # the plane's links will be shared memory (see PSRING_RING_SHM_MIN)
-                    self.plane_min = min(self.plane_min, shm_min)
-            else:
-                others = sorted(set(range(self.world_size)) - set(peers))
-                logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
-                self.mesh.close()
-                self.mesh = None
-        if self.mesh is None and self.plane is not None:  # TCP links (see the settings)
-            if self.world_size >= 4:
-                self.plane_min = min(self.plane_min, tcp_min)
-            self.plane_min = min(self.plane_min, native_min)
-        await self._agree_board(timeout)
-        if self.tcp_mesh is not None and (self.mesh is not None or self.world_size > self.tcp_mesh_max):
-            self.tcp_mesh.close()  # the same answer on every rank: one host (Unix links), or a rank said no
-            self.tcp_mesh = None
-
-    async def _agree_board(self, timeout: float) -> None:
-        """Small all_reduces go through the boards only if every rank mapped every other's (the
-        same answer on every rank, or some would post where others wait on the links); up to the
-        smallest board's room (each rank's limit is that already, from the boards it mapped)."""
-        board = self.board
-        ok = False
-        if board is not None and self.mesh is not None:
-            try:
-                board.attach({r: info.get("board") for r, info in self.mesh_peers.items()})
-                ok = True
-            except (OSError, ValueError) as exc:
-                logger.info("rank %d: cannot map a peer's same-host board (%s)", self.rank, exc)
-        await self.store.set(f"{self.prefix}/board/{self.rank}", str(board.limit if ok and board else 0).encode())
-        keys = [f"{self.prefix}/board/{r}" for r in range(self.world_size)]
-        try:
-            await self.store.wait(keys, timeout)
-        except StoreError:
-            raise CollectiveTimeoutError(
-                f"rendezvous: not every rank said within {timeout:g}s whether it can use the same-host board"
-            ) from None
-        for key in keys:
-            try:
-                room = int(await self.store.get(key) or b"0")
-            except ValueError:
-                room = 0
-            if room < 1:
-                ok = False
-        if not ok and board is not None:
-            board.close()
-            self.board = None
-
-    async def _agree_hierarchy(self) -> None:
-        """Whether all_reduce goes hierarchical, the same answer on every rank: only if no rank turned
-        it off and the ranks' hosts make a layout for it (several hosts, as many ranks on each)."""
-        keys: list[str | None] = []
-        modes: set[str] = set()
-        for r in range(self.world_size):
-            try:
-                key, mode = msgpack.unpackb(await self.store.get(f"{self.prefix}/host/{r}") or b"\xc0")
-            except (TypeError, ValueError):
-                key, mode = None, "off"  # a rank of another version: it folds in the flat order only
-            keys.append(key if isinstance(key, str) else None)
-            modes.add(str(mode))
-        layout = host_layout(keys)
-        if "off" in modes:
-            if layout is not None and self.rank == 0:
-                logger.info("ranks on %d hosts, but PSRING_HIERARCHICAL=off: all_reduce stays a flat ring", len(layout))
-            return
-        if layout is None and "on" in modes and self.rank == 0 and self.world_size > 1:
-            counts = sorted(collections.Counter(keys).values())
-            logger.warning(
-                "PSRING_HIERARCHICAL=on, but the ranks' hosts hold %s ranks: hierarchical all_reduce needs two "
-                "hosts or more with the same number (two or more) on each; all_reduce stays a flat ring",
-                counts,
-            )
-        self.hosts = layout
 
     async def open_tcp_mesh(self, timeout: float) -> None:
         """Dial the small-message link to every higher rank, wait for the lower ranks' (each
