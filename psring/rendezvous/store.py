@@ -22,7 +22,7 @@ import uuid
 from typing import Any
 
 from ..core import wire
-from ..errors import PeerLostError, ProtocolError, StoreError
+from ..errors import PeerLostError, ProtocolError, StoreDiskError, StoreError
 from ..transport.connection import Connection
 from ..transport.listener import Listener
 from .storelog import DiskError, StoreLog, _remember
@@ -234,7 +234,7 @@ class StoreServer:
         if op == "ping":
             return {"instance": self.instance, "epoch": self.epoch}, b""
         if self._disk_error is not None and not self._disk_back():
-            raise self._disk_error  # every request says so until the disk takes writes again
+            raise self._disk_error.since()  # every request says so until the disk takes writes again
         token = req.get("token")
         if token is not None and token in self._tokens:  # a retry of a change already made
             return dict(self._tokens[token]), b""
@@ -328,7 +328,7 @@ class StoreServer:
         except StoreError as exc:
             self.bad_requests += 1
             resp = {"kind": "store_resp", "tag": ("store", rid if type(rid) is int else -1), "error": str(exc)}
-            if isinstance(exc, DiskError):
+            if isinstance(exc, StoreDiskError):
                 resp["disk"] = True  # (a client may retry it: StoreDiskError)
             value = b""
         except ProtocolError as exc:

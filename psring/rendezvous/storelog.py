@@ -59,6 +59,14 @@ class DiskError(StoreDiskError):
         )
         self.path = path
         self.errno = exc.errno
+        self.reason = f"{exc.strerror or exc} ({what}) on {path}"
+
+    def since(self) -> StoreDiskError:
+        """What a request after the refused change is told while the disk still refuses writes."""
+        return StoreDiskError(
+            f"the store cannot write its data dir: {self.reason}; it answers no request until the disk takes "
+            "writes again"
+        )
 
 
 class StoreLog:
