@@ -457,6 +457,7 @@ held = AW call(2)
 views = [(AW call(3))[5:9], memoryview(AW call(4))]  # a view, a memoryview: each holds its whole result
 last = AW call(5)
 kept = {}
+quick_before = grp.two_hop.ran_fast + grp.tcp.ran_native
 for k in range(6, 40):  # what nobody holds any more is filled again; the rest is never touched
     y = AW call(k)
     assert y.shape == shape and np.all(y == want(k)), k
@@ -465,10 +466,11 @@ for k in range(6, 40):  # what nobody holds any more is filled again; the rest i
     del y
 assert np.all(held == want(2)) and np.all(last == want(5))
 assert np.all(views[0] == want(3)) and np.all(np.frombuffer(views[1], np.float32) == want(4))
-# the quick way's result, filled again call after call (without it every call had its own: 1 each); a call
-# whose peers were late is handed to the loop and gets a result of its own (on 2 cores, with 4 ranks from the
-# asyncio API, up to a third of them: 23-28 of 34 measured)
-assert max(kept.values()) >= 17, kept
+# the quick way's result, filled again call after call: every call that took the quick way whole but the first
+# (the one after `last`, which the caller holds); a call whose peers were late is handed to the loop and gets a
+# result of its own (on 2 cores, 4 ranks, a busy machine: up to two thirds of them, measured)
+quick = grp.two_hop.ran_fast + grp.tcp.ran_native - quick_before
+assert quick >= 5 and max(kept.values()) >= quick - 1, (quick, kept)
 x = np.ones(shape, np.float32)
 for k in range(6):  # the last result as the next call's input
     x = AW g.all_reduce(x)
@@ -513,11 +515,12 @@ def test_a_quick_way_fills_its_result_again_only_when_nothing_holds_it(tmp_path,
     script = tmp_path / "job.py"
     script.write_text(REUSE_JOB if api == "blocking" else ASYNC_REUSE_JOB)
     counts = run_blocking_job(script, 4, PSRING_SAME_HOST="off", SHAPE=shape)
-    # (the calls of a kind after its first take the quick way; a late peer could hand one to the loop)
+    # (the calls of a kind after its first take the quick way; a late peer hands one to the loop: on a busy
+    # 2-core machine many are, so a floor, and the job itself checks every quick call reused its result)
     if shape == "64x4097":
-        assert all(two_hop_fast >= 30 for two_hop_fast, _ in counts.values()), counts
+        assert all(two_hop_fast >= 10 for two_hop_fast, _ in counts.values()), counts
     else:
-        assert all(one_hop >= 30 for _, one_hop in counts.values()), counts
+        assert all(one_hop >= 10 for _, one_hop in counts.values()), counts
 
 
 DYING_JOB = """
