@@ -260,8 +260,7 @@ class BoardAllReduce(Algorithm):
         if plan is None:
             plan = False
             kind = board.native_kind(x.dtype, op)
-            streamed = 0 < board.stream_min <= x.nbytes
-            if kind is not None and x.nbytes <= board.limit and not streamed:
+            if kind is not None and x.nbytes <= board.limit:  # (streamed calls: the chooser's, not this)
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
                 hot = HOT_POLLS if self.world_size <= CORES else 0
                 plan = (desc, self.tag(desc), kind, self._split(x), hot, self.g.caller.spin_budget(x.nbytes))
@@ -314,8 +313,6 @@ class BoardAllReduce(Algorithm):
         board = self._board(x)
         if board is None or not self.g.caller.idle() or not board.clear_to_post(self.g._seq):
             return None
-        if board.stream_min and x.nbytes >= board.stream_min and self.g.streamed.kind(x, op) is not None:
-            return None  # streamed, from the loop
         x, seq, desc, started = self.g.caller.number(x, op)
         self._post(board, seq, desc, x)
         return board, seq, desc, x, started

@@ -53,22 +53,26 @@ class Call:
         return cls(int(x.nbytes), int(x.size), int(x.ndim), np.dtype(x.dtype), op, world, numpy)
 
 
-class Algorithm:
+class GroupPart:
+    """A part of a ring group (an algorithm, the exchange, the TCP one-hop short way): the group, and what
+    never changes for it, kept here because the hot paths read them on every call."""
+
+    def __init__(self, g: RingGroup) -> None:
+        self.g = g
+        self.net = g.net
+        self.rank = g.rank
+        self.world_size = g.world_size
+        self.gid = g.gid
+        self.members = g.members
+
+
+class Algorithm(GroupPart):
     """One way the ring all_reduces: a route of :class:`~psring.topology.ring.paths.Path`."""
 
     route: ClassVar[Path]
     #: its short way runs the whole transfer on the caller's thread (a caller with other work to overlap
     #: with the transfer -- DDP's gradient hooks -- asks for the loop instead: all_reduce_soon(plane=False))
     holds_caller: ClassVar[bool] = False
-
-    def __init__(self, g: RingGroup) -> None:
-        self.g = g
-        # what never changes for a group, kept here: the hot paths read them on every call
-        self.net = g.net
-        self.rank = g.rank
-        self.world_size = g.world_size
-        self.gid = g.gid
-        self.members = g.members
 
     def eligible(self, call: Call) -> bool:
         """Whether this algorithm takes the call (pure: the same answer on every rank)."""
@@ -152,4 +156,4 @@ class Chooser:
         )
 
 
-__all__ = ["Algorithm", "Call", "Chooser"]
+__all__ = ["Algorithm", "Call", "Chooser", "GroupPart"]

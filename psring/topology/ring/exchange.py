@@ -25,6 +25,7 @@ from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ...transport.loop import poll_until
 from ..collective import Collective
+from .chooser import GroupPart
 from .constants import BOARD_HERE, BOARD_WAKE, MESH_EARLY_MAX, MESH_MAX_BYTES
 from .net import PeerNet
 
@@ -34,15 +35,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Exchange:
+class Exchange(GroupPart):
     """A ring group's small-message exchange (one per group)."""
 
     def __init__(self, g: RingGroup) -> None:
-        self.g = g
-        self.net = g.net
-        self.rank = g.rank
-        self.gid = g.gid
-        self.members = g.members
+        super().__init__(g)
         #: receives posted on the small-message links, by (seq, phase); and messages that came first
         self.slots: dict[tuple[int, int], _MeshSlot] = {}
         self.early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}

@@ -13,24 +13,19 @@ from ...core.fold import finish_avg, pieces, ring_chunk_bounds
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
+from .chooser import GroupPart
 from .constants import AG, DIRECT, RS
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    pass
 
 logger = logging.getLogger(__name__)
 
 
-class Fp16Ring:
+class Fp16Ring(GroupPart):
     """all_reduce with float16 on the wire (compression="fp16"): one hop when small, else the pipelined
     ring's skeleton with float16 pieces."""
-
-    def __init__(self, g: RingGroup) -> None:
-        self.g = g
-        self.net = g.net
-        self.rank = g.rank
-        self.world_size = g.world_size
 
     async def all_reduce(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
         n_ranks = self.world_size

@@ -30,6 +30,7 @@ from ...core import wire
 from ...core.arrays import byte_view, dtype_name, pooled_empty
 from ...core.fold import canonical_fold
 from ...transport.board import fold_kind
+from .chooser import GroupPart
 from .constants import DIRECT, MESH_MAX_BYTES
 from .net import PeerNet
 from .paths import Path
@@ -57,17 +58,12 @@ NATIVE_YIELDS = 64
 POOL_FROM = 64 << 10
 
 
-class TcpDirect:
+class TcpDirect(GroupPart):
     """The DIRECT route's short way between hosts (ring.onehop): a small all_reduce on the caller's thread
     over the TCP small-message links, or straight from the loop within its spin budget."""
 
     def __init__(self, g: RingGroup) -> None:
-        self.g = g
-        self.net = g.net
-        self.rank = g.rank
-        self.world_size = g.world_size
-        self.gid = g.gid
-        self.members = g.members
+        super().__init__(g)
         #: calls that ended here, those the loop took over, and of the first those that were one native
         #: call (TcpMesh.exchange)
         self.ran_now = 0
