@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -71,28 +71,22 @@ class StreamedBoard(Algorithm):
             and board.stream_depth(self._piece(call.dtype.itemsize) * self.world_size * call.dtype.itemsize) >= 2
         )
 
-    def kind(self, x: Any, op: str) -> str | None:
-        """The native fold's letter where this all_reduce is streamed, else None (the same answer on
-        every rank)."""
-        board = self.net.board
-        if board is None or not self.eligible(Call.of(x, op, self.gid == "0")):
-            return None
-        return board.native_kind(x.dtype, op)
-
     def _piece(self, itemsize: int) -> int:
         """Elements of each ring chunk a streamed call's block holds."""
         return max(1, STREAM_BLOCK // (self.world_size * itemsize))
 
     async def all_reduce(self, x: np.ndarray, op: str) -> np.ndarray:
-        kind = self.kind(x, op)
         board = self.net.board
-        assert kind is not None and board is not None
+        assert board is not None  # (the chooser took this route: eligible)
+        kind = board.native_kind(x.dtype, op)
+        assert kind is not None
         return await self._all_reduce(board, x, op, kind)
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        kind = self.kind(x, op)
         board = self.net.board
-        assert kind is not None and board is not None
+        assert board is not None
+        kind = board.native_kind(x.dtype, op)
+        assert kind is not None
         if not x.flags.aligned:
             x = x.copy()
         self.board.unposted.add(coll.seq)
