@@ -31,8 +31,8 @@ from .. import settings as settings_mod
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 from ..settings import Settings
-from .handshake import Handshake
-from .heartbeat import Heartbeats
+from .handshake import HANDSHAKE_TIMEOUT, Handshake
+from .heartbeat import Heartbeat
 from .slots import SharedMemory
 
 logger = logging.getLogger(__name__)
@@ -69,13 +69,14 @@ class Router(Protocol):
     def connection_lost(self, conn: Connection, error: PeerLostError | None) -> None: ...
 
 
-class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
+class Connection(asyncio.BufferedProtocol):
     """One authenticated frame stream to a peer.
 
     This module holds the framing: the receive path that parses headers and reads
-    payloads into place, the send path, flush and close. The handshake and its
-    authentication (:mod:`.handshake`), heartbeats (:mod:`.heartbeat`) and payloads in
-    shared memory (:mod:`.slots`) are mixed in from modules of their own.
+    payloads into place, the send path, flush and close. Its parts are objects of their own,
+    each with the small interface it needs of the connection written down in its module: the
+    handshake and its authentication (``handshake``, :mod:`.handshake`), the heartbeat
+    (``heartbeat``, :mod:`.heartbeat`) and payloads in shared memory (``shm``, :mod:`.slots`).
     """
 
     def __init__(
@@ -91,7 +92,6 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         settings = settings or settings_mod.current()
         self.settings = settings
         self.name = name
-        self._secret = secret
         self._limits = limits or wire.Limits.from_settings(settings)
         self._decoder = wire.HeaderDecoder(self._limits)
         # a small buffer until the peer has proved itself: a flood of connections costs little
@@ -115,25 +115,67 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         self.frames_sent = 0
         self.frames_received = 0
         self.last_heard = time.monotonic()
-        self._last_sent = self.last_heard
+        self.last_sent = self.last_heard
         self._closing = False
         #: the peer's goodbye frame, once it said goodbye (it may carry where the peer stopped)
         self.farewell: dict[str, Any] | None = None
         self._lost: PeerLostError | None = None
         self._closed = asyncio.get_running_loop().create_future()
         self._flush_waiters: list[asyncio.Future[None]] = []
-        self._handshake_frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+        self.handshake = Handshake(self, secret, self._closed)
         #: welcomed, but the handshake coroutine has not run yet: what follows waits unparsed
         self._held = False
         self._replaying = False  # parsing what was held, from the handshake's end
-        self._checksum = settings.checksum
-        self._init_heartbeats(
-            heartbeat_interval or settings.heartbeat_interval, heartbeat_timeout or settings.heartbeat_timeout
+        #: the payload checksum this side sends and asks for (PSRING_CHECKSUM), or None
+        self.checksum = settings.checksum
+        self.heartbeat = Heartbeat(
+            self, heartbeat_interval or settings.heartbeat_interval, heartbeat_timeout or settings.heartbeat_timeout
         )
-        self._init_shared_memory()
+        self.shm = SharedMemory(self)
+        self._slot_in: int | None = None  # the peer's slot holding the payload being delivered
 
     def __repr__(self) -> str:
         return f"Connection({self.name} <-> {self.peername})"
+
+    # ---------------------------------------------------------------- handshake
+    async def client_handshake(self, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        await self.handshake.client(hello, timeout)
+
+    async def server_handshake(
+        self, info: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]], timeout: float = HANDSHAKE_TIMEOUT
+    ) -> None:
+        """``info``: the fields this side tells the client, or a function of the client's hello
+        that returns them (one port serving several jobs answers each as its own)."""
+        await self.handshake.server(info, timeout)
+
+    def handshake_done(self) -> None:
+        queue, self.handshake.frames = self.handshake.frames, None
+        if queue is not None and not queue.empty():
+            early = queue.get_nowait()
+            if early.get("kind") == "reject":  # welcomed, then turned away (wrong job, rank, world size)
+                raise ProtocolError(f"{self.peername} refused this connection: {str(early.get('reason'))[:2000]}")
+            raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
+        self._use_full_staging()
+        self.heartbeat.start()
+        self._replay_held()
+
+    @property
+    def peer_rank(self) -> int | None:
+        """The peer's rank when the peer is a rank of a group (None for servers, stores, ...)."""
+        rank = self.peer.get("rank")
+        return rank if self.peer.get("role") == "rank" and type(rank) is int else None
+
+    def lost_error(self, message: str) -> PeerLostError:
+        return PeerLostError(message, rank=self.peer_rank)
+
+    @property
+    def peer_label(self) -> str:
+        rank = self.peer.get("rank")
+        role = self.peer.get("role", "peer")
+        shards = self.peer.get("shards")
+        if role == "server" and isinstance(shards, (list, tuple)) and shards:
+            return f"server shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
+        return f"{role} {rank}" if rank is not None else str(role)
 
     # ----------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -150,7 +192,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple):
             self.peername = f"{peer[0]}:{peer[1]}"
-        self.last_heard = self._last_sent = time.monotonic()
+        self.last_heard = self.last_sent = time.monotonic()
 
     def limit_send_buffer(self, nbytes: int) -> bool:
         """Bound the kernel's send buffer of this TCP connection to ``nbytes`` (SO_SNDBUF, which also
@@ -173,7 +215,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost is None and not self._closing:
             detail = f": {exc}" if exc else " (closed by the peer)"
-            self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} lost{detail}")
+            self._lost = self.lost_error(f"connection to {self.peer_label} at {self.peername} lost{detail}")
             if exc is not None:
                 self._lost.__cause__ = exc
         self._teardown()
@@ -260,28 +302,30 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
                 self._start += take
                 if self._dest_off == len(self._dest):
                     self._finish_frame()
-            if self._transport_gone():
+            if self.transport_gone():
                 return
         if self._start == self._end:
             self._start = self._end = 0
 
-    def _transport_gone(self) -> bool:
+    def transport_gone(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
     def _begin_frame(self, header: dict[str, Any]) -> None:
         nbytes = header["nbytes"]
-        if nbytes and self._handshake_frames is not None:
+        if nbytes and self.handshake.frames is not None:
             # nothing is allocated for a party that has not proved itself yet
             kind = header["kind"]
             raise ProtocolError(f"a {kind!r} frame with a {nbytes}-byte payload before the handshake completed")
         self._header = header
         if "pool" in header:  # the payload is in a slot of the peer's pool, not on the socket
-            self._pooled_payload(header, nbytes)
+            self._dest_obj = self.shm.payload_in(header, nbytes)
+            self._slot_in = header["pool"]
+            self._finish_frame()
             return
         dest: memoryview | None = None
         if (
             nbytes
-            and self._handshake_frames is None
+            and self.handshake.frames is None
             and self.router is not None
             and header["kind"] not in ("ping", "bye")
         ):
@@ -308,21 +352,21 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         assert header is not None
         kind = header["kind"]
         if "free" in header:
-            self._taken_back(header.pop("free"))
+            self.shm.taken_back(header.pop("free"))
         if slot is not None and (
-            kind in ("ping", "bye", "pool", "free") or self._handshake_frames is not None or self.router is None
+            kind in ("ping", "bye", "pool", "free") or self.handshake.frames is not None or self.router is None
         ):
-            self.release_slot(slot)  # nobody will read it
+            self.shm.release_slot(slot)  # nobody will read it
         if kind == "ping":
             return
         if kind == "bye":
             self._closing = True  # the peer is leaving on purpose: not a loss
             self.farewell = header
             return
-        if self._handshake_frames is not None:
-            if self._handshake_frames.qsize() >= 4:  # a handshake is 2-3 frames, one at a time
+        if self.handshake.frames is not None:
+            if self.handshake.frames.qsize() >= 4:  # a handshake is 2-3 frames, one at a time
                 raise ProtocolError(f"{self.peername} sent a stream of frames before the handshake completed")
-            self._handshake_frames.put_nowait(header)
+            self.handshake.frames.put_nowait(header)
             if kind == "welcome":
                 # the server is done and may send at once; its frames wait for the handshake to end
                 self._held = True
@@ -330,7 +374,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
                     self.transport.pause_reading()
             return
         if kind == "pool":
-            self._on_pool(header)
+            self.shm.on_pool(header)
             return
         if kind == "free":
             return
@@ -349,7 +393,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         finally:
             if self._slot_in is not None:  # the router is done with it (it did not hold it)
                 self._slot_in = None
-                self.release_slot(slot)
+                self.shm.release_slot(slot)
 
     def _verify(self, header: dict[str, Any], payload: Any) -> None:
         """The sender put a checksum of the payload in the header: check it before anyone uses the bytes."""
@@ -384,7 +428,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             transport.write(head)
             self.bytes_sent += len(head)
         self.frames_sent += 1
-        self._last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
 
     def send_frames(self, frames: list[tuple[dict[str, Any], memoryview | bytes | None]]) -> None:
         """Queue several frames (header, payload) at once, in order, as :meth:`send_frame` would each:
@@ -405,12 +449,12 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             transport.writelines(parts)
         self.bytes_sent += total
         self.frames_sent += len(frames)
-        self._last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
 
     def _open_transport(self) -> asyncio.Transport:
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
+            raise self._lost or self.lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
         return transport
 
     def _encode(
@@ -425,10 +469,10 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             header.pop("pool", None)  # a relayed header says nothing of where its payload is
             nbytes = size
         header["nbytes"] = nbytes
-        if self._to_free and self._handshake_frames is None:
-            header["free"], self._to_free = self._to_free, []
-        if self._checksum is not None and size and self._handshake_frames is None:
-            header["sum"] = (self._checksum, CHECKSUMS[self._checksum](payload))
+        if self.handshake.frames is None and (free := self.shm.to_free()):
+            header["free"] = free
+        if self.checksum is not None and size and self.handshake.frames is None:
+            header["sum"] = (self.checksum, CHECKSUMS[self.checksum](payload))
         return wire.encode_header(header), size
 
     def send_tensor(
@@ -442,13 +486,13 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         ``deliver`` returns, or hold the slot.
         """
         header = {**header, **wire.tensor_fields(x)}
-        pool = self.pool
-        if shared and self.peer_maps_pool and pool is not None and 0 < x.nbytes <= pool.slot_bytes:
+        pool = self.shm.pool
+        if shared and self.shm.peer_maps_pool and pool is not None and 0 < x.nbytes <= pool.slot_bytes:
             k = pool.take(owner)
             if k is not None:
                 try:
                     np.copyto(pool.view(k, x.nbytes), wire.byte_view(x))
-                    self._write_pooled(header, pool, k, x.nbytes)
+                    self.shm.write_pooled(header, pool, k, x.nbytes)
                 finally:
                     pool.give_back(k)
                 return
@@ -481,7 +525,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
 
     @property
     def is_open(self) -> bool:
-        return not self._transport_gone() and self._lost is None
+        return not self.transport_gone() and self._lost is None
 
     #: an in-process end (no socket, no shared memory)
     is_local = False
@@ -493,7 +537,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             if isinstance(exc, PeerLostError):
                 self._lost = exc
             else:
-                self._lost = self._lost_error(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
+                self._lost = self.lost_error(f"connection to {self.peer_label} at {self.peername} dropped: {exc}")
                 self._lost.__cause__ = exc
         if self.transport is not None:
             self.transport.abort()
@@ -508,7 +552,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
         """
         transport = self.transport
         if transport is None or transport.is_closing() or self._lost is not None:
-            raise self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
+            raise self._lost or self.lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
         if transport.get_extra_info("ssl_object") is not None:
             raise ProtocolError("a TLS connection cannot be detached from its transport")
         if self._end != self._start or self._header is not None:
@@ -533,7 +577,7 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             return
         self._closing = True
         try:
-            if not self.transport.is_closing() and self._handshake_frames is None:
+            if not self.transport.is_closing() and self.handshake.frames is None:
                 self.send_frame({**(farewell or {}), "kind": "bye"})
                 await asyncio.wait_for(self.flush(), timeout)
         except (Exception, asyncio.CancelledError):
@@ -544,11 +588,9 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
             self._teardown()
 
     def _teardown(self) -> None:
-        if self._hb_handle is not None:
-            self._hb_handle.cancel()
-            self._hb_handle = None
-        self._release_shared_memory()
-        err = self._lost or self._lost_error(f"connection to {self.peer_label} at {self.peername} closed")
+        self.heartbeat.stop()
+        self.shm.release(said_goodbye=self.farewell is not None and self._lost is None)
+        err = self._lost or self.lost_error(f"connection to {self.peer_label} at {self.peername} closed")
         self._wake_flushers(err)
         if not self._closed.done():
             self._closed.set_result(None)
@@ -558,3 +600,11 @@ class Connection(Handshake, Heartbeats, SharedMemory, asyncio.BufferedProtocol):
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
+
+    def hold_slot(self) -> int:
+        """Called by a router while a frame is delivered whose payload is in the peer's pool:
+        keep the slot (the payload stays valid) until ``conn.shm.release_slot``."""
+        slot, self._slot_in = self._slot_in, None
+        if slot is None:
+            raise RuntimeError("no shared-memory payload is being delivered")
+        return slot

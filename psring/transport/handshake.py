@@ -15,15 +15,10 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..core import wire
 from ..errors import AuthError, PeerLostError, ProtocolError
-
-if TYPE_CHECKING:
-    from .host import ConnectionHost as _Host
-else:
-    _Host = object
 
 HANDSHAKE_TIMEOUT = 10.0
 
@@ -32,13 +27,39 @@ def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
     return hmac.new(secret, label + a + b, hashlib.sha256).digest()
 
 
-class Handshake(_Host):
-    """Part of :class:`~psring.transport.connection.Connection`: the handshake, client and server side."""
+class Shaking(Protocol):
+    """What the handshake needs of its connection."""
+
+    peername: str
+    peer: dict[str, Any]
+
+    def send_frame(self, header: dict[str, Any]) -> None: ...
+
+    def handshake_done(self) -> None: ...
+
+
+class Handshake:
+    """A connection's handshake (``conn.handshake``), client and server side: the frames that arrive
+    before it completes come to :attr:`frames`; ``conn.handshake_done()`` when it did."""
+
+    def __init__(self, conn: Shaking, secret: bytes | None, closed: asyncio.Future[Any]) -> None:
+        self.conn = conn
+        self._secret = secret
+        self._closed = closed
+        #: frames received while the handshake runs (None once it is done)
+        self.frames: asyncio.Queue[dict[str, Any]] | None = asyncio.Queue()
+
+    @property
+    def peername(self) -> str:
+        return self.conn.peername
+
+    def send_frame(self, header: dict[str, Any]) -> None:
+        self.conn.send_frame(header)
 
     async def _handshake_frame(self, deadline: float, expect: str) -> dict[str, Any]:
-        assert self._handshake_frames is not None
+        assert self.frames is not None
         remaining = deadline - time.monotonic()
-        get: asyncio.Future[Any] = asyncio.ensure_future(self._handshake_frames.get())
+        get: asyncio.Future[Any] = asyncio.ensure_future(self.frames.get())
         done, _ = await asyncio.wait(
             {get, self._closed}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
         )
@@ -57,20 +78,20 @@ class Handshake(_Host):
             raise ProtocolError(f"handshake with {self.peername}: got {frame['kind']!r}, expected {expect!r}")
         return frame
 
-    async def client_handshake(self, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
+    async def client(self, hello: dict[str, Any], timeout: float = HANDSHAKE_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         nonce = secrets.token_bytes(32)
         self.send_frame(
             {"kind": "hello", "version": wire.WIRE_VERSION, "nonce": nonce, "auth": self._secret is not None, **hello}
         )
         challenge = await self._handshake_frame(deadline, "challenge")
-        self.peer = {k: v for k, v in challenge.items() if k not in ("kind", "nonce", "mac", "nbytes")}
+        self.conn.peer = {k: v for k, v in challenge.items() if k not in ("kind", "nonce", "mac", "nbytes")}
         if self._secret is None:
             if challenge.get("auth"):
                 raise AuthError(f"{self.peername} requires a shared secret; set PSRING_SECRET (or secret=)")
         else:
             if not challenge.get("auth"):
-                self._reject("this process has a shared secret but the server has none")
+                self.reject("this process has a shared secret but the server has none")
                 raise AuthError(
                     f"{self.peername} has no shared secret configured but this process has one; "
                     "set the same PSRING_SECRET on both"
@@ -80,13 +101,13 @@ class Handshake(_Host):
             if not isinstance(server_nonce, bytes) or not isinstance(mac, bytes):
                 raise ProtocolError(f"handshake with {self.peername}: challenge lacks nonce or mac")
             if not hmac.compare_digest(mac, _mac(self._secret, b"psring-server", nonce, server_nonce)):
-                self._reject("wrong secret: the server's proof did not verify")
+                self.reject("wrong secret: the server's proof did not verify")
                 raise AuthError(f"{self.peername} failed to prove the shared secret (wrong PSRING_SECRET?)")
             self.send_frame({"kind": "auth", "mac": _mac(self._secret, b"psring-client", server_nonce, nonce)})
         await self._handshake_frame(deadline, "welcome")
-        self._handshake_done()
+        self.conn.handshake_done()
 
-    async def server_handshake(
+    async def server(
         self,
         info: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]],
         timeout: float = HANDSHAKE_TIMEOUT,
@@ -95,17 +116,17 @@ class Handshake(_Host):
         that returns them (one port serving several jobs answers each as its own)."""
         deadline = time.monotonic() + timeout
         hello = await self._handshake_frame(deadline, "hello")
-        self.peer = {k: v for k, v in hello.items() if k not in ("kind", "nonce", "auth", "nbytes", "version")}
+        self.conn.peer = {k: v for k, v in hello.items() if k not in ("kind", "nonce", "auth", "nbytes", "version")}
         if hello.get("version") != wire.WIRE_VERSION:
             reason = f"wire version {hello.get('version')!r} is not this server's {wire.WIRE_VERSION}"
-            self._reject(reason)
+            self.reject(reason)
             raise ProtocolError(f"{self.peername}: {reason}")
         if callable(info):
-            info = info(self.peer)
+            info = info(self.conn.peer)
         nonce = secrets.token_bytes(32)
         client_nonce = hello.get("nonce")
         if not isinstance(client_nonce, bytes) or len(client_nonce) < 16:
-            self._reject("hello lacks a nonce")
+            self.reject("hello lacks a nonce")
             raise ProtocolError(f"{self.peername}: hello lacks a nonce")
         if self._secret is None:
             self.send_frame({"kind": "challenge", "auth": False, **info})
@@ -115,7 +136,7 @@ class Handshake(_Host):
                 raise AuthError(f"{self.peername} has a shared secret but this server has none")
         else:
             if not hello.get("auth"):
-                self._reject("a shared secret is required; set PSRING_SECRET")
+                self.reject("a shared secret is required; set PSRING_SECRET")
                 raise AuthError(f"{self.peername} has no shared secret; this server requires one")
             mac = _mac(self._secret, b"psring-server", client_nonce, nonce)
             self.send_frame({"kind": "challenge", "auth": True, "nonce": nonce, "mac": mac, **info})
@@ -124,10 +145,10 @@ class Handshake(_Host):
             if not isinstance(given, bytes) or not hmac.compare_digest(
                 given, _mac(self._secret, b"psring-client", nonce, client_nonce)
             ):
-                self._reject("wrong secret: the client's proof did not verify")
+                self.reject("wrong secret: the client's proof did not verify")
                 raise AuthError(f"{self.peername} failed to prove the shared secret (wrong PSRING_SECRET?)")
         self.send_frame({"kind": "welcome"})
-        self._handshake_done()
+        self.conn.handshake_done()
 
     async def _expect_close(self, deadline: float) -> None:
         try:
@@ -135,38 +156,8 @@ class Handshake(_Host):
         except (AuthError, ProtocolError):
             pass
 
-    def _reject(self, reason: str) -> None:
+    def reject(self, reason: str) -> None:
         try:
             self.send_frame({"kind": "reject", "reason": reason})
         except PeerLostError:
             pass
-
-    def _handshake_done(self) -> None:
-        queue, self._handshake_frames = self._handshake_frames, None
-        if queue is not None and not queue.empty():
-            early = queue.get_nowait()
-            if early.get("kind") == "reject":  # welcomed, then turned away (wrong job, rank, world size)
-                raise ProtocolError(f"{self.peername} refused this connection: {str(early.get('reason'))[:2000]}")
-            raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
-        self._use_full_staging()
-        self._schedule_heartbeat()
-        self._replay_held()
-
-    # ---------------------------------------------------------- who the peer is
-    @property
-    def peer_rank(self) -> int | None:
-        """The peer's rank when the peer is a rank of a group (None for servers, stores, ...)."""
-        rank = self.peer.get("rank")
-        return rank if self.peer.get("role") == "rank" and type(rank) is int else None
-
-    def _lost_error(self, message: str) -> PeerLostError:
-        return PeerLostError(message, rank=self.peer_rank)
-
-    @property
-    def peer_label(self) -> str:
-        rank = self.peer.get("rank")
-        role = self.peer.get("role", "peer")
-        shards = self.peer.get("shards")
-        if role == "server" and isinstance(shards, (list, tuple)) and shards:
-            return f"server shard{'s' if len(shards) > 1 else ''} {', '.join(map(str, shards))}"
-        return f"{role} {rank}" if rank is not None else str(role)

@@ -4,53 +4,73 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import PeerLostError
 
-if TYPE_CHECKING:
-    from .host import ConnectionHost as _Host
-else:
-    _Host = object
+
+class Beating(Protocol):
+    """What the heartbeat needs of its connection."""
+
+    peername: str
+    last_heard: float
+    last_sent: float
+
+    @property
+    def peer_label(self) -> str: ...
+
+    def transport_gone(self) -> bool: ...
+
+    def lost_error(self, message: str) -> PeerLostError: ...
+
+    def abort(self, exc: BaseException) -> None: ...
+
+    def send_frame(self, header: dict[str, Any]) -> None: ...
 
 
-class Heartbeats(_Host):
-    """Part of :class:`~psring.transport.connection.Connection`: pings while idle; a connection
-    silent for longer than the timeout is dropped as lost. A loop that was itself blocked
-    does not judge its peers until it has caught up with what they sent."""
+class Heartbeat:
+    """A connection's heartbeat (``conn.heartbeat``): pings while idle; a connection silent for longer
+    than the timeout is dropped as lost. A loop that was itself blocked does not judge its peers until
+    it has caught up with what they sent."""
 
-    def _init_heartbeats(self, interval: float, timeout: float) -> None:
-        self._hb_interval = interval
-        self._hb_timeout = timeout
-        self._hb_handle: asyncio.TimerHandle | None = None
-        self._hb_last_tick = 0.0
+    def __init__(self, conn: Beating, interval: float, timeout: float) -> None:
+        self.conn = conn
+        self.interval = interval
+        self.timeout = timeout
+        self._handle: asyncio.TimerHandle | None = None
+        self._last_tick = 0.0
 
-    # -------------------------------------------------------------- heartbeats
-    def _schedule_heartbeat(self) -> None:
+    def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._hb_last_tick = loop.time()
-        self._hb_handle = loop.call_later(self._hb_interval, self._heartbeat)
+        self._last_tick = loop.time()
+        self._handle = loop.call_later(self.interval, self._beat)
 
-    def _heartbeat(self) -> None:
-        if self._transport_gone():
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _beat(self) -> None:
+        conn = self.conn
+        if conn.transport_gone():
             return
         loop = asyncio.get_running_loop()
         now_loop = loop.time()
-        lag = now_loop - self._hb_last_tick - self._hb_interval
+        lag = now_loop - self._last_tick - self.interval
         now = time.monotonic()
         # If our own loop was blocked, unread bytes may be waiting: do not judge the peer now.
-        if lag < self._hb_interval and now - self.last_heard > self._hb_timeout:
-            self.abort(
-                self._lost_error(
-                    f"{self.peer_label} at {self.peername} silent for {now - self.last_heard:.1f}s "
-                    f"(heartbeat timeout {self._hb_timeout:g}s)"
+        if lag < self.interval and now - conn.last_heard > self.timeout:
+            conn.abort(
+                conn.lost_error(
+                    f"{conn.peer_label} at {conn.peername} silent for {now - conn.last_heard:.1f}s "
+                    f"(heartbeat timeout {self.timeout:g}s)"
                 )
             )
             return
-        if now - self._last_sent >= self._hb_interval * 0.5:
+        if now - conn.last_sent >= self.interval * 0.5:
             try:
-                self.send_frame({"kind": "ping"})
+                conn.send_frame({"kind": "ping"})
             except PeerLostError:
                 return
-        self._hb_last_tick = now_loop
-        self._hb_handle = loop.call_later(self._hb_interval, self._heartbeat)
+        self._last_tick = now_loop
+        self._handle = loop.call_later(self.interval, self._beat)

@@ -197,7 +197,7 @@ class Listener:
         except Exception as exc:
             if isinstance(exc, ProtocolError):  # a hello this listener does not take (job, rank, ...)
                 self._log_rejection(conn, exc)
-                conn._reject(str(exc)[:2000])  # tell the client why (close() sends it before closing)
+                conn.handshake.reject(str(exc)[:2000])  # tell the client why (close() sends it before closing)
             else:
                 logger.error("%s: handling %s failed: %s", self.name, conn.peername, exc)
             conn.abort(exc)

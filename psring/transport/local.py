@@ -16,6 +16,7 @@ from ..core.arrays import pooled_bytes
 from ..errors import PeerLostError, ProtocolError
 from .connection import Connection
 from .shmpool import ShmPool
+from .slots import SharedMemory
 
 
 # ------------------------------------------------------------ in-process pair
@@ -48,6 +49,17 @@ class _LocalTransport(asyncio.Transport):
         return default
 
 
+class _InProcessSlots(SharedMemory):
+    """An in-process end's "shared memory": a slot's payload is handed to the partner (send_slot)."""
+
+    def __init__(self, conn: LocalConnection) -> None:
+        super().__init__(conn)
+        self.local = conn
+
+    def send_slot(self, header: dict[str, Any], pool: ShmPool, k: int, x: np.ndarray) -> None:
+        self.local.send_slot(header, pool, k, x)
+
+
 class LocalConnection(Connection):
     """One end of a connection between two parts of one process (a worker and a shard it hosts).
 
@@ -63,7 +75,8 @@ class LocalConnection(Connection):
 
     def __init__(self, name: str, peername: str) -> None:
         super().__init__(secret=None, name=name)
-        self._handshake_frames = None
+        self.handshake.frames = None
+        self.shm = _InProcessSlots(self)
         self._partner: LocalConnection | None = None
         self._in_flight = 0
         self.transport = _LocalTransport()
@@ -88,15 +101,15 @@ class LocalConnection(Connection):
         self, header: dict[str, Any], payload: Any, taken: Callable[[], None] | None, lent: bool = False
     ) -> None:
         partner = self._partner
-        if self._transport_gone() or partner is None:
-            raise self._lost or self._lost_error(f"connection to {self.peer_label} ({self.peername}) is closed")
+        if self.transport_gone() or partner is None:
+            raise self._lost or self.lost_error(f"connection to {self.peer_label} ({self.peername}) is closed")
         size = 0 if payload is None else (payload.nbytes if isinstance(payload, memoryview) else len(payload))
         header.pop("pool", None)
         header["nbytes"] = size
         head = wire.encode_header(header)
         self.bytes_sent += len(head) + size
         self.frames_sent += 1
-        self._last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
         self._in_flight += 1
         asyncio.get_running_loop().call_soon(self._hand_over, partner, head, payload, taken, lent)
 
@@ -113,7 +126,7 @@ class LocalConnection(Connection):
         self, partner: LocalConnection, head: bytes, payload: Any, taken: Callable[[], None] | None, lent: bool
     ) -> None:
         try:
-            if not partner._transport_gone():
+            if not partner.transport_gone():
                 try:
                     partner._take(head, payload, lent)  # copied out here (unless lent), so flush may return after
                 except Exception as exc:  # a bad frame or a router failure ends this connection, as on a socket
@@ -157,12 +170,12 @@ class LocalConnection(Connection):
         arrives, so the sender must be done with it (every other send of it flushed) first.
         """
         partner = self._partner
-        if partner is None or partner.router is None or partner._transport_gone() or self._transport_gone():
+        if partner is None or partner.router is None or partner.transport_gone() or self.transport_gone():
             return None
         return partner.router.buffer_for(partner, header)
 
     async def flush(self) -> None:
-        if self._in_flight == 0 or self._transport_gone():
+        if self._in_flight == 0 or self.transport_gone():
             if self._lost is not None:
                 raise self._lost
             return
@@ -174,7 +187,7 @@ class LocalConnection(Connection):
         raise ProtocolError("an in-process connection has no socket to detach")
 
     async def close(self, timeout: float = 2.0, farewell: dict[str, Any] | None = None) -> None:
-        if not self._transport_gone():
+        if not self.transport_gone():
             self._closing = True
             with contextlib.suppress(Exception):
                 self.send_frame({**(farewell or {}), "kind": "bye"})
@@ -186,7 +199,7 @@ class LocalConnection(Connection):
             self._lost = (
                 exc
                 if isinstance(exc, PeerLostError)
-                else self._lost_error(f"in-process connection to {self.peer_label} dropped: {exc}")
+                else self.lost_error(f"in-process connection to {self.peer_label} dropped: {exc}")
             )
             if not isinstance(exc, PeerLostError):
                 self._lost.__cause__ = exc
@@ -203,7 +216,7 @@ class LocalConnection(Connection):
             if error is None:
                 partner._closing = True
             elif partner._lost is None:
-                partner._lost = partner._lost_error(f"in-process connection to {partner.peer_label} lost: {error}")
+                partner._lost = partner.lost_error(f"in-process connection to {partner.peer_label} lost: {error}")
             assert partner.transport is not None
             partner.transport.close()
             partner._teardown()

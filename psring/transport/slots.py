@@ -8,7 +8,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,16 +17,39 @@ from ..errors import ProtocolError, PsringError
 from .samehost import host_key, same_host_paths
 from .shmpool import PeerPool, ShmPool
 
-if TYPE_CHECKING:
-    from .host import ConnectionHost as _Host
-else:
-    _Host = object
-
 logger = logging.getLogger(__name__)
 
 
-class SharedMemory(_Host):
-    """Part of :class:`~psring.transport.connection.Connection`: payloads in shared memory.
+class Link(Protocol):
+    """What the shared-memory part needs of its connection."""
+
+    settings: Any
+    peer: dict[str, Any]
+    peername: str
+    is_local: bool
+
+    @property
+    def peer_label(self) -> str: ...
+
+    @property
+    def is_open(self) -> bool: ...
+
+    @property
+    def checksum(self) -> str | None: ...
+
+    def transport_gone(self) -> bool: ...
+
+    def send_frame(
+        self, header: dict[str, Any], payload: memoryview | bytes | None = None, *, nbytes: int | None = None
+    ) -> None: ...
+
+    def send_tensor(
+        self, header: dict[str, Any], x: np.ndarray, shared: bool = False, owner: tuple[Any, int] | None = None
+    ) -> None: ...
+
+
+class SharedMemory:
+    """A connection's payloads in shared memory (``conn.shm``).
 
     Between processes on one host a frame's payload may sit in a slot of the sender's
     pool (:mod:`.shmpool`) instead of on the socket: the frame carries ``pool: k`` and
@@ -35,7 +58,8 @@ class SharedMemory(_Host):
     mapped with ``pool`` frames on the connection itself.
     """
 
-    def _init_shared_memory(self) -> None:
+    def __init__(self, conn: Link) -> None:
+        self.conn = conn
         self.pool: ShmPool | None = None  # this side's pool, lent to the peer once it mapped it
         #: makes (or returns) the pool this side offers back when a peer offers its own
         self.pool_factory: Callable[[], ShmPool | None] | None = None
@@ -46,15 +70,15 @@ class SharedMemory(_Host):
         self._lent: collections.Counter[int] = collections.Counter()  # own slots the peer has yet to hand back
         self._to_free: list[int] = []  # the peer's slots this side is done with, to hand back
         self._free_scheduled = False
-        self._slot_in: int | None = None  # the peer's slot holding the payload being delivered
         self.pool_bytes_sent = 0
         self.pool_bytes_received = 0
         self.peer_pid: int | None = None  # the peer's process, as its pool frames say
 
-    def _release_shared_memory(self) -> None:
-        """The connection is gone: settle the slots lent over it and unmap the peer's pool."""
+    def release(self, said_goodbye: bool) -> None:
+        """The connection is gone (``said_goodbye``: the peer said goodbye and closed, nothing was lost):
+        settle the slots lent over it and unmap the peer's pool."""
         if self._lent and self.pool is not None:
-            if self.farewell is not None and self._lost is None:  # it said goodbye and closed: it reads no more
+            if said_goodbye:  # it said goodbye and closed: it reads no more
                 for k, count in self._lent.items():
                     for _ in range(count):
                         self.pool.give_back(k)
@@ -67,18 +91,17 @@ class SharedMemory(_Host):
         if self._pool_answer is not None and not self._pool_answer.done():
             self._pool_answer.set_result(None)
 
-    def _pooled_payload(self, header: dict[str, Any], nbytes: int) -> None:
+    def payload_in(self, header: dict[str, Any], nbytes: int) -> np.ndarray:
+        """The payload of a frame that names a slot of the peer's pool, in place (read-only)."""
         slot, peer = header["pool"], self.peer_pool
         if peer is None or type(slot) is not int or not 0 <= slot < peer.slots or nbytes > peer.slot_bytes:
             where = "a pool this side never mapped" if peer is None else f"a pool of {peer.slots} x {peer.slot_bytes}"
             raise ProtocolError(
-                f"{self.peer_label} at {self.peername} sent a {nbytes}-byte payload in shared-memory slot "
-                f"{slot!r} of {where}"
+                f"{self.conn.peer_label} at {self.conn.peername} sent a {nbytes}-byte payload in shared-memory "
+                f"slot {slot!r} of {where}"
             )
-        self._dest_obj = peer.view(slot, nbytes)
-        self._slot_in = slot
         self.pool_bytes_received += nbytes
-        self._finish_frame()
+        return peer.view(slot, nbytes)
 
     # ------------------------------------------------------------ shared memory
     async def offer_pool(self, pool: ShmPool, timeout: float) -> bool:
@@ -95,7 +118,7 @@ class SharedMemory(_Host):
             return False
         self.pool, self.pool_offered = pool, True
         fut = self._pool_answer = asyncio.get_running_loop().create_future()
-        self.send_frame(
+        self.conn.send_frame(
             {"kind": "pool", "offer": pool.describe(), "mapped": self.peer_pool is not None, "pid": os.getpid()}
         )
         with contextlib.suppress(TimeoutError):
@@ -105,17 +128,19 @@ class SharedMemory(_Host):
     def can_share_memory(self) -> bool:
         """Whether a pool offer to this peer could work: a socket to a peer whose handshake
         says it runs on this host, no payload checksum, and PSRING_SAME_HOST not off."""
-        host = self.peer.get("host")
+        conn = self.conn
+        host = conn.peer.get("host")
         return (
-            not self.is_local
-            and self.is_open
-            and self._checksum is None
+            not conn.is_local
+            and conn.is_open
+            and conn.checksum is None
             and host is not None
-            and same_host_paths(self.settings)
+            and same_host_paths(conn.settings)
             and host == host_key()
         )
 
-    def _on_pool(self, header: dict[str, Any]) -> None:
+    def on_pool(self, header: dict[str, Any]) -> None:
+        """A ``pool`` frame: the peer offers its pool, or says it mapped this side's."""
         pid = header.get("pid")
         if type(pid) is int and pid > 0:
             self.peer_pid = pid
@@ -123,12 +148,12 @@ class SharedMemory(_Host):
             self.peer_maps_pool = True
         desc = header.get("offer")
         if desc is not None:
-            if self.peer_pool is None and self._checksum is None and same_host_paths(self.settings):
+            if self.peer_pool is None and self.conn.checksum is None and same_host_paths(self.conn.settings):
                 try:
                     self.peer_pool = PeerPool.open(desc)
                 except (OSError, ValueError) as exc:
                     logger.info(
-                        "%r: not mapping the peer's shared memory (%s): its payloads come on the socket", self, exc
+                        "%r: not mapping the peer's shared memory (%s): its payloads come on the socket", self.conn, exc
                     )
             reply: dict[str, Any] = {"kind": "pool", "mapped": self.peer_pool is not None, "pid": os.getpid()}
             if not self.pool_offered and self.peer_pool is not None:
@@ -137,17 +162,9 @@ class SharedMemory(_Host):
                 if self.pool is not None:
                     reply["offer"] = self.pool.describe()
                     self.pool_offered = True
-            self.send_frame(reply)
+            self.conn.send_frame(reply)
         if self._pool_answer is not None and not self._pool_answer.done():
             self._pool_answer.set_result(None)
-
-    def hold_slot(self) -> int:
-        """Called by a router while a frame is delivered whose payload is in the peer's pool:
-        keep the slot (the payload stays valid) until :meth:`release_slot`."""
-        slot, self._slot_in = self._slot_in, None
-        if slot is None:
-            raise RuntimeError("no shared-memory payload is being delivered")
-        return slot
 
     def release_slot(self, slot: int) -> None:
         """Hand a slot of the peer's pool back (with the next frame, or on its own soon)."""
@@ -158,28 +175,36 @@ class SharedMemory(_Host):
 
     def _send_free(self) -> None:
         self._free_scheduled = False
-        if self._to_free and not self._transport_gone():
+        if self._to_free and not self.conn.transport_gone():
             with contextlib.suppress(PsringError):
-                self.send_frame({"kind": "free"})
+                self.conn.send_frame({"kind": "free"})
 
-    def _taken_back(self, slots: Any) -> None:
+    def to_free(self) -> list[int]:
+        """The peer's slots to hand back with the next frame (taken: the caller sends them)."""
+        slots, self._to_free = self._to_free, []
+        return slots
+
+    def taken_back(self, slots: Any) -> None:
+        """The peer handed back slots (a frame's ``free``)."""
         pool = self.pool
         if not isinstance(slots, tuple) or pool is None:
-            raise ProtocolError(f"{self.peer_label} at {self.peername} handed back slots {slots!r:.80} it was not lent")
+            raise ProtocolError(
+                f"{self.conn.peer_label} at {self.conn.peername} handed back slots {slots!r:.80} it was not lent"
+            )
         for k in slots:
             if type(k) is not int or self._lent[k] <= 0:
                 raise ProtocolError(
-                    f"{self.peer_label} at {self.peername} handed back slot {k!r}, which it was not lent"
+                    f"{self.conn.peer_label} at {self.conn.peername} handed back slot {k!r}, which it was not lent"
                 )
             self._lent[k] -= 1
             if not self._lent[k]:
                 del self._lent[k]
             pool.give_back(k)
 
-    def _write_pooled(self, header: dict[str, Any], pool: ShmPool, k: int, nbytes: int) -> None:
+    def write_pooled(self, header: dict[str, Any], pool: ShmPool, k: int, nbytes: int) -> None:
         """Send a frame whose payload is already in slot k of this side's pool, lending it."""
         header["pool"] = k
-        self.send_frame(header, None, nbytes=nbytes)
+        self.conn.send_frame(header, None, nbytes=nbytes)
         pool.lend(k)
         self._lent[k] += 1
         self.pool_bytes_sent += nbytes
@@ -188,6 +213,6 @@ class SharedMemory(_Host):
         """Send x, which lives in slot k of this process's ``pool``: only the slot's number when
         the peer maps that pool, else a copy on the socket (the slot may be reused at once)."""
         if pool is self.pool and self.peer_maps_pool:
-            self._write_pooled({**header, **wire.tensor_fields(x)}, pool, k, x.nbytes)
+            self.write_pooled({**header, **wire.tensor_fields(x)}, pool, k, x.nbytes)
         else:
-            self.send_tensor(header, x.copy())
+            self.conn.send_tensor(header, x.copy())

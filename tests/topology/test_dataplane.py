@@ -379,9 +379,9 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     sent = [a - b for a, b in zip(_plane_bytes(groups), before, strict=True)]
     assert all(s >= 4 * 2 * (world - 1) / world * xs[0].nbytes for s in sent), sent
     assert all(s < 4 * 2 * (world - 1) / world * xs[0].nbytes + 8192 for s in sent), sent  # headers only
-    assert all(p.frames_sent_here + p.frames_split_here > 0 for p in planes)
+    assert all(p.right.frames_sent_here + p.right.frames_split_here > 0 for p in planes)
     if sndbuf:
-        assert any(p.frames_split_here > 0 for p in planes)
+        assert any(p.right.frames_split_here > 0 for p in planes)
     # calls in flight at once, a mismatch, a timeout: the frames left behind are skipped, in order
     inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
 
@@ -451,7 +451,7 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
         planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
         assert all((p.shm_out is not None and p.shm_in is not None) == (mode == "auto") for p in planes), mode
         assert not _shm_files()  # unlinked once mapped at both ends
-        before = [(p.bytes_sent, p.shm_bytes_sent) for p in planes]
+        before = [(p.bytes_sent, p.right.shm_bytes_sent) for p in planes]
         bits[mode] = []
         for op in ("sum", "avg", "max", "prod"):
             ys = await asyncio.gather(*(g.all_reduce(x, op=op) for g, x in zip(groups, xs, strict=True)))
@@ -459,7 +459,7 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
             assert all(y.tobytes() == ref.tobytes() for y in ys), (mode, op)
             bits[mode].append(ys[0].tobytes())
         for p, (sent0, shm0) in zip(planes, before, strict=True):
-            sent, shm = p.bytes_sent - sent0, p.shm_bytes_sent - shm0
+            sent, shm = p.bytes_sent - sent0, p.right.shm_bytes_sent - shm0
             if mode == "auto":
                 assert shm >= payload and sent - shm < 4096, (sent, shm)  # headers: 24 bytes a piece
                 assert p.slots_filled_here > 0  # partial sums folded straight into the next slot
@@ -496,8 +496,8 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
     ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
     ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
     assert all(y.tobytes() == ref.tobytes() for y in ys)
-    assert planes[left].shm_bytes_sent == 0 and all(
-        p.shm_bytes_sent > 0 for r, p in enumerate(planes) if groups[r].rank != left
+    assert planes[left].right.shm_bytes_sent == 0 and all(
+        p.right.shm_bytes_sent > 0 for r, p in enumerate(planes) if groups[r].rank != left
     )
 
 
@@ -549,10 +549,10 @@ async def test_pieces_larger_than_a_slot_go_on_the_socket(make_groups, monkeypat
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
     for g in groups:  # the slots were made for 100 kB pieces
         g.net.config = g.net.config.replace(ring_plane_piece=400_000)  # type: ignore[attr-defined]
-    before = [p.shm_bytes_sent for p in planes]
+    before = [p.right.shm_bytes_sent for p in planes]
     ys = await asyncio.gather(*(g.all_reduce(np.full(BIG, g.rank + 1.0, np.float32)) for g in groups))
     assert all(np.all(y == 3.0) for y in ys)
-    assert [p.shm_bytes_sent for p in planes] == before
+    assert [p.right.shm_bytes_sent for p in planes] == before
 
 
 async def test_a_links_shared_memory_is_named_nowhere(make_groups) -> None:

@@ -283,7 +283,7 @@ async def test_a_client_lying_about_slots_or_pools_is_dropped_and_the_others_ser
         conn.send_frame({"kind": "pool", "offer": desc, "mapped": False})
         conn.send_frame({"kind": "ps_data", "tag": ("0", 99, "p", 0), "pool": 0, "call": None, "src": 5}, nbytes=64)
         await dropped(conn, "in shared-memory slot 0 of a pool this side never mapped")
-        assert conn.peer_pool is None and not conn.peer_maps_pool
+        assert conn.shm.peer_pool is None and not conn.shm.peer_maps_pool
     finally:
         fake.close()
     # 2) handing back a slot it was never lent
@@ -294,7 +294,7 @@ async def test_a_client_lying_about_slots_or_pools_is_dropped_and_the_others_ser
     conn = await client(7)
     pool = ShmPool(2, MiB)
     try:
-        assert await conn.offer_pool(pool, 5)
+        assert await conn.shm.offer_pool(pool, 5)
         conn.send_frame({"kind": "ps_data", "tag": ("0", 99, "p", 0), "pool": 9, "call": None, "src": 7}, nbytes=64)
         await dropped(conn, "in shared-memory slot 9 of a pool of 2 x")
     finally:
@@ -367,7 +367,7 @@ async def test_a_server_process_maps_the_workers_pools(store) -> None:
         np.testing.assert_allclose(ys[0], xs[0] + xs[1], rtol=1e-6)
         assert all(g.stats()["shm_bytes_sent"] >= xs[0].nbytes for g in groups)
         assert all(g.stats()["shm_bytes_received"] >= xs[0].nbytes for g in groups)
-        assert all(c.peer_pool is not None and c.peer_maps_pool for g in groups for c in g.links.shards)
+        assert all(c.shm.peer_pool is not None and c.shm.peer_maps_pool for g in groups for c in g.links.shards)
     finally:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         with contextlib.suppress(Exception):

@@ -254,7 +254,7 @@ class PsGroup(Group):
                     if lend and isinstance(conn, LocalConnection):
                         conn.lend_tensor(self._push(coll, j), x[pa:pb])
                         continue
-                    if shared and conn.peer_maps_pool:
+                    if shared and conn.shm.peer_maps_pool:
                         await self.links.slot_for(owner)
                     conn.send_tensor(self._push(coll, j), x[pa:pb], shared=shared, owner=owner)
             used.append(conn)

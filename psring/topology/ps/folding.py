@@ -82,7 +82,7 @@ class Folding:
                 if slot is not None:
                     assert pool is not None
                     with contextlib.suppress(PsringError):  # its loss is reported through detach
-                        conn.send_slot(header, pool, slot, out)
+                        conn.shm.send_slot(header, pool, slot, out)
                 else:
                     self._send(conn, header, out)
         finally:

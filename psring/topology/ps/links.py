@@ -204,7 +204,7 @@ class ServerLinks:
     async def share_memory(self) -> None:
         """Offer every shard on this host not offered yet this worker's shared-memory pool (made
         now, at the first large collective); such a shard maps it and offers its own back."""
-        todo = [c for c in self.shards if id(c) not in self._pool_checked and c.can_share_memory()]
+        todo = [c for c in self.shards if id(c) not in self._pool_checked and c.shm.can_share_memory()]
         self._pool_checked = {id(c) for c in self.shards}
         if self.pool is None and todo and not self._pool_failed and self.config.ps_shm_slots > 0:
             try:
@@ -213,7 +213,7 @@ class ServerLinks:
                 self._pool_failed = True
                 logger.warning("rank %d: no shared memory for pushes to the servers (%s)", self.rank, exc)
         if self.pool is not None and todo:
-            await asyncio.gather(*(c.offer_pool(self.pool, min(self.settings.timeout, 10.0)) for c in todo))
+            await asyncio.gather(*(c.shm.offer_pool(self.pool, min(self.settings.timeout, 10.0)) for c in todo))
 
     async def connect(self, timeout: float) -> None:
         async def dial(i: int) -> Connection:
@@ -320,10 +320,10 @@ class ServerLinks:
     def stats(self) -> dict[str, int]:
         """Bytes to and from the shards, payloads in shared memory included (and counted apart)."""
         return {
-            "bytes_sent": sum(c.bytes_sent + c.pool_bytes_sent for c in self.shards),
-            "bytes_received": sum(c.bytes_received + c.pool_bytes_received for c in self.shards),
-            "shm_bytes_sent": sum(c.pool_bytes_sent for c in self.shards),
-            "shm_bytes_received": sum(c.pool_bytes_received for c in self.shards),
+            "bytes_sent": sum(c.bytes_sent + c.shm.pool_bytes_sent for c in self.shards),
+            "bytes_received": sum(c.bytes_received + c.shm.pool_bytes_received for c in self.shards),
+            "shm_bytes_sent": sum(c.shm.pool_bytes_sent for c in self.shards),
+            "shm_bytes_received": sum(c.shm.pool_bytes_received for c in self.shards),
         }
 
     def link_stats(self) -> dict[str, list[int]]:
@@ -332,7 +332,9 @@ class ServerLinks:
 
     def per_shard(self) -> list[tuple[int, int]]:
         """(bytes this worker sent to, received from) each shard."""
-        return [(c.bytes_sent + c.pool_bytes_sent, c.bytes_received + c.pool_bytes_received) for c in self.shards]
+        return [
+            (c.bytes_sent + c.shm.pool_bytes_sent, c.bytes_received + c.shm.pool_bytes_received) for c in self.shards
+        ]
 
     async def close(self) -> None:
         self._closing = True

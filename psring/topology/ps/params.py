@@ -396,7 +396,7 @@ class ParameterClient:
                         fut.add_done_callback(self._note_members)
                     futs.append(fut)
                     piece = sent[pa:pb]
-                    shared = piece.nbytes >= self.g.links.config.ps_shm_min and conn.peer_maps_pool
+                    shared = piece.nbytes >= self.g.links.config.ps_shm_min and conn.shm.peer_maps_pool
                     if shared:
                         await self.g.links.slot_for(("param", t))
                     conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))

@@ -17,7 +17,7 @@ def release_held(held: Any) -> None:
     (a connection that is gone needs nothing back)."""
     for conn, slot in held:
         if conn.is_open:
-            conn.release_slot(slot)
+            conn.shm.release_slot(slot)
 
 
 def shared_pool(conns: list[Connection], nbytes: int, shm_min: int) -> Any:
@@ -26,7 +26,7 @@ def shared_pool(conns: list[Connection], nbytes: int, shm_min: int) -> Any:
     this process's PSRING_PS_PIECE goes on the sockets); else None."""
     if nbytes < shm_min:
         return None
-    pool = next((c.pool for c in conns if c.peer_maps_pool), None)
+    pool = next((c.shm.pool for c in conns if c.shm.peer_maps_pool), None)
     return pool if pool is not None and nbytes <= pool.slot_bytes else None
 
 
@@ -60,6 +60,6 @@ def send_once(
     try:
         for conn in conns:
             with contextlib.suppress(PsringError):  # its loss is reported through detach
-                conn.send_slot(header, pool, slot, shared)  # a copy for one that does not map the pool
+                conn.shm.send_slot(header, pool, slot, shared)  # a copy for one that does not map the pool
     finally:
         pool.give_back(slot)

@@ -68,7 +68,7 @@ class ShardServer:
 
     def _accepted(self, conn: Connection) -> None:
         self._route(conn).attach(conn)
-        conn.pool_factory = self._pool_for_peers
+        conn.shm.pool_factory = self._pool_for_peers
 
     def _pool_for_peers(self) -> ShmPool | None:
         """This process's shared-memory pool for results, made when a worker first offers its own."""

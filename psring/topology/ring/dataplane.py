@@ -36,14 +36,11 @@ instead of the kernel copying it twice through loopback.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
 import queue
-import select
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,9 +48,26 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ...core.arrays import byte_view, result_empty
+from ...core.arrays import byte_view
 from ...transport.board import fold_kind
 from ...transport.shmpool import PeerPool, ShmPool
+from .planejob import (
+    _FINAL,
+    _REDUCE,
+    _STORE,
+    _STORE_FWD,
+    HEADER,
+    MAGIC,
+    MAX_CALL,
+    POLL,
+    SHM_MAGIC,
+    Job,
+    PlaneLinkError,
+    PlaneMismatch,
+    Turns,
+    _Abandoned,
+)
+from .rightlink import RightLink
 
 try:  # the C extension's one-thread ring (psring/native/ring.c, a leaf: it imports nothing of psring)
     from ..._native import NRing as _NRing
@@ -62,22 +76,6 @@ except ImportError:  # not built here: the two threads
 
 logger = logging.getLogger(__name__)
 
-MAGIC = 0x31445350  # b"PSD1"
-SHM_MAGIC = 0x31485300  # b"\0SH1" + slot number in the low byte: the payload is in that slot
-SHM_MAX_SLOTS = 256
-HEADER = struct.Struct("<IIQQ")  # magic, index, seq, nbytes
-POLL = 0.1  # how often a blocked thread looks whether its job was abandoned
-SMALL_SEND = 64 << 10  # header and payload up to this size leave in one syscall
-MAX_CALL = 4096  # bytes of a call descriptor
-
-#: a receive step: (a, b, what) -- what: reduce and forward, reduce (final: the result) and
-#: forward, store and forward, store only
-_REDUCE, _FINAL, _STORE_FWD, _STORE = range(4)
-
-
-#: put in a job's queue when the receive thread sent its last frame itself: the send thread wakes and ends it
-_ALL_OUT: tuple[bytes, None, None] = (b"", None, None)
-
 #: NRing.run's codes (psring/native/ring.c)
 _RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, _RING_SEND_ERR = range(7)
 #: a native job with nothing to do gives its core up this many times before it sleeps in poll: with more
@@ -85,106 +83,6 @@ _RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, 
 NATIVE_HOT = 64
 #: seconds an abandoned native job waits to send the rest of a frame it began (then the link is shut)
 NATIVE_FINISH = 5.0
-
-
-class PlaneLinkError(Exception):
-    """A data link failed (the peer went away, or sent bytes that are not frames)."""
-
-    def __init__(self, message: str, side: str) -> None:
-        super().__init__(message)
-        self.side = side  # "send" (to the right) or "recv" (from the left)
-
-
-class PlaneMismatch(Exception):
-    """The left neighbour's frames are for another call than ours."""
-
-    def __init__(self, call: Any) -> None:
-        super().__init__(f"left neighbour called {call!r}")
-        self.call = call
-
-
-class _Abandoned(Exception):
-    pass
-
-
-class Job:
-    """One all_reduce on the data plane: what to send, what to receive, and where."""
-
-    def __init__(
-        self,
-        seq: int,
-        call: bytes,
-        x: np.ndarray,
-        steps: list[tuple[int, int, int]],
-        n_send: int,
-        first_index: int,
-        ufunc: np.ufunc,
-        avg: int,
-        on_error: Callable[[BaseException], None],
-        stop: threading.Event,
-        ready: Callable[[int, int], None] | None = None,
-    ) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.seq = seq
-        self.call = call
-        self.x = x
-        self.out = result_empty(x)
-        self.steps = steps
-        self.n_send = n_send  # items the send thread sends, own ones included
-        self.next_index = first_index  # stream index of the first forwarded frame
-        self.ufunc = ufunc
-        self.avg = avg  # divide the final chunks by this (op avg), 0: no
-        self.on_error = on_error
-        self.stop = stop  # the plane is closing
-        self.ready = ready  # ready(a, b): block until x[a:b] holds the input (device staging)
-        # (header, payload, input range to wait for before sending it, if any); a payload that
-        # is an int: that many bytes are in the slot the header names already
-        self.fwd: queue.SimpleQueue[tuple[bytes, memoryview | int | None, tuple[int, int] | None] | None] = (
-            queue.SimpleQueue()
-        )
-        self.send_closed = False  # the send thread is done with it (under the plane's slot lock)
-        # under the plane's slot lock: frames handed to the kernel whole (by the send thread, or by the
-        # receive thread straight away: DataPlane._forward), and items in fwd the send thread has not
-        # finished sending (while there are any, nothing may go out past them)
-        self.out_count = 0
-        self.queued = 0
-        self.cancelled = threading.Event()
-        self.done: asyncio.Future[None] = self.loop.create_future()
-        self._pending = 2  # the send and the receive thread
-        #: the job's place among the plane's jobs: its frames go out after those of the job before
-        self.ticket = 0
-        #: psring._native.NRing: the receive thread sends and receives every frame itself (set in all_reduce)
-        self.native: Any = None
-        self._lock = threading.Lock()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def gone(self) -> bool:
-        return self.cancelled.is_set() or self.stop.is_set()
-
-    def part_done(self) -> None:
-        with self._lock:
-            self._pending -= 1
-            last = self._pending == 0
-        if last:
-            self._tell(_resolve, self.done)
-
-    def fail(self, exc: BaseException) -> None:
-        self.cancelled.set()
-        self.fwd.put(None)  # wake the send thread
-        self._tell(self.on_error, exc)
-
-    def _tell(self, fn: Callable[..., None], arg: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the loop is closed: nobody waits for this job any more
-            pass
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class _Reader:
@@ -299,49 +197,45 @@ class DataPlane:
         #: slower than the two threads: 64 MiB at 4 ranks 62.5 against 58.5 ms.)
         self.native = native and _NRing is not None
         self.native_jobs = 0
-        # jobs' tickets, and the last whose frames are all sent (or never will be): a job sends after it
-        self._tickets = 0
-        self._sent_upto = 0
-        self._recv_upto = 0  # the last job the receive thread (or run_here) is done with
-        self._turn = threading.Condition()
-        self.send_sock: socket.socket | None = None
+        self.stop = threading.Event()
+        #: jobs' tickets: a job's frames go out after those of the job before it
+        self.turns = Turns(self.stop)
+        #: the link to the right (its socket, its shared-memory slots) and the send thread's work
+        self.right = RightLink(self.turns, self.stop)
         self.recv_sock: socket.socket | None = None
         self.recv_ready: asyncio.Event | None = None
-        self._send_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._recv_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._reader: _Reader | None = None
-        self._bytes_sent = 0  # by the send thread
-        self._bytes_sent_here = 0  # by the receive thread (DataPlane._send_now)
-        #: frames the receive thread sent itself, whole or (``frames_split_here``) in part, the rest queued
-        self.frames_sent_here = 0
-        self.frames_split_here = 0
         self.closed = False
-        self.stop = threading.Event()
-        #: shared-memory segments of the two links (same-host neighbours), see ``use_shm``
-        self.shm_out: ShmPool | PeerPool | None = None
+        #: the shared-memory segment of the link from the left (same-host neighbours), see ``use_shm``
         self.shm_in: ShmPool | PeerPool | None = None
-        # the link to the right's free slots, and how many frames queued for the send thread
-        # still need one (the receive thread fills a slot itself only if one is left over for
-        # each of those: see _take_slot)
-        self._free: collections.deque[int] = collections.deque()
-        self._unslotted = 0
-        self._slot_lock = threading.Lock()
-        self._slots_back = 0  # slots the right neighbour has handed back
-        self.shm_bytes_sent = 0
         self.slots_filled_here = 0  # pieces the receive thread folded straight into a slot to the right
 
     @property
     def bytes_received(self) -> int:
         """Bytes from the left (frames on the socket, payloads in its shared slots), and the
         slot hand-backs from the right (one byte each)."""
-        return (self._reader.bytes_received if self._reader is not None else 0) + self._slots_back
+        return (self._reader.bytes_received if self._reader is not None else 0) + self.right.slots_back
 
     @property
     def bytes_sent(self) -> int:
         """Bytes to the right (frames on the socket, payloads in its shared slots), and the
         slot hand-backs to the left."""
-        return self._bytes_sent + self._bytes_sent_here + (self._reader.credits_sent if self._reader is not None else 0)
+        return self.right.bytes_sent + (self._reader.credits_sent if self._reader is not None else 0)
+
+    @property
+    def send_sock(self) -> socket.socket | None:
+        return self.right.sock
+
+    @property
+    def shm_out(self) -> ShmPool | PeerPool | None:
+        """The shared-memory segment of the link to the right (same-host neighbours), see ``use_shm``."""
+        return self.right.shm
+
+    @shm_out.setter
+    def shm_out(self, pool: ShmPool | PeerPool | None) -> None:
+        self.right.shm = pool
 
     @property
     def ready(self) -> bool:
@@ -354,19 +248,19 @@ class DataPlane:
             self.recv_ready.set()
 
     def set_send(self, sock: socket.socket) -> None:
-        self.send_sock = sock
+        self.right.sock = sock
         sock.settimeout(None)
 
     def use_shm(self, out: ShmPool | None, into: PeerPool | None) -> None:
         """Payloads to the right go through ``out``, those from the left come in ``into``
         (either may be None: that link carries its payloads on the socket). Before ``start``."""
-        self.shm_out, self.shm_in = out, into
-        self._free = collections.deque(range(out.slots) if out is not None else ())
+        self.right.use(out)
+        self.shm_in = into
 
     def start(self) -> None:
         assert self.send_sock is not None and self.recv_sock is not None
         self._reader = _Reader(self.recv_sock, self.shm_in)
-        for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+        for target, name in ((self.right.run, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(target=target, name=f"psring-rank{self.rank}-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -403,8 +297,7 @@ class DataPlane:
         if here is not None:
             job.native, job.ticket, job.out = here
         else:
-            self._tickets += 1
-            job.ticket = self._tickets
+            job.ticket = self.turns.take()
             kind = self._native_kind(x, op, ready)
             if kind is not None:  # the receive thread alone, in C: no frame goes through the send thread
                 job.native = self._ring(seq, call, x, job.out, steps, parts[me], kind, op, avg_n)
@@ -417,12 +310,9 @@ class DataPlane:
         job.fwd.put((HEADER.pack(MAGIC, 0, seq, len(call)) + call, None, None))
         for j, (a, b) in enumerate(parts[me]):
             data = byte_view(x[a:b])
-            if self._needs_slot(data.nbytes):
-                with self._slot_lock:
-                    self._unslotted += 1
-            job.fwd.put((HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data, (a, b)))
+            self.right.own_frame(job, HEADER.pack(MAGIC, 1 + j, seq, data.nbytes), data, (a, b))
         # own frames are queued before the receive thread can forward anything: stream order
-        self._send_q.put(job)
+        self.right.queue.put(job)
         self._recv_q.put(job)
         return job
 
@@ -457,22 +347,28 @@ class DataPlane:
 
     def idle(self) -> bool:
         """Whether every job queued so far ended on both threads (the caller's thread may run one: run_here)."""
-        return self.ready and self._sent_upto == self._tickets and self._recv_upto == self._tickets
+        return self.ready and self.turns.idle()
 
     def native_kind(self, x: np.ndarray, op: str) -> str | None:
         """The native fold's letter where a job of x and op would run in C (see all_reduce), else None."""
         return self._native_kind(x, op, None)
 
     def begin_here(
-        self, seq: int, call: bytes, x: np.ndarray, out: np.ndarray, parts: list[list[tuple[int, int]]], kind: str,
-        op: str, avg: bool,
+        self,
+        seq: int,
+        call: bytes,
+        x: np.ndarray,
+        out: np.ndarray,
+        parts: list[list[tuple[int, int]]],
+        kind: str,
+        op: str,
+        avg: bool,
     ) -> tuple[Any, int, np.ndarray]:
         """On the caller's thread, the plane :meth:`idle`: a native job of its own, numbered among the
         plane's jobs; run it with :meth:`run_here`. (The ring, its ticket, ``out``.)"""
         avg_n = self.world_size if avg else 0
         ring = self._ring(seq, call, x, out, self._steps(parts), parts[self.rank], kind, op, avg_n)
-        self._tickets += 1
-        return ring, self._tickets, out
+        return ring, self.turns.take(), out
 
     def run_here(self, here: tuple[Any, int, np.ndarray], wait: float) -> bool:
         """Run a job :meth:`begin_here` began, on the caller's thread, until it is done (True) or nothing
@@ -484,20 +380,14 @@ class DataPlane:
         try:
             code = ring.run(self._reader, NATIVE_HOT, wait)
         except BaseException:
-            self._here_over(ticket)  # (run raises only setting up or writing back: the job goes no further)
+            self.turns.over(ticket)  # (run raises only setting up or writing back: the job goes no further)
             raise
         if code != _RING_DONE:
             return False
-        self._bytes_sent_here += ring.sent
+        self.right.bytes_sent_here += ring.sent
         self.native_jobs += 1
-        self._here_over(ticket)
+        self.turns.over(ticket)
         return True
-
-    def _here_over(self, ticket: int) -> None:
-        """A job the caller's thread ran is over on both sides: the next job's turn."""
-        with self._turn:
-            self._sent_upto = self._recv_upto = ticket
-            self._turn.notify_all()
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
         """The native fold's letter for a job the native ring takes, else None."""
@@ -507,217 +397,10 @@ class DataPlane:
             return None
         return fold_kind(x.dtype, op)
 
-    def _wait_turn(self, job: Job) -> bool:
-        """Block until the jobs before ``job`` sent all their frames; False if the plane closed meanwhile."""
-        with self._turn:
-            while self._sent_upto < job.ticket - 1:
-                if self.stop.is_set():
-                    return False
-                self._turn.wait(POLL)
-        return True
-
-    def _turn_done(self, job: Job) -> None:
-        with self._turn:
-            self._sent_upto = max(self._sent_upto, job.ticket)
-            self._turn.notify_all()
-
     # -------------------------------------------------------------- threads
     # Each job is handled in a method of its own, so that no local keeps its arrays (the
     # caller's input, the result) alive once it is done: a result the caller drops goes
     # back to the pool at once.
-    def _send_loop(self) -> None:
-        while True:
-            job = self._send_q.get()
-            if job is None or not self._send_job(job):
-                return
-            del job
-
-    def _send_job(self, job: Job) -> bool:
-        """Send one job's frames; False when the plane is closing."""
-        try:
-            return self._send_frames(job)
-        finally:
-            self._close_send(job)
-
-    def _send_frames(self, job: Job) -> bool:
-        sock = self.send_sock
-        assert sock is not None
-        if self._sent_upto < job.ticket - 1 and not self._wait_turn(job):  # a native job's frames go first
-            return False
-        try:
-            while True:
-                with self._slot_lock:
-                    if job.out_count >= job.n_send:
-                        break
-                try:
-                    item = job.fwd.get(timeout=POLL)
-                except queue.Empty:
-                    if job.gone():
-                        return True
-                    continue
-                if item is None:
-                    return True  # the receive side gave up on it
-                if item is _ALL_OUT:
-                    continue  # the receive thread sent the last frames itself
-                header, payload, needs = item
-                if needs is not None and job.ready is not None:
-                    job.ready(*needs)
-                if payload is None:
-                    sock.sendall(header)
-                    self._bytes_sent += len(header)
-                elif isinstance(payload, int):  # the receive thread filled the slot
-                    sock.sendall(header)
-                    self._bytes_sent += len(header) + payload
-                    self.shm_bytes_sent += payload
-                elif self._needs_slot(payload.nbytes):
-                    if not self._send_slot(job, header, payload):
-                        return True
-                elif payload.nbytes <= SMALL_SEND:
-                    sock.sendall(header + payload)
-                    self._bytes_sent += len(header) + payload.nbytes
-                else:
-                    sock.sendall(header)
-                    sock.sendall(payload)
-                    self._bytes_sent += len(header) + payload.nbytes
-                with self._slot_lock:
-                    job.out_count += 1
-                    job.queued -= 1
-        except OSError as exc:
-            if self.closed:
-                return False
-            self._turn_done(job)
-            job.fail(PlaneLinkError(f"sending to the right neighbour failed: {exc}", "send"))
-            return True
-        self._turn_done(job)  # (again in _close_send) before the caller hears: its next call finds the plane idle
-        job.part_done()
-        return True
-
-    def _needs_slot(self, nbytes: int) -> bool:
-        return self.shm_out is not None and nbytes <= self.shm_out.slot_bytes
-
-    def _harvest(self) -> None:
-        """Take the slots the right neighbour handed back (under the slot lock; never blocks)."""
-        sock = self.send_sock
-        assert sock is not None
-        try:
-            back = sock.recv(4096, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return
-        if not back:
-            raise ConnectionResetError("the right neighbour closed its data link")
-        self._slots_back += len(back)
-        self._free.extend(back)
-
-    def _send_slot(self, job: Job, header: bytes, payload: memoryview) -> bool:
-        """Copy a payload into a free slot and send its header; False if the job was abandoned
-        while every slot was taken."""
-        shm, sock = self.shm_out, self.send_sock
-        assert shm is not None and sock is not None
-        while True:
-            with self._slot_lock:
-                if not self._free:
-                    self._harvest()
-                if self._free:
-                    k = self._free.popleft()
-                    self._unslotted -= 1
-                    break
-            ready, _, _ = select.select([sock], [], [], POLL)
-            if not ready and job.gone():
-                return False
-        np.copyto(shm.view(k, payload.nbytes), np.frombuffer(payload, np.uint8))
-        sock.sendall(HEADER.pack(SHM_MAGIC | k, *HEADER.unpack(header)[1:]))
-        self._bytes_sent += len(header) + payload.nbytes
-        self.shm_bytes_sent += payload.nbytes
-        return True
-
-    def _close_send(self, job: Job) -> None:
-        """The send thread is done with job: slots filled for frames it will not send are free
-        again, and frames that would have needed one are no longer counted."""
-        self._turn_done(job)
-        with self._slot_lock:
-            job.send_closed = True
-            while True:
-                try:
-                    item = job.fwd.get_nowait()
-                except queue.Empty:
-                    return
-                if item is None or item[1] is None:
-                    continue
-                if isinstance(item[1], int):
-                    self._free.append(item[0][0])  # the slot number: the header's first (low) byte
-                elif self._needs_slot(item[1].nbytes):
-                    self._unslotted -= 1
-
-    def _forward(self, job: Job, view: memoryview) -> None:
-        """Hand a frame to the right neighbour (receive thread): over TCP, when nothing of the job waits
-        for the send thread, straight into the socket as far as the kernel takes it without blocking
-        (no wake-up of the send thread: on this VM a thread switch costs about as much CPU as moving
-        100 KB); the rest, or a frame whose payload goes into a slot, is queued for the send thread."""
-        header = HEADER.pack(MAGIC, job.next_index, job.seq, view.nbytes)
-        job.next_index += 1
-        payload: memoryview = view
-        with self._slot_lock:
-            if job.send_closed:
-                return
-            if self._needs_slot(view.nbytes):
-                self._unslotted += 1
-            elif job.queued == 0:
-                rest = self._send_now(header, view)
-                if rest is None:
-                    self.frames_sent_here += 1
-                    job.out_count += 1
-                    if job.out_count >= job.n_send:
-                        job.fwd.put(_ALL_OUT)  # the send thread may be waiting for this job's next item
-                    return
-                header, payload = rest
-                if len(header) + payload.nbytes < HEADER.size + view.nbytes:
-                    self.frames_split_here += 1
-            job.queued += 1
-            job.fwd.put((header, payload, None))
-
-    def _send_now(self, header: bytes, view: memoryview) -> tuple[bytes, memoryview] | None:
-        """Send header and payload without blocking (under the slot lock, the send thread idle for the
-        job); None when the kernel took it all, else what is left (any error: left for the send thread,
-        which names it)."""
-        sock = self.send_sock
-        assert sock is not None
-        try:
-            n = sock.sendmsg([header, view], [], socket.MSG_DONTWAIT)
-        except OSError:  # BlockingIOError: the buffer is full; anything else, the send thread says
-            n = 0
-        self._bytes_sent_here += n  # (a counter of this thread's own: += is no atomic step)
-        if n == len(header) + view.nbytes:
-            return None
-        if n < len(header):
-            return header[n:], view
-        return b"", view[n - len(header) :]
-
-    def _take_slot(self, nbytes: int) -> int | None:
-        """A free slot of the link to the right for the receive thread to fill, if one is left
-        over once every frame queued for the send thread that needs one has one. (Else such a
-        frame could wait forever for a slot held by a frame queued behind it. Those frames get
-        their slots in queue order and slots only come back, so the margin holds.)"""
-        if not self._needs_slot(nbytes):
-            return None
-        with self._slot_lock:
-            if len(self._free) <= self._unslotted:
-                try:
-                    self._harvest()
-                except OSError:
-                    return None  # the send thread will find the link broken and say so
-            return self._free.popleft() if len(self._free) > self._unslotted else None
-
-    def _forward_slot(self, job: Job, k: int, nbytes: int) -> None:
-        """Queue the header of slot k, which the receive thread filled."""
-        header = HEADER.pack(SHM_MAGIC | k, job.next_index, job.seq, nbytes)
-        job.next_index += 1
-        with self._slot_lock:
-            if job.send_closed:
-                self._free.append(k)
-                return
-            job.queued += 1
-            job.fwd.put((header, nbytes, None))
-
     def _recv_loop(self) -> None:
         reader = self._reader
         assert reader is not None
@@ -732,7 +415,7 @@ class DataPlane:
     def _recv_job(self, job: Job, reader: _Reader) -> bool:
         """Receive (and reduce, and hand on) one job's frames; False when the plane is closing."""
         if job.gone() and job.native is None:
-            self._recv_upto = max(self._recv_upto, job.ticket)
+            self.turns.received(job.ticket)
             return True
         try:
             try:
@@ -741,7 +424,7 @@ class DataPlane:
                 else:
                     self._receive(job, reader)
             finally:  # before the caller hears of it: its next call finds the plane idle (run_here)
-                self._recv_upto = max(self._recv_upto, job.ticket)
+                self.turns.received(job.ticket)
         except _Abandoned:
             return True
         except PlaneMismatch as exc:
@@ -792,13 +475,13 @@ class DataPlane:
             expect += 1
             if reader.in_slot:  # fold (or copy) straight out of the shared slot
                 src = reader.take_slot(nbytes).view(dest.dtype)
-                k = self._take_slot(nbytes) if what in (_REDUCE, _STORE_FWD) else None
+                k = self.right.take_slot(nbytes) if what in (_REDUCE, _STORE_FWD) else None
                 if what <= _FINAL:
                     if job.ready is not None:
                         job.ready(a, b)
                     if k is not None:  # a partial sum only handed on: straight into the next slot
-                        assert self.shm_out is not None
-                        ufunc(src, x[a:b], out=self.shm_out.view(k, nbytes).view(dest.dtype))
+                        assert self.right.shm is not None
+                        ufunc(src, x[a:b], out=self.right.shm.view(k, nbytes).view(dest.dtype))
                     else:
                         ufunc(src, x[a:b], out=dest)  # canonical: (fold so far) op own
                     if what == _FINAL and job.avg:
@@ -806,15 +489,15 @@ class DataPlane:
                 else:
                     np.copyto(dest, src)
                     if k is not None:  # handed on too: from the slot just read, still in cache
-                        assert self.shm_out is not None
-                        np.copyto(self.shm_out.view(k, nbytes).view(dest.dtype), src)
+                        assert self.right.shm is not None
+                        np.copyto(self.right.shm.view(k, nbytes).view(dest.dtype), src)
                 del src
                 reader.release(nbytes)
                 if k is not None:
                     self.slots_filled_here += 1
-                    self._forward_slot(job, k, nbytes)
+                    self.right.forward_slot(job, k, nbytes)
                 elif what != _STORE:
-                    self._forward(job, view)
+                    self.right.forward(job, view)
                 continue
             reader.payload(job, view)
             if what <= _FINAL:
@@ -824,14 +507,14 @@ class DataPlane:
                 if what == _FINAL and job.avg:
                     np.divide(dest, dest.dtype.type(job.avg), out=dest)
             if what != _STORE:
-                self._forward(job, view)
+                self.right.forward(job, view)
 
     def _receive_native(self, job: Job, reader: _Reader) -> None:
         """One job's every frame, sent and received in C on this thread (psring._native.NRing), after the
         frames of the jobs before it; its frames all out (or the link shut) before the next job's."""
         ring = job.native
         try:
-            if not self._wait_turn(job) or job.gone():
+            if not self.turns.wait(job) or job.gone():
                 raise _Abandoned
             while True:
                 code = ring.run(reader, NATIVE_HOT, POLL)
@@ -870,9 +553,9 @@ class DataPlane:
                 # a frame left half sent: no whole frame can follow it, so the right neighbour sees the end
                 with contextlib.suppress(OSError):
                     self.send_sock.shutdown(socket.SHUT_WR)
-            self._bytes_sent_here += ring.sent
+            self.right.bytes_sent_here += ring.sent
             job.native = None  # (its buffers: the input and the result)
-            self._turn_done(job)
+            self.turns.done(job)
 
     @staticmethod
     def _next(job: Job, reader: _Reader) -> tuple[int, int, int]:
@@ -890,13 +573,13 @@ class DataPlane:
         """Stop the threads and close both links (idempotent; never blocks for long)."""
         if self.closed:
             return
-        self.closed = True
+        self.closed = self.right.closed = True
         self.stop.set()
         for sock in (self.send_sock, self.recv_sock):
             if sock is not None:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-        self._send_q.put(None)
+        self.right.queue.put(None)
         self._recv_q.put(None)
         for t in self._threads:
             t.join(timeout=2.0)
