@@ -1,8 +1,9 @@
 """Layer 2: moving frames between processes.
 
 - ``connection``: an authenticated, heartbeating asyncio connection that moves frames
-  (``handshake``, ``heartbeat`` and ``slots`` are its parts, ``host`` what they need of it, for
-  type checkers); ``local``: an in-process pair.
+  (its parts are objects of their own, each naming what it needs of the connection: ``framereader``
+  the receive path, ``handshake``, ``heartbeat``, ``slots`` payloads in shared memory); ``local``: an
+  in-process pair.
 - ``listener``: one listening port per process, dialing out, TLS.
 - ``mailbox``: tag-matched delivery of frames to posted receives.
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.

@@ -31,17 +31,12 @@ from .. import settings as settings_mod
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 from ..settings import Settings
+from .framereader import FrameReader
 from .handshake import HANDSHAKE_TIMEOUT, Handshake
 from .heartbeat import Heartbeat
 from .slots import SharedMemory
 
 logger = logging.getLogger(__name__)
-
-#: payloads at least this large (still to read) are read straight into their destination
-DIRECT_READ_MIN = 32 << 10
-HANDSHAKE_STAGING_SIZE = 4 << 10
-#: bytes each connection reads at a time once the peer has proved itself
-STAGING_SIZE = 256 << 10
 
 
 def _crc32c(data: Any) -> int:
@@ -93,18 +88,7 @@ class Connection(asyncio.BufferedProtocol):
         self.settings = settings
         self.name = name
         self._limits = limits or wire.Limits.from_settings(settings)
-        self._decoder = wire.HeaderDecoder(self._limits)
-        # a small buffer until the peer has proved itself: a flood of connections costs little
-        self._staging = bytearray(HANDSHAKE_STAGING_SIZE)
-        self._stage = memoryview(self._staging)
-        self._start = 0
-        self._end = 0
-        # the payload being read
-        self._header: dict[str, Any] | None = None
-        self._dest: memoryview | None = None
-        self._dest_obj: Any = None
-        self._dest_off = 0
-        self._direct = False
+        self.reader = FrameReader(self, self._limits)
 
         self.transport: asyncio.Transport | None = None
         self.router: Router | None = None
@@ -123,9 +107,6 @@ class Connection(asyncio.BufferedProtocol):
         self._closed = asyncio.get_running_loop().create_future()
         self._flush_waiters: list[asyncio.Future[None]] = []
         self.handshake = Handshake(self, secret, self._closed)
-        #: welcomed, but the handshake coroutine has not run yet: what follows waits unparsed
-        self._held = False
-        self._replaying = False  # parsing what was held, from the handshake's end
         #: the payload checksum this side sends and asks for (PSRING_CHECKSUM), or None
         self.checksum = settings.checksum
         self.heartbeat = Heartbeat(
@@ -155,9 +136,9 @@ class Connection(asyncio.BufferedProtocol):
             if early.get("kind") == "reject":  # welcomed, then turned away (wrong job, rank, world size)
                 raise ProtocolError(f"{self.peername} refused this connection: {str(early.get('reason'))[:2000]}")
             raise ProtocolError(f"{self.peername} sent frames before the handshake completed")
-        self._use_full_staging()
+        self.reader.use_full_staging()
         self.heartbeat.start()
-        self._replay_held()
+        self.reader.replay()
 
     @property
     def peer_rank(self) -> int | None:
@@ -231,125 +212,31 @@ class Connection(asyncio.BufferedProtocol):
 
     # ------------------------------------------------------------- receive path
     def get_buffer(self, sizehint: int) -> memoryview:
-        dest = self._dest
-        if dest is not None and self._start == self._end:
-            remaining = len(dest) - self._dest_off
-            if remaining >= DIRECT_READ_MIN:
-                self._direct = True
-                return dest[self._dest_off :]
-        self._direct = False
-        if self._start == self._end:
-            self._start = self._end = 0
-        elif len(self._staging) - self._end < 4096:
-            # compact: move the unparsed tail to the front
-            n = self._end - self._start
-            self._stage[:n] = self._stage[self._start : self._end]
-            self._start, self._end = 0, n
-        return self._stage[self._end :]
+        return self.reader.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_received += nbytes
         self.last_heard = time.monotonic()
         try:
-            if self._direct:
-                self._direct = False
-                self._dest_off += nbytes
-                if self._dest is not None and self._dest_off == len(self._dest):
-                    self._finish_frame()
-                return
-            self._end += nbytes
-            self._process_staging()
+            self.reader.updated(nbytes)
         except Exception as exc:  # a bad frame or a router failure ends this connection
             self.abort(exc)
 
-    def _use_full_staging(self) -> None:
-        """After the handshake: move the bytes already read past it into the full-size receive buffer."""
-        n = self._end - self._start
-        staging = bytearray(STAGING_SIZE)
-        staging[:n] = self._stage[self._start : self._end]
-        self._staging, self._stage = staging, memoryview(staging)
-        self._start, self._end = 0, n
+    @property
+    def handshaking(self) -> bool:
+        return self.handshake.frames is not None
 
-    def _replay_held(self) -> None:
-        """After the handshake: parse, in order, the frames the peer sent right after its welcome (held
-        back until now), and read on. A refusal or a bad frame among them ends the connection (and the dial)."""
-        if not self._held:
-            return
-        self._held, self._replaying = False, True
-        try:
-            self._process_staging()
-        except Exception as exc:
-            self.abort(exc)
-            raise
-        finally:
-            self._replaying = False
+    def resume_reading(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
-
-    def _process_staging(self) -> None:
-        stage = self._stage
-        while self._start < self._end and not self._held:
-            if self._dest is None:
-                header, used = self._decoder.feed(stage[self._start : self._end])
-                self._start += used
-                if header is None:
-                    break
-                self._begin_frame(header)
-            else:
-                take = min(self._end - self._start, len(self._dest) - self._dest_off)
-                self._dest[self._dest_off : self._dest_off + take] = stage[self._start : self._start + take]
-                self._dest_off += take
-                self._start += take
-                if self._dest_off == len(self._dest):
-                    self._finish_frame()
-            if self.transport_gone():
-                return
-        if self._start == self._end:
-            self._start = self._end = 0
 
     def transport_gone(self) -> bool:
         return self.transport is None or self.transport.is_closing()
 
-    def _begin_frame(self, header: dict[str, Any]) -> None:
-        nbytes = header["nbytes"]
-        if nbytes and self.handshake.frames is not None:
-            # nothing is allocated for a party that has not proved itself yet
-            kind = header["kind"]
-            raise ProtocolError(f"a {kind!r} frame with a {nbytes}-byte payload before the handshake completed")
-        self._header = header
-        if "pool" in header:  # the payload is in a slot of the peer's pool, not on the socket
-            self._dest_obj = self.shm.payload_in(header, nbytes)
-            self._slot_in = header["pool"]
-            self._finish_frame()
-            return
-        dest: memoryview | None = None
-        if (
-            nbytes
-            and self.handshake.frames is None
-            and self.router is not None
-            and header["kind"] not in ("ping", "bye")
-        ):
-            dest = self.router.buffer_for(self, header)
-            if dest is not None and len(dest) != nbytes:
-                dest = None
-        if dest is None:
-            obj = np.empty(nbytes, dtype=np.uint8)
-            dest = memoryview(obj)  # type: ignore[arg-type]  # numpy arrays are buffers
-            self._dest_obj = obj
-        else:
-            self._dest_obj = dest
-        self._dest = dest
-        self._dest_off = 0
-        if nbytes == 0:
-            self._finish_frame()
-
-    def _finish_frame(self) -> None:
-        header, payload = self._header, self._dest_obj
-        self._header = self._dest = self._dest_obj = None
-        self._dest_off = 0
-        slot, self._slot_in = self._slot_in, None
+    def frame(self, header: dict[str, Any], payload: Any, slot: int | None = None) -> None:
+        """A whole frame arrived (``slot``: its payload is in that slot of the peer's pool): the connection's
+        own (ping, bye, pool, the handshake's) are handled here, the rest go to the router."""
         self.frames_received += 1
-        assert header is not None
         kind = header["kind"]
         if "free" in header:
             self.shm.taken_back(header.pop("free"))
@@ -369,7 +256,7 @@ class Connection(asyncio.BufferedProtocol):
             self.handshake.frames.put_nowait(header)
             if kind == "welcome":
                 # the server is done and may send at once; its frames wait for the handshake to end
-                self._held = True
+                self.reader.held = True
                 if self.transport is not None:
                     self.transport.pause_reading()
             return
@@ -378,7 +265,7 @@ class Connection(asyncio.BufferedProtocol):
             return
         if kind == "free":
             return
-        if kind == "reject" and self._replaying:  # welcomed, then turned away at once (wrong job, rank, ...)
+        if kind == "reject" and self.reader.replaying:  # welcomed, then turned away at once (wrong job, rank, ...)
             raise ProtocolError(f"{self.peername} refused this connection: {str(header.get('reason'))[:2000]}")
         if self.router is None:
             raise ProtocolError(f"unexpected {kind!r} frame from {self.peername} before it was routed")
@@ -555,7 +442,7 @@ class Connection(asyncio.BufferedProtocol):
             raise self._lost or self.lost_error(f"connection to {self.peer_label} at {self.peername} is closed")
         if transport.get_extra_info("ssl_object") is not None:
             raise ProtocolError("a TLS connection cannot be detached from its transport")
-        if self._end != self._start or self._header is not None:
+        if self.reader.mid_stream:
             raise ProtocolError(f"{self.peername} sent bytes before its link was taken over")
         sock = transport.get_extra_info("socket")
         raw = socket.socket(fileno=os.dup(sock.fileno()))

@@ -159,8 +159,7 @@ class LocalConnection(Connection):
                 into = np.frombuffer(dest, np.uint8, nbytes)
                 if into.ctypes.data != src.ctypes.data:  # else the sender wrote it in place (peer_buffer)
                     np.copyto(into, src)
-        self._header, self._dest_obj = header, dest
-        self._finish_frame()
+        self.frame(header, dest)
 
     def peer_buffer(self, header: dict[str, Any]) -> memoryview | None:
         """Where the partner would receive a frame with this header (its posted buffer), or None.
