@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from .. import settings as settings_mod
+from ..core import wire
+from ..version import __version__
 from ..errors import PsringError
 from . import bench, cluster, serve, train
 
@@ -36,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
     parser.add_argument("--help-env", action=_HelpEnv)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"psring {__version__} (wire {wire.WIRE_VERSION})",
+        help="print psring's version and its wire protocol's, and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve.register(sub, env)
     bench.register(sub, env)
