@@ -11,6 +11,7 @@ import psring
 from psring.core import wire
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_version_flag_prints_the_packages_version_and_exits() -> None:
     out = subprocess.run(
