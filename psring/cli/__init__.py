@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 from .. import settings as settings_mod
 from ..core import wire
-from ..version import __version__
 from ..errors import PsringError
+from ..version import __version__
 from . import bench, cluster, serve, train
 
 

@@ -61,6 +61,10 @@ class Group(CollectiveRuntime, abc.ABC):
 
     topology: ClassVar[str] = ""
     registry: ClassVar[dict[str, type[Group]]] = {}
+    #: the topology's own home for the parameters (the parameter server's shards: a ParameterClient) and
+    #: for sparse tables (SparseTables); None where every rank keeps them (training.placement reads these)
+    params: Any = None
+    tables: Any = None
     members: list[int]  #: the world ranks of this group's ranks, in its rank order
 
     def __init__(
@@ -384,6 +388,10 @@ class Group(CollectiveRuntime, abc.ABC):
     def stats(self) -> dict[str, int]:
         """Bytes and frames this rank's connections sent and received."""
         return {"bytes_sent": 0, "bytes_received": 0}
+
+    def per_shard(self) -> list[tuple[int, int]]:
+        """(bytes sent to, received from) each server shard of the topology; [] where it has none."""
+        return []
 
     def link_stats(self) -> dict[str, list[int]]:
         """Bytes [sent, received] per link of this rank ("rank 2", "shard 0", "shared memory")."""

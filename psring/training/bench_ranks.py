@@ -119,6 +119,7 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
         peak = _peak_rss_bytes()
         slowest = await group.all_reduce(np.array(times), op="max")
         peaks = await group.all_gather(np.array([peak - idle], dtype=np.int64))
+        shards = group.per_shard()  # the parameter server's shards ([] on the ring)
         results.append(
             {
                 "size": count * dtype.itemsize,
@@ -127,10 +128,10 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
                 "topology": group.topology,
                 "ps_piece": group.piece_for(count * dtype.itemsize) if hasattr(group, "piece_for") else None,
-                "ps_shards": group.num_servers if group.topology == "ps" else None,
-                "ps_weights": list(group.shard_weights or ()) if group.topology == "ps" else None,
+                "ps_shards": len(shards) if shards else None,
+                "ps_weights": list(group.shard_weights or ()) if shards else None,
                 # ps: all_reduce blocks this rank reduced within its host before pushing them (0: none)
-                "ps_host_blocks": group.stats().get("host_reduce_blocks", 0) if group.topology == "ps" else None,
+                "ps_host_blocks": group.stats().get("host_reduce_blocks", 0) if shards else None,
             }
         )
     return {"results": results} if group.rank == 0 else None

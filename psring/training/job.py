@@ -260,8 +260,8 @@ class _Run:
         mine_stats = [stats["bytes_sent"], stats["bytes_received"], stats.get("backup_dropped", 0), self.opt.skipped]
         all_stats = await group.all_gather(np.array(mine_stats, np.int64))
         servers: list[list[int]] = []
-        if group.topology == "ps":  # what the shards received and sent = the sum over workers of the reverse
-            mine = np.array(group.links.per_shard(), np.int64).reshape(-1, 2)
+        if group.per_shard():  # what the shards received and sent = the sum over workers of the reverse
+            mine = np.array(group.per_shard(), np.int64).reshape(-1, 2)
             total = await group.all_reduce(mine, op="sum")
             servers = [[int(r), int(s)] for s, r in total]
         if group.rank != 0:

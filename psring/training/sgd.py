@@ -13,7 +13,6 @@ Knows a Group and an optimizer, not sockets.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -28,6 +27,7 @@ from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
+from .placement import Placement, _like, _to_host, placement_for
 
 #: default bucket size (torch DDP's default is 25 MiB)
 BUCKET_BYTES = 25 << 20
@@ -98,8 +98,10 @@ class SyncSGD:
                 f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
                 f"{group.world_size - 1} (world size {group.world_size}: at least one worker's push completes a step)"
             )
+        #: where the parameters live and who runs the optimizer: what the group's topology provides
+        self.placement: Placement = placement_for(group)
         if backup:
-            if str(group.topology) != "ps":
+            if not self.placement.holds_model:
                 raise ValueError(
                     f"backup={backup} needs the ps topology: there a shard applies each piece once all but "
                     f"{backup} workers pushed it; a ring all_reduce needs every rank's part"
@@ -111,7 +113,7 @@ class SyncSGD:
             group.backup = backup
         self.backup = backup
         if elastic:
-            if str(group.topology) != "ps":
+            if not self.placement.holds_model:
                 raise ValueError(
                     "elastic=True needs the ps topology: there the shards hold the model and a worker is only "
                     "a source of gradients (a ring would have to re-form; use psring launch --max-restarts)"
@@ -243,21 +245,7 @@ class SyncSGD:
         await self._check_setup()
         loaded, self._loaded = self._loaded, None
         await self._start_tables()
-        if self.topology == "ps":
-            host = [_to_host(f) for f in self._flat]
-            step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
-            outs, step = await self.group.params.init(host, self.optimizer.config(), step, state)
-            self._flat = [_like(self.xp, o) for o in outs]
-            self.step_count = step
-        else:
-            self._flat = [await self.group.broadcast(f, src=0) for f in self._flat]
-            self._state = [self.optimizer.init_state(f) for f in self._flat]
-            if loaded is not None:  # every rank loaded the same checkpoint (rank 0's params won anyway)
-                for state, saved in zip(self._state, loaded["state"], strict=True):
-                    for k, v in saved.items():
-                        state[k][...] = self.xp.asarray(v)
-                    state["step"] = loaded["step"]
-                self.step_count = loaded["step"]
+        await self.placement.start(self, loaded)
         self.started = True
         self.params = self._views()
         return self.params
@@ -266,14 +254,7 @@ class SyncSGD:
         """Every sparse table from rank 0: over the ring every rank takes a copy, over ps the shards
         take their row ranges and the workers drop theirs."""
         for k, name in enumerate(self.sparse):
-            rows, width, dtype = self._table_shape[name]
-            if self.topology == "ps":
-                table = _to_host(self._tables[name]) if self.group.rank == 0 else None
-                await self.group.tables.init(k, table, rows, width, dtype, self.optimizer.config())
-                self._tables[name] = None  # the shards hold it now: workers never do
-            else:
-                self._tables[name] = await self.group.broadcast(self._tables[name], src=0)
-                self._table_state[name] = self.optimizer.init_state(self._tables[name])
+            await self.placement.start_table(self, k, name)
 
     async def pull_rows(self, name: str, indices: Any) -> Any:
         """The current rows ``indices`` (any order, duplicates allowed) of sparse table ``name``:
@@ -282,15 +263,7 @@ class SyncSGD:
         idx = self._row_ids(name, indices, "pull_rows")
         if not self.started:
             await self.start()
-        rows, width, dtype = self._table_shape[name]
-        if self.topology == "ps":
-            got = self._prefetched.pop(name, None)
-            if got is not None and np.array_equal(got[0], idx):  # they came back with the last step
-                return _like(self.xp, got[1])
-            k = self.sparse.index(name)
-            out = await self.group.tables.pull(k, idx.astype(np.int64), rows, width, np.dtype(dtype))
-            return _like(self.xp, out)
-        return self.xp.take(self._tables[name], self.xp.asarray(idx), axis=0)
+        return await self.placement.pull_rows(self, name, idx)
 
     def _row_ids(self, name: str, indices: Any, what: str) -> np.ndarray:
         """Row indices of sparse table ``name`` as a flat host array; KeyError, TypeError or IndexError
@@ -308,8 +281,7 @@ class SyncSGD:
 
     async def _sparse_step(self, grads: Mapping[str, Any], prefetch: Mapping[str, np.ndarray]) -> None:
         """Every sparse table's step: the rows summed over the workers in rank order, divided by
-        their number, and the optimizer run on those rows only (the ring here, ps on the shards)."""
-        n = self.group.world_size
+        their number, and the optimizer run on those rows only (where the placement runs it)."""
         for k, name in enumerate(self.sparse):
             rows, width, dtype = self._table_shape[name]
             g = grads[name]
@@ -319,28 +291,7 @@ class SyncSGD:
             if (g.num_rows, g.width, dtype_name(g.values.dtype)) != (rows, width, dtype):
                 raise ValueError(f"grads[{name!r}] has rows of {g.num_rows} x {g.width} {g.values.dtype}; "
                                  f"the table is {rows} x {width} {dtype}")  # fmt: skip
-            # every rank checks every rank's rows first: bad ones are named everywhere, nothing applied
-            summed = await self.group.sparse_all_reduce(g) if self.topology != "ps" else None
-            if summed is None:  # ps: each rank's word on its rows goes with its push; shards apply none if one is bad
-                problem = g.problem()
-                pull = prefetch.get(name)
-                bad, pulled = await self.group.tables.step(
-                    k, self.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None,
-                    pull=None if pull is None else pull.astype(np.int64, copy=False),
-                )  # fmt: skip
-                if pulled is not None and pull is not None:
-                    self._prefetched[name] = (pull, pulled)
-                if bad:
-                    mine = f" (this rank: {problem})" if problem is not None else ""
-                    raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
-                                     f"the table's rows{mine}; nothing was applied")  # fmt: skip
-                continue
-            if summed.indices.size == 0:
-                continue
-            grad = summed.values / summed.values.dtype.type(n)
-            self.optimizer.update_rows(
-                self._tables[name], self._table_state[name], summed.indices, grad, self.step_count
-            )
+            await self.placement.table_step(self, k, name, g, prefetch.get(name))
 
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
@@ -353,11 +304,7 @@ class SyncSGD:
         if self.accumulate > 1 and self._micro:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
         keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
-        if self.topology == "ps":
-            per_bucket, step = await self.group.params.state([_to_host(f) for f in self._flat], keys)
-        else:
-            per_bucket = [{k: _to_host(s[k]) for k in keys} for s in self._state]
-            step = self.step_count
+        per_bucket, step = await self.placement.state(self, keys)
         state = {k: self._by_name([b[k] for b in per_bucket]) for k in keys}
         return {
             "format": "psring.SyncSGD/1",
@@ -473,22 +420,7 @@ class SyncSGD:
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
         t0 = time.perf_counter()
-        if self.topology == "ps":
-            host = [_to_host(f) for f in flats]
-            outs = [np.empty_like(h) for h in host]
-            taken = await self.group.params.step(self.step_count, host, outs, compression=self.compression)
-            self.skipped += taken - 1
-            self.step_count += taken - 1  # backup workers: a worker that was behind skips ahead
-            self._flat = [_like(self.xp, o) for o in outs]
-            t1 = t2 = time.perf_counter()  # the update ran on the servers, inside the exchange
-        else:
-            avgs = await asyncio.gather(
-                *(self.group.all_reduce(f, op="avg", compression=self.compression) for f in flats)
-            )
-            t1 = time.perf_counter()
-            for flat, avg, state in zip(self._flat, avgs, self._state, strict=True):
-                self.optimizer.update(flat, avg, state)
-            t2 = time.perf_counter()
+        t1, t2 = await self.placement.step(self, flats)
         if self.sparse:
             await self._sparse_step(grads, wanted)
             t2 = time.perf_counter()
@@ -496,18 +428,6 @@ class SyncSGD:
         self.step_count += 1
         self.params = self._views()
         return self.params
-
-
-def _to_host(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "get"):
-        return x.get()  # cupy
-    return np.asarray(x)
-
-
-def _like(xp: Any, host: np.ndarray) -> Any:
-    return host if xp is np else xp.asarray(host)
 
 
 class BlockingSyncSGD:

@@ -92,6 +92,9 @@ class PsGroup(Group):
         """Each shard's share of every large tensor (the job's PSRING_PS_WEIGHTS; None: equal)."""
         return self.links.weights
 
+    def per_shard(self) -> list[tuple[int, int]]:
+        return self.links.per_shard()
+
     def piece_for(self, nbytes: int) -> int:
         """The bytes a collective of nbytes is pushed and folded in (PSRING_PS_PIECE; smaller where
         some worker of the job reaches a shard on another host: PSRING_PS_WIRE_PIECE)."""
