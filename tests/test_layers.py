@@ -239,3 +239,41 @@ def test_test_files_that_start_processes_are_marked_slow() -> None:
         if "support" not in p.parts and starts.search(p.read_text()) and "pytest.mark.slow" not in p.read_text()
     ]
     assert not unmarked, f"test files that start processes without pytest.mark.slow: {unmarked}"
+
+
+def _broad_handlers_without_a_reason() -> list[str]:
+    """``except Exception`` / ``BaseException`` / bare, and ``suppress`` of them, that neither re-raise nor
+    say (a comment on the line, or on the handler's first line) why they must be broad."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        src = path.read_text()
+        lines = src.splitlines()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ExceptHandler):
+                t = node.type
+                names = {"bare"} if t is None else {e.id for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+                                                    if isinstance(e, ast.Name)}  # fmt: skip
+                if not names & {"Exception", "BaseException", "bare"}:
+                    continue
+                if any(isinstance(s, ast.Raise) and s.exc is None for s in ast.walk(node)):
+                    continue  # cleanup that re-raises
+                said = "#" in lines[node.lineno - 1] or "#" in lines[node.body[0].lineno - 1]
+            elif isinstance(node, ast.With):
+                broad = [
+                    c for c in (i.context_expr for i in node.items)
+                    if isinstance(c, ast.Call) and getattr(c.func, "attr", "") == "suppress"
+                    and any(isinstance(a, ast.Name) and a.id in ("Exception", "BaseException") for a in c.args)
+                ]  # fmt: skip
+                if not broad:
+                    continue
+                said = "#" in lines[node.lineno - 1] or "#" in lines[node.lineno - 2]
+            else:
+                continue
+            if not said:
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    return found
+
+
+def test_every_broad_except_re_raises_or_says_why() -> None:
+    missing = _broad_handlers_without_a_reason()
+    assert not missing, f"a broad except or suppress that neither re-raises nor says why: {missing}"

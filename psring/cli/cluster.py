@@ -144,7 +144,7 @@ def cli_dashboard(args: Any) -> int:
         try:
             await dash.start()
         except (PsringError, OSError, ValueError) as exc:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # cleanup before reporting the start's failure
                 await dash.close()
             return fail(str(exc))
         print(f"psring dashboard: {dash.url} (store {args.store})", flush=True)

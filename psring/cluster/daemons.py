@@ -164,7 +164,7 @@ class _Daemon:
                         await store.set(key(self.kind, self.id), json.dumps(self.record()), ttl=RECORD_TTL_S)
                     await asyncio.get_running_loop().run_in_executor(None, self._beat_stop.wait, HEARTBEAT_S)
             finally:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await store.close()
 
         loop = new_event_loop()
@@ -311,7 +311,7 @@ class WorkerDaemon(_Daemon):
                 stop.cancel()
                 if get not in done:
                     get.cancel()
-                    with contextlib.suppress(BaseException):
+                    with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
                         await get
                     break
                 raw = get.result()
@@ -364,13 +364,13 @@ class WorkerDaemon(_Daemon):
                 else:
                     why = f"job {jid} was {watch.result()} elsewhere"
                 body.cancel()
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(BaseException):  # cancelled: its outcome is why
                     await body
                 outcome["error"] = why
                 # a consequence (the job ended elsewhere) only when the watch saw it so; a rank that
                 # lost the store or was signalled is a cause of its own
                 outcome["stopped"] = watch in done and watch.exception() is None
-        except Exception as exc:
+        except Exception as exc:  # any failure of the job's body is its outcome, reported
             outcome["error"] = f"{type(exc).__name__}: {exc}"
         finally:
             for t in (watch, stop):
@@ -657,7 +657,7 @@ class ServerDaemon(_Daemon):
             self.stopping.set()
             self._stop_heartbeat(beat)
             for _attempt, srv in running.values():
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await srv.close()
             await self.stop()
 

@@ -103,7 +103,7 @@ class Dashboard:
     async def close(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
                 await self._poller
         if self._runner is not None:
             await self._runner.cleanup()
@@ -117,7 +117,7 @@ class Dashboard:
             except (PsringError, OSError) as exc:  # shown on the page; the next poll dials afresh
                 self.snapshot = {**self.snapshot, "error": f"{type(exc).__name__}: {exc}", "time": time.time()}
                 self._notify()
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await self.client.close()
 
     async def poll(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ def available() -> bool:
         return False
     try:
         return int(cp.cuda.runtime.getDeviceCount()) > 0
-    except Exception:
+    except Exception:  # any CUDA failure means no usable device
         return False
 
 

@@ -224,7 +224,7 @@ def decode_header(head: bytes, limits: Limits | None = None) -> dict[str, Any]:
     """Decode and validate exactly one header held whole in memory."""
     try:
         obj = msgpack.unpackb(head, raw=False, use_list=False, strict_map_key=True)
-    except Exception as exc:
+    except Exception as exc:  # a peer's bytes: msgpack raises many kinds
         raise ProtocolError(f"frame header is not valid msgpack: {exc}") from exc
     return validate_header(obj, limits or Limits())
 
@@ -288,7 +288,7 @@ def decode_message(msg: memoryview) -> tuple[tuple[str, int, int, tuple[Any, ...
         raise ProtocolError(f"message header length {hlen} does not fit a {len(msg)}-byte message")
     try:
         head = msgpack.unpackb(msg[2 : 2 + hlen], raw=False, use_list=False, strict_map_key=True)
-    except Exception as exc:
+    except Exception as exc:  # a peer's bytes: msgpack raises many kinds
         raise ProtocolError(f"message header is not valid msgpack: {exc}") from exc
     if not (
         type(head) is tuple

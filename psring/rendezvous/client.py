@@ -231,7 +231,7 @@ class StoreClient:
                 await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
                 delay = min(delay * 2, 1.0)  # at most a second between tries: back soon after the store is
                 continue
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                 await broken.close()
             self._conn = conn
             instance = conn.peer.get("instance")

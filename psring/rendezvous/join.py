@@ -74,7 +74,7 @@ async def release_store(owner: Any, store: Any, embedded: StoreServer | None) ->
     if owner is not None:
         await owner.close()
         return
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
         await store.close()
     if embedded is not None:
         await embedded.close()

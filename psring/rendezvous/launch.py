@@ -327,7 +327,7 @@ async def launch(
         raise
     finally:
         if node.store is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                 await node.store.close()
         if store is None and server is not None:
             await server.close()

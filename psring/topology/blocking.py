@@ -189,7 +189,7 @@ def _close_all() -> None:
     for group in list(_live):
         try:
             group.close()
-        except Exception:
+        except Exception:  # at exit: one group's failed close must not stop the others'
             pass
 
 

@@ -465,13 +465,13 @@ class StallInspector:
             "ranks": [describe_view(views[r]) for r in sorted(views)],
             "silent": sorted(set(group.members) - set(views)),
         }
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: psring doctor's copy only
             await store.set(f"{self.layer.prefix}/stall", json.dumps(picture))
             self._published = True
 
     async def _unpublish(self) -> None:
         store = getattr(self.layer, "store", None)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # best effort: psring doctor's copy only
             if store is not None:
                 await store.delete(f"{self.layer.prefix}/stall")
 

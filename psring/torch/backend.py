@@ -217,7 +217,7 @@ class Work(dist._Work):
             return None
         try:
             self._done.value()
-        except BaseException as exc:
+        except BaseException as exc:  # torch's Work reports any failure as a value
             return exc
         return None
 
@@ -257,7 +257,7 @@ class _Completer:
             cf, finish, future = self._queue.get()
             try:
                 value = finish(cf.result())
-            except BaseException as exc:
+            except BaseException as exc:  # torch's Future carries any failure
                 future.set_exception(_as_torch_error(exc))
             else:
                 future.set_result(value)
@@ -335,7 +335,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
             if got is None or not got[0]:  # not a board call, or a late peer: the loop runs (the rest of) it
                 return self._start(got[1] if got else self._g.all_reduce(x, op), finish)
             future.set_result(finish(got[1]))
-        except BaseException as exc:
+        except BaseException as exc:  # torch's Future carries any failure
             future.set_exception(_as_torch_error(exc))
         return Work(future)
 

@@ -467,7 +467,7 @@ class Connection(asyncio.BufferedProtocol):
             if not self.transport.is_closing() and self.handshake.frames is None:
                 self.send_frame({**(farewell or {}), "kind": "bye"})
                 await asyncio.wait_for(self.flush(), timeout)
-        except (Exception, asyncio.CancelledError):
+        except (Exception, asyncio.CancelledError):  # the goodbye is best effort: close anyway
             pass
         finally:
             if self.transport is not None:

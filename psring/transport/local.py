@@ -188,7 +188,7 @@ class LocalConnection(Connection):
     async def close(self, timeout: float = 2.0, farewell: dict[str, Any] | None = None) -> None:
         if not self.transport_gone():
             self._closing = True
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # the goodbye is best effort: close anyway
                 self.send_frame({**(farewell or {}), "kind": "bye"})
                 await asyncio.wait_for(self.flush(), timeout)
         self._shut(None)

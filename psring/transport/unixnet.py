@@ -126,7 +126,7 @@ class UnixMesh(Mesh[UnixLink]):
             for task in dials:
                 task.cancel()
             await acceptor.stop()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
                 await asyncio.gather(accepting, *dials, return_exceptions=True)
         self.listener.close()  # every link is up: nobody else may join
         self.listener = None
@@ -298,7 +298,7 @@ class _Acceptor:
             self.accepted[rank] = sock
             if len(self.accepted) == len(self.lower):
                 self.all_in.set()
-        except Exception:
+        except Exception:  # a half-greeted link of any failure is dropped
             sock.close()
 
     def close_accepted(self) -> None:
@@ -308,5 +308,5 @@ class _Acceptor:
     async def stop(self) -> None:
         for task in list(self._greeters):
             task.cancel()
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
             await asyncio.gather(*self._greeters, return_exceptions=True)

@@ -201,7 +201,7 @@ class HostReduce:
             for *_, task in inflight:
                 task.cancel()
             for *_, task in inflight:
-                with contextlib.suppress(BaseException):
+                with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
                     await task
         return out
 

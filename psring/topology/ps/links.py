@@ -347,7 +347,7 @@ class ServerLinks:
         if self.own_servers is not None:
             await self.own_servers.drain(timeout=10.0)
             await self.own_servers.close()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
             await self.store.close()
         if self.embedded_store is not None:
             await self.embedded_store.close()

@@ -440,7 +440,7 @@ class ParameterClient:
             work.result()
             return
         work.cancel()
-        with contextlib.suppress(BaseException):
+        with contextlib.suppress(BaseException):  # cancelled by us: the loss is what we raise
             await work
         if lost in done:
             raise lost.exception() or PeerLostError("a server shard was lost")

@@ -134,14 +134,14 @@ class ShardServer:
     async def close(self) -> None:
         if self.listener is not None:
             for conn in list(self.listener.connections):
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await conn.close()
             await self.listener.close()
             self.listener = None
         if self.host is not None:  # the port stays: close this job's connections only
             self.host.remove(self)
             for conn in [c for shard in self.shards.values() for c in list(shard.conns) if c not in self.local]:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await conn.close()
             self.host = None
         for conn in list(self.local):
@@ -149,7 +149,7 @@ class ShardServer:
         if self.pool is not None:
             self.pool.close()
         if self.store is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                 await self.store.close()
             self.store = None
 

@@ -135,7 +135,7 @@ async def resolve(net: PeerNet, timeout: float) -> None:
             raw = await net.store.get(f"{net.prefix}/unix/{r}")
             try:
                 info = msgpack.unpackb(raw) if raw and raw != b"-" else None
-            except Exception:
+            except Exception:  # a peer's bytes: any failure = no info
                 info = None
             if isinstance(info, dict) and info.get("key") == mine:
                 peers[r] = info

@@ -434,7 +434,7 @@ class BoardAllReduce(Algorithm):
         their_seq, their_tag = board.read(peer, seq)
         try:
             call = msgpack.unpackb(their_tag, use_list=False)
-        except Exception:
+        except Exception:  # a peer's bytes: only for the message
             call = None
         if their_seq == seq:
             return mismatch_message(seq, src, call, self.rank, desc)

@@ -457,7 +457,7 @@ class DataPlane:
         if bytes(call) != job.call:
             try:
                 theirs = msgpack.unpackb(bytes(call), use_list=False)
-            except Exception:
+            except Exception:  # a peer's bytes: only for the message
                 theirs = None
             raise PlaneMismatch(theirs)
         x, out, ufunc = job.x, job.out, job.ufunc
@@ -529,7 +529,7 @@ class DataPlane:
                 elif code == _RING_MISMATCH:
                     try:
                         theirs = msgpack.unpackb(ring.theirs, use_list=False)
-                    except Exception:
+                    except Exception:  # a peer's bytes: only for the message
                         theirs = None
                     raise PlaneMismatch(theirs)
                 elif code == _RING_BAD:

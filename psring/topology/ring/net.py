@@ -298,7 +298,7 @@ class PeerNet(PlaneLinks):
             self._register(conn, rank)
             fut.set_result(conn)
             return conn
-        except BaseException as exc:
+        except BaseException as exc:  # every failure, cancellation too, goes to the dial's waiters
             if isinstance(exc, PeerLostError):
                 exc = PeerLostError(f"rank {rank} at {self.addresses.get(rank)} is unreachable: {exc}", rank=rank)
             fut.set_exception(exc)
@@ -425,7 +425,7 @@ class PeerNet(PlaneLinks):
             self.board.close()
         if self.listener is not None:
             await self.listener.close()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
             await self.store.close()
         if self.embedded_store is not None:
             await self.embedded_store.close()

@@ -245,7 +245,7 @@ class PlaneLinks:
         """Whether the right neighbour mapped this very pool (its answer names the pool's token)."""
         key = f"{self.prefix}/shm-ok/{right}"
         await self._wait_key(key, right, timeout)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a peer's bytes, or a store gone: not mapped
             return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == pool.token)
         return False
 
