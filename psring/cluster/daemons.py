@@ -223,6 +223,9 @@ class _Daemon:
         if self.metrics_port is not None:
             self.metrics = Metrics(self.metrics_port, role=self.kind[:-1])
         await self._open_port()
+        # a daemon that starts holds no job: a claim on its name is a previous life's (SIGKILLed mid-job and
+        # started again under its name by a restart policy), which would keep it out of every job after
+        await self.store.delete(key("claim", self.id))
         await self._publish()
         if hasattr(self.store, "on_reconnect"):
             self.store.on_reconnect.append(self._reregister)

@@ -173,3 +173,29 @@ def test_a_full_disk_fails_the_submitter_at_once_and_the_cluster_goes_on(tmp_pat
         assert done.returncode == 0 and "ranks bit-identical True" in done.stdout, done.stdout[-3000:]
     finally:
         c.close()
+
+
+def test_a_worker_daemon_restarted_under_its_name_takes_the_jobs_next_attempt(tmp_path: Path) -> None:
+    """What a restart policy does: the worker daemon SIGKILLed mid-job comes back under its own name. Before
+    the fix its previous life's claim stayed in the store, so the job's next attempt (and every job after)
+    waited for it forever; found by benchmarks/faults.py (ring/worker/kill/mid-step)."""
+    c = Cluster(tmp_path)
+    try:
+        c.worker("r0")
+        victim = c.worker("r1")
+        with c.client() as client:
+            job = client.submit("ring", 2, train={"epochs": 60}, max_restarts=1)
+            for rec in job.stream():
+                if rec.get("step", 0) >= 100:
+                    break
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(timeout=10)
+            end(victim)  # (its pipe: the new daemon takes its place in the cluster's books)
+            c.worker("r1")  # the same name again
+            summary = job.wait(timeout=120)
+            status = client.status()
+        [rec] = [j for j in status["jobs"] if j["id"] == job.id]
+        assert rec["state"] == "done" and rec["attempt"] == 1, rec
+        assert summary["ranks_agree"] is True
+    finally:
+        c.close()

@@ -1,0 +1,437 @@
+"""A fault campaign (#59): every process kind x every fault x every phase, invariants checked after each.
+
+Each case starts a bed of real processes on loopback, injects one fault into one process at one phase,
+and then checks what an operator relies on:
+
+- **bounded**: the job's submitter (or ``psring train``) ends within ``--bound`` seconds: nothing hangs;
+- **no silent loss**: the job either ends done with the undisturbed run's parameters (the same
+  ``param_digest``), or fails with an error line that names the fault (the process or its role);
+- **usable after**: where the restart policy brings the process back, a fresh job on the same bed
+  ends done with the undisturbed run's parameters;
+- **SIGTERM ends everything** within 10 s (docker's grace), each process exiting by itself;
+- **nothing left running**: no process carrying the case's marker survives the case.
+
+Beds. ``cluster``: a store (``--data-dir``), worker daemons and, for ps, a server daemon; the job is a
+``psring submit --max-restarts 2``. A daemon or the store that gets SIGKILL or SIGTERM is started again
+with the same arguments one second later, as ``restart: always`` would. ``launch``: ``psring train``
+(the launcher) and its rank processes, ``--max-restarts 2``.
+
+Kinds: store, worker (daemon), server (daemon), submitter (cluster bed); rank, launcher (launch bed).
+Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIGCONT).
+Phases: idle (before the job: for daemons and the store), mid-step (a quarter of the job's steps done).
+
+    python benchmarks/faults.py                         # every case, both topologies
+    python benchmarks/faults.py --kinds store --faults kill --phases mid-step --topologies ring
+    python benchmarks/faults.py --case ring/worker/kill/mid-step --seed 3    # replay one case
+
+Seeded: the seed picks the victim among processes of its kind and the moment within its phase; a case
+that fails prints the command that replays it. Exit status 1 when any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MARK = "PSRING_FAULT_CASE"
+GRACE_S = 10.0
+
+KINDS = ("store", "worker", "server", "submitter", "rank", "launcher")
+FAULTS = ("kill", "term", "stop")
+PHASES = ("idle", "mid-step")
+#: processes a restart policy brings back (the cluster bed's long-running ones)
+RESTARTED = ("store", "worker", "server")
+
+
+class Proc:
+    """One process of a bed, its output gathered by a thread (never blocks the campaign)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name, self.argv, self.env = name, argv, env
+        self.lines: list[str] = []
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "psring", *argv], env=env, cwd=ROOT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                m = re.search(pattern, self.lines[seen])
+                seen += 1
+                if m:
+                    return m
+            if self.p.poll() is not None and seen >= len(self.lines):
+                self._reader.join(1)
+                if seen >= len(self.lines):
+                    break
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.name}: {pattern!r} never appeared (exit {self.p.poll()}): {self.tail()}")
+
+    def tail(self, n: int = 8) -> str:
+        return " | ".join(self.lines[-n:])
+
+    @property
+    def out(self) -> str:
+        self._reader.join(2)
+        return "\n".join(self.lines)
+
+
+def marked_pids(tag: str) -> list[int]:
+    """Processes carrying this case's marker in their environment (ranks a daemon or launcher started too)."""
+    want = f"{MARK}={tag}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    found.append(int(d))
+        except OSError:
+            continue
+    return found
+
+
+def _summary(out: str) -> dict[str, Any] | None:
+    rows = [line for line in out.splitlines() if line.startswith("{") and "param_digest" in line]
+    return json.loads(rows[-1]) if rows else None
+
+
+@dataclasses.dataclass
+class Case:
+    topology: str
+    kind: str
+    fault: str
+    phase: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.topology}/{self.kind}/{self.fault}/{self.phase}"
+
+    def why_not(self) -> str | None:
+        """Why this combination is not a case (None: it is one)."""
+        if self.kind == "server" and self.topology != "ps":
+            return "no server daemon on the ring"
+        if self.phase == "idle" and self.kind in ("submitter", "rank", "launcher"):
+            return "exists only while a job runs"
+        return None
+
+
+class Campaign:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.references: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ beds
+    def _env(self, tag: str) -> dict[str, str]:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", MARK: tag}
+        env.pop("PSRING_STORE", None)
+        return env
+
+    def _job_argv(self, address: str, topology: str) -> list[str]:
+        return ["submit", "--store", address, "--topology", topology, "--workers", str(self.args.workers),
+                "--epochs", str(self.args.epochs), "--max-restarts", "2", "--timeout", "30", "--json"]  # fmt: skip
+
+    def _train_argv(self, topology: str) -> list[str]:
+        return ["train", "--topology", topology, "--workers", str(self.args.workers), "--epochs",
+                str(self.args.epochs), "--max-restarts", "2", "--timeout", "30", "--json"]  # fmt: skip
+
+    def reference(self, topology: str) -> str:
+        """The undisturbed run's parameter digest (the main job's bits do not depend on the bed)."""
+        if topology not in self.references:
+            done = subprocess.run(
+                [sys.executable, "-m", "psring", *self._train_argv(topology)], cwd=ROOT, capture_output=True,
+                text=True, timeout=self.args.bound, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+            summary = _summary(done.stdout)
+            if done.returncode != 0 or summary is None:
+                raise RuntimeError(f"the undisturbed {topology} run failed: {done.stdout[-2000:]}")
+            self.references[topology] = str(summary["param_digest"])
+        return self.references[topology]
+
+    # ----------------------------------------------------------------- a case
+    def run(self, case: Case, seed: int) -> list[str]:
+        """The case's broken invariants ([] when every one held)."""
+        rng = random.Random(f"{case.name}/{seed}")
+        tag = f"{case.name.replace('/', '-')}-{seed}-{os.getpid()}-{time.monotonic_ns()}"
+        env = self._env(tag)
+        procs: list[Proc] = []
+        problems: list[str] = []
+        want = self.reference(case.topology)
+        with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
+            try:
+                if case.kind in ("rank", "launcher"):
+                    problems += self._launch_case(case, rng, env, procs, want, tag)
+                else:
+                    problems += self._cluster_case(case, rng, env, procs, want, data)
+            except Exception as exc:  # a bed that did not come up is a failed case, said as such
+                problems.append(f"the case could not run: {type(exc).__name__}: {exc}")
+            problems += self._stop_all(procs, tag)
+        return problems
+
+    def _inject(self, proc: Proc, fault: str) -> None:
+        if fault == "kill":
+            os.kill(proc.p.pid, signal.SIGKILL)
+        elif fault == "term":
+            os.kill(proc.p.pid, signal.SIGTERM)
+        else:
+            os.kill(proc.p.pid, signal.SIGSTOP)
+            time.sleep(self.args.stop_s)
+            os.kill(proc.p.pid, signal.SIGCONT)
+
+    def _mid_step(self, proc: Proc, rng: random.Random) -> None:
+        """Wait for a moment within the job's second quarter of steps (its progress lines say where it is)."""
+        m = proc.wait_line(r"step (\d+)/(\d+)", 120)
+        total = int(m[2])
+        at = rng.randint(max(1, total // 4), max(1, total // 2))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            done = [int(x[1]) for line in proc.lines[-20:] if (x := re.search(r"step (\d+)/\d+", line))]
+            if done and max(done) >= at:
+                return
+            if proc.p.poll() is not None:
+                raise RuntimeError(f"{proc.name} ended before step {at} of {total}: {proc.tail()}")
+            time.sleep(0.01)
+        raise RuntimeError(f"{proc.name} did not reach step {at} of {total}: {proc.tail()}")
+
+    def _cluster_case(
+        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, data: str
+    ) -> list[str]:
+        problems: list[str] = []
+        store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
+        procs.append(store)
+        port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
+        address = f"127.0.0.1:{port}"
+        store.argv = ["store", "--host", "127.0.0.1", "--port", str(port), "--data-dir", data]
+        for i in range(self.args.workers):
+            w = Proc(f"worker w{i}", ["worker", "--store", address, "--host", "127.0.0.1", "--name", f"w{i}"], env)
+            procs.append(w)
+            w.wait_line("ready on", 60)
+        if case.topology == "ps":
+            s = Proc("server s0", ["server", "--cluster", "--store", address, "--host", "127.0.0.1", "--name", "s0"],
+                     env)  # fmt: skip
+            procs.append(s)
+            s.wait_line("ready for ps jobs", 60)
+        pool = {
+            "store": [store],
+            "worker": [p for p in procs if p.name.startswith("worker")],
+            "server": [p for p in procs if p.name.startswith("server")],
+        }
+        victim: Proc | None = None
+        if case.phase == "idle":
+            victim = rng.choice(pool[case.kind])
+            self._inject(victim, case.fault)
+            self._restart(victim, case, procs)
+        submit = Proc("submitter", self._job_argv(address, case.topology), env)
+        procs.append(submit)
+        if case.phase == "mid-step":
+            self._mid_step(submit, rng)
+            victim = submit if case.kind == "submitter" else rng.choice(pool[case.kind])
+            self._inject(victim, case.fault)
+            if case.kind != "submitter":
+                self._restart(victim, case, procs)
+        assert victim is not None
+        problems += self._judge(submit, victim, case, want)
+        if case.kind == "submitter":  # the cluster goes on: a fresh job on it still gives the bits
+            again = Proc("submitter (again)", self._job_argv(address, case.topology), env)
+            procs.append(again)
+            problems += [f"after: {p}" for p in self._judge(again, None, case, want)]
+        elif case.kind in RESTARTED and case.fault != "stop":
+            again = Proc("submitter (after the restart)", self._job_argv(address, case.topology), env)
+            procs.append(again)
+            problems += [f"after the restart: {p}" for p in self._judge(again, None, case, want)]
+        return problems
+
+    def _restart(self, victim: Proc, case: Case, procs: list[Proc]) -> None:
+        """The restart policy: a store or daemon that ended is started again with its arguments."""
+        if case.fault == "stop" or case.kind not in RESTARTED:
+            return
+        try:
+            victim.p.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            return  # _judge names it: it did not end on SIGTERM
+        time.sleep(1.0)
+        fresh = Proc(victim.name, victim.argv, victim.env)
+        procs.append(fresh)
+        ready = {"store": "listening on", "worker": "ready on", "server": "ready for ps jobs"}[case.kind]
+        fresh.wait_line(ready, 60)
+        victim.restarted = fresh  # type: ignore[attr-defined]
+
+    def _launch_case(
+        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, tag: str
+    ) -> list[str]:
+        train = Proc("launcher", self._train_argv(case.topology), env)
+        procs.append(train)
+        self._mid_step(train, rng)
+        if case.kind == "launcher":
+            victim = train
+        else:
+            ranks = [pid for pid in marked_pids(tag) if pid != train.p.pid and _is_rank(pid)]
+            if not ranks:
+                return ["no rank process found to fault"]
+            pid = rng.choice(sorted(ranks))
+            victim = _Pid(pid)  # type: ignore[assignment]
+        self._inject(victim, case.fault)
+        return self._judge(train, victim, case, want)
+
+    def _judge(self, job: Proc, victim: Any, case: Case, want: str) -> list[str]:
+        """bounded, and done with the bits or failed naming the fault."""
+        problems: list[str] = []
+        t0 = time.monotonic()
+        try:
+            job.p.wait(timeout=self.args.bound)
+        except subprocess.TimeoutExpired:
+            return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
+        took = time.monotonic() - t0
+        if victim is job:  # the job's own process got the fault
+            if case.fault == "stop":  # paused and resumed: it goes on to the bits
+                if job.p.returncode != 0 or str((_summary(job.out) or {}).get("param_digest")) != want:
+                    problems.append(f"{job.name} paused and resumed did not finish with the bits: {job.tail()}")
+            elif took > GRACE_S:
+                problems.append(f"{job.name} took {took:.1f}s to end on SIG{case.fault.upper()}")
+            return problems
+        summary = _summary(job.out)
+        if job.p.returncode == 0 and summary is not None:
+            if str(summary.get("param_digest")) != want:
+                problems.append(f"{job.name} finished with other parameters ({summary.get('param_digest')} != {want})")
+        else:
+            last = next((line for line in reversed(job.lines) if line.strip()), "")
+            named = victim is not None and _names(last, victim, case)
+            if not named:
+                problems.append(f"{job.name} failed ({job.p.returncode}) in {took:.1f}s without naming the fault: "
+                                f"{last[:300]!r}")  # fmt: skip
+        return problems
+
+    def _stop_all(self, procs: list[Proc], tag: str) -> list[str]:
+        """SIGTERM to every process still running: each must end within the grace; nothing marked may stay."""
+        problems: list[str] = []
+        live = [p for p in procs if p.p.poll() is None]
+        for p in live:
+            os.kill(p.p.pid, signal.SIGCONT)
+            os.kill(p.p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        for p in live:
+            try:
+                p.p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                problems.append(f"{p.name} still running {GRACE_S:g}s after SIGTERM: {p.tail()}")
+                p.p.kill()
+                p.p.wait(timeout=30)
+        time.sleep(0.5)
+        left = marked_pids(tag)
+        if left:
+            problems.append(f"left running after the case: pids {left}")
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        return problems
+
+
+class _Pid:
+    """A process the campaign did not start itself (a rank under a launcher)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.name = f"rank (pid {pid})"
+
+        class _P:
+            pass
+
+        self.p = _P()
+        self.p.pid = pid  # type: ignore[attr-defined]
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"psring.training" in f.read()
+    except OSError:
+        return False
+
+
+def _names(line: str, victim: Any, case: Case) -> bool:
+    """Whether a failure line names the fault: the process (its name, its rank) or its role."""
+    low = line.lower()
+    words = {"store", "worker", "server", "shard", "rank", "lost", "killed", "signal", "terminated"}
+    return any(w in low for w in words) or victim.name.split()[-1].lower() in low
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    out = []
+    for topology, kind, fault, phase in itertools.product(args.topologies, args.kinds, args.faults, args.phases):
+        c = Case(topology, kind, fault, phase)
+        if c.why_not() is None:
+            out.append(c)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--topologies", nargs="+", default=["ring", "ps"], choices=["ring", "ps"])
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--faults", nargs="+", default=list(FAULTS), choices=FAULTS)
+    p.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    p.add_argument("--case", help="one case, TOPOLOGY/KIND/FAULT/PHASE (what a failure prints)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=60, help="the job's length: long enough to fault it mid-step")
+    p.add_argument("--stop-s", type=float, default=10.0, help="seconds a SIGSTOPped process stays stopped")
+    p.add_argument("--bound", type=float, default=240.0, help="seconds a job may take, faults and all")
+    p.add_argument("--json", action="store_true", help="one JSON line per case")
+    args = p.parse_args(argv)
+    todo = cases(args)
+    if args.case:
+        parts = args.case.split("/")
+        if len(parts) != 4:
+            p.error(f"--case {args.case!r}: want TOPOLOGY/KIND/FAULT/PHASE")
+        todo = [Case(*parts)]
+        why = todo[0].why_not()
+        if why is not None:
+            p.error(f"--case {args.case}: not a case ({why})")
+    campaign = Campaign(args)
+    failed = 0
+    for case in todo:
+        t0 = time.monotonic()
+        problems = campaign.run(case, args.seed)
+        took = time.monotonic() - t0
+        failed += bool(problems)
+        if args.json:
+            print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
+                              "seconds": round(took, 1)}), flush=True)  # fmt: skip
+        else:
+            verdict = "held" if not problems else "FAILED: " + "; ".join(problems)
+            print(f"{case.name:34} {took:6.1f}s  {verdict}", flush=True)
+        if problems:
+            print(f"  replay: python benchmarks/faults.py --case {case.name} --seed {args.seed} "
+                  f"--workers {args.workers} --epochs {args.epochs} --stop-s {args.stop_s:g}", flush=True)  # fmt: skip
+    print(f"{len(todo) - failed} of {len(todo)} cases held", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
