@@ -64,7 +64,7 @@ class Proc:
         self.lines: list[str] = []
         self.p = subprocess.Popen(
             [sys.executable, "-m", "psring", *argv], env=env, cwd=ROOT, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -91,7 +91,7 @@ class Proc:
         raise RuntimeError(f"{self.name}: {pattern!r} never appeared (exit {self.p.poll()}): {self.tail()}")
 
     def tail(self, n: int = 8) -> str:
-        return " | ".join(self.lines[-n:])
+        return " | ".join(line[:200] for line in self.lines[-n:])[-600:]
 
     @property
     def out(self) -> str:
@@ -144,6 +144,7 @@ class Campaign:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.references: dict[str, str] = {}
+        self.took: dict[str, float] = {}  # the undisturbed run's seconds, by topology
 
     # ------------------------------------------------------------------ beds
     def _env(self, tag: str) -> dict[str, str]:
@@ -162,6 +163,7 @@ class Campaign:
     def reference(self, topology: str) -> str:
         """The undisturbed run's parameter digest (the main job's bits do not depend on the bed)."""
         if topology not in self.references:
+            t0 = time.monotonic()
             done = subprocess.run(
                 [sys.executable, "-m", "psring", *self._train_argv(topology)], cwd=ROOT, capture_output=True,
                 text=True, timeout=self.args.bound, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -170,6 +172,7 @@ class Campaign:
             if done.returncode != 0 or summary is None:
                 raise RuntimeError(f"the undisturbed {topology} run failed: {done.stdout[-2000:]}")
             self.references[topology] = str(summary["param_digest"])
+            self.took[topology] = time.monotonic() - t0
         return self.references[topology]
 
     # ----------------------------------------------------------------- a case
@@ -285,7 +288,10 @@ class Campaign:
     ) -> list[str]:
         train = Proc("launcher", self._train_argv(case.topology), env)
         procs.append(train)
-        self._mid_step(train, rng)
+        # psring train prints no step lines: mid-step is a moment within the undisturbed run's second quarter
+        time.sleep(rng.uniform(0.3, 0.5) * self.took[case.topology])
+        if train.p.poll() is not None:
+            return ["the job ended before its fault could be injected: give it more --epochs"]
         if case.kind == "launcher":
             victim = train
         else:

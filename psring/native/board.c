@@ -429,10 +429,29 @@ static inline int64_t *st_own(NBoard *b, long long k, Py_ssize_t at) {
     return (int64_t *)(own_slot(b, k) + b->head + at);
 }
 
-/* wait until every peer's counter `at` is v or past: hot polls, then the core yielded between polls;
- * 1 it came, 0 not within budget_s, -1 the call was cancelled (GIL released by the caller) */
-static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, int hot, double budget) {
-    double end = -1.0;
+typedef struct {
+    const char *x;
+    char *out;
+    Py_ssize_t count, item, piece, depth;
+    int n, me, kind, op, hot, nt;
+    int yield_us, nap_us; /* a wait yields the core for yield_us, then naps nap_us between polls (-1: never) */
+    int crowded;          /* a yield took a time slice: the rest of the call naps (st_wait) */
+    double budget;
+} Stream;
+
+/* a yield that kept the core from this thread longer than this, seconds: another runnable thread ran
+ * in its place -- more runnable threads than cores */
+#define ST_CROWDED_S 1e-3
+
+/* wait until every peer's counter `at` is v or past: hot polls, then the core yielded between polls for
+ * yield_us (-1: for the whole wait), then a nap of nap_us between polls. A yield leaves the thread
+ * runnable: where there are more runnable threads than cores (a busy machine: a data loader, another job)
+ * each yield can cost a whole time slice, taken from the very peer it waits for, so once one yield took
+ * longer than ST_CROWDED_S the call naps at every wait from then on (st->crowded). 1 it came, 0 not within
+ * budget_s, -1 the call was cancelled (GIL released by the caller) */
+static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, Stream *st) {
+    double end = -1.0, nap_from = 0.0;
+    int hot = st->crowded ? 0 : st->hot;
     for (int polls = 0;; polls++) {
         int i = 0;
         while (i < b->npeers && load(peer_slot(b, i, k) + b->head + at) >= v)
@@ -443,11 +462,20 @@ static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, int hot, do
             return -1;
         if (polls < hot)
             continue;
-        if (end < 0.0)
-            end = now_s() + budget;
-        else if (now_s() >= end)
+        double t = now_s();
+        if (end < 0.0) {
+            end = t + st->budget;
+            nap_from = t + st->yield_us * 1e-6;
+        } else if (t >= end)
             return 0;
-        sched_yield();
+        if (!st->crowded && (st->yield_us < 0 || t < nap_from)) {
+            sched_yield();
+            if (st->yield_us >= 0 && now_s() - t > ST_CROWDED_S)
+                st->crowded = 1;
+        } else {
+            struct timespec nap = {0, (long)st->nap_us * 1000L};
+            nanosleep(&nap, NULL);
+        }
     }
 }
 
@@ -474,13 +502,6 @@ static void copy_out(char *dst, const char *src, size_t len, int nt) {
     memcpy(dst, src, len);
 }
 
-typedef struct {
-    const char *x;
-    char *out;
-    Py_ssize_t count, item, piece, depth;
-    int n, me, kind, op, hot, nt;
-    double budget;
-} Stream;
 
 /* a rank's sub-slot s (this rank's own: r == me) */
 static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_ssize_t s) {
@@ -490,14 +511,14 @@ static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_s
 
 /* on from where this rank's counters say it is; 0 done, 1 a peer was not there within the budget, 2
  * cancelled. The caller holds no GIL. */
-static int do_stream(NBoard *b, const Stream *st, long long k) {
+static int do_stream(NBoard *b, Stream *st, long long k) {
     int n = st->n, me = st->me;
     Py_ssize_t item = st->item, piece = st->piece, longest = (st->count + n - 1) / n;
     Py_ssize_t blocks = (longest + piece - 1) / piece;
     int64_t *posted = st_own(b, k, ST_POSTED), *folded = st_own(b, k, ST_FOLDED), *done = st_own(b, k, ST_DONE);
     int w;
 #define ST_WAIT(at, v)                                                                                             \
-    if ((w = st_wait(b, k, at, v, st->hot, st->budget)) != 1)                                                      \
+    if ((w = st_wait(b, k, at, v, st)) != 1)                            \
         return w == 0 ? 1 : 2;
     for (int64_t g = *done; g < blocks; g++) {
         Py_ssize_t s = g % st->depth;
@@ -546,7 +567,7 @@ static int do_stream(NBoard *b, const Stream *st, long long k) {
     return 0;
 }
 
-/* stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt) -> 0: done (out holds the fold); 1: a
+/* stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us]) -> 0: done (out holds the fold); 1: a
  * peer was not there within budget_s at one of the waits (call again: it goes on where it stands); 2:
  * cancelled (cancel_stream). Post k must be this call's on every board (stream_post, then differs); x
  * and out contiguous, alike, of a (kind, op) the fold takes; piece: elements of a chunk per block; nt:
@@ -556,8 +577,11 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
     Py_buffer x, outb;
     Stream st;
     const char *op;
-    if (!PyArg_ParseTuple(args, "Liy*w*Csnnidi", &k, &st.me, &x, &outb, &st.kind, &op, &st.piece, &st.depth,
-                          &st.hot, &st.budget, &st.nt))
+    st.yield_us = -1;
+    st.crowded = 0;
+    st.nap_us = 50;
+    if (!PyArg_ParseTuple(args, "Liy*w*Csnnidi|ii", &k, &st.me, &x, &outb, &st.kind, &op, &st.piece, &st.depth,
+                          &st.hot, &st.budget, &st.nt, &st.yield_us, &st.nap_us))
         return NULL;
     PyObject *result = NULL;
     st.op = op_code(op);
@@ -571,7 +595,7 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
         room = room && need <= b->peer_slot[i] - b->head;
     if (x.len != outb.len || st.op < 0 || st.item == 0 || (st.op == 1 && st.kind != 'f' && st.kind != 'd') ||
         x.len % st.item || (uintptr_t)x.buf % (uintptr_t)st.item || (uintptr_t)outb.buf % (uintptr_t)st.item ||
-        st.me < 0 || st.me >= st.n || st.piece < 1 || st.depth < 1 || !room) {
+        st.me < 0 || st.me >= st.n || st.piece < 1 || st.depth < 1 || st.nap_us < 0 || st.nap_us > 1000000 || !room) {
         PyErr_SetString(PyExc_ValueError, "stream: a call the native fold does not take, or one the slots do not hold");
         goto done;
     }
@@ -611,7 +635,8 @@ static PyMethodDef nb_methods[] = {
     {"fold", (PyCFunction)nb_fold, METH_VARARGS, "fold(k, me, own, out, kind, op) -> folded (False: not here)"},
     {"exchange", (PyCFunction)nb_exchange, METH_VARARGS, "exchange(k, tag, x, out, kind, op, me, hot, budget_s)"},
     {"stream", (PyCFunction)nb_stream, METH_VARARGS,
-     "stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt) -> 0 done, 1 wait, 2 cancelled"},
+     "stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us]) -> 0 done, 1 wait, "
+     "2 cancelled"},
     {"cancel_stream", (PyCFunction)nb_cancel_stream, METH_VARARGS, "cancel_stream(flag): see stream"},
     {"close", (PyCFunction)nb_close, METH_NOARGS, "release the buffers (the board's maps may close)"},
     {NULL, NULL, 0, NULL},

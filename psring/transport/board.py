@@ -369,18 +369,19 @@ class Board:
 
     def stream(
         self, k: int, me: int, x: np.ndarray, out: np.ndarray, kind: str, op: str, piece: int, depth: int,
-        hot: int, budget: float, nt: bool,
+        hot: int, budget: float, nt: bool, yield_us: int = -1, nap_us: int = 50,
     ) -> int:
         """Run streamed call k (posted by every rank: :meth:`stream_post`, checked with :meth:`differs`)
         on from where this rank stands: 0 done, ``out`` holds the fold; 1 a peer was not there within
         ``budget`` seconds at some wait (call again); 2 cancelled (:meth:`cancel_stream`) or the board
         closed. ``piece``: elements of each ring chunk per block; x and out flat, contiguous, of a native
-        fold's kind."""
+        fold's kind. ``yield_us``: a wait yields the core for that long, then naps ``nap_us`` between polls
+        (-1: it only yields)."""
         with self._streaming:
             nat = self._nat
             if nat is None:
                 return 2
-            code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt))
+            code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt), yield_us, nap_us)
         if code == 0:
             self.bytes_posted += x.nbytes
             self.bytes_read += x.nbytes * len(self._peers) // (len(self._peers) + 1) * 2

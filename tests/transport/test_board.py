@@ -616,8 +616,11 @@ def test_the_native_split_exchange_gives_the_canonical_folds_bits(n: int) -> Non
             board.close()
 
 
-def _streamed(boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece: int, depth: int) -> list[np.ndarray]:
-    """Streamed call k on every board, each rank on a thread of its own; the results."""
+def _streamed(
+    boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece: int, depth: int, wait: tuple[int, int] = (-1, 50)
+) -> list[np.ndarray]:
+    """Streamed call k on every board, each rank on a thread of its own; the results. ``wait``: (yield_us,
+    nap_us) of Board.stream."""
     n = len(boards)
     tag = f"stream-{k}".encode()
     for r, board in enumerate(boards):
@@ -631,7 +634,7 @@ def _streamed(boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece:
         assert boards[r].differs(k, tag, xs[r].nbytes) is None
         code = 1
         while code == 1:  # a rank the scheduler left behind: go on where it stands
-            code = boards[r].stream(k, r, xs[r], outs[r], kind, op, piece, depth, 0, 0.05, r % 2 == 0)
+            code = boards[r].stream(k, r, xs[r], outs[r], kind, op, piece, depth, 0, 0.05, r % 2 == 0, *wait)
         codes[r] = code
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
@@ -646,11 +649,13 @@ def _streamed(boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("wait", [(-1, 50), (0, 20), (200, 50)], ids=["yields", "naps", "adaptive"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_a_streamed_call_gives_the_canonical_folds_bits(n: int) -> None:
+def test_a_streamed_call_gives_the_canonical_folds_bits(n: int, wait: tuple[int, int]) -> None:
     """The split fold a block at a time (Board.stream): every dtype and op the C fold takes, sizes whose ring
     chunks differ and end in part of a block, a depth smaller than the blocks (sub-slots reused), the same
-    bits as psring.core.fold.canonical_fold on every rank, with streaming stores and without."""
+    bits as psring.core.fold.canonical_fold on every rank, with streaming stores and without; a wait that
+    only yields its core, one that naps at once (a crowded machine) and one that yields and then naps."""
     _needs_native()
     boards = _boards(n)
     rng = np.random.default_rng(n)
@@ -663,7 +668,7 @@ def test_a_streamed_call_gives_the_canonical_folds_bits(n: int) -> None:
                 for size, piece, depth in ((n, 1, 1), (1000 + n - 1, 7, 3), (4099, 64, 2)):
                     xs = _inputs(rng, np.dtype(dtype), size, n)
                     want = canonical_fold(xs, op, np.empty_like(xs[0]))
-                    outs = _streamed(boards, k, xs, op, piece, depth)
+                    outs = _streamed(boards, k, xs, op, piece, depth, wait)
                     for r in range(n):
                         assert outs[r].tobytes() == want.tobytes(), (dtype, op, size, piece, depth, r)
                     k += 1
@@ -733,3 +738,18 @@ def test_boards_stream_only_where_every_rank_offers_to() -> None:
     finally:
         for board in (a, b, c):
             board.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_calls_nap_out_of_range_is_refused() -> None:
+    _needs_native()
+    a, b = _boards(2)
+    try:
+        x = np.ones(400, np.float32)
+        a.stream_post(0, b"s", x.nbytes)
+        for nap_us in (-1, 2_000_000):
+            with pytest.raises(ValueError, match="does not take"):
+                a.stream(0, 0, x, np.empty_like(x), "f", "sum", 10, 2, 0, 0.01, False, 0, nap_us)
+    finally:
+        a.close()
+        b.close()

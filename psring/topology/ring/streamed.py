@@ -36,6 +36,12 @@ STREAM_BLOCK = 256 << 10
 STREAM_NT = 8 << 20
 #: seconds a streamed call polls at one wait before the loop looks at its collective (then it goes on)
 STREAM_WAIT = 0.05
+#: a rank waiting for its peers within a streamed call yields its core for STREAM_YIELD_US, then naps
+#: STREAM_NAP_US between polls (board.c's st_wait): with more runnable threads than cores (a busy
+#: machine, more ranks than cores) a yielding rank stays runnable and takes the core from the peer it waits
+#: for, where a napping one gives it up (docs/performance.md, "A busy machine")
+STREAM_YIELD_US = 200
+STREAM_NAP_US = 50
 
 
 class StreamedBoard(Algorithm):
@@ -161,6 +167,8 @@ class StreamedBoard(Algorithm):
                 hot,
                 STREAM_WAIT,
                 nt,
+                STREAM_YIELD_US,
+                STREAM_NAP_US,
             )
             try:
                 code = await asyncio.shield(run)

@@ -1,0 +1,57 @@
+"""Short forms of the bad-day benchmarks: benchmarks/faults.py (the fault campaign, #59) runs a case and
+checks its invariants; benchmarks/contention.py (psring against gloo under CPU hogs, #60) runs a cell and
+ends its hogs. What they measure is theirs to say (docs/operations.md, docs/performance.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tree
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_fault_campaign_runs_a_case_and_it_holds() -> None:
+    """The store SIGKILLed before the job and started again by the restart policy: the job still ends with
+    the undisturbed run's bits, a fresh job after it too, SIGTERM ends everything, nothing is left."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/store/kill/idle",
+           "--workers", "2", "--epochs", "4", "--json"]  # fmt: skip
+    res = run_tree(cmd, timeout=280)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, res.stdout + res.stderr
+    assert rows[0]["case"] == "ring/store/kill/idle" and rows[0]["held"], rows[0]
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_the_fault_campaign_names_what_is_not_a_case() -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/server/kill/idle"]
+    res = run_tree(cmd, timeout=60)
+    assert res.returncode == 2 and "no server daemon on the ring" in res.stderr, res.stderr
+
+
+def test_the_contention_benchmark_runs_a_cell_and_ends_its_hogs() -> None:
+    pytest.importorskip("torch", reason="gloo comes with torch")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--hogs", "1", "--paths", "host",
+           "--workers", "2", "--sizes", "4", "--iters", "3", "--rounds", "1", "--json"]  # fmt: skip
+    res = run_tree(cmd, timeout=280)
+    assert res.returncode == 0, res.stdout + res.stderr
+    [row] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert (row["hogs"], row["path"], row["workers"], row["size"]) == (1, "host", 2, 4)
+    assert row["psring_s"] > 0 and row["gloo_s"] > 0
+    hogs = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == b"sh\0-c\0while :; do :; done\0"]
+    assert not hogs, f"hogs left running: {hogs}"
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
