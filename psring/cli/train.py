@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 from typing import Any
@@ -141,6 +142,9 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
         finally:
             loop.close()
             progress.close()
+        if code == 128 + signal.SIGTERM:  # told to stop: the launcher ended every rank; exit as told
+            print("psring train: stopped by SIGTERM; every worker ended", file=sys.stderr)
+            raise SystemExit(code)
         if code != 0:
             print(f"psring train: a worker failed (exit code {code})", file=sys.stderr)
             return None

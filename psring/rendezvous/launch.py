@@ -41,6 +41,17 @@ from .store import StoreServer, start_store
 WATCH_S = 0.2
 
 
+def _die_with_parent() -> None:
+    """In a child, before it runs: SIGTERM it when the launcher dies, SIGKILLed included (Linux's
+    PR_SET_PDEATHSIG), so no rank or server process outlives the launcher that owns it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own SIGTERM handler still ends them
+        pass
+
+
 async def _pump(
     stream: asyncio.StreamReader,
     prefix: str,
@@ -170,6 +181,7 @@ class _Node:
                 env={**env, "PYTHONUNBUFFERED": "1"},
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
             self.servers.append(proc)
             assert proc.stdout is not None
@@ -196,7 +208,8 @@ class _Node:
             if extra_env is not None:
                 child.update(extra_env[local])
             proc = await asyncio.create_subprocess_exec(
-                *cmd, env=child, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+                *cmd, env=child, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
             )
             self.ranks.append(proc)
             assert proc.stdout is not None
@@ -299,6 +312,21 @@ async def launch(
     address = StoreAddress("tcp", host=addr, port=port)
     node = _Node(n, nnodes, node_rank, config, prefix_output)
     base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), PSRING_TOPOLOGY=topology)
+    # SIGTERM (docker stop, a scheduler's preemption, kill): every rank and server process is ended
+    # (SIGTERM, then SIGKILL after a grace) before the launcher exits, with 128 + 15 as the exit code
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    terminated: list[bool] = []
+
+    def _on_sigterm() -> None:
+        terminated.append(True)
+        if me is not None:
+            me.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, _on_sigterm)
+        handles_sigterm = True
+    except (RuntimeError, ValueError, NotImplementedError):  # not the main thread: the caller's to handle
+        handles_sigterm = False
     try:
         await node.join(address)
         attempt = 0
@@ -324,8 +352,13 @@ async def launch(
         return code
     except (Exception, asyncio.CancelledError):
         await node.stop()
+        if terminated:
+            sys.stderr.write(f"psring launch: SIGTERM: stopped node {node_rank}'s ranks\n")
+            return 128 + signal.SIGTERM
         raise
     finally:
+        if handles_sigterm:
+            loop.remove_signal_handler(signal.SIGTERM)
         if node.store is not None:
             with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                 await node.store.close()

@@ -199,3 +199,49 @@ def test_a_worker_daemon_restarted_under_its_name_takes_the_jobs_next_attempt(tm
         assert summary["ranks_agree"] is True
     finally:
         c.close()
+
+
+def _marked(tag: str) -> list[int]:
+    want = f"PSRING_TEST_MARK={tag}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    if want in f.read().split(b"\0"):
+                        found.append(int(d))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_no_rank_outlives_its_launcher(tmp_path: Path, sig: signal.Signals) -> None:
+    """psring train mid-job, told to stop (SIGTERM: it ends every rank and exits 143 within docker's grace)
+    or killed (SIGKILL: each rank gets SIGTERM from the kernel as its parent dies). Before the fix both
+    left the ranks running; found by benchmarks/faults.py (ring/launcher/*)."""
+    tag = f"{os.getpid()}-{sig.name}-{time.monotonic_ns()}"
+    env = {**os.environ, "PSRING_TEST_MARK": tag, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", "500"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while len(_marked(tag)) < 3 and time.monotonic() < deadline:  # the launcher and its two ranks
+            time.sleep(0.2)
+        assert len(_marked(tag)) >= 3, "the ranks never started"
+        time.sleep(2.0)  # mid-job
+        os.kill(proc.pid, sig)
+        took = _gone_within(proc, GRACE_S)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 128 + signal.SIGTERM, (took, end(proc)[-2000:])
+        deadline = time.monotonic() + GRACE_S
+        while _marked(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _marked(tag), f"left running {GRACE_S:g}s after the launcher ended: {_marked(tag)}"
+    finally:
+        for pid in _marked(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        end(proc)
