@@ -177,7 +177,10 @@ class AsyncClient:
             if len(idle) >= n:
                 got: list[str] = []
                 for wid in idle:
-                    ok, _ = await self.store.compare_set(key("claim", wid), None, str(jid).encode())
+                    mine = str(jid).encode()
+                    ok, held = await self.store.compare_set(key("claim", wid), None, mine)
+                    if not ok and held is not None and (held == mine or await self._stale_claim(wid)):
+                        ok, _ = await self.store.compare_set(key("claim", wid), held, mine)
                     if ok:
                         got.append(wid)
                         if len(got) == n:
@@ -195,6 +198,13 @@ class AsyncClient:
                     f"{len(records)} registered, {len(idle)} idle"
                 )
             await asyncio.sleep(0.3)
+
+    async def _stale_claim(self, wid: str) -> bool:
+        """Whether the claim on an idle daemon is older than STALE_CLAIM_S: a placement that never finished
+        (its submitter died, or the store's disk refused the rest of it) -- a live one is acked within
+        seconds, and its daemon is busy from then on."""
+        _, age = await self.store.get_aged(key("claim", wid))
+        return age is not None and age > STALE_CLAIM_S
 
     async def _place_shards(self, spec: dict[str, Any]) -> dict[str, list[int]] | None:
         hosts = sorted(r["id"] for r in await self._records("servers") if not _lost(r))
@@ -348,6 +358,9 @@ class AsyncClient:
                 raise TimeoutError(f"job {jid} not finished within {timeout:g}s")
             await asyncio.sleep(0.2)
 
+
+#: a claim on an idle daemon this old is a placement that never finished (acks take at most 15 s)
+STALE_CLAIM_S = 30.0
 
 #: a daemon whose record was not rewritten for this long (by the store's clock) stopped heartbeating
 LOST_AFTER_S = 5 * HEARTBEAT_S
