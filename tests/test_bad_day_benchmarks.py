@@ -38,6 +38,7 @@ def test_the_fault_campaign_names_what_is_not_a_case() -> None:
 
 def test_the_contention_benchmark_runs_a_cell_and_ends_its_hogs() -> None:
     pytest.importorskip("torch", reason="gloo comes with torch")
+    before = set(_hogs())  # (spinners of someone else's: not this run's to end)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--hogs", "1", "--paths", "host",
            "--workers", "2", "--sizes", "4", "--iters", "3", "--rounds", "1", "--json"]  # fmt: skip
     res = run_tree(cmd, timeout=280)
@@ -45,8 +46,12 @@ def test_the_contention_benchmark_runs_a_cell_and_ends_its_hogs() -> None:
     [row] = json.loads(res.stdout.strip().splitlines()[-1])
     assert (row["hogs"], row["path"], row["workers"], row["size"]) == (1, "host", 2, 4)
     assert row["psring_s"] > 0 and row["gloo_s"] > 0
-    hogs = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == b"sh\0-c\0while :; do :; done\0"]
-    assert not hogs, f"hogs left running: {hogs}"
+    left = set(_hogs()) - before
+    assert not left, f"hogs left running: {left}"
+
+
+def _hogs() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit() and _cmdline(p) == b"sh\0-c\0while :; do :; done\0"]
 
 
 def _cmdline(pid: str) -> bytes:
