@@ -99,9 +99,9 @@ class Proc:
         return "\n".join(self.lines)
 
 
-def marked_pids(tag: str) -> list[int]:
-    """Processes carrying this case's marker in their environment (ranks a daemon or launcher started too)."""
-    want = f"{MARK}={tag}".encode()
+def marked_pids(tag: str, var: str = MARK) -> list[int]:
+    """Processes carrying ``var=tag`` in their environment (ranks a daemon or launcher started too)."""
+    want = f"{var}={tag}".encode()
     found = []
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():

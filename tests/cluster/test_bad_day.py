@@ -202,17 +202,11 @@ def test_a_worker_daemon_restarted_under_its_name_takes_the_jobs_next_attempt(tm
 
 
 def _marked(tag: str) -> list[int]:
-    want = f"PSRING_TEST_MARK={tag}".encode()
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/environ", "rb") as f:
-                    if want in f.read().split(b"\0"):
-                        found.append(int(d))
-            except OSError:
-                continue
-    return found
+    """Processes whose environment carries PSRING_TEST_MARK=tag (the campaign's own scan of /proc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from faults import marked_pids
+
+    return marked_pids(tag, "PSRING_TEST_MARK")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
