@@ -545,6 +545,27 @@ def load(env: Mapping[str, str]) -> Settings:
     return Settings(**values)
 
 
+def child_env(env: Mapping[str, str], **changes: Any) -> dict[str, str]:
+    """``env`` with the settings named in ``changes`` (Settings' field names) written as their
+    PSRING_* variables (None: not given, ``env``'s stays), checked by resolving the result: the one channel a
+    launcher hands its children their job's settings through (``psring train --timeout 30``
+    becomes PSRING_TIMEOUT=30 for every rank, shard and the launcher's own waits alike)."""
+    fields = {f.name: f for f in variables()}
+    out = dict(env)
+    for name, value in changes.items():
+        if name not in fields:
+            raise TypeError(f"child_env: no setting named {name!r}")
+        var = fields[name].metadata["env"]
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out[var] = "1" if value else "0"
+        else:
+            out[var] = repr(value) if isinstance(value, float) else str(value)
+    load(out)  # a value its children could not read fails here, in the launcher, once
+    return out
+
+
 def _read_secret_file(path: str) -> str:
     try:
         with open(path) as fh:

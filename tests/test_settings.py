@@ -285,3 +285,21 @@ async def test_a_piece_size_that_differs_is_named_at_set_up(store: psring.StoreS
             r"rank \d has \d+, rank \d has \d+; set it to the same value for every rank",
             out,
         ), out
+
+
+def test_child_env_writes_settings_as_their_variables_and_checks_them() -> None:
+    base = {"PATH": "/bin", "PSRING_SERVERS": "3", "PSRING_JOB": "mine"}
+    env = settings_mod.child_env(base, topology="ps", timeout=12.5, ps_colocate=True, servers=None, port=7000)
+    assert env["PSRING_TOPOLOGY"] == "ps" and env["PSRING_TIMEOUT"] == "12.5" and env["PSRING_PS_COLOCATE"] == "1"
+    assert env["PSRING_PORT"] == "7000"
+    assert env["PSRING_SERVERS"] == "3" and env["PSRING_JOB"] == "mine" and env["PATH"] == "/bin"  # None: kept
+    assert base == {"PATH": "/bin", "PSRING_SERVERS": "3", "PSRING_JOB": "mine"}  # the caller's mapping untouched
+    resolved = settings_mod.load(env)  # what every child resolves: the values given, exactly
+    assert (resolved.topology, resolved.timeout, resolved.ps_colocate, resolved.servers) == ("ps", 12.5, True, 3)
+    assert settings_mod.load(settings_mod.child_env({}, timeout=float("inf"))).timeout == float("inf")
+    with pytest.raises(ValueError, match="PSRING_TIMEOUT='-1.0'"):
+        settings_mod.child_env({}, timeout=-1.0)  # refused in the launcher, not in each child
+    with pytest.raises(ValueError, match="PSRING_TOPOLOGY='mesh'"):
+        settings_mod.child_env({}, topology="mesh")
+    with pytest.raises(TypeError, match="no setting named 'timeout_s'"):
+        settings_mod.child_env({}, timeout_s=3)

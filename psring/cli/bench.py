@@ -79,11 +79,7 @@ def run_allreduce(
             "small_iters": max(iters, 200),
             "scale": scale,
         }
-        env = settings_mod.process_env()
-        if servers is not None:
-            env["PSRING_SERVERS"] = str(servers)
-        if colocate:
-            env["PSRING_PS_COLOCATE"] = "1"
+        env = settings_mod.child_env(settings_mod.process_env(), servers=servers, ps_colocate=colocate or None)
         cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
         if backend == "mpich":  # MPICH's own launcher starts its ranks
             mpi_env = {k: v for k, v in env.items() if not k.startswith(("MPIR_", "FI_"))}
@@ -136,9 +132,7 @@ def run_sgd(
             "out": out,
             "compression": compression,
         }
-        env = settings_mod.process_env()
-        if servers is not None:
-            env["PSRING_SERVERS"] = str(servers)
+        env = settings_mod.child_env(settings_mod.process_env(), servers=servers)
         cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
         loop = new_event_loop()
         try:

@@ -113,16 +113,19 @@ def train_once(args: argparse.Namespace, topology: str, quiet: bool = False) -> 
     with tempfile.TemporaryDirectory(prefix="psring-train-") as tmp:
         spec = {
             **train_settings(args),
-            "timeout": args.timeout,
             "out": os.path.join(tmp, "summary.json"),
             "checkpoint_dir": args.checkpoint_dir,
             "checkpoint_every": args.checkpoint_every if args.checkpoint_dir else 0,
             "elastic": args.elastic,
             "backup": args.backup,
         }
-        env = settings_mod.process_env()
-        if topology == "ps":
-            env["PSRING_SERVERS"] = str(args.servers or args.workers)
+        # the job's settings reach every rank, shard and the launcher's own waits one way: PSRING_*
+        env = settings_mod.child_env(
+            settings_mod.process_env(),
+            topology=topology,
+            timeout=args.timeout,
+            servers=(args.servers or args.workers) if topology == "ps" else None,
+        )
         cmd = [sys.executable, "-m", "psring.training", json.dumps(spec)]
         progress = _Progress(topology, quiet)
         loop = new_event_loop()
@@ -236,10 +239,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"psring train: {reason}", file=sys.stderr)
         return 2
 
-    if args.topology not in TOPOLOGY_NAMES:
-        return bad(f"unknown topology {args.topology!r} (ring or ps)")
     if args.workers < 1:
         return bad(f"--workers must be at least 1, got {args.workers}")
+    if not args.timeout > 0:
+        return bad(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.topology == "ring" and args.servers is not None and not args.compare:
         return bad("--servers applies to --topology ps only")
     if args.servers is not None and args.servers < 1:
@@ -305,7 +308,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         help="the main job: synchronous SGD on the digits data set",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--topology", default=env.topology, help="ring or ps (PSRING_TOPOLOGY)")
+    p.add_argument("--topology", choices=TOPOLOGY_NAMES, default=env.topology, help="PSRING_TOPOLOGY")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps only; PSRING_SERVERS)")
     add_train_flags(p)

@@ -438,19 +438,17 @@ class WorkerDaemon(_Daemon):
         job = job_name(jid, attempt)
         world = len(spec["workers"])
         await self._close_port()  # the job's group listens on this daemon's declared port now
-        env = {  # what this job's rank resolves its settings from: the daemon's own, then the job's
-            **settings_mod.process_env(),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0",
-            "PSRING_JOB": job,
-            "PSRING_TOPOLOGY": spec["topology"],
-            "PSRING_PORT": str(self.port),
-            "PSRING_ADVERTISE_HOST": str(self.advertise),
-            "PSRING_STORE": self.store_spec,
-            "MASTER_ADDR": "",
-            "MASTER_PORT": "",
-        }
+        # what this job's rank resolves its settings from: the daemon's own, then the job's
+        env = settings_mod.child_env(
+            settings_mod.process_env(),
+            job=job,
+            topology=spec["topology"],
+            timeout=spec.get("timeout"),
+            port=self.port,
+            advertise_host=str(self.advertise),
+            store=self.store_spec,
+        )
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="", MASTER_PORT="")
         servers = None
         recorder = None
         try:
@@ -502,9 +500,8 @@ class WorkerDaemon(_Daemon):
                 self.metrics.comm.labels("worker").set(record["comm_s"])
             self._store_later(key("jobs", jid, "ranks", record["rank"]), record)
 
-        train_spec = {**spec["train"], "timeout": spec.get("timeout")}
         checkpoints = StoreCheckpoints(self.store, key("jobs", jid, "checkpoint"))
-        summary = await worker(train_spec, progress=progress, checkpoints=checkpoints, env=env, report=report)
+        summary = await worker(spec["train"], progress=progress, checkpoints=checkpoints, env=env, report=report)
         return summary
 
     async def _entrypoint(self, spec: dict[str, Any], env: dict[str, str]) -> Any:
@@ -514,9 +511,8 @@ class WorkerDaemon(_Daemon):
         except (ImportError, AttributeError) as exc:
             raise JobError(f"entrypoint {spec['entrypoint']!r} cannot be loaded on worker {self.id}: {exc}") from exc
         kwargs = spec.get("args") or {}
-        timeout = spec.get("timeout")
         if inspect.iscoroutinefunction(fn):
-            group = await init_group(timeout=timeout, env=env)
+            group = await init_group(env=env)  # its timeout is the job's: PSRING_TIMEOUT in env
             try:
                 result = await fn(group, **kwargs)
             finally:
@@ -525,7 +521,7 @@ class WorkerDaemon(_Daemon):
         else:
 
             def run_sync() -> Any:
-                g = init(timeout=timeout, env=env)
+                g = init(env=env)
                 try:
                     return fn(g, **kwargs), g.stats()
                 finally:

@@ -296,8 +296,9 @@ async def launch(
         raise ValueError(f"--node-rank {node_rank} is not one of 0..{nnodes - 1} (--nnodes {nnodes})")
     if nnodes > 1 and (not master_addr or not master_port):
         raise ValueError("a job of several nodes needs --master-addr and --master-port (node 0's address and a port)")
-    base = settings_mod.process_env() if env is None else dict(env)
-    config = settings_mod.load(base)  # the children's settings: bad values fail here, once
+    # the children's settings travel one way, as PSRING_* variables; bad values fail here, once
+    base = settings_mod.child_env(settings_mod.process_env() if env is None else env, topology=topology)
+    config = settings_mod.load(base)
     addr = master_addr or "127.0.0.1"
     server = store
     if server is None and node_rank == 0:
@@ -311,7 +312,7 @@ async def launch(
     assert port is not None
     address = StoreAddress("tcp", host=addr, port=port)
     node = _Node(n, nnodes, node_rank, config, prefix_output)
-    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port), PSRING_TOPOLOGY=topology)
+    base.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     # SIGTERM (docker stop, a scheduler's preemption, kill): every rank and server process is ended
     # (SIGTERM, then SIGKILL after a grace) before the launcher exits, with 128 + 15 as the exit code
     loop, me = asyncio.get_running_loop(), asyncio.current_task()

@@ -52,7 +52,7 @@ async def init_group(
     if client is not None:
         settings = dataclasses.replace(settings, client=client)
     cls = Group.registry[settings.topology]
-    group = await cls.create(settings, **options)  # type: ignore[attr-defined]
+    group = await cls.create(settings, **options)
     if settings.config.trace_dir:
         process_recorder(settings.config.trace_dir, settings.job)
     install_dump_signal()  # SIGUSR1 prints what this process's groups wait in

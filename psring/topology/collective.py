@@ -36,12 +36,14 @@ class Collective:
         "waiting_on",
     )
 
-    def __init__(self, group: Any, seq: int, desc: tuple[Any, ...], timeout: float) -> None:
+    def __init__(
+        self, group: Any, seq: int, desc: tuple[Any, ...], timeout: float, started: float | None = None
+    ) -> None:
         self.group = group
         self.seq = seq
         self.desc = desc
         self.kind = desc[0]
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
         self.deadline = self.started + timeout
         self.timer: asyncio.TimerHandle | None = None  # the next stall check, or the deadline
         self.stalled = 0  # stall thresholds passed so far (the inspector ran that often)

@@ -33,6 +33,7 @@ from ..errors import (
     PeerLostError,
     PsringError,
 )
+from ..rendezvous.scheduler import GroupSettings
 from ..settings import Settings
 from ..transport.mailbox import Mailbox
 from .collective import Collective
@@ -92,6 +93,12 @@ class Group(CollectiveRuntime, abc.ABC):
         self.p2p = PointToPoint(self)  # send, recv, recv_any
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
         self.bytes_sent = 0
+
+    @classmethod
+    @abc.abstractmethod
+    async def create(cls, settings: GroupSettings, **options: Any) -> Group:
+        """Form this topology's group of ``settings.world_size`` ranks (``init_group`` calls it with
+        the settings it resolved); ``options`` are the topology's own (``init_group(**options)``)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

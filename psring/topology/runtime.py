@@ -119,8 +119,12 @@ class CollectiveRuntime:
         root: int | None = None,
         timeout: float | None = None,
         seq: int | None = None,
+        started: float | None = None,
     ) -> Collective:
-        """Start a collective: the next sequence number, or one reserved earlier (``seq``)."""
+        """Start a collective: the next sequence number, or one reserved earlier (``seq``).
+
+        ``started``: when the call began, if before now (a fast path that ran part of it on the
+        caller's thread and hands the rest to the loop); its deadline counts from then."""
         if seq is None:
             self._check_usable()
             seq = self._seq
@@ -135,7 +139,7 @@ class CollectiveRuntime:
         dtype = dtype_name(x.dtype) if x is not None else None
         shape = tuple(x.shape) if x is not None else None
         desc = (kind, dtype, shape, op, root)
-        coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout)
+        coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout, started)
         pending = self._aborted.pop(seq, None)
         if pending is not None:
             raise pending

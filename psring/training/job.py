@@ -271,6 +271,7 @@ class _Run:
             "topology": group.topology,
             "workers": group.world_size,
             "servers": getattr(group, "num_servers", 0),
+            "timeout": group.timeout,  # the job's PSRING_TIMEOUT, as the ranks resolved it
             "optimizer": spec["optimizer"],
             "compression": spec.get("compression"),
             "accumulate": spec.get("accumulate", 1),
@@ -339,7 +340,7 @@ async def worker(
     # the data first: loading it (scikit-learn's import, seconds on a busy machine) blocks this thread,
     # and once the group is up that would starve the heartbeats the other ranks wait for
     data = load_data(spec)
-    group = await init_group(timeout=spec["timeout"], env=env, **options)
+    group = await init_group(env=env, **options)  # its settings (timeout, ...) are env's PSRING_*
     try:
         run = _Run(group, spec, emit, report, data)
         await run.start(checkpoints)

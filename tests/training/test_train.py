@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 @pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_train_learns_and_ranks_agree(topology: str) -> None:
     proc = run_tree(
-        [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "2", "--epochs", "4", "--json"],
+        [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "2", "--epochs", "4",
+         "--timeout", "45", "--json"],  # fmt: skip
         capture_output=True,
         text=True,
         timeout=170,
@@ -25,6 +26,7 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["topology"] == topology
+    assert summary["timeout"] == 45.0  # --timeout reached the ranks (as PSRING_TIMEOUT, the one channel)
     assert summary["test_accuracy"] >= 0.9  # the real bar (0.95) is met with the default 20 epochs
     assert summary["ranks_agree"] is True
     assert summary["history"][-1]["loss"] < summary["history"][0]["loss"]
@@ -38,7 +40,8 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--topology", "mesh"], "unknown topology 'mesh'"),
+        (["--topology", "mesh"], "invalid choice: 'mesh'"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
         (["--workers", "0"], "--workers must be at least 1"),
         (["--servers", "2"], "--servers applies to --topology ps only"),
         pytest.param(

@@ -170,8 +170,7 @@ class BoardAllReduce(Algorithm):
     ) -> np.ndarray:
         """A call _board_start numbered and posted, and whose peers were not all there within its
         spin: from here on a collective like any other (deadline, stall reports, aborts)."""
-        coll = self.g._begin("all_reduce", x, op, seq=seq)
-        coll.started, coll.deadline = started, started + self.g.timeout
+        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
         return await self.g._run(coll, self._rest(coll, board, x, op, folded))
 
     async def sleep(

@@ -116,8 +116,7 @@ class PlaneAllReduce(Algorithm):
     async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: tuple[Any, int, Any]) -> Any:
         plane = self.net.plane
         assert plane is not None
-        coll = self.g._begin("all_reduce", x, op, seq=seq)
-        coll.started, coll.deadline = started, started + self.g.timeout
+        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
         out = await self.g._run(coll, self.run_job(coll, x.reshape(-1), op, plane, here))
         return out.reshape(x.shape)
 

@@ -294,8 +294,7 @@ class TcpDirect(GroupPart):
         assert mesh is not None
         if not flushed:
             mesh.flush()
-        coll = self.g._begin("all_reduce", x, op, seq=seq)
-        coll.started, coll.deadline = started, started + self.g.timeout
+        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
         return await self.g._run(coll, self._rest(coll, x, op, bufs, missing))
 
     async def _rest(self, coll: Any, x: np.ndarray, op: str, bufs: np.ndarray, missing: list[int]) -> np.ndarray:

@@ -308,8 +308,7 @@ class TwoHop(Algorithm):
         return False, self._adopt(call, x, started)
 
     async def _adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
-        coll = self.g._begin("all_reduce", x, call.op, seq=call.seq)
-        coll.started, coll.deadline = started, started + self.g.timeout
+        coll = self.g._begin("all_reduce", x, call.op, seq=call.seq, started=started)
         out = await self.g._run(coll, self._rest(coll, call))
         return out.reshape(x.shape)
 
