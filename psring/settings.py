@@ -270,23 +270,8 @@ class Settings:
         tuning=True,
     )
     # ------------------------------------------------------------ ring
-    # Why the ring's defaults are what they are (measured here, side by side, 2 cores):
-    # - the plane from 8 MiB: below ~8 MiB the event loop is as fast or faster (fewer thread wake-ups per
-    #   byte); with shared-memory links and 3+ ranks it beat the loop from ~512 KiB at 4 ranks (2 MiB: 5.7-6.7
-    #   against 8.6-9.1 ms) but not at 2 ranks, hence PSRING_RING_SHM_MIN = 1 MiB;
-    # - plane pieces of 4 MiB beat 1 MiB by ~12% at 4 ranks (fewer thread hand-offs) and matched it at 2;
-    #   8 MiB was worse;
-    # - 8 shared-memory slots per link: at 4 ranks, 64 MiB, 8 slots 110-113 ms, 6 slots 117, 4 slots 127-131;
-    # - a rooted small call from 3 ranks: 2(N-1) frames instead of N(N-1), what a small call costs when
-    #   ranks share cores;
-    # - spinning 500 us (PSRING_SPIN_US) before sleeping: waking a sleeping process costs more than the wait
-    #   on a VM; at 4 ranks 100 us cut the back-to-back 4-byte time by 10-20% and 500 us another 10-15%
-    #   (medians of 5 alternating runs: 100 us 636, 300 us 566, 500 us 544, 1000 us 628).
-    # - the board up to 16 MiB: a 4-byte all_reduce between 2 processes 11 us back to back (52-57 over the
-    #   Unix links); 256 KiB at 2 ranks 54 us against 770 (links); from 64 KiB each rank folds one ring chunk
-    #   and copies the others' (psring.topology.ring.board): at 4 ranks 1 MiB 1.0-1.2 ms against 5.0 (links),
-    #   4 MiB 5.2-5.9 against 8.3-9.1, 16 MiB 20.5-21.3 against 26.7-30.0 (plane), 64 MiB 110-121 against
-    #   79-112 (plane: the board stops below it); see docs/performance.md.
+    # The ring's defaults are the fastest of the alternatives measured side by side on 2 cores (the plane
+    # from 8 MiB, 4 MiB pieces, 8 slots, spinning 500 us, the board up to 16 MiB): docs/defaults.md#ring.
     ring_piece: int = _var(
         "PSRING_RING_PIECE", 1 << 20, parse_bytes, "ring: pipeline piece on the event loop", tuning=True
     )
@@ -337,9 +322,7 @@ class Settings:
         "ring: the same with shared-memory links and 3+ ranks (unset: 1M, or PSRING_RING_PLANE_MIN if that is set)",
         tuning=True,
     )
-    # Over TCP with 4 ranks (PSRING_SAME_HOST=off, loopback, 2 cores) the plane beat the loop from 128 KiB:
-    # 1.45 against 1.57 ms at 128 KiB, 1.78 / 2.11 at 512 KiB, 3.27 / 4.18 at 1 MiB, 4.90 / 6.03 at 2 MiB,
-    # 8.40 / 9.96 at 4 MiB; with 3 ranks even at 1 MiB (2.23 / 2.18), with 2 the loop up to ~4 MiB.
+    # Over TCP the plane's threads beat the loop from far smaller sizes: docs/defaults.md#the-plane-over-tcp.
     ring_tcp_plane_min: int = _var(
         "PSRING_RING_TCP_PLANE_MIN",
         256 << 10,
@@ -348,11 +331,7 @@ class Settings:
         "never above PSRING_RING_PLANE_MIN",
         tuning=True,
     )
-    # With the plane's job in C on one thread (psring._native.NRing) the plane beat the loop far lower:
-    # 2 ranks over TCP, 256 KiB 75 against 271 us, 1 MiB 449 / 762 (64 KiB: 34 / 28, the one-hop exchange
-    # still ahead); 4 ranks 64 KiB 219 / 302, 1 MiB 1.37 / 1.63 ms. So it starts right above the one-hop
-    # sizes: from 128 KiB, the sizes between went to the loop's ring, 96 KiB at 2 ranks 241 us against the
-    # plane's 41, at 3 ranks 965 against 208.
+    # In C the plane beats the loop from right above the one-hop sizes: docs/defaults.md#the-planes-job-in-c.
     ring_native_plane_min: int = _var(
         "PSRING_RING_NATIVE_PLANE_MIN",
         (64 << 10) + 1,
@@ -362,15 +341,8 @@ class Settings:
         "one-hop sizes)",
         tuning=True,
     )
-    # Two hops over the TCP small-message links (every rank's ring chunk d to rank d, folded there, then
-    # every folded chunk to every rank) against the plane's ring in C: fewer steps a rank waits on its
-    # peers (2 against 2(N-1)), the same bytes. 4 ranks over TCP on 2 cores, alternating: 1 MiB 1.21-1.30
-    # ms against 1.29-1.53, 2 MiB 2.04-2.11 against 2.91-3.20, 4 MiB even; 8 ranks 1 MiB 2.52-2.60 against
-    # 4.44-4.49, 4 MiB 9.8-12.7 against 15.3-16.0. Below 1 MiB it lost at first to page faults (its result
-    # was not pooled there); with them gone, 4 ranks: 128 KiB 160-207 us against 214-278, 320 KiB 385
-    # against 456, 512 KiB 577-630 against 642-730, 192-256 KiB even; and against the one-hop exchange of
-    # the whole tensor (3x the bytes), 64 KiB 138-150 against 189, 48 KiB 132-145 against 154, 32 KiB
-    # 126-140 against 100-113 (8 ranks: ahead from 32 KiB). docs/performance.md has the tables.
+    # Two hops wait on peers twice a call, not 2(N-1) times, for the same bytes: the sizes where that won
+    # are in docs/defaults.md#two-hops.
     ring_two_hop_min: int = _var(
         "PSRING_RING_TWO_HOP_MIN",
         48 << 10,
@@ -400,7 +372,7 @@ class Settings:
         tuning=True,
     )
     # ------------------------------------------------------------ parameter server
-    # ps pieces of 4 MiB were ~13% faster than 1 MiB at N=4, S=4, 64 MiB (measured side by side).
+    # Fewer, larger pieces cost less CPU on one host: docs/defaults.md#parameter-server.
     ps_piece: int = _var(
         "PSRING_PS_PIECE",
         4 << 20,
@@ -408,12 +380,8 @@ class Settings:
         "ps: the unit pushed, folded and pulled (workers = servers)",
         tuning=True,
     )
-    # Between hosts a shard can fold and answer a piece only once every worker's copy of it is in, so a
-    # worker's slice that is one piece (16 MiB over 4 shards at 4 MiB) crosses the link twice in a row:
-    # dedicated servers at 4+4 hosts, 1 Gbit/s, 16 MiB: 294 ms with 4 MiB pieces, 192 with 256 KiB
-    # (the flat ring: 217), 197 with 8 pieces a slice (512 KiB). A piece costs CPU too: at 10 Gbit/s on
-    # the bed, 64 MiB in 256 KiB pieces took 312-372 ms, in 8 a slice (2 MiB) 196-266, in 4 MiB 219-260.
-    # On one host, through shared memory, 256 KiB pieces were 2-3x slower than 4 MiB.
+    # Between hosts a shard answers a piece only once every worker's copy is in, so a slice of one piece
+    # crosses the link twice in a row; smaller pieces overlap the two: docs/defaults.md#parameter-server.
     ps_wire_piece: int = _var(
         "PSRING_PS_WIRE_PIECE",
         256 << 10,
@@ -422,8 +390,7 @@ class Settings:
         "8 per shard's slice, down to this size (0: PSRING_PS_PIECE throughout)",
         tuning=True,
     )
-    # 4 workers + 4 server hosts, 64 MiB (16 MiB): 16 a slice 1.23x (1.19x) the flat ring at 1 Gbit/s
-    # against 8's 1.17x (1.11x), but 0.69x (0.58x) at 10 Gbit/s against 0.70x (0.76x): each piece costs CPU.
+    # More pieces help slow links and cost CPU on fast ones: docs/defaults.md#parameter-server.
     ps_wire_pieces: int = _var(
         "PSRING_PS_WIRE_PIECES",
         8,
@@ -432,11 +399,8 @@ class Settings:
         "shorter first and last piece on slow links, more CPU per byte; every worker must agree)",
         tuning=True,
     )
-    # 4 workers + 4 server hosts, 1 Gbit/s, 64 MiB: a server host's link in takes 4 workers' pushes and a
-    # worker's link out carries 4 shards' -- with send buffers the kernel sizes (up to 4 MiB) those flows
-    # share the links unevenly, the shard waits for the slowest worker's piece and its link out idles:
-    # 1.12-1.17x the flat ring; 128 KiB: 1.21-1.27x, with 32 pieces a slice 1.32-1.38x (64: 1.34-1.38x).
-    # It caps a connection at that / the round trip (10 Gbit/s needs 125 KB at 100 us): off unless set.
+    # Small send buffers share a link evenly among the flows that cross it, but cap a connection at
+    # buffer / round trip: off unless set (`psring advise` prints it where it pays; docs/defaults.md#parameter-server).
     ps_sndbuf: int = _var(
         "PSRING_PS_SNDBUF",
         0,

@@ -277,3 +277,31 @@ def _broad_handlers_without_a_reason() -> list[str]:
 def test_every_broad_except_re_raises_or_says_why() -> None:
     missing = _broad_handlers_without_a_reason()
     assert not missing, f"a broad except or suppress that neither re-raises nor says why: {missing}"
+
+
+def _anchors(page: pathlib.Path) -> set[str]:
+    import re
+
+    return {
+        re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.*)$", page.read_text(), re.M)
+    }
+
+
+def test_code_keeps_its_measurements_in_the_docs() -> None:
+    """A comment says why in a sentence and points to the page with the figures: no run's figures
+    ("14.3-16.8 ms against 20.4") in the code, and every docs/<page>.md#<section> it points to exists."""
+    import re
+
+    root = PKG.parent
+    figures, dangling = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\d(\.\d+)?( ?(ms|us))? against (the [\w' ]+ )?\d", line):
+                figures.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+            for page, anchor in re.findall(r"docs/([\w-]+\.md)#([\w-]+)", line):
+                target = root / "docs" / page
+                if not target.exists() or anchor not in _anchors(target):
+                    dangling.append(f"{path.relative_to(root)}:{n}: docs/{page}#{anchor}")
+    assert not figures, "measurement logs in code comments (move them to docs/defaults.md):\n" + "\n".join(figures)
+    assert not dangling, "links from the code to sections that do not exist:\n" + "\n".join(dangling)

@@ -297,7 +297,7 @@ def test_child_env_writes_settings_as_their_variables_and_checks_them() -> None:
     resolved = settings_mod.load(env)  # what every child resolves: the values given, exactly
     assert (resolved.topology, resolved.timeout, resolved.ps_colocate, resolved.servers) == ("ps", 12.5, True, 3)
     assert settings_mod.load(settings_mod.child_env({}, timeout=float("inf"))).timeout == float("inf")
-    with pytest.raises(ValueError, match="PSRING_TIMEOUT='-1.0'"):
+    with pytest.raises(ValueError, match=r"PSRING_TIMEOUT='-1\.0'"):
         settings_mod.child_env({}, timeout=-1.0)  # refused in the launcher, not in each child
     with pytest.raises(ValueError, match="PSRING_TOPOLOGY='mesh'"):
         settings_mod.child_env({}, topology="mesh")

@@ -164,8 +164,8 @@ def _chunks_in(total: int, n_ranks: int, lo: int, hi: int) -> tuple[tuple[int, i
     return tuple(chunks)
 
 
-#: separate rows of up to this many elements are stacked for it, from 3 ranks (measured: 4 ranks x 256
-#: elements 11.7 against 14.9 us; x 4096, 42.9 against 21.0)
+#: separate rows of up to this many elements are stacked for one fold, from 3 ranks: one fold of a
+#: stack beats several small ones below it (docs/defaults.md#the-fold)
 _STACK_FOLD = 1024
 #: canonical folds of up to this many elements per rank take the gather-index path
 _SMALL_FOLD = 1 << 14

@@ -86,7 +86,7 @@ class TcpMesh(Mesh[TcpLink]):
     """
 
     #: a waiting rank sleeps in the loop (or ``poll``): with more ranks than cores a spinning one takes
-    #: the core its peers need (a 4-byte exchange at 4 ranks on 2 cores: 115 us asleep, 294 us spinning).
+    #: the core its peers need (docs/defaults.md#the-callers-thread-over-tcp).
     #: (The caller's-thread path gives its core up a few times before it sleeps: ring.tcpdirect.YIELDS.)
     spins = False
 

@@ -13,12 +13,13 @@ from ..conftest import run_tree
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
+TRAIN = [sys.executable, "-m", "psring", "train"]
+
 
 @pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_train_learns_and_ranks_agree(topology: str) -> None:
     proc = run_tree(
-        [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "2", "--epochs", "4",
-         "--timeout", "45", "--json"],  # fmt: skip
+        [*TRAIN, "--topology", topology, "--workers", "2", "--epochs", "4", "--timeout", "45", "--json"],
         capture_output=True,
         text=True,
         timeout=170,

@@ -47,9 +47,8 @@ logger = logging.getLogger(__name__)
 
 #: seconds a worker waits for the shards to name the missing ranks after its deadline
 TIMEOUT_REPORT_GRACE = 1.0
-#: the largest collective a worker polls for its answer (PSRING_SPIN_US) rather than sleeping at once: as
-#: the ring's one-hop calls. 4 workers over TCP, 2 cores: 4 bytes 849-865 -> 640-660 us a blocking call
-#: (543-566 -> 329-338 through asyncio), 64 KiB 1049 -> 919 us (794 -> 593 through asyncio)
+#: the largest collective a worker polls for its answer (PSRING_SPIN_US) rather than sleeping at once, as
+#: the ring's one-hop calls do: waking costs more than the wait (docs/defaults.md#parameter-server)
 SPIN_MAX = 64 << 10
 
 

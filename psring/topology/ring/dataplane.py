@@ -192,9 +192,8 @@ class DataPlane:
         self.rank = rank
         self.world_size = world_size
         #: whether a job over TCP may run in C on the receive thread alone (psring._native.NRing; jobs whose
-        #: dtype and op its fold takes, neither link in shared memory, no device staging). (Through the
-        #: links' shared memory, from 16 MiB, where the boards end, the C loop was tried and measured
-        #: slower than the two threads: 64 MiB at 4 ranks 62.5 against 58.5 ms.)
+        #: dtype and op its fold takes, neither link in shared memory -- there the two threads were faster,
+        #: docs/defaults.md#the-planes-job-in-c -- no device staging)
         self.native = native and _NRing is not None
         self.native_jobs = 0
         self.stop = threading.Event()

@@ -25,14 +25,11 @@ NEVER = 1 << 62
 #: small-message link (psring.transport.tcpmesh.MAX_PAYLOAD holds it and a dtype's bytes more)
 TWO_HOP_CHUNK_MAX = 1 << 20
 #: and the fewest ranks it is for: at 3 the ring waits 4 times a call, not 6, and two hops were no faster
-#: (3 ranks over TCP on 2 cores, 1 MiB: 0.96-0.99 ms against 0.89-0.94; 2 MiB 1.87-2.28 against 1.94-2.24)
+#: (docs/defaults.md#two-hops)
 TWO_HOP_RANKS = 4
 #: ... but for a pair of ranks, where two hops wait as often as the ring (twice) and the native call on
-#: the caller's thread is what makes them faster: above the one-hop sizes (a pair's one-hop exchange is
-#: already one message each way) up to this size. 2 ranks over TCP on 2 cores, blocking / asyncio API,
-#: two runs: 128 KiB 42-50 / 42-51 us against 90-94 / 67-70, 256 KiB 71-80 / 67-76 against 79-83 / 91,
-#: 1 MiB 281-296 / 278-285 against 313 / 362-381, 1.5 MiB 424-444 / 431-447 against 462-520 / 508-604;
-#: 2 MiB lost to the data plane (1022-1049 against 817-894)
+#: the caller's thread is what makes them faster: above the one-hop sizes up to this size, where the
+#: data plane takes over (docs/defaults.md#two-hops)
 PAIR_TWO_HOP_MAX = 1536 << 10
 
 

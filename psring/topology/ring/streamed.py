@@ -3,9 +3,8 @@
 An all_reduce from PSRING_RING_STREAM up (every rank native and offering it: Board.attach) is *streamed*:
 posted as a board call is (its post carries no payload), then the split fold runs a block at a time
 through the slots in C (Board.stream), on the board's own thread with the GIL released, so
-each block is copied in, folded and copied out while it is in the caches. Measured on this 2-core VM,
-64 MiB, alternating: 2 ranks 14.3-16.8 ms against the data plane's 20.4-22.6, 4 ranks 31.0-35.5 against
-58.2-60.4 (docs/performance.md).
+each block is copied in, folded and copied out while it is in the caches: at 64 MiB about half the
+data plane's time at 4 ranks (the figures: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -29,10 +28,10 @@ if TYPE_CHECKING:
     from .group import RingGroup
 
 #: a streamed call moves this many bytes of the tensor through the slots at a time (every rank's piece of
-#: each ring chunk): measured on this VM, 64 MiB at 2 and 4 ranks, 256 KiB beat 1 and 4 MiB
+#: each ring chunk): small enough to overlap the ranks' copies, large enough to wait seldom
+#: (docs/defaults.md#streamed-boards)
 STREAM_BLOCK = 256 << 10
-#: a streamed call's result from this size is written with streaming stores (it would leave the caches;
-#: measured at 16 MiB, 4 ranks: 7.8-9.2 ms against 9.9-10.6)
+#: a streamed call's result from this size is written with streaming stores (it would leave the caches)
 STREAM_NT = 8 << 20
 #: seconds a streamed call polls at one wait before the loop looks at its collective (then it goes on)
 STREAM_WAIT = 0.05

@@ -44,17 +44,14 @@ ADOPT_AFTER = 0.2
 LOOK_EVERY = 0.02
 #: a lone rank in its process gives up its core this many times at most (within PSRING_SPIN_US) before
 #: it sleeps in poll: a peer that shares the core runs and sends at once, and a rank that never slept
-#: needs no waking (measured, 4 B at 4 ranks on 2 cores: about 350 us a call, against 490 asleep at once;
-#: between 10 and 30 the difference is in the noise)
+#: needs no waking (docs/defaults.md#the-callers-thread-over-tcp)
 YIELDS = 16
 #: the same for the native loop (TcpMesh.read, .exchange), whose rounds take a fraction of the Python
-#: loop's: 16 of them were over before a peer on another core answered (4 B at 2 ranks: 18 us a call
-#: against 10.8 with 64; at 4 ranks on 2 cores 52 against 50)
+#: loop's, so more of them fit in a peer's answer
 NATIVE_YIELDS = 64
 #: the buffers a call receives into (a row a rank) and a two-hop call's result come from the buffer pool
-#: from this size (a call alone in flight: from the group's scratch, CallerThread.alone_rows): a few hundred KiB
-#: freed every call went back to the kernel and cost their page faults on every call (4 ranks over TCP: 33
-#: a call for 64 KiB's rows, 272-285 us a call against 211-219 without; two hops: 97 a call at 256 KiB)
+#: from this size (a call alone in flight: from the group's scratch, CallerThread.alone_rows): a few hundred
+#: KiB freed every call go back to the kernel and cost their page faults on every call
 POOL_FROM = 64 << 10
 
 

@@ -185,7 +185,7 @@ class TwoHop(Algorithm):
 
         ``on_loop``: the caller is the event loop itself (the asyncio API), as in TcpDirect.soon: it waits for
         its peers only within its spin budget (not at all for ranks in this process), then goes on as a
-        collective (the Collective machinery before a call cost the asyncio API ~75 us a call at 64 KiB)."""
+        collective (the Collective machinery before a call was most of the asyncio API's cost at 64 KiB)."""
         mesh = self.net.tcp_mesh
         if (
             mesh is None
