@@ -10,7 +10,7 @@ machine hits them alike:
   hier  psring ring, PSRING_HIERARCHICAL=on (reduce within hosts, then across; psring.topology.ring.hier)
   ps    psring ps with a shard on every rank (PSRING_PS_COLOCATE, S=N), every rank pushing its tensor
   psh   the same, reduced within each host before it is pushed (PSRING_HIERARCHICAL=on: the two-level
-        order; psring.topology.ps.hostreduce) -- as ps where hosts hold one rank
+        order; psring.topology.ps.worker.hostreduce) -- as ps where hosts hold one rank
   psd   psring ps with its shards on ``--server-hosts K`` dedicated hosts (namespaces of their own,
         shaped alike, no rank on them; one ``psring server --shard i --num-shards K`` each)
   split the BytePS split: a shard in every rank and one on each of the K dedicated hosts, every tensor

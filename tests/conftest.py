@@ -20,7 +20,7 @@ import psring
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.rendezvous.store import StoreServer, start_store
 from psring.settings import TOPOLOGY_NAMES
-from psring.topology.ps.server import ShardServer, start_servers
+from psring.topology.ps.shards.server import ShardServer, start_servers
 
 TOPOLOGIES = list(TOPOLOGY_NAMES)
 

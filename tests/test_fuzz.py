@@ -18,7 +18,7 @@ import pytest
 from psring.errors import ProtocolError, StoreError
 from psring.rendezvous import store as store_mod
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.ps.server import start_servers
+from psring.topology.ps.shards.server import start_servers
 from psring.transport.listener import open_connection
 from psring.transport.mailbox import Mailbox
 

@@ -305,3 +305,16 @@ def test_code_keeps_its_measurements_in_the_docs() -> None:
                     dangling.append(f"{path.relative_to(root)}:{n}: docs/{page}#{anchor}")
     assert not figures, "measurement logs in code comments (move them to docs/defaults.md):\n" + "\n".join(figures)
     assert not dangling, "links from the code to sections that do not exist:\n" + "\n".join(dangling)
+
+
+def test_the_shards_never_import_the_worker_side() -> None:
+    """ps is split by side: the worker side may start shards (colocated), the shards know no worker."""
+    shards = PKG / "topology" / "ps" / "shards"
+    wrong = []
+    for path in sorted(shards.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = ("." * node.level) + (node.module or "")
+                if "worker" in target.split(".") or any(a.name == "worker" for a in node.names):
+                    wrong.append(f"{path.relative_to(PKG.parent)}: from {target} import ...")
+    assert not wrong, wrong

@@ -11,7 +11,7 @@ from .. import settings as settings_mod
 from ..rendezvous.launch import launch
 from ..rendezvous.store import start_store
 from ..settings import TOPOLOGY_NAMES, Settings
-from ..topology.ps.server import run_shards
+from ..topology.ps.shards.server import run_shards
 from ..transport.loop import new_event_loop
 from .cluster import cli_server_daemon
 

@@ -41,7 +41,7 @@ from ..rendezvous.client import connect_store, parse_store_address
 from ..rendezvous.scheduler import routable_host_towards
 from ..topology.api import init_group
 from ..topology.blocking import init
-from ..topology.ps.server import ShardHost, start_servers
+from ..topology.ps.shards.server import ShardHost, start_servers
 from ..topology.recorder import FlightRecorder
 from ..training.checkpoint import StoreCheckpoints
 from ..training.job import worker

@@ -242,7 +242,7 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
 
 
 # ----------------------------------------------------------------- messages
-#: a message is one frame held whole in one datagram-like unit (psring.transport.unixnet): a 2-byte
+#: a message is one frame held whole in one datagram-like unit (psring.transport.unixmesh): a 2-byte
 #: header length, a msgpack array header (gid, seq, phase, call), then the payload bytes.
 #: The payload's size is the message's rest; the receiver checks it against the call
 #: descriptor (kind, dtype, shape, op, root) it expects, which names dtype and shape.

@@ -1,6 +1,6 @@
-/* The same-host boards (psring.transport.board) in C.
+/* The same-host boards (psring.transport.shmboard) in C.
  *
- * A board (psring.transport.board) is a shared-memory pool of two slots, each a 256-byte head (four
+ * A board (psring.transport.shmboard) is a shared-memory pool of two slots, each a 256-byte head (four
  * int64: post number, mark, payload bytes, tag bytes; then the tag) and the payload, after one header
  * page that holds the owner's ack and sleep fields. This module reads and writes exactly those fields,
  * in the order the Python path does (payload, tag, sizes, the post number last, stored with release

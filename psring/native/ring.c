@@ -1,8 +1,8 @@
-/* The data plane's ring over TCP in one thread (psring.topology.ring.dataplane). */
+/* The data plane's ring over TCP in one thread (psring.topology.ring.plane.dataplane). */
 #include "fold.h"
 
 /* ------------------------------------------------------------------------------------------------------
- * The data plane's ring over TCP in one thread (psring.topology.ring.dataplane): one all_reduce job's
+ * The data plane's ring over TCP in one thread (psring.topology.ring.plane.dataplane): one all_reduce job's
  * frames -- the call descriptor, this rank's own pieces, every piece it folds or stores and hands on --
  * sent to the right and received from the left on the plane's two sockets, without blocking, by the
  * receive thread alone, in the frames the plane's two threads send (a 24-byte header: magic, index,

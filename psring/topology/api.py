@@ -11,7 +11,7 @@ from typing import Any
 
 from ..rendezvous.scheduler import resolve_settings
 from .group import Group
-from .ps.client import PsGroup
+from .ps.worker.group import PsGroup
 from .recorder import process_recorder
 from .ring.group import RingGroup
 from .stall import install_dump_signal

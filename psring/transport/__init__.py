@@ -7,9 +7,9 @@
 - ``listener``: one listening port per process, dialing out, TLS.
 - ``mailbox``: tag-matched delivery of frames to posted receives.
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.
-- ``board``: same-host posting boards in shared memory, polled, for the smallest messages.
-- ``unixnet``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
+- ``shmboard``: same-host posting boards in shared memory, polled, for the smallest messages.
+- ``unixmesh``: same-host Unix seqpacket links for small messages; ``samehost``: who counts as same-host.
 - ``tcpmesh``: TCP links of their own for small messages between hosts, readable from any thread.
-- ``mesh``: what the two small-message meshes (``unixnet``, ``tcpmesh``) share.
+- ``mesh``: what the two small-message meshes (``unixmesh``, ``tcpmesh``) share.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
 """

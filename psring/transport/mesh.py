@@ -1,7 +1,7 @@
 """What the small-message meshes share: one link per peer rank, a queue per link for what the kernel did
 not take, waiting for those queues to drain, and a link's end.
 
-Two meshes build on it: the same-host Unix links (``unixnet``, read by the event loop all the time)
+Two meshes build on it: the same-host Unix links (``unixmesh``, read by the event loop all the time)
 and the TCP links between hosts (``tcpmesh``, read by the loop only while it waits on them). Both carry
 :func:`psring.core.wire.encode_message` messages and call ``on_message(peer, head, payload)`` and
 ``on_closed(peer, error)`` alike, so the ring's one-hop code drives either.

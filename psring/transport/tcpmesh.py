@@ -7,7 +7,7 @@ transport's buffers) on the event loop, and a blocking caller paid two thread ho
 connection, authenticated like any other (psring.transport.handshake) and then taken out of the
 event loop (:meth:`Connection.detach`), and a message is a 4-byte length and one
 :func:`psring.core.wire.encode_message` -- the same messages the same-host Unix links carry
-(psring.transport.unixnet), and the same interface, so the ring's one-hop code drives either.
+(psring.transport.unixmesh), and the same interface, so the ring's one-hop code drives either.
 
 Unlike the Unix links, nobody reads these sockets when nobody waits on them: the event loop reads
 them only while one of its collectives waits for a message (:meth:`TcpMesh.hold` /
@@ -317,7 +317,7 @@ class TcpMesh(Mesh[TcpLink]):
         in one C call -- send the message ``head`` + ``x`` to each of ``links`` (a link to every other
         rank, in the order given), put ``x`` in row ``me`` of ``bufs``, read each peer's message into
         row ``ranks[i]`` as :meth:`read` does, and fold the rows into ``out`` in the canonical flat
-        order (psring.core.fold.canonical_fold; ``kind``: psring.transport.board.fold_kind's letter).
+        order (psring.core.fold.canonical_fold; ``kind``: psring.transport.shmboard.fold_kind's letter).
         Returns 0: done; 1, 2, 3: as :meth:`read` (every message sent; the links not read are left in
         the lists for the caller). A message the kernel did not take whole is queued as :meth:`send_now`
         queues it, the rest are sent the same way, and the code is 4: nothing was read (the lists

@@ -16,7 +16,7 @@ from psring.topology.ring.hier import Hierarchical
 from psring.topology.ring.onehop import OneHop
 from psring.topology.ring.paths import NEVER, SMALL_BYTES, Path, RingPaths
 from psring.topology.ring.pipeline import PipelinedRing
-from psring.topology.ring.plane import PlaneAllReduce
+from psring.topology.ring.plane.allreduce import PlaneAllReduce
 from psring.topology.ring.streamed import StreamedBoard
 from psring.topology.ring.twohop import TwoHop
 
@@ -24,7 +24,7 @@ MIB = 1 << 20
 
 
 class _Board:
-    """A same-host board's agreed limits (psring.transport.board.Board's, as every rank sees them)."""
+    """A same-host board's agreed limits (psring.transport.shmboard.Board's, as every rank sees them)."""
 
     def __init__(self, limit: int = MIB, stream_min: int = 4 * MIB, native: bool = True) -> None:
         self.limit, self.stream_min, self.native = limit, stream_min, native

@@ -205,7 +205,7 @@ async def test_barrier_and_send_recv(make_groups, topology: str) -> None:
 
 async def test_bytes_sent_is_bandwidth_optimal(make_groups, topology: str, monkeypatch) -> None:
     """Ring: each rank sends 2(N-1)/N of the tensor. ps: each worker pushes it once and pulls it once."""
-    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the ring's links (a board posts once: test_board.py)
+    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the ring's links (a board posts once: test_shmboard.py)
     for world in (2, 3, 4):
         groups = await make_groups(world, topology)
         x = np.ones(4 << 20, np.float32)  # 16 MiB

@@ -14,8 +14,8 @@ import pytest
 import psring
 from psring.errors import PeerLostError
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.ps.paramstore import param_store
-from psring.topology.ps.server import start_servers
+from psring.topology.ps.shards.paramstore import param_store
+from psring.topology.ps.shards.server import start_servers
 from psring.transport.local import LocalConnection, local_pair
 from psring.transport.mailbox import Mailbox
 

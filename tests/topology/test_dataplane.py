@@ -1,4 +1,4 @@
-"""The ring's threaded data plane (psring.topology.ring.dataplane): large all_reduces leave the event loop.
+"""The ring's threaded data plane (psring.topology.ring.plane.dataplane): large all_reduces leave the event loop.
 
 These are the cases where a byte stream shared by collectives could go wrong: a rank
 that abandons a collective half-way (mismatch, timeout) leaves frames behind that the
@@ -23,7 +23,7 @@ from psring.core.arrays import result_empty
 from psring.core.fold import canonical_fold
 
 from ..conftest import run_tree
-from ..transport.test_board import _needs_native
+from ..transport.test_shmboard import _needs_native
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(120)]
 
@@ -34,7 +34,7 @@ def _plane_for_small_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     default), so tests stay quick and still cut chunks into several pieces."""
     monkeypatch.setenv("PSRING_RING_PLANE_MIN", str(64 << 10))
     monkeypatch.setenv("PSRING_RING_PLANE_PIECE", "100000")  # several uneven pieces per chunk
-    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # one host: these sizes would take the boards (test_board.py)
+    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # one host: these sizes would take the boards (test_shmboard.py)
     monkeypatch.setenv("PSRING_RING_TWO_HOP", "0")  # over TCP from 4 ranks they would take two hops (test_two_hop.py)
 
 
@@ -471,7 +471,7 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
 
 
 async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
-    from psring.topology.ring import plane
+    from psring.topology.ring.plane import allreduce as plane
     from psring.transport.shmpool import PeerPool
 
     real = PeerPool.open
@@ -503,7 +503,7 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
 
 async def test_a_rank_that_cannot_make_a_segment_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
     """/dev/shm full (a container's 64 MB default) or missing: that link carries its payloads on TCP."""
-    from psring.topology.ring import plane
+    from psring.topology.ring.plane import allreduce as plane
     from psring.transport.shmpool import ShmPool
 
     calls = iter(range(100))

@@ -1,12 +1,12 @@
 """The data plane's all_reduce over TCP from the blocking API: run whole in C on the caller's thread
-(psring.topology.ring.plane.PlaneAllReduce.soon, DataPlane.run_here), one rank a process as users run it."""
+(psring.topology.ring.plane.allreduce.PlaneAllReduce.soon, DataPlane.run_here), one rank a process as users run it."""
 
 from __future__ import annotations
 
 import pytest
 
 from ..conftest import blocking_job_end, run_blocking_job
-from ..transport.test_board import _needs_native
+from ..transport.test_shmboard import _needs_native
 
 pytestmark = [pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from psring.core import wire
 from psring.core.fold import canonical_fold
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.topology.ps.plan import WHOLE_MAX_BYTES, check_weights, plan
-from psring.topology.ps.server import start_servers
+from psring.topology.ps.shards.server import start_servers
 from psring.transport.listener import open_connection
 from psring.transport.mailbox import Mailbox
 
@@ -140,7 +140,7 @@ async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> No
 
 @pytest.mark.asyncio
 async def test_shard_refuses_a_join_whose_piece_size_would_split_it_into_too_many_pieces(store, make_groups) -> None:
-    from psring.topology.ps.pending import MAX_PIECES
+    from psring.topology.ps.shards.pending import MAX_PIECES
 
     groups = await make_groups(2, "ps", servers_n=1)
     conn = groups[1].links.shards[0]
@@ -249,7 +249,7 @@ async def test_a_shard_host_bound_but_not_yet_serving_holds_a_worker_instead_of_
     """What a restarted server daemon does: its port is bound at once, but a worker that reconnects
     before the daemon has resumed its shards waits in the backlog and is then served, not rejected
     with 'serves no shards of job'."""
-    from psring.topology.ps.server import ShardHost
+    from psring.topology.ps.shards.server import ShardHost
 
     host = await ShardHost(secret=None, name="resuming host").start("127.0.0.1", 0, serving=False)
     hello = {"role": "rank", "rank": 0, "world_size": 1, "job": "resumed", "shard": 0}

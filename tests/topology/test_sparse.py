@@ -124,7 +124,7 @@ async def test_a_call_made_while_one_runs_is_numbered_after_it_on_every_rank(mak
 def test_a_workers_push_packs_each_shards_rows_in_their_own_order(shards: int) -> None:
     """pack_by_shard (one gather per row) carries what a mask per shard would: the rows of the
     shard's range, in the order the rank had them (the merge adds duplicates in that order)."""
-    from psring.topology.ps.tables import pack_by_shard, pack_rows, row_range, unpack_rows
+    from psring.topology.ps.rows import pack_by_shard, pack_rows, row_range, unpack_rows
 
     rng = np.random.default_rng(shards)
     for n in (0, 1, 57, 2000):

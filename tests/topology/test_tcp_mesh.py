@@ -15,7 +15,7 @@ import psring
 from psring.core.fold import canonical_fold
 
 from ..conftest import blocking_job_end, run_blocking_job
-from ..transport.test_board import _needs_native
+from ..transport.test_shmboard import _needs_native
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from psring.topology.ring.paths import PAIR_TWO_HOP_MAX, TWO_HOP_CHUNK_MAX, Path
 from psring.transport.tcpmesh import TcpLink, TcpMesh
 
 from ..conftest import blocking_job_end, run_blocking_job, run_tree
-from ..transport.test_board import _needs_native
+from ..transport.test_shmboard import _needs_native
 
 MIB = 1 << 20
 
@@ -257,7 +257,7 @@ def test_tcp_two_hop_names_a_call_its_arguments_do_not_make() -> None:
 def test_fold_chunk_gives_the_canonical_bits_of_its_chunk(dtype: Any, op: str, n: int) -> None:
     _needs_native()
     from psring._native import fold_chunk
-    from psring.transport.board import fold_kind
+    from psring.transport.shmboard import fold_kind
 
     rng = np.random.default_rng(n)
     total = 1001

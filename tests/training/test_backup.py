@@ -12,7 +12,7 @@ import pytest
 
 import psring
 from psring.optim import SGD
-from psring.topology.ps.paramstore import param_store
+from psring.topology.ps.shards.paramstore import param_store
 
 from .test_sgd import _grads, _model, _servers_of
 

@@ -270,7 +270,7 @@ async def test_resent_push_is_applied_exactly_once(make_groups) -> None:
     groups = await make_groups(2, "ps", servers_n=1)
     opts = [psring.SyncSGD(g, _model(0), SGD(lr=0.1, momentum=0.9)) for g in groups]
     await asyncio.gather(*(o.step(_grads(0, g.rank)) for o, g in zip(opts, groups, strict=True)))
-    from psring.topology.ps.paramstore import param_store
+    from psring.topology.ps.shards.paramstore import param_store
 
     servers = [s for s in _servers_of(groups[0])]
     store = param_store(servers[0])
@@ -289,7 +289,7 @@ def _servers_of(group):
     import gc
     import warnings
 
-    from psring.topology.ps.shard import Shard
+    from psring.topology.ps.shards.shard import Shard
 
     with warnings.catch_warnings():  # isinstance() on some modules' lazy attributes warns (torch)
         warnings.simplefilter("ignore")

@@ -13,7 +13,7 @@ import pytest
 
 import psring
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.ps.server import start_servers
+from psring.topology.ps.shards.server import start_servers
 from psring.transport.listener import Listener, open_connection
 from psring.transport.mailbox import Mailbox
 
@@ -307,7 +307,7 @@ async def test_small_ring_all_reduce_goes_through_a_rotating_root(
 
     monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat frames in the count
     monkeypatch.setenv("PSRING_SAME_HOST", same_host)
-    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the links, not the shared-memory boards (test_board.py)
+    monkeypatch.setenv("PSRING_RING_BOARD", "0")  # the links, not the shared-memory boards (test_shmboard.py)
     # the connections' frames, not the TCP small-message links, which send to every rank (test_tcp_mesh.py)
     monkeypatch.setenv("PSRING_RING_TCP_MESH", "0")
     groups = await make_groups(world)

@@ -24,9 +24,9 @@ import pytest_asyncio
 import psring
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.rendezvous.store import StoreServer
-from psring.topology.ps import links as links_mod
-from psring.topology.ps import server as server_mod
-from psring.topology.ps.server import ShardServer, start_servers
+from psring.topology.ps.shards import server as server_mod
+from psring.topology.ps.shards.server import ShardServer, start_servers
+from psring.topology.ps.worker import links as links_mod
 from psring.transport.listener import open_connection
 from psring.transport.mailbox import Mailbox
 from psring.transport.samehost import host_key

@@ -11,7 +11,7 @@ import pytest
 
 import psring
 from psring.rendezvous.client import connect_store, parse_store_address
-from psring.topology.ps.server import start_servers
+from psring.topology.ps.shards.server import start_servers
 from psring.transport.listener import open_connection
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(120)]

@@ -16,10 +16,10 @@ import pytest
 
 from psring.core import wire
 from psring.core.fold import canonical_fold
-from psring.transport.board import fold_kind
+from psring.transport.shmboard import fold_kind
 from psring.transport.tcpmesh import TcpMesh
 
-from .test_board import _needs_native
+from .test_shmboard import _needs_native
 
 pytestmark = pytest.mark.timeout(30)
 

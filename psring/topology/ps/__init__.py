@@ -1,12 +1,6 @@
 """The parameter-server topology: workers push to and pull from sharded servers.
 
-Worker side: ``client`` (``PsGroup``, the collectives), ``setup`` (making one: its shards, links, the
-wire's piece; or joining a running elastic job), ``params`` (``ParameterClient``: parameter mode for
-SyncSGD; ``SparseTables``: sparse tables on the shards),
-``links`` (connections to the shards), ``hostreduce`` (all_reduce reduced within each host before it is
-pushed, several ranks a host). Server side (a process of them: ``python -m psring.topology.ps``,
-``psring server``): ``server`` (a process's shards behind one
-port), ``shard`` (one shard: joins, routing, losses) with ``folding`` and ``pending``,
-``paramstore`` (parameters and optimizer state held on the shards) and ``tables`` (sparse tables'
-rows). Both sides share ``plan`` (who owns which slice) and ``relay`` (one result to many workers).
+Split by side: ``worker`` (a package: ``PsGroup`` and the rest of a rank's side) and ``shards`` (a
+package: the server processes and their shards). Both read ``plan`` (which shard owns which slice, in
+pieces of what size) and ``rows`` (sparse tables' rows: which shard holds a row, the wire's packing).
 """

@@ -11,7 +11,7 @@ import json
 import sys
 
 from ...transport.loop import new_event_loop
-from .server import run_shards
+from .shards.server import run_shards
 
 
 def main(argv: list[str]) -> int:

@@ -7,9 +7,8 @@ algorithms: ``board`` (same-host shared-memory boards, from the loop or the call
 ``streamed`` (large same-host calls through the boards' slots, in C), ``onehop`` (DIRECT and ROOTED
 one-hop calls for small tensors; between hosts ``tcpdirect`` runs the DIRECT one on the caller's
 thread over the TCP small-message links), ``twohop`` (medium calls between hosts in two hops over
-the same links), ``pipeline`` (the pipelined ring on the event loop), ``plane`` (large calls on the
-threaded data plane, whose receive thread and schedule are ``dataplane``, its link to the right and
-send thread ``rightlink``, what both share (frames, jobs, their turns) ``planejob``), ``hier`` (two levels
+the same links), ``pipeline`` (the pipelined ring on the event loop), ``plane`` (a package: large calls
+on the threaded data plane), ``hier`` (two levels
 across hosts) and ``fp16`` (float16 on the wire). What they share: ``caller`` (numbering a call
 off the loop and closing its books), ``exchange`` (the small-message exchange every one-hop phase
 goes through). ``net`` (``PeerNet``) is the rank's endpoint under them: the listening port, the

@@ -1,5 +1,5 @@
 """The ring's board path: small all_reduces between the ranks of one host through shared-memory
-posting boards (psring.transport.board), from the event loop or straight from the caller's thread.
+posting boards (psring.transport.shmboard), from the event loop or straight from the caller's thread.
 
 Every rank posts its tensor on its own board and reads every other rank's post, then folds in the
 canonical order (the bits of every other path). From SPLIT_BYTES on, the fold is split as a ring
@@ -35,7 +35,7 @@ from ...core import wire
 from ...core.arrays import byte_view, dtype_name
 from ...core.fold import canonical_fold, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
 from ...errors import MismatchError
-from ...transport.board import Board
+from ...transport.shmboard import Board
 from ..collective import Collective, mismatch_message
 from .chooser import Algorithm, Call
 from .constants import BOARD_HERE, BOARD_WAKE, MESH_EARLY_MAX

@@ -50,7 +50,7 @@ class Exchange(GroupPart):
             self.forget_early(seq)
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
-        """A message from a same-host link (psring.transport.unixnet): into its posted receive, or kept."""
+        """A message from a same-host link (psring.transport.unixmesh): into its posted receive, or kept."""
         if phase == BOARD_WAKE:
             self.g.board.on_wake()
             return

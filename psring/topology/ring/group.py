@@ -4,7 +4,7 @@
 split into N ring chunks, each chunk into pieces of ``PSRING_RING_PIECE`` bytes
 (1 MiB), and each piece is reduced and forwarded the moment it arrives. Each rank
 sends 2(N-1)/N of the tensor. From ``PSRING_RING_PLANE_MIN`` (8 MiB) up this runs on the
-threaded data plane (:mod:`psring.topology.ring.dataplane`); below it, in a callback in the
+threaded data plane (:mod:`psring.topology.ring.plane.dataplane`); below it, in a callback in the
 connection's receive path, straight into the output array (no scratch buffers, no
 per-piece tasks). Small tensors take a one-hop path (every rank sends its tensor
 to every other and folds locally) in the same canonical order, so the bits do not
@@ -41,7 +41,7 @@ from .net import PeerNet
 from .onehop import OneHop
 from .paths import Path, choose_reduce
 from .pipeline import PipelinedRing
-from .plane import PlaneAllReduce
+from .plane.allreduce import PlaneAllReduce
 from .streamed import StreamedBoard
 from .tcpdirect import TcpDirect
 from .twohop import TwoHop

@@ -16,20 +16,20 @@ from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, Psri
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
-from ...transport.board import Board, board_possible
 from ...transport.connection import Connection
 from ...transport.listener import Listener, open_connection
 from ...transport.mailbox import Mailbox
 from ...transport.samehost import host_key, same_host_paths
+from ...transport.shmboard import Board, board_possible
 from ...transport.tcpmesh import TcpMesh
-from ...transport.unixnet import UnixMesh
+from ...transport.unixmesh import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
 from . import agree
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
-from .dataplane import DataPlane
 from .paths import NEVER, RingPaths
-from .plane import PlaneLinks
+from .plane.allreduce import PlaneLinks
+from .plane.dataplane import DataPlane
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +99,13 @@ class PeerNet(PlaneLinks):
             self.plane.recv_ready = asyncio.Event()
             if self.plane.native:
                 self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)
-        #: same-host Unix links for small messages (psring.transport.unixnet), when every rank can use them
+        #: same-host Unix links for small messages (psring.transport.unixmesh), when every rank can use them
         self.mesh: UnixMesh | None = None
         self.mesh_peers: dict[int, dict[str, Any]] = {}
         self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
         if world_size > 1 and mesh_possible(self.config):
             self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
-        #: the same-host posting board for small all_reduces (psring.transport.board), when every rank has one
+        #: the same-host posting board for small all_reduces (psring.transport.shmboard), when every rank has one
         self.board: Board | None = None
         #: TCP links of their own for small messages (psring.transport.tcpmesh): jobs on several hosts
         #: (no Unix links), up to PSRING_RING_TCP_MESH ranks, when every rank offers them (agreed in resolve)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ...core.arrays import result_empty
 from ...errors import GroupClosedError, MismatchError
-from ...transport.board import Board
+from ...transport.shmboard import Board
 from ..collective import Collective
 from .board import CORES, HOT_POLLS
 from .chooser import Algorithm, Call

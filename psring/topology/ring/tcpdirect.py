@@ -29,7 +29,7 @@ import numpy as np
 from ...core import wire
 from ...core.arrays import byte_view, dtype_name, pooled_empty
 from ...core.fold import canonical_fold
-from ...transport.board import fold_kind
+from ...transport.shmboard import fold_kind
 from .chooser import GroupPart
 from .constants import DIRECT, MESH_MAX_BYTES
 from .net import PeerNet

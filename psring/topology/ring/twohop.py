@@ -31,7 +31,7 @@ import numpy as np
 from ...core import wire
 from ...core.arrays import byte_view, dtype_name, pooled_empty, result_empty
 from ...core.fold import canonical_fold, ring_chunk_bounds
-from ...transport.board import fold_kind
+from ...transport.shmboard import fold_kind
 from ...transport.tcpmesh import TcpMesh
 from ..collective import Collective
 from .chooser import Algorithm, Call

@@ -125,7 +125,7 @@ async def _works(g: Any, limit: float) -> bool:
 async def _main(args: argparse.Namespace) -> int:
     from psring.rendezvous.client import connect_store, parse_store_address
     from psring.rendezvous.store import start_store
-    from psring.topology.ps.server import start_servers
+    from psring.topology.ps.shards.server import start_servers
 
     os.environ["PSRING_STALL_S"] = str(args.stall)
     within = args.stall + 1.0

@@ -35,7 +35,7 @@ def open_fds() -> int:
 async def soak(topology: str, small: int, large: int, large_bytes: int) -> dict:  # type: ignore[type-arg]
     import psring
     from psring.rendezvous.client import connect_store, parse_store_address
-    from psring.topology.ps.server import start_servers
+    from psring.topology.ps.shards.server import start_servers
 
     fds_before = open_fds()
     store = await psring.start_store("127.0.0.1", 0)

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...core import wire
-from ...core.arrays import pooled_empty
-from ...core.compress import fold_fp16
-from ...core.fold import Layout, canonical_fold
-from ...errors import PeerLostError, ProtocolError, PsringError
-from ...settings import Settings
-from ...transport.connection import Connection
-from ...transport.local import LocalConnection
+from ....core import wire
+from ....core.arrays import pooled_empty
+from ....core.compress import fold_fp16
+from ....core.fold import Layout, canonical_fold
+from ....errors import PeerLostError, ProtocolError, PsringError
+from ....settings import Settings
+from ....transport.connection import Connection
+from ....transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
 from .relay import release_held, send_once, shared_pool
 
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 class Folding:
-    """Part of :class:`~psring.topology.ps.shard.Shard`: what it does with the pieces of a collective."""
+    """Part of :class:`~psring.topology.ps.shards.shard.Shard`: what it does with the pieces of a collective."""
 
     # what this part uses of Shard (shard.py)
     settings: Settings

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import PsringError
-from ...transport.connection import Connection
+from ....errors import PsringError
+from ....transport.connection import Connection
 
 
 def release_held(held: Any) -> None:

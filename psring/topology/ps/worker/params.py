@@ -14,16 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...core import wire
-from ...core.arrays import byte_view
-from ...core.compress import check_codec, quantize, scale_exponent
-from ...core.fold import pieces
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
-from .plan import per_piece, plan
-from .tables import pack_by_shard, row_range
+from ....core import wire
+from ....core.arrays import byte_view
+from ....core.compress import check_codec, quantize, scale_exponent
+from ....core.fold import pieces
+from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ..plan import per_piece, plan
+from ..rows import pack_by_shard, row_range
 
 if TYPE_CHECKING:
-    from .client import PsGroup
+    from .group import PsGroup
 
 logger = logging.getLogger(__name__)
 

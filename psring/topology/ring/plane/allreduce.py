@@ -1,4 +1,4 @@
-"""The ring's threaded data plane (ring.dataplane), seen from the ring: setting up its links
+"""The ring's threaded data plane (plane.dataplane), seen from the ring: setting up its links
 (and their shared-memory segments between same-host neighbours) and running large all_reduces on it.
 """
 
@@ -13,21 +13,21 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from ...core.arrays import result_empty
-from ...core.fold import pieces, reduce_op, ring_chunk_bounds
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
-from ...settings import Settings
-from ...transport.connection import Connection
-from ...transport.shmpool import PeerPool, ShmPool
-from ...transport.unixnet import UnixMesh
-from ..collective import Collective
-from .chooser import Algorithm, Call
-from .constants import PLANE_GRACE
+from ....core.arrays import result_empty
+from ....core.fold import pieces, reduce_op, ring_chunk_bounds
+from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
+from ....settings import Settings
+from ....transport.connection import Connection
+from ....transport.shmpool import PeerPool, ShmPool
+from ....transport.unixmesh import UnixMesh
+from ...collective import Collective
+from ..chooser import Algorithm, Call
+from ..constants import PLANE_GRACE
+from ..paths import Path
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
-from .paths import Path
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from ..group import RingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ PLANE_ON_LOOP_MAX = 4 << 20
 
 
 class PlaneAllReduce(Algorithm):
-    """The PLANE route: large all_reduces of the job's group on the threaded data plane (ring.dataplane),
+    """The PLANE route: large all_reduces of the job's group on the threaded data plane (plane.dataplane),
     from the loop, or whole on the caller's thread (:meth:`soon`) where the job runs in C."""
 
     route = Path.PLANE
@@ -123,7 +123,7 @@ class PlaneAllReduce(Algorithm):
     async def run_job(
         self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane, here: tuple[Any, int, Any] | None = None
     ) -> np.ndarray:
-        """all_reduce on the threaded data plane (ring.dataplane). Queued before the first
+        """all_reduce on the threaded data plane (plane.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank.
         ``here``: a job the caller's thread began (soon), carried on."""
         n_ranks, me = self.world_size, self.rank

@@ -34,13 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import DTYPES, dtype_name
-from ...core.compress import dequantize, fold_fp16, parse_codec_op
-from ...core.fold import canonical_fold, pieces
-from ...core.optim import Optimizer
-from ...errors import ProtocolError, PsringError
-from ...transport.connection import Connection
-from .plan import per_piece, plan
+from ....core.arrays import DTYPES, dtype_name
+from ....core.compress import dequantize, fold_fp16, parse_codec_op
+from ....core.fold import canonical_fold, pieces
+from ....core.optim import Optimizer
+from ....errors import ProtocolError, PsringError
+from ....transport.connection import Connection
+from ..plan import per_piece, plan
 from .relay import release_held, send_once
 
 logger = logging.getLogger(__name__)

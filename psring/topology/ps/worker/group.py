@@ -26,22 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from ...core import wire
-from ...core.arrays import byte_view, result_empty
-from ...core.compress import dequantize, quantize
-from ...core.fold import pieces, ring_chunk_bounds
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
-from ...rendezvous.scheduler import GroupSettings
-from ...transport.connection import SMALL_COPY, Connection
-from ...transport.local import LocalConnection
-from ...transport.loop import poll_until
-from ..collective import Collective
-from ..group import Group
+from ....core import wire
+from ....core.arrays import byte_view, result_empty
+from ....core.compress import dequantize, quantize
+from ....core.fold import pieces, ring_chunk_bounds
+from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ....rendezvous.scheduler import GroupSettings
+from ....transport.connection import SMALL_COPY, Connection
+from ....transport.local import LocalConnection
+from ....transport.loop import poll_until
+from ...collective import Collective
+from ...group import Group
+from ..plan import SHARED_KINDS, per_piece, plan
 from . import setup
 from .hostreduce import HostReduce
 from .links import ServerLinks
 from .params import ParameterClient, SparseTables
-from .plan import SHARED_KINDS, per_piece, plan
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class PsGroup(Group):
         self.backup_skipped = 0  # steps this worker skipped: completed without it while it was behind
         #: the shards fold this group's all_reduces in rank order (a host-reduce subgroup: ranks are hosts)
         self.ordered = False
-        #: all_reduce across hosts, several ranks on each: reduced within the host first (ps.hostreduce)
+        #: all_reduce across hosts, several ranks on each: reduced within the host first (ps.worker.hostreduce)
         self.host_reduce: HostReduce | None = None
         #: parameter mode and sparse tables (SyncSGD over ps), composed
         self.params = ParameterClient(self)

@@ -9,18 +9,18 @@ import logging
 import time
 from typing import Any, ClassVar
 
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
-from ...rendezvous.scheduler import GroupSettings
-from ...settings import parse_weights
-from ...transport.connection import Connection
-from ...transport.listener import open_connection
-from ...transport.mailbox import Mailbox
-from ...transport.samehost import elsewhere, host_key
-from ...transport.shmpool import ShmPool
-from ..group import farewell
-from ..stall import StallInspector
-from .plan import check_weights, piece_bytes
-from .server import ShardServer
+from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ....rendezvous.scheduler import GroupSettings
+from ....settings import parse_weights
+from ....transport.connection import Connection
+from ....transport.listener import open_connection
+from ....transport.mailbox import Mailbox
+from ....transport.samehost import elsewhere, host_key
+from ....transport.shmpool import ShmPool
+from ...group import farewell
+from ...stall import StallInspector
+from ..plan import check_weights, piece_bytes
+from ..shards.server import ShardServer
 
 logger = logging.getLogger(__name__)
 

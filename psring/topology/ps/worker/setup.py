@@ -7,17 +7,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ...errors import PsringError, StoreError
-from ...rendezvous.join import assign_rank, group_set_up
-from ...rendezvous.scheduler import GroupSettings
+from ....errors import PsringError, StoreError
+from ....rendezvous.join import assign_rank, group_set_up
+from ....rendezvous.scheduler import GroupSettings
+from ..shards.server import start_servers
 from . import hostreduce
 from .hostreduce import HostReduce
 from .links import ServerLinks
 from .params import joins_closed, joins_closed_key
-from .server import start_servers
 
 if TYPE_CHECKING:
-    from .client import PsGroup
+    from .group import PsGroup
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Same-host posting boards (psring.transport.board) and the ring's board path (psring.topology.ring.board):
+"""Same-host posting boards (psring.transport.shmboard) and the ring's board path (psring.topology.ring.board):
 small all_reduces through shared memory, from the event loop and from the blocking API's own thread."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import psring
 from psring.core.fold import canonical_fold
 from psring.topology.ring.board import SPLIT_BYTES
-from psring.transport.board import Board, board_possible, native_built
+from psring.transport.shmboard import Board, board_possible, native_built
 
 from ..conftest import blocking_job_end, run_blocking_job, run_tree
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import DTYPES, prod
-from ...core.compress import parse_codec_op
-from ...core.fold import pieces, ring_chunk_bounds
-from ...errors import ProtocolError
-from ...transport.connection import Connection
-from .plan import FOLD_KINDS, KINDS, per_piece, plan
+from ....core.arrays import DTYPES, prod
+from ....core.compress import parse_codec_op
+from ....core.fold import pieces, ring_chunk_bounds
+from ....errors import ProtocolError
+from ....transport.connection import Connection
+from ..plan import FOLD_KINDS, KINDS, per_piece, plan
 
 #: the most pieces one collective's slice may have on a shard (the piece size is the workers' word)
 MAX_PIECES = 1 << 16

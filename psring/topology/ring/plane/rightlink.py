@@ -1,10 +1,10 @@
 """The data plane's link to the right neighbour: its socket, its shared-memory slots (same-host
 neighbours), and the send thread's work -- a job's own frames and those the receive thread hands on.
 
-The receive thread (ring.dataplane) hands frames on through :meth:`RightLink.forward` (over TCP straight
+The receive thread (plane.dataplane) hands frames on through :meth:`RightLink.forward` (over TCP straight
 into the socket when nothing of the job waits for the send thread) and :meth:`RightLink.forward_slot` (a
 slot it folded into itself, :meth:`RightLink.take_slot`); the send thread (:meth:`RightLink.run`) sends
-what is queued, in order, after the frames of the job before (:class:`ring.planejob.Turns`).
+what is queued, in order, after the frames of the job before (:class:`plane.job.Turns`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import threading
 
 import numpy as np
 
-from ...transport.shmpool import PeerPool, ShmPool
-from .planejob import _ALL_OUT, HEADER, MAGIC, POLL, SHM_MAGIC, SMALL_SEND, Job, PlaneLinkError, Turns
+from ....transport.shmpool import PeerPool, ShmPool
+from .job import _ALL_OUT, HEADER, MAGIC, POLL, SHM_MAGIC, SMALL_SEND, Job, PlaneLinkError, Turns
 
 
 class RightLink:

@@ -13,16 +13,16 @@ import logging
 import signal
 from typing import Any
 
-from ... import settings as settings_mod
-from ...core.arrays import keep_freed_memory
-from ...errors import PeerLostError, ProtocolError
-from ...settings import Settings
-from ...transport.connection import Connection
-from ...transport.listener import Listener
-from ...transport.local import local_pair
-from ...transport.mailbox import Mailbox
-from ...transport.samehost import host_key
-from ...transport.shmpool import ShmPool
+from .... import settings as settings_mod
+from ....core.arrays import keep_freed_memory
+from ....errors import PeerLostError, ProtocolError
+from ....settings import Settings
+from ....transport.connection import Connection
+from ....transport.listener import Listener
+from ....transport.local import local_pair
+from ....transport.mailbox import Mailbox
+from ....transport.samehost import host_key
+from ....transport.shmpool import ShmPool
 from .paramstore import configure_checkpoints
 from .shard import Shard
 
@@ -309,8 +309,8 @@ async def run_shards(
     """A process of shards, until SIGTERM/SIGINT: ``psring server``, and the shard processes
     ``psring launch`` starts (``python -m psring.topology.ps SPEC``). Prints one line once the
     shards are registered. ``None`` means the setting (PSRING_JOB, PSRING_SECRET, ...)."""
-    from ...rendezvous.client import connect_store, parse_store_address
-    from ...rendezvous.scheduler import default_route_host, routable_host_towards
+    from ....rendezvous.client import connect_store, parse_store_address
+    from ....rendezvous.scheduler import default_route_host, routable_host_towards
 
     config = settings_mod.current()
     if num_shards < 1:

@@ -1,8 +1,8 @@
 """What the data plane's two threads share: the frame format, a job (one all_reduce on the plane), and
 the jobs' turns (a job's frames go out after those of the job before it, on every rank in one order).
 
-Frame: a 24-byte header (magic, index in the job's stream, seq, nbytes) and the payload; ring.dataplane's
-docstring has the protocol, ring.rightlink the send side.
+Frame: a 24-byte header (magic, index in the job's stream, seq, nbytes) and the payload; plane.dataplane's
+docstring has the protocol, plane.rightlink the send side.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...core.arrays import result_empty
+from ....core.arrays import result_empty
 
 MAGIC = 0x31445350  # b"PSD1"
 SHM_MAGIC = 0x31485300  # b"\0SH1" + slot number in the low byte: the payload is in that slot

@@ -1,4 +1,4 @@
-"""Same-host Unix links (psring.transport.unixnet): small ring collectives between ranks of one host go
+"""Same-host Unix links (psring.transport.unixmesh): small ring collectives between ranks of one host go
 over seqpacket sockets, with the same bits and the same errors as over TCP; peers are checked
 by pid; a full kernel buffer queues instead of failing; one rank without them keeps all on TCP."""
 
@@ -19,7 +19,7 @@ from psring import settings
 from psring.core import wire
 from psring.core.fold import canonical_fold
 from psring.errors import ProtocolError
-from psring.transport.unixnet import UnixMesh
+from psring.transport.unixmesh import UnixMesh
 
 from ..conftest import run_tree
 
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio, pytest.mark.timeout(90)]
 @pytest.fixture(autouse=True)
 def _links_not_boards(monkeypatch) -> None:
     """Small all_reduces between ranks of one host go through shared-memory boards by default
-    (test_board.py); these tests are about the links under them."""
+    (test_shmboard.py); these tests are about the links under them."""
     monkeypatch.setenv("PSRING_RING_BOARD", "0")
 
 
@@ -203,7 +203,7 @@ async def test_a_stranger_cannot_pose_as_a_rank(caplog) -> None:
     try:
         assert stranger.stdout is not None
         assert (await asyncio.to_thread(stranger.stdout.readline)).strip() == "sent"
-        with caplog.at_level(logging.WARNING, logger="psring.transport.unixnet"):
+        with caplog.at_level(logging.WARNING, logger="psring.transport.unixmesh"):
             await asyncio.sleep(0.2)
             assert not accepting.done()  # the stranger's claim to be rank 0 was not taken
             await m0.connect({1: info1}, timeout=20)

@@ -48,10 +48,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ...core.arrays import byte_view
-from ...transport.board import fold_kind
-from ...transport.shmpool import PeerPool, ShmPool
-from .planejob import (
+from ....core.arrays import byte_view
+from ....transport.shmboard import fold_kind
+from ....transport.shmpool import PeerPool, ShmPool
+from .job import (
     _FINAL,
     _REDUCE,
     _STORE,
@@ -70,7 +70,7 @@ from .planejob import (
 from .rightlink import RightLink
 
 try:  # the C extension's one-thread ring (psring/native/ring.c, a leaf: it imports nothing of psring)
-    from ..._native import NRing as _NRing
+    from ...._native import NRing as _NRing
 except ImportError:  # not built here: the two threads
     _NRing = None  # type: ignore[assignment,misc]
 

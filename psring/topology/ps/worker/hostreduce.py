@@ -5,7 +5,7 @@ Pushed as they are, R ranks on a host each send their whole tensor's remote shar
 and take it back: 2 S per direction crosses a host's link at 2 hosts where the ring's hierarchical
 all_reduce sends S. Here each block of the tensor goes through three steps:
 
-1. every rank posts the block on its same-host board (psring.transport.board, sized for a block);
+1. every rank posts the block on its same-host board (psring.transport.shmboard, sized for a block);
    local rank l folds slice l (of R) of the host's posts in rank order: the host's partial P_h;
 2. local rank l all_reduces P_h's slice with its counterparts on the other hosts (local rank l of
    every host) through the shards, in a subgroup whose shards fold the hosts in host order;
@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import numpy as np
 
-from ...core.arrays import byte_view, pooled_empty, result_empty
-from ...core.fold import Layout, finish_avg, fold_rows, host_layout, reduce_op, ring_chunk_bounds
-from ...errors import CollectiveTimeoutError, MismatchError
-from ...transport.board import Board, board_possible
-from ...transport.samehost import host_key, same_host_paths
-from ..collective import Collective
+from ....core.arrays import byte_view, pooled_empty, result_empty
+from ....core.fold import Layout, finish_avg, fold_rows, host_layout, reduce_op, ring_chunk_bounds
+from ....errors import CollectiveTimeoutError, MismatchError
+from ....transport.samehost import host_key, same_host_paths
+from ....transport.shmboard import Board, board_possible
+from ...collective import Collective
 
 if TYPE_CHECKING:
-    from .client import PsGroup
+    from .group import PsGroup
 
 logger = logging.getLogger(__name__)
 

@@ -38,19 +38,19 @@ from typing import Any
 
 import numpy as np
 
-from ... import settings as settings_mod
-from ...core import wire
-from ...core.arrays import dtype_name, pooled_bytes
-from ...core.fold import Layout, host_layout
-from ...errors import PeerLostError, ProtocolError, PsringError
-from ...settings import Settings
-from ...transport.connection import Connection
-from ...transport.samehost import elsewhere
-from ..collective import mismatch_message
+from .... import settings as settings_mod
+from ....core import wire
+from ....core.arrays import dtype_name, pooled_bytes
+from ....core.fold import Layout, host_layout
+from ....errors import PeerLostError, ProtocolError, PsringError
+from ....settings import Settings
+from ....transport.connection import Connection
+from ....transport.samehost import elsewhere
+from ...collective import mismatch_message
+from ..plan import FOLD_KINDS, check_weights
 from .folding import Folding
 from .paramstore import handle_param
 from .pending import _check_desc, _Pending
-from .plan import FOLD_KINDS, check_weights
 from .relay import release_held
 from .tables import tables_of
 

@@ -1,0 +1,7 @@
+"""The parameter server's worker side: a rank that pushes to and pulls from the shards.
+
+``group`` (``PsGroup``, the collectives), ``setup`` (making one: its shards where they live, the links,
+the wire's piece; or joining a running elastic job), ``links`` (connections to the shards, reconnecting
+to a restarted one), ``params`` (``ParameterClient``: parameter mode for SyncSGD; ``SparseTables``:
+sparse tables on the shards), ``hostreduce`` (all_reduce reduced within each host before it is pushed).
+"""

@@ -1,0 +1,7 @@
+"""The ring's threaded data plane: large all_reduces on two blocking sockets, off the event loop.
+
+``allreduce`` (``PlaneAllReduce``: the algorithm the chooser picks, and ``PlaneLinks``, the data links
+a rank dials and accepts), ``dataplane`` (``DataPlane``: the receive thread, which also folds, and the
+schedule of jobs), ``rightlink`` (``RightLink``: the link to the right neighbour and the send thread),
+``job`` (what both threads share: the frame format, a ``Job``, the jobs' ``Turns``).
+"""
