@@ -16,9 +16,17 @@ Beds. ``cluster``: a store (``--data-dir``), worker daemons and, for ps, a serve
 with the same arguments one second later, as ``restart: always`` would. ``launch``: ``psring train``
 (the launcher) and its rank processes, ``--max-restarts 2``.
 
-Kinds: store, worker (daemon), server (daemon), submitter (cluster bed); rank, launcher (launch bed).
-Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIGCONT).
-Phases: idle (before the job: for daemons and the store), mid-step (a quarter of the job's steps done).
+Kinds: store, worker (daemon), server (daemon), submitter, dashboard (cluster bed); rank, launcher,
+shard (a ps job's shard process; launch bed).
+Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIGCONT), partition (every
+packet the process and its children send is dropped for ``--stop-s``, then the link heals: the process
+is moved into a cgroup of its own and an iptables rule drops that cgroup's output -- root, iptables'
+cgroup match and cgroup v2), full-disk (the store's data directory, a tmpfs of its own, is filled for
+``--stop-s``, then emptied -- root). A fault that needs what this machine lacks is skipped, saying why.
+Phases: idle (before the job: for daemons and the store; a partition or a full disk still holds when
+the job is submitted), rendezvous (the job placed, its ranks meeting: on the cluster bed as soon as
+the submitter says the job is placed; on the launch bed as soon as the victim's process exists),
+mid-step (a quarter of the job's steps done).
 
     python benchmarks/faults.py                         # every case, both topologies
     python benchmarks/faults.py --kinds store --faults kill --phases mid-step --topologies ring
@@ -49,11 +57,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
-KINDS = ("store", "worker", "server", "submitter", "rank", "launcher")
-FAULTS = ("kill", "term", "stop")
-PHASES = ("idle", "mid-step")
+KINDS = ("store", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
+FAULTS = ("kill", "term", "stop", "partition", "full-disk")
+PHASES = ("idle", "rendezvous", "mid-step")
 #: processes a restart policy brings back (the cluster bed's long-running ones)
-RESTARTED = ("store", "worker", "server")
+RESTARTED = ("store", "worker", "server", "dashboard")
+#: the launch bed's kinds (the rest are the cluster bed's)
+LAUNCHED = ("rank", "launcher", "shard")
+#: faults that last --stop-s and then heal by themselves (the process is not restarted)
+PASSING = ("stop", "partition", "full-disk")
 
 
 class Proc:
@@ -135,8 +147,20 @@ class Case:
         """Why this combination is not a case (None: it is one)."""
         if self.kind == "server" and self.topology != "ps":
             return "no server daemon on the ring"
-        if self.phase == "idle" and self.kind in ("submitter", "rank", "launcher"):
+        if self.kind == "shard" and self.topology != "ps":
+            return "no shard processes on the ring"
+        if self.phase == "idle" and self.kind in ("submitter", *LAUNCHED):
             return "exists only while a job runs"
+        if self.fault == "full-disk" and self.kind != "store":
+            return "only the store writes to disk"
+        return None
+
+    def lacks(self) -> str | None:
+        """What this machine lacks to inject the fault (None: nothing)."""
+        if self.fault == "full-disk" and os.geteuid() != 0:
+            return "a full disk needs root (a tmpfs of its own for the store's data)"
+        if self.fault == "partition":
+            return Partition.lacks()
         return None
 
 
@@ -184,26 +208,48 @@ class Campaign:
         procs: list[Proc] = []
         problems: list[str] = []
         want = self.reference(case.topology)
+        self.healing: list[threading.Timer] = []
+        self.outcome = ""
         with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
+            disk = Disk(data, tag) if case.fault == "full-disk" else None
             try:
-                if case.kind in ("rank", "launcher"):
+                if case.kind in LAUNCHED:
                     problems += self._launch_case(case, rng, env, procs, want, tag)
                 else:
-                    problems += self._cluster_case(case, rng, env, procs, want, data)
+                    problems += self._cluster_case(case, rng, env, procs, want, data, disk)
             except Exception as exc:  # a bed that did not come up is a failed case, said as such
                 problems.append(f"the case could not run: {type(exc).__name__}: {exc}")
-            problems += self._stop_all(procs, tag)
+            finally:
+                for timer in self.healing:  # a fault that outlived its case heals now, before the next case
+                    timer.cancel()
+                    timer.function()
+                problems += self._stop_all(procs, tag)
+                if disk is not None:
+                    disk.close()
         return problems
 
-    def _inject(self, proc: Proc, fault: str) -> None:
+    def _inject(self, proc: Proc, fault: str, disk: Disk | None = None) -> None:
+        """Inject the fault. stop blocks for --stop-s; partition and full-disk return at once and heal
+        --stop-s later by themselves (so a job submitted meanwhile meets them)."""
         if fault == "kill":
             os.kill(proc.p.pid, signal.SIGKILL)
         elif fault == "term":
             os.kill(proc.p.pid, signal.SIGTERM)
-        else:
+        elif fault == "stop":
             os.kill(proc.p.pid, signal.SIGSTOP)
             time.sleep(self.args.stop_s)
             os.kill(proc.p.pid, signal.SIGCONT)
+        else:
+            if fault == "partition":
+                cut = Partition(proc.p.pid)
+                heal = cut.heal
+            else:
+                assert disk is not None
+                disk.fill()
+                heal = disk.empty
+            timer = threading.Timer(self.args.stop_s, _once(heal))
+            self.healing.append(timer)
+            timer.start()
 
     def _mid_step(self, proc: Proc, rng: random.Random) -> None:
         """Wait for a moment within the job's second quarter of steps (its progress lines say where it is)."""
@@ -221,9 +267,12 @@ class Campaign:
         raise RuntimeError(f"{proc.name} did not reach step {at} of {total}: {proc.tail()}")
 
     def _cluster_case(
-        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, data: str
+        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, data: str,
+        disk: Disk | None,
     ) -> list[str]:
         problems: list[str] = []
+        if disk is not None:
+            data = disk.mount()
         store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
         procs.append(store)
         port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
@@ -238,39 +287,54 @@ class Campaign:
                      env)  # fmt: skip
             procs.append(s)
             s.wait_line("ready for ps jobs", 60)
+        dashboard = None
+        if case.kind == "dashboard":
+            dashboard = Proc("dashboard", ["dashboard", "--store", address, "--port", "0", "--interval", "0.5"], env)
+            procs.append(dashboard)
+            dashboard.wait_line(r"psring dashboard: http", 60)
         pool = {
             "store": [store],
             "worker": [p for p in procs if p.name.startswith("worker")],
             "server": [p for p in procs if p.name.startswith("server")],
+            "dashboard": [dashboard] if dashboard is not None else [],
         }
         victim: Proc | None = None
         if case.phase == "idle":
             victim = rng.choice(pool[case.kind])
-            self._inject(victim, case.fault)
+            self._inject(victim, case.fault, disk)
             self._restart(victim, case, procs)
         submit = Proc("submitter", self._job_argv(address, case.topology), env)
         procs.append(submit)
-        if case.phase == "mid-step":
-            self._mid_step(submit, rng)
+        if case.phase != "idle":
+            if case.phase == "mid-step":
+                self._mid_step(submit, rng)
+            else:  # rendezvous: the job is placed, its ranks are meeting
+                submit.wait_line(r"job \S+ placed", 120)
+                time.sleep(rng.uniform(0.0, 0.3))
             victim = submit if case.kind == "submitter" else rng.choice(pool[case.kind])
-            self._inject(victim, case.fault)
+            self._inject(victim, case.fault, disk)
             if case.kind != "submitter":
                 self._restart(victim, case, procs)
         assert victim is not None
         problems += self._judge(submit, victim, case, want)
+        for timer in self.healing:  # the fault has healed before the cluster is judged again
+            timer.join()
+        if case.kind == "dashboard":  # read only: the job never noticed; and the page serves again
+            problems += _dashboard_serves(getattr(victim, "restarted", victim), case)
         if case.kind == "submitter":  # the cluster goes on: a fresh job on it still gives the bits
             again = Proc("submitter (again)", self._job_argv(address, case.topology), env)
             procs.append(again)
             problems += [f"after: {p}" for p in self._judge(again, None, case, want)]
-        elif case.kind in RESTARTED and case.fault != "stop":
-            again = Proc("submitter (after the restart)", self._job_argv(address, case.topology), env)
+        elif case.kind in RESTARTED:
+            after = "after the restart" if case.fault not in PASSING else f"after the {case.fault} healed"
+            again = Proc(f"submitter ({after})", self._job_argv(address, case.topology), env)
             procs.append(again)
-            problems += [f"after the restart: {p}" for p in self._judge(again, None, case, want)]
+            problems += [f"{after}: {p}" for p in self._judge(again, None, case, want)]
         return problems
 
     def _restart(self, victim: Proc, case: Case, procs: list[Proc]) -> None:
         """The restart policy: a store or daemon that ended is started again with its arguments."""
-        if case.fault == "stop" or case.kind not in RESTARTED:
+        if case.fault in PASSING or case.kind not in RESTARTED:
             return
         try:
             victim.p.wait(timeout=GRACE_S)
@@ -279,7 +343,8 @@ class Campaign:
         time.sleep(1.0)
         fresh = Proc(victim.name, victim.argv, victim.env)
         procs.append(fresh)
-        ready = {"store": "listening on", "worker": "ready on", "server": "ready for ps jobs"}[case.kind]
+        ready = {"store": "listening on", "worker": "ready on", "server": "ready for ps jobs",
+                 "dashboard": "psring dashboard: http"}[case.kind]  # fmt: skip
         fresh.wait_line(ready, 60)
         victim.restarted = fresh  # type: ignore[attr-defined]
 
@@ -288,18 +353,27 @@ class Campaign:
     ) -> list[str]:
         train = Proc("launcher", self._train_argv(case.topology), env)
         procs.append(train)
-        # psring train prints no step lines: mid-step is a moment within the undisturbed run's second quarter
-        time.sleep(rng.uniform(0.3, 0.5) * self.took[case.topology])
+        module = "psring.topology.ps" if case.kind == "shard" else "psring.training"
+
+        def found() -> list[int]:
+            return [pid for pid in marked_pids(tag) if pid != train.p.pid and _runs(pid, module)]
+
+        if case.phase == "rendezvous":  # as soon as the victim's process (the launcher's: a rank) exists
+            deadline = time.monotonic() + 60
+            while not found() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.3))
+        else:  # psring train prints no step lines: mid-step is a moment within the undisturbed run's second quarter
+            time.sleep(rng.uniform(0.3, 0.5) * self.took[case.topology])
         if train.p.poll() is not None:
             return ["the job ended before its fault could be injected: give it more --epochs"]
         if case.kind == "launcher":
             victim = train
         else:
-            ranks = [pid for pid in marked_pids(tag) if pid != train.p.pid and _is_rank(pid)]
-            if not ranks:
-                return ["no rank process found to fault"]
-            pid = rng.choice(sorted(ranks))
-            victim = _Pid(pid)  # type: ignore[assignment]
+            if not found():
+                return [f"no {case.kind} process found to fault"]
+            pid = rng.choice(sorted(found()))
+            victim = _Pid(pid, case.kind)  # type: ignore[assignment]
         self._inject(victim, case.fault)
         return self._judge(train, victim, case, want)
 
@@ -312,10 +386,13 @@ class Campaign:
         except subprocess.TimeoutExpired:
             return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
         took = time.monotonic() - t0
+        if victim is not None:  # the faulted job's outcome, for the report
+            code = job.p.returncode
+            self.outcome = "done, the bits" if code == 0 else f"failed ({code}): {job.tail(1)[:120]}"
         if victim is job:  # the job's own process got the fault
-            if case.fault == "stop":  # paused and resumed: it goes on to the bits
+            if case.fault in PASSING:  # paused or cut off, then back: it goes on to the bits
                 if job.p.returncode != 0 or str((_summary(job.out) or {}).get("param_digest")) != want:
-                    problems.append(f"{job.name} paused and resumed did not finish with the bits: {job.tail()}")
+                    problems.append(f"{job.name} did not finish with the bits after its {case.fault}: {job.tail()}")
             elif took > GRACE_S:
                 problems.append(f"{job.name} took {took:.1f}s to end on SIG{case.fault.upper()}")
             return problems
@@ -359,11 +436,11 @@ class Campaign:
 
 
 class _Pid:
-    """A process the campaign did not start itself (a rank under a launcher)."""
+    """A process the campaign did not start itself (a rank or a shard process under a launcher)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, kind: str = "rank") -> None:
         self.pid = pid
-        self.name = f"rank (pid {pid})"
+        self.name = f"{kind} (pid {pid})"
 
         class _P:
             pass
@@ -372,18 +449,180 @@ class _Pid:
         self.p.pid = pid  # type: ignore[attr-defined]
 
 
-def _is_rank(pid: int) -> bool:
+def _runs(pid: int, module: str) -> bool:
+    """Whether process pid runs ``python -m module``."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"psring.training" in f.read()
+            return module.encode() in f.read().split(b"\0")
     except OSError:
         return False
+
+
+def _once(fn: Any) -> Any:
+    done: list[bool] = []
+
+    def run() -> None:
+        if not done:
+            done.append(True)
+            fn()
+
+    return run
+
+
+def _children(pid: int) -> list[int]:
+    """pid and every process below it."""
+    parent: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+class Partition:
+    """A process (and its children) cut off the network: its cgroup's output dropped, until healed."""
+
+    ROOT = "/sys/fs/cgroup/unified" if os.path.isdir("/sys/fs/cgroup/unified") else "/sys/fs/cgroup"
+
+    @classmethod
+    def lacks(cls) -> str | None:
+        if os.geteuid() != 0:
+            return "a partition needs root (iptables, cgroups)"
+        if not os.path.exists(os.path.join(cls.ROOT, "cgroup.procs")) or not os.path.exists(
+            os.path.join(cls.ROOT, "cgroup.subtree_control")
+        ):
+            return f"a partition needs cgroup v2 (none at {cls.ROOT})"
+        try:
+            probe = subprocess.run(["iptables", "-m", "cgroup", "--help"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return "a partition needs iptables"
+        if probe.returncode != 0 or "--path" not in probe.stdout:
+            return "a partition needs iptables' cgroup match"
+        return None
+
+    def __init__(self, pid: int) -> None:
+        self.name = f"psring-fault-{os.getpid()}-{pid}"
+        self.path = os.path.join(self.ROOT, self.name)
+        self.rule = ["OUTPUT", "-m", "cgroup", "--path", self.name, "-j", "DROP"]
+        os.makedirs(self.path, exist_ok=True)
+        self.moved: dict[int, str] = {}
+        for p in _children(pid):
+            try:
+                with open(f"/proc/{p}/cgroup") as f:
+                    home = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), "/")
+                with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
+                    f.write(str(p))
+                self.moved[p] = home
+            except OSError:  # ended meanwhile
+                continue
+        subprocess.run(["iptables", "-I", *self.rule], check=True, timeout=30)
+
+    def heal(self) -> None:
+        subprocess.run(["iptables", "-D", *self.rule], check=False, timeout=30)
+        for p in _pids_in(self.path):  # its children forked meanwhile are in it too
+            home = self.moved.get(p, "/")
+            try:
+                with open(os.path.join(self.ROOT, home.lstrip("/"), "cgroup.procs"), "w") as f:
+                    f.write(str(p))
+            except OSError:
+                try:
+                    with open(os.path.join(self.ROOT, "cgroup.procs"), "w") as f:
+                        f.write(str(p))
+                except OSError:  # ended meanwhile
+                    continue
+        try:
+            os.rmdir(self.path)
+        except OSError:  # a process still in it: it ends with the case (_stop_all)
+            pass
+
+
+def _pids_in(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+class Disk:
+    """The store's data directory on a small tmpfs of its own, filled and emptied on demand."""
+
+    SIZE = "16m"
+
+    def __init__(self, base: str, tag: str) -> None:
+        self.dir = os.path.join(base, "store-data")
+        self.filler = os.path.join(base, "filler")
+        self.mounted = False
+
+    def mount(self) -> str:
+        os.makedirs(self.dir, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SIZE}", "tmpfs", self.dir], check=True, timeout=30)
+        self.mounted = True
+        return self.dir
+
+    def fill(self) -> None:
+        self.filler = os.path.join(self.dir, "filler")
+        chunk = b"\0" * (1 << 16)
+        with open(self.filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:  # ENOSPC: full
+                pass
+            try:
+                while True:
+                    f.write(b"\0")
+            except OSError:
+                pass
+
+    def empty(self) -> None:
+        try:
+            os.unlink(self.filler)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", self.dir], check=False, timeout=30)
+            self.mounted = False
+
+
+def _dashboard_serves(dash: Any, case: Case) -> list[str]:
+    """The (restarted or resumed) dashboard answers /api/status with the cluster's daemons."""
+    import urllib.request
+
+    said = [line for line in dash.lines if "psring dashboard: http" in line]
+    m = re.search(r"(http://\S+?)/?(\s|$)", said[-1]) if said else None
+    if m is None:
+        return [f"the dashboard never said where it serves: {dash.tail()}"]
+    deadline = time.monotonic() + 30
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(m[1] + "/api/status", timeout=5) as r:
+                status = json.loads(r.read())
+            if status.get("workers") and not status.get("error"):
+                return []
+            last = f"no workers in {str(status)[:200]}"
+        except (OSError, ValueError) as exc:
+            last = repr(exc)
+        time.sleep(0.5)
+    return [f"the dashboard does not serve after its {case.fault}: {last}"]
 
 
 def _names(line: str, victim: Any, case: Case) -> bool:
     """Whether a failure line names the fault: the process (its name, its rank) or its role."""
     low = line.lower()
-    words = {"store", "worker", "server", "shard", "rank", "lost", "killed", "signal", "terminated"}
+    words = {"store", "worker", "server", "shard", "rank", "lost", "killed", "signal", "terminated", "disk",
+             "space", "unreachable", "timed out"}  # fmt: skip
     return any(w in low for w in words) or victim.name.split()[-1].lower() in low
 
 
@@ -421,21 +660,32 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--case {args.case}: not a case ({why})")
     campaign = Campaign(args)
     failed = 0
+    skipped = 0
     for case in todo:
+        lacks = case.lacks()
+        if lacks is not None:
+            skipped += 1
+            if args.json:
+                print(json.dumps({"case": case.name, "seed": args.seed, "skipped": lacks}), flush=True)
+            else:
+                print(f"{case.name:34} skipped: {lacks}", flush=True)
+            continue
         t0 = time.monotonic()
         problems = campaign.run(case, args.seed)
         took = time.monotonic() - t0
         failed += bool(problems)
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
-                              "seconds": round(took, 1)}), flush=True)  # fmt: skip
+                              "seconds": round(took, 1), "job": campaign.outcome}), flush=True)  # fmt: skip
         else:
-            verdict = "held" if not problems else "FAILED: " + "; ".join(problems)
+            verdict = f"held ({campaign.outcome})" if not problems else "FAILED: " + "; ".join(problems)
             print(f"{case.name:34} {took:6.1f}s  {verdict}", flush=True)
         if problems:
             print(f"  replay: python benchmarks/faults.py --case {case.name} --seed {args.seed} "
                   f"--workers {args.workers} --epochs {args.epochs} --stop-s {args.stop_s:g}", flush=True)  # fmt: skip
-    print(f"{len(todo) - failed} of {len(todo)} cases held", flush=True)
+    ran = len(todo) - skipped
+    note = f" ({skipped} skipped: this machine lacks their fault)" if skipped else ""
+    print(f"{ran - failed} of {ran} cases held{note}", flush=True)
     return 1 if failed else 0
 
 

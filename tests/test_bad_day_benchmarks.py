@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +29,28 @@ def test_the_fault_campaign_runs_a_case_and_it_holds() -> None:
     assert len(rows) == 1, res.stdout + res.stderr
     assert rows[0]["case"] == "ring/store/kill/idle" and rows[0]["held"], rows[0]
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("case", ["ring/store/partition/idle", "ps/store/full-disk/idle"])
+def test_the_fault_campaign_cuts_a_process_off_and_fills_a_disk(case: str) -> None:
+    """A partition (the store's packets dropped, then healed) and a full disk (the store's, then emptied)
+    held while the job is submitted: it ends with the bits or fails naming the fault, a fresh job after
+    the fault healed gives the bits, and nothing is left (iptables rule, cgroup, mount, processes)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", case,
+           "--workers", "2", "--epochs", "4", "--stop-s", "2", "--json"]  # fmt: skip
+    res = run_tree(cmd, timeout=280)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, res.stdout + res.stderr
+    if "skipped" in rows[0]:
+        pytest.skip(rows[0]["skipped"])
+    assert rows[0]["case"] == case and rows[0]["held"], rows[0]
+    assert res.returncode == 0, res.stdout + res.stderr
+    if case.endswith("full-disk/idle"):  # submitted onto a full disk: refused, saying so
+        assert "No space left" in rows[0]["job"] or rows[0]["job"] == "done, the bits", rows[0]
+    else:  # the partition healed: its rule is gone
+        left = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, timeout=30).stdout
+        assert "psring-fault-" not in left, left
+    assert "psring-faults-" not in Path("/proc/mounts").read_text()
 
 
 def test_the_fault_campaign_names_what_is_not_a_case() -> None:

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from .. import settings as settings_mod
@@ -128,6 +129,8 @@ class _Daemon:
         #: a server daemon's hosting records, by job (likewise)
         self.hosting: dict[int, bytes] = {}
         self.store: Any = None
+        #: store clients of its own a job's part opened (a ps job's shards), given up with the daemon's own
+        self.side_stores: weakref.WeakSet[Any] = weakref.WeakSet()
         self.listener: Listener | None = None
         self.metrics: Any = None
 
@@ -243,15 +246,15 @@ class _Daemon:
             return
         self.signalled_by = name
         self.stopping.set()
-        store = self.store
-        if store is None or not hasattr(store, "give_up"):
-            return
         reason = f"{self.kind[:-1]} {self.id} stopped ({name}) while the store was unreachable"
-        if getattr(store, "reconnecting", False):
-            logger.warning("%s %s: %s; not waiting for it", self.kind[:-1], self.id, name)
-            store.give_up(reason)
-        else:
-            asyncio.get_running_loop().call_later(STOP_GRACE_S, store.give_up, reason)
+        for store in [self.store, *self.side_stores]:  # (a job's shards hold clients of their own)
+            if store is None or not hasattr(store, "give_up"):
+                continue
+            if getattr(store, "reconnecting", False):
+                logger.warning("%s %s: %s; not waiting for the store", self.kind[:-1], self.id, name)
+                store.give_up(reason)
+            else:
+                asyncio.get_running_loop().call_later(STOP_GRACE_S, store.give_up, reason)
 
     async def _reregister(self, restarted: bool) -> None:
         """After reconnecting to a store that restarted: put back what this daemon owns. A store with a
@@ -277,7 +280,9 @@ class _Daemon:
 
     async def _new_store(self) -> Any:
         """A store connection of its own (shard servers close theirs when they stop)."""
-        return await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+        store = await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+        self.side_stores.add(store)
+        return store
 
     async def stop(self) -> None:
         await self._close_port()

@@ -38,16 +38,18 @@ def _gone_within(proc: subprocess.Popen[str], seconds: float) -> float:
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("when", ["idle", "mid-job"])
+@pytest.mark.parametrize("when", ["idle", "mid-job", "mid-ps-job"])
 def test_sigterm_ends_daemons_within_the_grace_while_their_store_is_gone(tmp_path: Path, when: str) -> None:
-    """Before the fix an idle worker daemon waited out the whole reconnect window (60 s) after SIGTERM."""
+    """Before the fix an idle worker daemon waited out the whole reconnect window (60 s) after SIGTERM;
+    and (the fault campaign found) a server daemon hosting a ps job's shards still did: the shards' own
+    store client kept reconnecting."""
     c = Cluster(tmp_path)
     try:
         workers = [c.worker(f"w{i}") for i in range(2)]
         server = c.spawn_server_daemon("s0")
-        if when == "mid-job":
+        if when != "idle":
             with c.client() as client:
-                job = client.submit("ring", 2, train={"epochs": 500})
+                job = client.submit("ps" if when == "mid-ps-job" else "ring", 2, train={"epochs": 500})
                 for rec in job.stream():
                     if rec.get("step", 0) >= 5:
                         break
@@ -61,6 +63,28 @@ def test_sigterm_ends_daemons_within_the_grace_while_their_store_is_gone(tmp_pat
             out = proc.stdout.read() if proc.stdout else ""
             assert proc.returncode == 0, (took, out[-2000:])  # a stop it was told to make: no failure
             assert "stopped" in out, out[-2000:]
+    finally:
+        c.close()
+
+
+def test_sigterm_to_a_ps_cluster_all_at_once_ends_every_process_within_the_grace(tmp_path: Path) -> None:
+    """docker compose down mid-job: the store and every daemon get SIGTERM together. Found by the fault
+    campaign: a server daemon hosting a ps job's shards waited out the reconnect window (60 s) on the
+    shards' own store client, which lost the store only after the daemon was told to stop."""
+    c = Cluster(tmp_path)
+    try:
+        workers = [c.worker(f"w{i}") for i in range(2)]
+        server = c.spawn_server_daemon("s0")
+        with c.client() as client:
+            job = client.submit("ps", 2, train={"epochs": 500})
+            for rec in job.stream():
+                if rec.get("step", 0) >= 5:
+                    break
+        everyone = (c.store, *workers, server)
+        for proc in everyone:
+            os.kill(proc.pid, signal.SIGTERM)
+        for proc in everyone:
+            _gone_within(proc, GRACE_S)
     finally:
         c.close()
 
