@@ -40,7 +40,8 @@ def rank_main(spec: dict) -> None:  # type: ignore[type-arg]
 
     import psring.torch  # noqa: F401 - registers "psring"
 
-    torch.set_num_threads(1)
+    if spec.get("threads", 1) > 0:  # 0: torch's own default, a thread per core in every rank
+        torch.set_num_threads(spec.get("threads", 1))
     dist.init_process_group(spec["backend"])
     rank = dist.get_rank()
     dev = torch.device(spec["device"])
@@ -93,7 +94,11 @@ def run_variant(variant: str, workers: int, spec: dict) -> dict:  # type: ignore
         port = free_port()
         procs = []
         for r in range(workers):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(workers), LOCAL_RANK=str(r), OMP_NUM_THREADS="1")
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(workers), LOCAL_RANK=str(r))
+            if spec.get("threads", 1) > 0:
+                env["OMP_NUM_THREADS"] = str(spec.get("threads", 1))
+            else:
+                env.pop("OMP_NUM_THREADS", None)
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             if topology:
                 env["PSRING_TOPOLOGY"] = topology
@@ -124,6 +129,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--variants", default="gloo,ring,ps")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (every rank on the one GPU)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (0: torch's default, every core)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     spec = {
@@ -132,6 +138,7 @@ def main() -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "device": args.device,
+        "threads": args.threads,
     }
     variants = args.variants.split(",")
     for v in variants:
