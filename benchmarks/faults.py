@@ -16,8 +16,9 @@ Beds. ``cluster``: a store (``--data-dir``), worker daemons and, for ps, a serve
 with the same arguments one second later, as ``restart: always`` would. ``launch``: ``psring train``
 (the launcher) and its rank processes, ``--max-restarts 2``.
 
-Kinds: store, worker (daemon), server (daemon), submitter, dashboard (cluster bed); rank, launcher,
-shard (a ps job's shard process; launch bed).
+Kinds: store, worker (daemon), server (daemon), submitter, dashboard (cluster bed); etcd (a member of a
+three-member etcd cluster that is the cluster bed's store instead of psring's); rank, launcher, shard (a
+ps job's shard process; launch bed).
 Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIGCONT), partition (every
 packet the process and its children send is dropped for ``--stop-s``, then the link heals: the process
 is moved into a cgroup of its own and an iptables rule drops that cgroup's output -- root, iptables'
@@ -45,6 +46,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,11 +59,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
-KINDS = ("store", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
+KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
 FAULTS = ("kill", "term", "stop", "partition", "full-disk")
 PHASES = ("idle", "rendezvous", "mid-step")
 #: processes a restart policy brings back (the cluster bed's long-running ones)
-RESTARTED = ("store", "worker", "server", "dashboard")
+RESTARTED = ("store", "etcd", "worker", "server", "dashboard")
 #: the launch bed's kinds (the rest are the cluster bed's)
 LAUNCHED = ("rank", "launcher", "shard")
 #: faults that last --stop-s and then heal by themselves (the process is not restarted)
@@ -71,11 +73,11 @@ PASSING = ("stop", "partition", "full-disk")
 class Proc:
     """One process of a bed, its output gathered by a thread (never blocks the campaign)."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.name, self.argv, self.env = name, argv, env
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], exe: list[str] | None = None) -> None:
+        self.name, self.argv, self.env, self.exe = name, argv, env, exe
         self.lines: list[str] = []
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "psring", *argv], env=env, cwd=ROOT, text=True,
+            [*(exe or [sys.executable, "-m", "psring"]), *argv], env=env, cwd=ROOT, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -159,8 +161,10 @@ class Case:
         """What this machine lacks to inject the fault (None: nothing)."""
         if self.fault == "full-disk" and os.geteuid() != 0:
             return "a full disk needs root (a tmpfs of its own for the store's data)"
-        if self.fault == "partition":
+        if self.fault == "partition" and Partition.lacks() is not None:
             return Partition.lacks()
+        if self.kind == "etcd" and shutil.which("etcd") is None:
+            return "etcd is not installed (apt-get install etcd-server)"
         return None
 
 
@@ -273,11 +277,17 @@ class Campaign:
         problems: list[str] = []
         if disk is not None:
             data = disk.mount()
-        store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
-        procs.append(store)
-        port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
-        address = f"127.0.0.1:{port}"
-        store.argv = ["store", "--host", "127.0.0.1", "--port", str(port), "--data-dir", data]
+        members: list[Proc] = []
+        if case.kind == "etcd":  # the store is an etcd cluster of three: one member is the victim
+            members, address = _etcd(env, data)
+            procs += members
+            store = None
+        else:
+            store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
+            procs.append(store)
+            port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
+            address = f"127.0.0.1:{port}"
+            store.argv = ["store", "--host", "127.0.0.1", "--port", str(port), "--data-dir", data]
         for i in range(self.args.workers):
             w = Proc(f"worker w{i}", ["worker", "--store", address, "--host", "127.0.0.1", "--name", f"w{i}"], env)
             procs.append(w)
@@ -293,7 +303,8 @@ class Campaign:
             procs.append(dashboard)
             dashboard.wait_line(r"psring dashboard: http", 60)
         pool = {
-            "store": [store],
+            "store": [store] if store is not None else [],
+            "etcd": members,
             "worker": [p for p in procs if p.name.startswith("worker")],
             "server": [p for p in procs if p.name.startswith("server")],
             "dashboard": [dashboard] if dashboard is not None else [],
@@ -341,10 +352,11 @@ class Campaign:
         except subprocess.TimeoutExpired:
             return  # _judge names it: it did not end on SIGTERM
         time.sleep(1.0)
-        fresh = Proc(victim.name, victim.argv, victim.env)
+        fresh = Proc(victim.name, victim.argv, victim.env, victim.exe)
         procs.append(fresh)
         ready = {"store": "listening on", "worker": "ready on", "server": "ready for ps jobs",
-                 "dashboard": "psring dashboard: http"}[case.kind]  # fmt: skip
+                 "dashboard": "psring dashboard: http",
+                 "etcd": "ready to serve client requests"}[case.kind]  # fmt: skip
         fresh.wait_line(ready, 60)
         victim.restarted = fresh  # type: ignore[attr-defined]
 
@@ -595,6 +607,35 @@ class Disk:
             self.mounted = False
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _etcd(env: dict[str, str], data: str) -> tuple[list[Proc], str]:
+    """Three etcd members on 127.0.0.1 (peer URLs on loopback), each ready; and the store address."""
+    names = ["e0", "e1", "e2"]
+    client = {n: _free_port() for n in names}
+    peer = {n: _free_port() for n in names}
+    cluster = ",".join(f"{n}=http://127.0.0.1:{peer[n]}" for n in names)
+    members = []
+    for n in names:
+        argv = ["--name", n, "--data-dir", os.path.join(data, n),
+                "--listen-client-urls", f"http://127.0.0.1:{client[n]}",
+                "--advertise-client-urls", f"http://127.0.0.1:{client[n]}",
+                "--listen-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer[n]}",
+                "--initial-cluster", cluster, "--initial-cluster-state", "new",
+                "--heartbeat-interval", "100", "--election-timeout", "1000"]  # fmt: skip
+        members.append(Proc(f"etcd {n}", argv, env, exe=["etcd"]))
+    for m in members:
+        m.wait_line("ready to serve client requests", 60)
+    return members, "etcd://" + ",".join(f"127.0.0.1:{client[n]}" for n in names)
+
+
 def _dashboard_serves(dash: Any, case: Case) -> list[str]:
     """The (restarted or resumed) dashboard answers /api/status with the cluster's daemons."""
     import urllib.request
@@ -622,7 +663,7 @@ def _names(line: str, victim: Any, case: Case) -> bool:
     """Whether a failure line names the fault: the process (its name, its rank) or its role."""
     low = line.lower()
     words = {"store", "worker", "server", "shard", "rank", "lost", "killed", "signal", "terminated", "disk",
-             "space", "unreachable", "timed out"}  # fmt: skip
+             "space", "unreachable", "timed out", "etcd"}  # fmt: skip
     return any(w in low for w in words) or victim.name.split()[-1].lower() in low
 
 

@@ -80,6 +80,7 @@ class EtcdStoreClient:
         self.address = f"etcd://{hosts}{self.prefix.rstrip('/')}"
         self.reconnect_s = settings_mod.current().store_reconnect if reconnect_s is None else reconnect_s
         self._unreachable: PeerLostError | None = None  # set once no member answered past the bound
+        self._trouble_since: float | None = None  # no member answered the last round: retrying since then
         self._current = 0
         self._client_id = uuid.uuid4().hex[:12]
         self._ids = 0
@@ -117,6 +118,18 @@ class EtcdStoreClient:
                 raise ValueError(f"store={client.address}: {last}: is it an etcd client port?")
             await asyncio.sleep(0.2)
         raise PeerLostError(f"no etcd member of {client.address} answered within {timeout:g}s ({last})")
+
+    @property
+    def reconnecting(self) -> bool:
+        """Whether no member answered the last round of tries and calls are retrying (they wait for it)."""
+        return self._trouble_since is not None
+
+    def give_up(self, reason: str) -> None:
+        """Stop retrying: every call waiting on a member and every later call raises PeerLostError(``reason``)
+        at once (within a request's REQUEST_TIMEOUT_S). A daemon told to stop does this rather than wait out
+        PSRING_STORE_RECONNECT_S, as with psring's own store (StoreClient.give_up)."""
+        if self._unreachable is None:
+            self._unreachable = PeerLostError(f"the etcd store at {self.address}: {reason}")
 
     # ------------------------------------------------------------------ HTTP
     async def _post_to(self, host: str, port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
@@ -169,6 +182,8 @@ class EtcdStoreClient:
         delay = 0.05
         last: BaseException | None = None
         while not self._closed:
+            if self._unreachable is not None:  # given up on meanwhile (give_up)
+                raise PeerLostError(str(self._unreachable)) from self._unreachable
             for k in range(len(self.endpoints)):
                 i = (self._current + k) % len(self.endpoints)
                 host, port = self.endpoints[i]
@@ -184,7 +199,10 @@ class EtcdStoreClient:
                     was = self.endpoints[self._current]
                     logger.warning("etcd: %s:%s answers now (%s:%s did not: %s)", host, port, *was, last)
                     self._current = i
+                self._trouble_since = None
                 return answer
+            if self._trouble_since is None:
+                self._trouble_since = started
             if time.monotonic() - started > self.reconnect_s:
                 break
             await asyncio.sleep(delay)
@@ -253,6 +271,8 @@ class EtcdStoreClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            if self._unreachable is not None:  # given up on (give_up)
+                raise PeerLostError(str(self._unreachable)) from self._unreachable
             host, port = self.endpoints[self._current]
             try:
                 return await self._watch_once(host, port, key, start_revision, remaining)

@@ -225,6 +225,32 @@ def test_a_cluster_job_over_etcd_survives_a_member_lost(etcd: Etcd, fault: str) 
             end(d)
 
 
+def test_daemons_told_to_stop_while_etcd_is_gone_end_within_the_grace(etcd: Etcd) -> None:
+    """docker compose down with an etcd store: the members go first. Found by the fault campaign: the
+    daemons waited out PSRING_STORE_RECONNECT_S (60 s) retrying etcd, as they once did psring's store."""
+    daemons = []
+    try:
+        daemons.append(_psring("worker", "--store", etcd.address, "--host", "127.0.0.1", "--name", "w0"))
+        _ready(daemons[-1], "ready on")
+        daemons.append(_psring("server", "--cluster", "--store", etcd.address, "--host", "127.0.0.1", "--name", "s0"))
+        _ready(daemons[-1], "ready for ps jobs")
+        for name in etcd.names:
+            etcd.kill(name)
+        time.sleep(1.5)  # the daemons found no member answering and are retrying
+        for d in daemons:
+            os.kill(d.pid, signal.SIGTERM)
+        for d in daemons:
+            t0 = time.monotonic()
+            try:
+                d.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"still running 10 s after SIGTERM: {end(d)[-2000:]}")
+            assert time.monotonic() - t0 < 10
+    finally:
+        for d in daemons:
+            end(d)
+
+
 def test_an_etcd_address_that_is_not_etcd_is_named_at_start(tmp_path: Path) -> None:
     store = _psring("store", "--host", "127.0.0.1", "--port", "0")  # a psring store, not etcd
     try:
