@@ -22,8 +22,9 @@ ps job's shard process; launch bed).
 Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIGCONT), partition (every
 packet the process and its children send is dropped for ``--stop-s``, then the link heals: the process
 is moved into a cgroup of its own and an iptables rule drops that cgroup's output -- root, iptables'
-cgroup match and cgroup v2), full-disk (the store's data directory, a tmpfs of its own, is filled for
-``--stop-s``, then emptied -- root). A fault that needs what this machine lacks is skipped, saying why.
+cgroup match and cgroup v2), partition-store (the same, for packets to the store's ports only: a client
+of the store cut off from it, its peers still reachable), full-disk (the store's data directory, a
+tmpfs of its own, is filled for ``--stop-s``, then emptied -- root). A fault that needs what this machine lacks is skipped, saying why.
 Phases: idle (before the job: for daemons and the store; a partition or a full disk still holds when
 the job is submitted), rendezvous (the job placed, its ranks meeting: on the cluster bed as soon as
 the submitter says the job is placed; on the launch bed as soon as the victim's process exists),
@@ -60,14 +61,14 @@ MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
 KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
-FAULTS = ("kill", "term", "stop", "partition", "full-disk")
+FAULTS = ("kill", "term", "stop", "partition", "partition-store", "full-disk")
 PHASES = ("idle", "rendezvous", "mid-step")
 #: processes a restart policy brings back (the cluster bed's long-running ones)
 RESTARTED = ("store", "etcd", "worker", "server", "dashboard")
 #: the launch bed's kinds (the rest are the cluster bed's)
 LAUNCHED = ("rank", "launcher", "shard")
 #: faults that last --stop-s and then heal by themselves (the process is not restarted)
-PASSING = ("stop", "partition", "full-disk")
+PASSING = ("stop", "partition", "partition-store", "full-disk")
 
 
 class Proc:
@@ -155,13 +156,15 @@ class Case:
             return "exists only while a job runs"
         if self.fault == "full-disk" and self.kind != "store":
             return "only the store writes to disk"
+        if self.fault == "partition-store" and self.kind not in ("worker", "server", "submitter", "dashboard"):
+            return "cut off from the store only: a cluster bed's client of the store"
         return None
 
     def lacks(self) -> str | None:
         """What this machine lacks to inject the fault (None: nothing)."""
         if self.fault == "full-disk" and os.geteuid() != 0:
             return "a full disk needs root (a tmpfs of its own for the store's data)"
-        if self.fault == "partition" and Partition.lacks() is not None:
+        if self.fault.startswith("partition") and Partition.lacks() is not None:
             return Partition.lacks()
         if self.kind == "etcd" and shutil.which("etcd") is None:
             return "etcd is not installed (apt-get install etcd-server)"
@@ -214,6 +217,7 @@ class Campaign:
         want = self.reference(case.topology)
         self.healing: list[threading.Timer] = []
         self.outcome = ""
+        self.store_ports: list[int] = []
         with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
             disk = Disk(data, tag) if case.fault == "full-disk" else None
             try:
@@ -244,8 +248,8 @@ class Campaign:
             time.sleep(self.args.stop_s)
             os.kill(proc.p.pid, signal.SIGCONT)
         else:
-            if fault == "partition":
-                cut = Partition(proc.p.pid)
+            if fault in ("partition", "partition-store"):
+                cut = Partition(proc.p.pid, self.store_ports if fault == "partition-store" else None)
                 heal = cut.heal
             else:
                 assert disk is not None
@@ -282,12 +286,14 @@ class Campaign:
             members, address = _etcd(env, data)
             procs += members
             store = None
+            self.store_ports = [int(hp.rsplit(":", 1)[1]) for hp in address.removeprefix("etcd://").split(",")]
         else:
             store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
             procs.append(store)
             port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
             address = f"127.0.0.1:{port}"
             store.argv = ["store", "--host", "127.0.0.1", "--port", str(port), "--data-dir", data]
+            self.store_ports = [port]
         for i in range(self.args.workers):
             w = Proc(f"worker w{i}", ["worker", "--store", address, "--host", "127.0.0.1", "--name", f"w{i}"], env)
             procs.append(w)
@@ -520,10 +526,12 @@ class Partition:
             return "a partition needs iptables' cgroup match"
         return None
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, ports: list[int] | None = None) -> None:
+        """``ports``: cut off from those (the store's) only; else from everything."""
         self.name = f"psring-fault-{os.getpid()}-{pid}"
         self.path = os.path.join(self.ROOT, self.name)
-        self.rule = ["OUTPUT", "-m", "cgroup", "--path", self.name, "-j", "DROP"]
+        only = ["-p", "tcp", "-m", "multiport", "--dports", ",".join(map(str, ports))] if ports else []
+        self.rule = ["OUTPUT", "-m", "cgroup", "--path", self.name, *only, "-j", "DROP"]
         os.makedirs(self.path, exist_ok=True)
         self.moved: dict[int, str] = {}
         for p in _children(pid):
