@@ -24,7 +24,8 @@ packet the process and its children send is dropped for ``--stop-s``, then the l
 is moved into a cgroup of its own and an iptables rule drops that cgroup's output -- root, iptables'
 cgroup match and cgroup v2), partition-store (the same, for packets to the store's ports only: a client
 of the store cut off from it, its peers still reachable), full-disk (the store's data directory, a
-tmpfs of its own, is filled for ``--stop-s``, then emptied -- root). A fault that needs what this machine lacks is skipped, saying why.
+tmpfs of its own, is filled for ``--stop-s``, then emptied -- root). A fault that needs what this
+machine lacks is skipped, saying why.
 Phases: idle (before the job: for daemons and the store; a partition or a full disk still holds when
 the job is submitted), rendezvous (the job placed, its ranks meeting: on the cluster bed as soon as
 the submitter says the job is placed; on the launch bed as soon as the victim's process exists),
