@@ -220,7 +220,7 @@ class Campaign:
         self.outcome = ""
         self.store_ports: list[int] = []
         with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
-            disk = Disk(data, tag) if case.fault == "full-disk" else None
+            disk = Disk(data) if case.fault == "full-disk" else None
             try:
                 if case.kind in LAUNCHED:
                     problems += self._launch_case(case, rng, env, procs, want, tag)
@@ -578,9 +578,9 @@ class Disk:
 
     SIZE = "16m"
 
-    def __init__(self, base: str, tag: str) -> None:
+    def __init__(self, base: str) -> None:
         self.dir = os.path.join(base, "store-data")
-        self.filler = os.path.join(base, "filler")
+        self.filler = os.path.join(self.dir, "filler")
         self.mounted = False
 
     def mount(self) -> str:
@@ -590,7 +590,6 @@ class Disk:
         return self.dir
 
     def fill(self) -> None:
-        self.filler = os.path.join(self.dir, "filler")
         chunk = b"\0" * (1 << 16)
         with open(self.filler, "wb", buffering=0) as f:
             try:
