@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import re
 import sys
@@ -32,6 +33,7 @@ def _run(coro: Any) -> Any:
 
 def _serve(daemon: _Daemon, label: str) -> int:
     keep_freed_memory()  # a daemon's process is psring's: reuse freed memory (see keep_freed_memory)
+    faulthandler.enable()  # a crash leaves every thread's stack in the daemon's log
     try:
         _run(daemon.serve())  # type: ignore[attr-defined]
     except (PsringError, OSError) as exc:

@@ -160,6 +160,7 @@ class _Daemon:
 
         async def beat() -> None:
             store = await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+            self._beat_store = store
             try:
                 while not self._beat_stop.is_set():
                     self.beat += 1
@@ -171,23 +172,36 @@ class _Daemon:
                     await store.close()
 
         loop = new_event_loop()
+        self._beat_loop = loop
         try:
             loop.run_until_complete(beat())
         except (PsringError, OSError) as exc:
             logger.warning("%s %s: heartbeat stopped: %s", self.kind[:-1], self.id, exc)
         finally:
+            self._beat_loop = None
             loop.close()
 
     def _start_heartbeat(self) -> threading.Thread:
         self._beat_stop = threading.Event()
+        self._beat_loop: asyncio.AbstractEventLoop | None = None
+        self._beat_store: Any = None
         thread = threading.Thread(target=self._heartbeat_thread, name=f"psring-heartbeat-{self.id}", daemon=True)
         thread.start()
         return thread
 
     def _stop_heartbeat(self, thread: threading.Thread) -> None:
+        """End the heartbeat thread before the process ends. Its store connection may be reconnecting
+        (the store is gone): it is given up from the thread's own loop, so the beat in flight raises at
+        once. Left running into interpreter shutdown, that thread's event loop crashed the process now
+        and then (SIGSEGV at exit, after "stopped" was logged: CI, #59's test of SIGTERM without a store)."""
         self._beat_stop.set()
-        # (its own store connection may be reconnecting: a daemon thread, it ends with the process)
-        thread.join(timeout=1.0)
+        loop, store = self._beat_loop, self._beat_store
+        if loop is not None and store is not None and hasattr(store, "give_up"):
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the thread is ending anyway
+                loop.call_soon_threadsafe(store.give_up, f"{self.kind[:-1]} {self.id} stopping")
+        thread.join(timeout=STOP_GRACE_S)
+        if thread.is_alive():
+            logger.warning("%s %s: heartbeat thread still running at stop", self.kind[:-1], self.id)
 
     async def _open_port(self) -> None:
         """Listen on the declared port while idle: doctor's reachability and secret checks land here."""

@@ -63,6 +63,9 @@ def test_sigterm_ends_daemons_within_the_grace_while_their_store_is_gone(tmp_pat
             out = proc.stdout.read() if proc.stdout else ""
             assert proc.returncode == 0, (took, out[-2000:])  # a stop it was told to make: no failure
             assert "stopped" in out, out[-2000:]
+            # its heartbeat thread ended before the process did (left running into interpreter shutdown,
+            # its event loop crashed the process now and then: SIGSEGV after "stopped", once in CI)
+            assert "heartbeat thread still running" not in out, out[-2000:]
     finally:
         c.close()
 
