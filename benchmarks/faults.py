@@ -23,9 +23,14 @@ Faults: kill (SIGKILL), term (SIGTERM), stop (SIGSTOP for ``--stop-s``, then SIG
 packet the process and its children send is dropped for ``--stop-s``, then the link heals: the process
 is moved into a cgroup of its own and an iptables rule drops that cgroup's output -- root, iptables'
 cgroup match and cgroup v2), partition-store (the same, for packets to the store's ports only: a client
-of the store cut off from it, its peers still reachable), full-disk (the store's data directory, a
-tmpfs of its own, is filled for ``--stop-s``, then emptied -- root). A fault that needs what this
-machine lacks is skipped, saying why.
+of the store cut off from it, its peers still reachable), partition-peer (a daemon cut off from one other
+daemon only, both ways, for ``--stop-s``: for this fault the bed's daemons are hosts of their own --
+network namespaces on a bridge, as the hosts bed's -- and the cut is iptables in the victim's
+namespace), full-disk (the store's data directory, a tmpfs of its own, is filled for ``--stop-s``,
+then emptied -- root), wire (a daemon stopped and started
+again as a psring of the next wire version, as a rolling upgrade gone wrong would: it must end by itself
+within the grace naming both versions; then the operator puts the right one back). A fault that needs
+what this machine lacks is skipped, saying why.
 Phases: idle (before the job: for daemons and the store; a partition or a full disk still holds when
 the job is submitted), rendezvous (the job placed, its ranks meeting: on the cluster bed as soon as
 the submitter says the job is placed; on the launch bed as soon as the victim's process exists),
@@ -62,14 +67,18 @@ MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
 KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
-FAULTS = ("kill", "term", "stop", "partition", "partition-store", "full-disk")
+FAULTS = ("kill", "term", "stop", "partition", "partition-store", "partition-peer", "full-disk", "wire")
 PHASES = ("idle", "rendezvous", "mid-step")
+#: a psring whose wire version is the next one (``wire`` fault): the same code, told it speaks another
+OTHER_WIRE = (
+    "import sys; import psring.core.wire as w; w.WIRE_VERSION += 1; from psring.cli import main; sys.exit(main())"
+)
 #: processes a restart policy brings back (the cluster bed's long-running ones)
 RESTARTED = ("store", "etcd", "worker", "server", "dashboard")
 #: the launch bed's kinds (the rest are the cluster bed's)
 LAUNCHED = ("rank", "launcher", "shard")
 #: faults that last --stop-s and then heal by themselves (the process is not restarted)
-PASSING = ("stop", "partition", "partition-store", "full-disk")
+PASSING = ("stop", "partition", "partition-store", "partition-peer", "full-disk")
 
 
 class Proc:
@@ -159,12 +168,18 @@ class Case:
             return "only the store writes to disk"
         if self.fault == "partition-store" and self.kind not in ("worker", "server", "submitter", "dashboard"):
             return "cut off from the store only: a cluster bed's client of the store"
+        if self.fault == "partition-peer" and self.kind not in ("worker", "server"):
+            return "cut off from one peer: a daemon of the cluster bed (each a host of its own)"
+        if self.fault == "wire" and self.kind not in ("worker", "server"):
+            return "a restart with another wire version: a daemon's (the store is one cluster's own)"
         return None
 
     def lacks(self) -> str | None:
         """What this machine lacks to inject the fault (None: nothing)."""
         if self.fault == "full-disk" and os.geteuid() != 0:
             return "a full disk needs root (a tmpfs of its own for the store's data)"
+        if self.fault == "partition-peer":
+            return Hosts.lacks()
         if self.fault.startswith("partition") and Partition.lacks() is not None:
             return Partition.lacks()
         if self.kind == "etcd" and shutil.which("etcd") is None:
@@ -177,6 +192,9 @@ class Campaign:
         self.args = args
         self.references: dict[str, str] = {}
         self.took: dict[str, float] = {}  # the undisturbed run's seconds, by topology
+        self.net: Hosts | None = None  # the bed's hosts, for a partition from one peer
+        self.peer: Proc | None = None  # that peer
+        self.submitter_exe: list[str] | None = None
 
     # ------------------------------------------------------------------ beds
     def _env(self, tag: str) -> dict[str, str]:
@@ -207,6 +225,15 @@ class Campaign:
             self.took[topology] = time.monotonic() - t0
         return self.references[topology]
 
+    def _host(self, name: str) -> tuple[str, list[str] | None]:
+        """Where a bed's process runs: its address, and the command that starts psring there (None:
+        this namespace). Every process on 127.0.0.1, but for a partition from one peer: then each
+        daemon is a host of its own (a network namespace; the submitter shares the store's)."""
+        if self.net is None:
+            return "127.0.0.1", None
+        ip = self.net.address(name)
+        return ip, ["ip", "netns", "exec", self.net.cluster.hosts[name], sys.executable, "-m", "psring"]
+
     # ----------------------------------------------------------------- a case
     def run(self, case: Case, seed: int) -> list[str]:
         """The case's broken invariants ([] when every one held)."""
@@ -219,6 +246,8 @@ class Campaign:
         self.healing: list[threading.Timer] = []
         self.outcome = ""
         self.store_ports: list[int] = []
+        self.wire_problems: list[str] = []
+        self.net = Hosts(seed) if case.fault == "partition-peer" else None
         with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
             disk = Disk(data) if case.fault == "full-disk" else None
             try:
@@ -235,6 +264,8 @@ class Campaign:
                 problems += self._stop_all(procs, tag)
                 if disk is not None:
                     disk.close()
+                if self.net is not None:
+                    self.net.close()
         return problems
 
     def _inject(self, proc: Proc, fault: str, disk: Disk | None = None) -> None:
@@ -242,14 +273,17 @@ class Campaign:
         --stop-s later by themselves (so a job submitted meanwhile meets them)."""
         if fault == "kill":
             os.kill(proc.p.pid, signal.SIGKILL)
-        elif fault == "term":
+        elif fault in ("term", "wire"):  # wire: stopped, to be restarted as another version (_restart)
             os.kill(proc.p.pid, signal.SIGTERM)
         elif fault == "stop":
             os.kill(proc.p.pid, signal.SIGSTOP)
             time.sleep(self.args.stop_s)
             os.kill(proc.p.pid, signal.SIGCONT)
         else:
-            if fault in ("partition", "partition-store"):
+            if fault == "partition-peer":
+                assert self.net is not None and self.peer is not None
+                heal = self.net.cut(_host_of(proc), _host_of(self.peer))
+            elif fault in ("partition", "partition-store"):
                 cut = Partition(proc.p.pid, self.store_ports if fault == "partition-store" else None)
                 heal = cut.heal
             else:
@@ -289,21 +323,24 @@ class Campaign:
             store = None
             self.store_ports = [int(hp.rsplit(":", 1)[1]) for hp in address.removeprefix("etcd://").split(",")]
         else:
-            store = Proc("store", ["store", "--host", "127.0.0.1", "--port", "0", "--data-dir", data], env)
+            ip, exe = self._host("store")
+            store = Proc("store", ["store", "--host", ip, "--port", "0", "--data-dir", data], env, exe)
             procs.append(store)
             port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
-            address = f"127.0.0.1:{port}"
-            store.argv = ["store", "--host", "127.0.0.1", "--port", str(port), "--data-dir", data]
+            address = f"{ip}:{port}"
+            store.argv = ["store", "--host", ip, "--port", str(port), "--data-dir", data]
             self.store_ports = [port]
         for i in range(self.args.workers):
-            w = Proc(f"worker w{i}", ["worker", "--store", address, "--host", "127.0.0.1", "--name", f"w{i}"], env)
+            ip, exe = self._host(f"w{i}")
+            w = Proc(f"worker w{i}", ["worker", "--store", address, "--host", ip, "--name", f"w{i}"], env, exe)
             procs.append(w)
             w.wait_line("ready on", 60)
         if case.topology == "ps":
-            s = Proc("server s0", ["server", "--cluster", "--store", address, "--host", "127.0.0.1", "--name", "s0"],
-                     env)  # fmt: skip
+            ip, exe = self._host("s0")
+            s = Proc("server s0", ["server", "--cluster", "--store", address, "--host", ip, "--name", "s0"], env, exe)
             procs.append(s)
             s.wait_line("ready for ps jobs", 60)
+        self.submitter_exe = self._host("store")[1]
         dashboard = None
         if case.kind == "dashboard":
             dashboard = Proc("dashboard", ["dashboard", "--store", address, "--port", "0", "--interval", "0.5"], env)
@@ -317,11 +354,14 @@ class Campaign:
             "dashboard": [dashboard] if dashboard is not None else [],
         }
         victim: Proc | None = None
+        daemons = pool["worker"] + pool["server"]
         if case.phase == "idle":
             victim = rng.choice(pool[case.kind])
+            if case.fault == "partition-peer":
+                self.peer = rng.choice([d for d in daemons if d is not victim])
             self._inject(victim, case.fault, disk)
             self._restart(victim, case, procs)
-        submit = Proc("submitter", self._job_argv(address, case.topology), env)
+        submit = Proc("submitter", self._job_argv(address, case.topology), env, self.submitter_exe)
         procs.append(submit)
         if case.phase != "idle":
             if case.phase == "mid-step":
@@ -330,22 +370,25 @@ class Campaign:
                 submit.wait_line(r"job \S+ placed", 120)
                 time.sleep(rng.uniform(0.0, 0.3))
             victim = submit if case.kind == "submitter" else rng.choice(pool[case.kind])
+            if case.fault == "partition-peer":
+                self.peer = rng.choice([d for d in daemons if d is not victim])
             self._inject(victim, case.fault, disk)
             if case.kind != "submitter":
                 self._restart(victim, case, procs)
         assert victim is not None
         problems += self._judge(submit, victim, case, want)
+        problems += self.wire_problems
         for timer in self.healing:  # the fault has healed before the cluster is judged again
             timer.join()
         if case.kind == "dashboard":  # read only: the job never noticed; and the page serves again
             problems += _dashboard_serves(getattr(victim, "restarted", victim), case)
         if case.kind == "submitter":  # the cluster goes on: a fresh job on it still gives the bits
-            again = Proc("submitter (again)", self._job_argv(address, case.topology), env)
+            again = Proc("submitter (again)", self._job_argv(address, case.topology), env, self.submitter_exe)
             procs.append(again)
             problems += [f"after: {p}" for p in self._judge(again, None, case, want)]
         elif case.kind in RESTARTED:
             after = "after the restart" if case.fault not in PASSING else f"after the {case.fault} healed"
-            again = Proc(f"submitter ({after})", self._job_argv(address, case.topology), env)
+            again = Proc(f"submitter ({after})", self._job_argv(address, case.topology), env, self.submitter_exe)
             procs.append(again)
             problems += [f"{after}: {p}" for p in self._judge(again, None, case, want)]
         return problems
@@ -359,6 +402,8 @@ class Campaign:
         except subprocess.TimeoutExpired:
             return  # _judge names it: it did not end on SIGTERM
         time.sleep(1.0)
+        if case.fault == "wire":  # restarted as another wire version first; the operator then puts it right
+            self._other_wire(victim, procs)
         fresh = Proc(victim.name, victim.argv, victim.env, victim.exe)
         procs.append(fresh)
         ready = {"store": "listening on", "worker": "ready on", "server": "ready for ps jobs",
@@ -366,6 +411,22 @@ class Campaign:
                  "etcd": "ready to serve client requests"}[case.kind]  # fmt: skip
         fresh.wait_line(ready, 60)
         victim.restarted = fresh  # type: ignore[attr-defined]
+
+    def _other_wire(self, victim: Proc, procs: list[Proc]) -> None:
+        """The daemon started again as a psring of the next wire version (a rolling upgrade gone wrong):
+        it must end by itself within the grace, naming both versions, and change nothing."""
+        odd = Proc(f"{victim.name} (wire +1)", victim.argv, victim.env, exe=[sys.executable, "-c", OTHER_WIRE])
+        procs.append(odd)
+        try:
+            odd.p.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.wire_problems.append(f"{odd.name} still running {GRACE_S:g}s after it started: {odd.tail()}")
+            return
+        said = odd.out
+        if odd.p.returncode == 0 or not re.search(r"wire version \d+ is not this server's \d+", said):
+            self.wire_problems.append(
+                f"{odd.name} ended ({odd.p.returncode}) without naming the versions: {odd.tail()}"
+            )
 
     def _launch_case(
         self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, tag: str
@@ -571,6 +632,56 @@ def _pids_in(path: str) -> list[int]:
             return [int(x) for x in f.read().split()]
     except OSError:
         return []
+
+
+def _host_of(proc: Proc) -> str:
+    """The bed's host name of a daemon (its --name: w0, s0)."""
+    return proc.name.split()[1]
+
+
+class Hosts:
+    """The cluster bed's hosts for a partition from one peer: network namespaces on one bridge
+    (tests/support/harness/netns.py, as the hosts bed's), one per daemon and one for the store and
+    the submitter. A cut is two iptables rules in the victim's namespace (to and from the peer)."""
+
+    def __init__(self, seed: int) -> None:
+        sys.path.insert(0, ROOT)
+        from tests.support.harness.netns import NetnsCluster
+
+        self.cluster = NetnsCluster(f"f{os.getpid() % 1000}{seed % 100}{time.monotonic_ns() % 1000}")
+
+    @staticmethod
+    def lacks() -> str | None:
+        if os.geteuid() != 0:
+            return "a partition from one peer needs root (network namespaces, iptables)"
+        if shutil.which("iptables") is None:
+            return "a partition from one peer needs iptables"
+        sys.path.insert(0, ROOT)
+        from tests.support.harness.netns import netns_available
+
+        return netns_available()
+
+    def address(self, name: str) -> str:
+        if name not in self.cluster.hosts:
+            self.cluster.host(name)
+        return self.cluster.addresses[name]
+
+    def cut(self, host: str, peer: str) -> Any:
+        """Drop every packet between ``host`` and ``peer`` (both ways; the store and the other daemons
+        still reachable) until the returned heal is called."""
+        ns, other = self.cluster.hosts[host], self.cluster.addresses[peer]
+        rules = [["OUTPUT", "-d", other, "-j", "DROP"], ["INPUT", "-s", other, "-j", "DROP"]]
+        for rule in rules:
+            subprocess.run(["ip", "netns", "exec", ns, "iptables", "-I", *rule], check=True, timeout=30)
+
+        def heal() -> None:
+            for rule in rules:
+                subprocess.run(["ip", "netns", "exec", ns, "iptables", "-D", *rule], check=False, timeout=30)
+
+        return heal
+
+    def close(self) -> None:
+        self.cluster.close()
 
 
 class Disk:

@@ -133,6 +133,9 @@ class _Daemon:
         self.side_stores: weakref.WeakSet[Any] = weakref.WeakSet()
         self.listener: Listener | None = None
         self.metrics: Any = None
+        #: the heartbeat thread's loop and store client, while it runs (given up from that loop at stop)
+        self._beat_loop: asyncio.AbstractEventLoop | None = None
+        self._beat_store: Any = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -183,8 +186,8 @@ class _Daemon:
 
     def _start_heartbeat(self) -> threading.Thread:
         self._beat_stop = threading.Event()
-        self._beat_loop: asyncio.AbstractEventLoop | None = None
-        self._beat_store: Any = None
+        self._beat_loop = None
+        self._beat_store = None
         thread = threading.Thread(target=self._heartbeat_thread, name=f"psring-heartbeat-{self.id}", daemon=True)
         thread.start()
         return thread
