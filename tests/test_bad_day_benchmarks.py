@@ -31,11 +31,14 @@ def test_the_fault_campaign_runs_a_case_and_it_holds() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("case", ["ring/store/partition/idle", "ps/store/full-disk/idle"])
+@pytest.mark.parametrize(
+    "case", ["ring/store/partition/idle", "ps/store/full-disk/idle", "ring/worker/partition-peer/idle"]
+)
 def test_the_fault_campaign_cuts_a_process_off_and_fills_a_disk(case: str) -> None:
-    """A partition (the store's packets dropped, then healed) and a full disk (the store's, then emptied)
-    held while the job is submitted: it ends with the bits or fails naming the fault, a fresh job after
-    the fault healed gives the bits, and nothing is left (iptables rule, cgroup, mount, processes)."""
+    """A partition (the store's packets dropped, then healed; or a worker cut off from the other worker
+    only, each a network namespace of its own) and a full disk (the store's, then emptied) held while the
+    job is submitted: it ends with the bits or fails naming the fault, a fresh job after the fault healed
+    gives the bits, and nothing is left (iptables rule, cgroup, namespaces, mount, processes)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", case,
            "--workers", "2", "--epochs", "4", "--stop-s", "2", "--json"]  # fmt: skip
     res = run_tree(cmd, timeout=280)
@@ -47,10 +50,25 @@ def test_the_fault_campaign_cuts_a_process_off_and_fills_a_disk(case: str) -> No
     assert res.returncode == 0, res.stdout + res.stderr
     if case.endswith("full-disk/idle"):  # submitted onto a full disk: refused, saying so
         assert "No space left" in rows[0]["job"] or rows[0]["job"] == "done, the bits", rows[0]
-    else:  # the partition healed: its rule is gone
+    else:  # the partition healed: its rule is gone (and the namespaces, where it made them)
         left = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, timeout=30).stdout
         assert "psring-fault-" not in left, left
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+        assert "psr-f" not in spaces, spaces
     assert "psring-faults-" not in Path("/proc/mounts").read_text()
+
+
+def test_the_fault_campaign_restarts_a_daemon_as_another_wire_version() -> None:
+    """A worker daemon stopped and started again as the next wire version (a rolling upgrade gone wrong):
+    it ends within the grace naming both versions (the case checks it), the operator's right version then
+    takes the job, which ends with the bits."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/worker/wire/idle",
+           "--workers", "2", "--epochs", "4", "--json"]  # fmt: skip
+    res = run_tree(cmd, timeout=280)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, res.stdout + res.stderr
+    assert rows[0]["held"] and rows[0]["job"] == "done, the bits", rows[0]
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_the_fault_campaign_names_what_is_not_a_case() -> None:
