@@ -9,11 +9,18 @@ import sys
 
 from .. import settings as settings_mod
 from ..rendezvous.launch import launch
-from ..rendezvous.store import start_store
+from ..rendezvous.store import COMPACT_MIN_BYTES, start_store
 from ..settings import TOPOLOGY_NAMES, Settings
 from ..topology.ps.shards.server import run_shards
 from ..transport.loop import new_event_loop
 from .cluster import cli_server_daemon
+
+
+def _bytes_arg(raw: str) -> int:
+    try:
+        return settings_mod.parse_bytes(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{raw!r}: {exc}") from None
 
 
 def _run(coro: object) -> int:
@@ -24,8 +31,10 @@ def _run(coro: object) -> int:
         loop.close()
 
 
-async def _serve_store(host: str, port: int, secret: str | None, data_dir: str | None) -> int:
-    server = await start_store(host, port, secret=secret.encode() if secret else None, data_dir=data_dir)
+async def _serve_store(host: str, port: int, secret: str | None, data_dir: str | None, compact_bytes: int) -> int:
+    server = await start_store(
+        host, port, secret=secret.encode() if secret else None, data_dir=data_dir, compact_bytes=compact_bytes
+    )
     kept = f", keeping its keys in {data_dir} (epoch {server.epoch})" if data_dir else ""
     print(f"psring store listening on {host}:{server.port}{kept}", flush=True)
     stop = asyncio.Event()
@@ -38,7 +47,9 @@ async def _serve_store(host: str, port: int, secret: str | None, data_dir: str |
 
 
 def _cmd_store(args: argparse.Namespace) -> int:
-    return _run(_serve_store(args.host, args.port, args.secret, args.data_dir))
+    if args.compact_bytes < 1:
+        raise ValueError(f"--compact-bytes {args.compact_bytes}: must be at least 1 byte")
+    return _run(_serve_store(args.host, args.port, args.secret, args.data_dir, args.compact_bytes))
 
 
 async def _serve_shards(args: argparse.Namespace) -> int:
@@ -120,6 +131,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         "--data-dir",
         default=None,
         help="keep the keys here (fsync'd log + snapshot): a restarted store has its job table back",
+    )
+    p.add_argument(
+        "--compact-bytes",
+        type=_bytes_arg,
+        default=COMPACT_MIN_BYTES,
+        help="--data-dir: compact the log into a snapshot once it is this large (bytes; 16M, 256K)",
     )
     p.set_defaults(func=_cmd_store)
 

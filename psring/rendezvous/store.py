@@ -25,7 +25,7 @@ from ..core import wire
 from ..errors import PeerLostError, ProtocolError, StoreDiskError, StoreError
 from ..transport.connection import Connection
 from ..transport.listener import Listener
-from .storelog import DiskError, StoreLog, _remember
+from .storelog import COMPACT_MIN_BYTES, DiskError, StoreLog, _remember
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,11 @@ class StoreServer:
     this data dir) are in the store's handshake: clients tell a restarted store from a brief cut.
     """
 
-    def __init__(self, secret: bytes | None = None, data_dir: str | None = None) -> None:
+    def __init__(
+        self, secret: bytes | None = None, data_dir: str | None = None, compact_bytes: int = COMPACT_MIN_BYTES
+    ) -> None:
         self._secret = secret
-        self._log = StoreLog(data_dir) if data_dir else None
+        self._log = StoreLog(data_dir, compact_bytes) if data_dir else None
         self.instance = uuid.uuid4().hex
         self.epoch = self._log.epoch if self._log is not None else 1
         #: answers to recent mutating requests, by the client's token (a retried request gets the first answer)
@@ -364,8 +366,14 @@ class _StoreRouter:
 
 
 async def start_store(
-    host: str = "127.0.0.1", port: int = 0, *, secret: bytes | None = None, data_dir: str | None = None
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    secret: bytes | None = None,
+    data_dir: str | None = None,
+    compact_bytes: int = COMPACT_MIN_BYTES,
 ) -> StoreServer:
     """Start a store server; returns once listening, with ``.port`` set. ``data_dir``: keep the keys
-    there (fsync'd), and start from what it holds."""
-    return await StoreServer(secret, data_dir).start(host, port)
+    there (fsync'd), and start from what it holds; its log is compacted into a snapshot once it
+    outgrows ``compact_bytes``."""
+    return await StoreServer(secret, data_dir, compact_bytes).start(host, port)

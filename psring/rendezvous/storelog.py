@@ -38,7 +38,7 @@ from ..errors import StoreDiskError
 logger = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("<II")
-#: the log is compacted once it is this large and larger than the snapshot
+#: the log is compacted once it is this large and larger than the snapshot (the default; --compact-bytes)
 COMPACT_MIN_BYTES = 16 << 20
 #: request tokens remembered (and their answers) for retried requests
 TOKENS_KEPT = 100_000
@@ -72,7 +72,11 @@ class DiskError(StoreDiskError):
 class StoreLog:
     """A data directory: load what it holds, then append every change durably."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, compact_bytes: int = COMPACT_MIN_BYTES) -> None:
+        """``compact_bytes``: the log is compacted once it is this large (and larger than the snapshot)."""
+        if type(compact_bytes) is not int or compact_bytes < 1:
+            raise ValueError(f"compact_bytes={compact_bytes!r} must be a positive whole number of bytes")
+        self.compact_bytes = compact_bytes
         self.directory = os.path.abspath(directory)
         try:
             os.makedirs(self.directory, exist_ok=True)
@@ -226,7 +230,7 @@ class StoreLog:
         return (
             not self._compacting
             and time.monotonic() >= self._compact_after
-            and self.written > max(COMPACT_MIN_BYTES, self.snapshot_bytes)
+            and self.written > max(self.compact_bytes, self.snapshot_bytes)
         )
 
     async def compact(self, data: dict[str, bytes], tokens: OrderedDict[str, Any]) -> None:

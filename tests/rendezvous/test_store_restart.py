@@ -83,9 +83,8 @@ async def test_a_torn_last_record_is_cut_off(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_compaction_keeps_the_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(storelog, "COMPACT_MIN_BYTES", 4096)
-    store = await psring.start_store(data_dir=str(tmp_path))
+async def test_compaction_keeps_the_state(tmp_path: Path) -> None:
+    store = await psring.start_store(data_dir=str(tmp_path), compact_bytes=4096)  # (psring store --compact-bytes)
     client = await _client(store.port)
     for i in range(300):
         await client.set(f"k{i % 20}", f"value {i}".encode())
