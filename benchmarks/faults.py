@@ -32,9 +32,13 @@ again as a psring of the next wire version, as a rolling upgrade gone wrong woul
 within the grace naming both versions; then the operator puts the right one back). A fault that needs
 what this machine lacks is skipped, saying why.
 Phases: idle (before the job: for daemons and the store; a partition or a full disk still holds when
-the job is submitted), rendezvous (the job placed, its ranks meeting: on the cluster bed as soon as
-the submitter says the job is placed; on the launch bed as soon as the victim's process exists),
-mid-step (a quarter of the job's steps done).
+the job is submitted), placement (cluster bed: the moment a worker daemon says it takes its rank, the
+submitter waiting for the others' acks), rendezvous (the job placed, its ranks meeting: on the cluster
+bed as soon as the submitter says the job is placed; on the launch bed as soon as the victim's process
+exists), mid-step (a quarter of the job's steps done), checkpoint (cluster bed: as the store takes one
+of the job's checkpoints -- its log grows by a checkpoint's bytes at once -- the first to the third),
+compaction (cluster bed: the store runs with ``--compact-bytes 256K`` and the fault lands as it compacts
+-- its snapshot being written or its log just cut -- the first to the third time).
 
     python benchmarks/faults.py                         # every case, both topologies
     python benchmarks/faults.py --kinds store --faults kill --phases mid-step --topologies ring
@@ -68,7 +72,13 @@ GRACE_S = 10.0
 
 KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
 FAULTS = ("kill", "term", "stop", "partition", "partition-store", "partition-peer", "full-disk", "wire")
-PHASES = ("idle", "rendezvous", "mid-step")
+PHASES = ("idle", "placement", "rendezvous", "mid-step", "checkpoint", "compaction")
+#: phases only the cluster bed has (a job placed on daemons; checkpoints and compaction in psring's store)
+PLACED = ("placement", "checkpoint", "compaction")
+#: a write to the store's log at least this large at once is a checkpoint (the main job's: ~75 KiB)
+CHECKPOINT_BYTES = 16 << 10
+#: the store's --compact-bytes in the compaction phase: it compacts every few checkpoints
+COMPACT_BYTES = "256K"
 #: a psring whose wire version is the next one (``wire`` fault): the same code, told it speaks another
 OTHER_WIRE = (
     "import sys; import psring.core.wire as w; w.WIRE_VERSION += 1; from psring.cli import main; sys.exit(main())"
@@ -164,6 +174,10 @@ class Case:
             return "no shard processes on the ring"
         if self.phase == "idle" and self.kind in ("submitter", *LAUNCHED):
             return "exists only while a job runs"
+        if self.phase in PLACED and self.kind in LAUNCHED:
+            return "placement, and checkpoints and compaction in the store: the cluster bed's"
+        if self.phase in ("checkpoint", "compaction") and self.kind == "etcd":
+            return "the moment is read off psring's store log (etcd's is preallocated)"
         if self.fault == "full-disk" and self.kind != "store":
             return "only the store writes to disk"
         if self.fault == "partition-store" and self.kind not in ("worker", "server", "submitter", "dashboard"):
@@ -309,6 +323,28 @@ class Campaign:
             time.sleep(0.01)
         raise RuntimeError(f"{proc.name} did not reach step {at} of {total}: {proc.tail()}")
 
+    def _store_moment(self, data: str, phase: str, rng: random.Random, job: Proc) -> None:
+        """Wait until the store is writing a checkpoint (its log grew by a checkpoint's bytes at once: rank
+        0's set of the job's parameters) or compacting (its snapshot being written, or its log just cut),
+        the first to the third such moment, by the seed."""
+        log, tmp = os.path.join(data, "log"), os.path.join(data, "snapshot.tmp")
+        skip = rng.randint(0, 2)
+        last, was = _size(log), False
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            size = _size(log)
+            now = size - last >= CHECKPOINT_BYTES if phase == "checkpoint" else os.path.exists(tmp) or size < last
+            last = size
+            if now and not was:
+                if skip == 0:
+                    return
+                skip -= 1
+            was = now
+            if job.p.poll() is not None:
+                raise RuntimeError(f"{job.name} ended before the store's {phase}: {job.tail()}")
+            time.sleep(0.001)
+        raise RuntimeError(f"no {phase} in the store's log within 120s: {job.tail()}")
+
     def _cluster_case(
         self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, data: str,
         disk: Disk | None,
@@ -324,11 +360,12 @@ class Campaign:
             self.store_ports = [int(hp.rsplit(":", 1)[1]) for hp in address.removeprefix("etcd://").split(",")]
         else:
             ip, exe = self._host("store")
-            store = Proc("store", ["store", "--host", ip, "--port", "0", "--data-dir", data], env, exe)
+            compact = ["--compact-bytes", COMPACT_BYTES] if case.phase == "compaction" else []
+            store = Proc("store", ["store", "--host", ip, "--port", "0", "--data-dir", data, *compact], env, exe)
             procs.append(store)
             port = int(store.wait_line(r"listening on \S*:(\d+)", 30)[1])
             address = f"{ip}:{port}"
-            store.argv = ["store", "--host", ip, "--port", str(port), "--data-dir", data]
+            store.argv = ["store", "--host", ip, "--port", str(port), "--data-dir", data, *compact]
             self.store_ports = [port]
         for i in range(self.args.workers):
             ip, exe = self._host(f"w{i}")
@@ -366,6 +403,10 @@ class Campaign:
         if case.phase != "idle":
             if case.phase == "mid-step":
                 self._mid_step(submit, rng)
+            elif case.phase == "placement":  # a worker daemon took its rank; the others may not have yet
+                _first_line(pool["worker"], r"taking rank \d+ of job", 120)
+            elif case.phase in ("checkpoint", "compaction"):
+                self._store_moment(data, case.phase, rng, submit)
             else:  # rendezvous: the job is placed, its ranks are meeting
                 submit.wait_line(r"job \S+ placed", 120)
                 time.sleep(rng.uniform(0.0, 0.3))
@@ -632,6 +673,27 @@ def _pids_in(path: str) -> list[int]:
             return [int(x) for x in f.read().split()]
     except OSError:
         return []
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _first_line(procs: list[Proc], pattern: str, timeout: float) -> None:
+    """Until one of ``procs`` says ``pattern``."""
+    deadline = time.monotonic() + timeout
+    seen = [len(p.lines) for p in procs]
+    while time.monotonic() < deadline:
+        for i, p in enumerate(procs):
+            lines = p.lines[seen[i] :]
+            seen[i] += len(lines)
+            if any(re.search(pattern, line) for line in lines):
+                return
+        time.sleep(0.002)
+    raise RuntimeError(f"no {pattern!r} from {', '.join(p.name for p in procs)} within {timeout:g}s")
 
 
 def _host_of(proc: Proc) -> str:

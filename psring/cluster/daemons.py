@@ -359,6 +359,7 @@ class WorkerDaemon(_Daemon):
             return
         self.state, self.job = "busy", jid
         self.owned[jid] = spec
+        print(f"psring worker {self.id}: taking rank {rank} of job {jid} (attempt {attempt})", flush=True)
         if self.metrics is not None:
             self.metrics.job.labels("worker").set(jid)
             if attempt:
