@@ -38,7 +38,10 @@ bed as soon as the submitter says the job is placed; on the launch bed as soon a
 exists), mid-step (a quarter of the job's steps done), checkpoint (cluster bed: as the store takes one
 of the job's checkpoints -- its log grows by a checkpoint's bytes at once -- the first to the third),
 compaction (cluster bed: the store runs with ``--compact-bytes 256K`` and the fault lands as it compacts
--- its snapshot being written or its log just cut -- the first to the third time).
+-- its snapshot being written or its log just cut -- the first to the third time), admission (the
+elastic bed: two ps workers under ``psring launch --elastic`` admit a third, the joiner kind, at a step boundary;
+the fault lands as they say they admitted it; held when every worker reports the same parameters at
+every step and the survivors agree on the live group, or a failure names the fault).
 
     python benchmarks/faults.py                         # every case, both topologies
     python benchmarks/faults.py --kinds store --faults kill --phases mid-step --topologies ring
@@ -70,9 +73,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
-KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard")
+KINDS = ("store", "etcd", "worker", "server", "submitter", "dashboard", "rank", "launcher", "shard", "joiner")
 FAULTS = ("kill", "term", "stop", "partition", "partition-store", "partition-peer", "full-disk", "wire")
-PHASES = ("idle", "placement", "rendezvous", "mid-step", "checkpoint", "compaction")
+PHASES = ("idle", "placement", "rendezvous", "mid-step", "checkpoint", "compaction", "admission")
 #: phases only the cluster bed has (a job placed on daemons; checkpoints and compaction in psring's store)
 PLACED = ("placement", "checkpoint", "compaction")
 #: a write to the store's log at least this large at once is a checkpoint (the main job's: ~75 KiB)
@@ -86,7 +89,9 @@ OTHER_WIRE = (
 #: processes a restart policy brings back (the cluster bed's long-running ones)
 RESTARTED = ("store", "etcd", "worker", "server", "dashboard")
 #: the launch bed's kinds (the rest are the cluster bed's)
-LAUNCHED = ("rank", "launcher", "shard")
+LAUNCHED = ("rank", "launcher", "shard", "joiner")
+#: the elastic bed's job (admission): ps workers that admit new ones every 3 steps
+GROW_JOB = os.path.join(ROOT, "tests", "support", "jobs", "elastic_grow_job.py")
 #: faults that last --stop-s and then heal by themselves (the process is not restarted)
 PASSING = ("stop", "partition", "partition-store", "partition-peer", "full-disk")
 
@@ -176,6 +181,10 @@ class Case:
             return "exists only while a job runs"
         if self.phase in PLACED and self.kind in LAUNCHED:
             return "placement, and checkpoints and compaction in the store: the cluster bed's"
+        if self.kind == "joiner" and self.phase != "admission":
+            return "a joiner exists only in the admission phase"
+        if self.phase == "admission" and (self.topology != "ps" or self.kind not in LAUNCHED):
+            return "elastic admission: the ps's, on the elastic bed (psring launch, a worker joining)"
         if self.phase in ("checkpoint", "compaction") and self.kind == "etcd":
             return "the moment is read off psring's store log (etcd's is preallocated)"
         if self.fault == "full-disk" and self.kind != "store":
@@ -234,7 +243,9 @@ class Campaign:
             )  # fmt: skip
             summary = _summary(done.stdout)
             if done.returncode != 0 or summary is None:
-                raise RuntimeError(f"the undisturbed {topology} run failed: {done.stdout[-2000:]}")
+                raise RuntimeError(
+                    f"the undisturbed {topology} run failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}"
+                )
             self.references[topology] = str(summary["param_digest"])
             self.took[topology] = time.monotonic() - t0
         return self.references[topology]
@@ -256,7 +267,7 @@ class Campaign:
         env = self._env(tag)
         procs: list[Proc] = []
         problems: list[str] = []
-        want = self.reference(case.topology)
+        want = self.reference(case.topology) if case.phase != "admission" else ""
         self.healing: list[threading.Timer] = []
         self.outcome = ""
         self.store_ports: list[int] = []
@@ -265,7 +276,9 @@ class Campaign:
         with tempfile.TemporaryDirectory(prefix="psring-faults-") as data:
             disk = Disk(data) if case.fault == "full-disk" else None
             try:
-                if case.kind in LAUNCHED:
+                if case.phase == "admission":
+                    problems += self._admission_case(case, rng, env, procs, tag)
+                elif case.kind in LAUNCHED:
                     problems += self._launch_case(case, rng, env, procs, want, tag)
                 else:
                     problems += self._cluster_case(case, rng, env, procs, want, data, disk)
@@ -469,6 +482,73 @@ class Campaign:
                 f"{odd.name} ended ({odd.p.returncode}) without naming the versions: {odd.tail()}"
             )
 
+    def _admission_case(
+        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], tag: str
+    ) -> list[str]:
+        """The elastic bed: two ps workers under ``psring launch`` that admit new workers every 3 steps
+        (tests/support/jobs/elastic_grow_job.py); a third joins once the job runs, and the fault lands
+        as the workers admit it (a worker's line says it was admitted). Held: the launcher and joiner end
+        within the bound; every worker that reports a step reports the same parameters for it; each that
+        finishes agrees on the live group; or the one that failed names the fault."""
+        job_env = {**env, "STEPS": "150"}
+        argv = ["launch", "-n", "2", "--topology", "ps", "--elastic", "--", sys.executable, GROW_JOB]
+        launch = Proc("launcher", argv, job_env)
+        procs.append(launch)
+        launch.wait_line(r'"step": 2,', 120)
+        ranks = [pid for pid in marked_pids(tag) if pid != launch.p.pid and _runs(pid, GROW_JOB)]
+        envs = [e for e in map(_environ, ranks) if "WORLD_SIZE" in e]
+        if not envs:
+            return [f"no worker of the elastic job found: {launch.tail()}"]
+        mine = envs[0]
+        extra = {k: mine[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE") if k in mine}
+        joiner = Proc("joiner", [GROW_JOB], {**job_env, **extra, "JOIN": "1", "PSRING_TOPOLOGY": "ps"},
+                      exe=[sys.executable])  # fmt: skip
+        procs.append(joiner)
+        launch.wait_line(r'"admitted"', 120)
+        if case.kind == "launcher":
+            victim: Any = launch
+        elif case.kind == "joiner":
+            victim = joiner
+        else:
+            module = "psring.topology.ps" if case.kind == "shard" else GROW_JOB
+            ours = (joiner.p.pid, launch.p.pid)
+            found = sorted(pid for pid in marked_pids(tag) if _runs(pid, module) and pid not in ours)
+            if not found:
+                return [f"no {case.kind} process found to fault"]
+            victim = _Pid(rng.choice(found), case.kind)
+        self._inject(victim, case.fault)
+        problems: list[str] = []
+        for proc in (launch, joiner):
+            try:
+                proc.p.wait(timeout=self.args.bound)
+            except subprocess.TimeoutExpired:
+                problems.append(f"{proc.name} still waiting {self.args.bound:g}s later: {proc.tail()}")
+        if problems:
+            return problems
+        rows = [r for line in launch.lines + joiner.lines if (r := _row(line)) is not None]
+        steps: dict[int, set[float]] = {}
+        for r in rows:
+            if "step" in r:
+                steps.setdefault(r["step"], set()).add(r["w"])
+        split = sorted(t for t, ws in steps.items() if len(ws) > 1)
+        if split:
+            problems.append(f"workers reported different parameters at step(s) {split[:5]}")
+        ends = [r for r in rows if "live" in r]
+        if any(r["sum"] != r["live"] for r in ends):
+            problems.append(f"the survivors disagree on the live group: {ends}")
+        codes = {"launcher": launch.p.returncode, "joiner": joiner.p.returncode}
+        self.outcome = "done, agreed" if not any(codes.values()) else f"ended {codes}"
+        for proc in (launch, joiner):
+            if proc.p.returncode and proc is not victim:
+                last = next((line for line in reversed(proc.lines) if line.strip()), "")
+                if not _names(last, victim, case):
+                    problems.append(
+                        f"{proc.name} failed ({proc.p.returncode}) without naming the fault: {last[:300]!r}"
+                    )
+        if not ends and victim is not launch:
+            problems.append(f"no worker finished the elastic job: {launch.tail()}")
+        return problems
+
     def _launch_case(
         self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, tag: str
     ) -> list[str]:
@@ -568,6 +648,24 @@ class _Pid:
 
         self.p = _P()
         self.p.pid = pid  # type: ignore[attr-defined]
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    """The elastic job's JSON line in a line (a launcher prefixes its ranks' lines), if any."""
+    m = re.search(r"(\{.*\})\s*$", line)
+    try:
+        return json.loads(m[1]) if m else None
+    except ValueError:
+        return None
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return {}
+    return dict(x.split("=", 1) for x in raw if "=" in x)
 
 
 def _runs(pid: int, module: str) -> bool:

@@ -71,6 +71,19 @@ def test_the_fault_campaign_restarts_a_daemon_as_another_wire_version() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_the_fault_campaign_kills_a_worker_of_an_elastic_job_as_it_admits_a_new_one() -> None:
+    """The admission phase: two ps workers under psring launch --elastic admit a third; one of the two is
+    SIGKILLed as they say so. Before psring launch took --elastic it stopped every rank on that loss; now
+    the others and the joiner go on, every worker reports the same parameters at every step and the
+    survivors agree on the live group (the case checks it)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ps/rank/kill/admission", "--json"]
+    res = run_tree(cmd, timeout=280)
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1, res.stdout + res.stderr
+    assert rows[0]["held"] and rows[0]["job"] == "done, agreed", rows[0]
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_the_fault_campaign_names_what_is_not_a_case() -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/server/kill/idle"]
     res = run_tree(cmd, timeout=60)

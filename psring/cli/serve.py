@@ -98,6 +98,10 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print(f"psring launch: --max-restarts must be 0 or more, got {args.max_restarts}", file=sys.stderr)
         return 2
+    if args.elastic and args.max_restarts:
+        print("psring launch: --elastic goes on without a failed rank; --max-restarts starts every rank again: "
+              "give one of them", file=sys.stderr)  # fmt: skip
+        return 2
     env = settings_mod.process_env()
     if args.servers is not None:
         env["PSRING_SERVERS"] = str(args.servers)
@@ -115,6 +119,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
                 master_addr=args.master_addr,
                 master_port=args.master_port,
                 max_restarts=args.max_restarts,
+                elastic=args.elastic,
             )
         )
     except KeyboardInterrupt:
@@ -189,6 +194,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         type=int,
         default=0,
         help="on a rank's failure stop every rank and start the job again, up to K times (torchrun's meaning)",
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a rank that fails does not stop the others: an elastic job (SyncSGD(elastic=True)) goes on without "
+        "it, and a worker may join it (init_group(join=True)); the launcher fails only if every rank did",
     )
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- command and arguments")
     p.set_defaults(func=_cmd_launch)

@@ -206,6 +206,7 @@ def test_launch_refuses_a_node_rank_out_of_range_and_a_missing_master() -> None:
     for args, message in (
         (["--nnodes", "2", "--node-rank", "2", "--master-addr", "127.0.0.1", "--master-port", "1"], "--node-rank 2"),
         (["--nnodes", "2", "--node-rank", "1"], "needs --master-addr and --master-port"),
+        (["--elastic", "--max-restarts", "1"], "--elastic goes on without a failed rank"),
     ):
         [(code, text)] = run_all([[sys.executable, "-m", "psring", "launch", *args, "-n", "1", "--", "true"]], [{}])
         assert code == 2 and message in text, text
