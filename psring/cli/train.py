@@ -269,9 +269,9 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
     if args.model == "embed" and (args.device != "cpu" or args.elastic or args.backup or args.accumulate > 1
-                                  or args.compression != "none" or args.checkpoint_dir):  # fmt: skip
-        return bad("--model embed trains sparse tables: on --device cpu, without --elastic, --backup, --accumulate, "
-                   "--compression or --checkpoint-dir (not yet)")  # fmt: skip
+                                  or args.compression != "none"):  # fmt: skip
+        return bad("--model embed trains sparse tables: on --device cpu, without --elastic, --backup, --accumulate "
+                   "or --compression (not yet)")  # fmt: skip
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")

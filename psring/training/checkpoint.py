@@ -28,10 +28,15 @@ def to_bytes(state: dict[str, Any]) -> bytes:
     arrays = {f"params/{k}": np.asarray(v) for k, v in sgd["params"].items()}
     for key, by_name in sgd["optimizer_state"].items():
         arrays.update({f"state/{key}/{k}": np.asarray(v) for k, v in by_name.items()})
+    tables = sgd.get("tables") or {}  # sparse tables: each one's rows and their optimizer state
+    for name, table in tables.items():
+        arrays[f"tables/{name}/rows"] = np.asarray(table["rows"])
+        arrays.update({f"tables/{name}/state/{k}": np.asarray(v) for k, v in table["state"].items()})
     meta = {
         "format": FORMAT,
-        "sgd": {k: v for k, v in sgd.items() if k not in ("params", "optimizer_state")},
+        "sgd": {k: v for k, v in sgd.items() if k not in ("params", "optimizer_state", "tables")},
         "state_keys": sorted(sgd["optimizer_state"]),
+        "tables": {name: sorted(table["state"]) for name, table in tables.items()},
         "extra": {k: v for k, v in state.items() if k != "sgd"},
     }
     buf = io.BytesIO()
@@ -50,7 +55,14 @@ def from_bytes(raw: bytes) -> dict[str, Any]:
             if name.startswith("state/"):
                 _, key, param = name.split("/", 2)
                 state[key][param] = data[name]
-    return {"sgd": {**meta["sgd"], "params": params, "optimizer_state": state}, **meta["extra"]}
+        tables = {
+            name: {"rows": data[f"tables/{name}/rows"], "state": {k: data[f"tables/{name}/state/{k}"] for k in keys}}
+            for name, keys in meta.get("tables", {}).items()
+        }
+    sgd = {**meta["sgd"], "params": params, "optimizer_state": state}
+    if tables:
+        sgd["tables"] = tables
+    return {"sgd": sgd, **meta["extra"]}
 
 
 class DirCheckpoints:

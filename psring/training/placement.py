@@ -51,9 +51,17 @@ class Replicated:
             sgd.step_count = loaded["step"]
 
     async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
-        """Every rank takes a copy of rank 0's table."""
+        """Every rank takes a copy of rank 0's table (and a checkpoint's optimizer state: every rank
+        loaded the same one)."""
         sgd._tables[name] = await sgd.group.broadcast(sgd._tables[name], src=0)
-        sgd._table_state[name] = sgd.optimizer.init_state(sgd._tables[name])
+        sgd._table_state[name] = state = sgd.optimizer.init_state(sgd._tables[name])
+        for key, saved in sgd._loaded_tables.pop(name, {}).items():
+            state[key][...] = sgd.xp.asarray(saved)
+
+    async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A table's rows and their optimizer state, as host arrays (a checkpoint's)."""
+        state = sgd.optimizer.state_arrays(sgd._table_state[name])
+        return _to_host(sgd._tables[name]).copy(), {k: _to_host(v).copy() for k, v in state.items()}
 
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
         return sgd.xp.take(sgd._tables[name], sgd.xp.asarray(idx), axis=0)
@@ -98,11 +106,24 @@ class Sharded:
         sgd.step_count = step
 
     async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
-        """The shards take their row ranges of rank 0's table; the workers drop theirs."""
+        """The shards take their row ranges of rank 0's table (and of a checkpoint's optimizer state,
+        at its step); the workers drop theirs."""
         rows, width, dtype = sgd._table_shape[name]
         table = _to_host(sgd._tables[name]) if sgd.group.rank == 0 else None
-        await self.tables.init(k, table, rows, width, dtype, sgd.optimizer.config())
+        loaded = sgd._loaded_tables.pop(name, None)
+        await self.tables.init(
+            k, table, rows, width, dtype, sgd.optimizer.config(), step=sgd.step_count,
+            state=loaded if sgd.group.rank == 0 else None,
+        )  # fmt: skip
         sgd._tables[name] = None  # the shards hold it now: workers never do
+
+    async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A table's rows and their optimizer state, read from the shards (a checkpoint's)."""
+        k, (rows, width, dtype) = sgd.sparse.index(name), sgd._table_shape[name]
+        every = np.arange(rows, dtype=np.int64)
+        keys = sgd.optimizer.state_arrays(sgd.optimizer.init_state(np.zeros((1, width), np.dtype(dtype))))
+        values = await self.tables.pull(k, every, rows, width, np.dtype(dtype))
+        return values, {key: await self.tables.pull(k, every, rows, width, np.dtype(dtype), of=key) for key in keys}
 
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
         got = sgd._prefetched.pop(name, None)

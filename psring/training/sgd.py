@@ -165,6 +165,8 @@ class SyncSGD:
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self._views()
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
+        #: the sparse tables' optimizer state from that checkpoint, by table (taken by start)
+        self._loaded_tables: dict[str, dict[str, np.ndarray]] = {}
 
     # ------------------------------------------------------------ layout
     def _concat(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> Any:
@@ -299,20 +301,24 @@ class SyncSGD:
         servers. Every rank returns the same; save rank 0's. Call it between steps."""
         if not self.started:
             await self.start()
-        if self.sparse:
-            raise NotImplementedError("state_dict of a SyncSGD with sparse tables: not yet (psring#37)")
         if self.accumulate > 1 and self._micro:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
         keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
         per_bucket, step = await self.placement.state(self, keys)
         state = {k: self._by_name([b[k] for b in per_bucket]) for k in keys}
-        return {
+        out: dict[str, Any] = {
             "format": "psring.SyncSGD/1",
             "step": step,
             "setup": self.setup(),
             "params": self._by_name([_to_host(f) for f in self._flat]),
             "optimizer_state": state,
         }
+        if self.sparse:  # each table whole, and its rows' optimizer state (over ps, read from the shards)
+            out["tables"] = {}
+            for name in self.sparse:
+                rows, table_state = await self.placement.table_state(self, name)
+                out["tables"][name] = {"rows": rows, "state": table_state}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a checkpoint made by :meth:`state_dict` (every rank loads the same one),
@@ -329,13 +335,35 @@ class SyncSGD:
                 "the checkpoint was made with another optimizer, compression, accumulation or parameter layout: "
                 f"it has {theirs[:300]}, this has {mine[:300]}"
             )
+        tables = state.get("tables") or {}
+        if sorted(tables) != sorted(self.sparse):
+            raise ValueError(f"the checkpoint has sparse tables {sorted(tables)}, this SyncSGD {sorted(self.sparse)}")
+        loaded_tables = {name: self._table_from(name, tables[name]) for name in self.sparse}
         params = state["params"]
         self._flat = [_like(self.xp, np.asarray(f)) for f in self._flat_from(params)]
         per_key = {k: self._flat_from(v) for k, v in state["optimizer_state"].items()}
         buckets = [{k: per_key[k][b] for k in per_key} for b in range(len(self.buckets))]
         self._loaded = {"step": int(state["step"]), "state": buckets}
         self.step_count = int(state["step"])
+        for name, (rows, table_state) in loaded_tables.items():
+            self._tables[name] = _like(self.xp, rows)
+            self._loaded_tables[name] = table_state
         self.params = self._views()
+
+    def _table_from(self, name: str, saved: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """A sparse table's rows and optimizer state from a checkpoint, checked against the table."""
+        num_rows, width, dtype = self._table_shape[name]
+        rows = np.array(saved["rows"])
+        if rows.shape != (num_rows, width) or dtype_name(rows.dtype) != dtype:
+            raise ValueError(f"the checkpoint's sparse table {name!r} is {rows.dtype}{list(rows.shape)}, "
+                             f"the table is {dtype}[{num_rows}, {width}]")  # fmt: skip
+        want = sorted(Optimizer.state_arrays(self.optimizer.init_state(np.zeros((1, width), rows.dtype))))
+        table_state = {k: np.array(v) for k, v in dict(saved.get("state") or {}).items()}
+        if sorted(table_state) != want or any(v.shape != rows.shape for v in table_state.values()):
+            raise ValueError(f"the checkpoint's sparse table {name!r} has optimizer state "
+                             f"{ {k: list(v.shape) for k, v in table_state.items()} }, the optimizer keeps {want} "
+                             "of the table's shape")  # fmt: skip
+        return rows, table_state
 
     def _by_name(self, flats: list[Any]) -> dict[str, np.ndarray]:
         out = {}

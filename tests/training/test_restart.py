@@ -82,8 +82,8 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def train(args: list[str], kill_after_checkpoint: Path | None = None) -> dict:  # type: ignore[type-arg]
-    cmd = [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", "12", "--json", *args]
+def train(args: list[str], kill_after_checkpoint: Path | None = None, epochs: int = 12) -> dict:  # type: ignore[type-arg]
+    cmd = [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", str(epochs), "--json", *args]
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     killed = None
@@ -107,15 +107,19 @@ def train(args: list[str], kill_after_checkpoint: Path | None = None) -> dict:  
     return summary  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("topology", ["ring", "ps"])
-def test_train_resumes_from_its_checkpoint_after_a_sigkilled_worker(tmp_path: Path, topology: str) -> None:
-    plain = train(["--topology", topology])
+@pytest.mark.parametrize("topology, model", [("ring", "mlp"), ("ps", "mlp"), ("ring", "embed"), ("ps", "embed")])
+def test_train_resumes_from_its_checkpoint_after_a_sigkilled_worker(tmp_path: Path, topology: str, model: str) -> None:
+    """--model embed: the checkpoint holds its two sparse tables and their rows' optimizer state (over ps
+    read from the shards): refused before ("not yet")."""
+    epochs, every = (12, 5) if model == "mlp" else (2, 100)  # embed: ~940 steps an epoch
+    plain = train(["--topology", topology, "--model", model], epochs=epochs)
     ck = tmp_path / "ck"
     hit = train(
-        ["--topology", topology, "--checkpoint-dir", str(ck), "--checkpoint-every", "5", "--max-restarts", "2"], ck
-    )
+        ["--topology", topology, "--model", model, "--checkpoint-dir", str(ck), "--checkpoint-every", str(every),
+         "--max-restarts", "2"], ck, epochs=epochs,
+    )  # fmt: skip
     assert hit["killed"] is not None and "restarting every rank (1 of 2)" in hit["stderr"], hit["stderr"]
     assert hit["resumed_at"] is not None and 0 < hit["resumed_at"] < hit["steps"], hit
     # the same data order and a checkpoint of every bit of state: the same run as if never killed
     assert hit["param_digest"] == plain["param_digest"] and hit["steps"] == plain["steps"]
-    assert hit["test_accuracy"] == plain["test_accuracy"] >= 0.95
+    assert hit["test_accuracy"] == plain["test_accuracy"] >= (0.95 if model == "mlp" else 0.5)

@@ -42,6 +42,11 @@ class Table:
         self.rows = rows
         self.param = np.empty((rows[1] - rows[0], width), self.dtype)
         self.filled = 0  # rows of rank 0's initial table received
+        #: resuming from a checkpoint: the optimizer state's keys that come with the rows, and the step
+        self.state_keys: list[str] = []
+        self.start_step = 0
+        self.loaded: dict[str, np.ndarray] = {}  # key -> this shard's rows of that state, as they arrive
+        self.loaded_filled: dict[str, int] = {}
         self.optimizer = Optimizer.from_config(config)
         self.state: dict[str, Any] = {}
         self.step = 0
@@ -84,8 +89,11 @@ class Tables:
     def _init(self, header: dict[str, Any], payload: Any) -> None:
         k, num_rows, width, dtype, size = (header.get(f) for f in ("table", "num_rows", "width", "dtype", "size"))
         first, count = header.get("first"), header.get("count")
+        step, keys, of = header.get("step", 0), header.get("state_keys") or [], header.get("of")
         if not (type(k) is int and type(num_rows) is int and num_rows >= 1 and type(width) is int and width >= 0
-                and dtype in DTYPES and type(size) is int and size >= 1):  # fmt: skip
+                and dtype in DTYPES and type(size) is int and size >= 1 and type(step) is int and step >= 0
+                and isinstance(keys, (list, tuple)) and all(type(x) is str for x in keys)
+                and (of is None or of in keys)):  # fmt: skip
             raise ProtocolError(f"sparse table init with {header!r}")
         table = self.tables.get(k)
         if table is None:
@@ -94,11 +102,19 @@ class Tables:
                 table = Table(k, num_rows, width, dtype, size, dict(header.get("optimizer") or {}), rows)
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"sparse table {k}: bad optimizer config: {exc}") from None
+            kept = table.optimizer.state_arrays(table.optimizer.init_state(np.zeros((1, width), table.dtype)))
+            missing = [x for x in keys if x not in kept]
+            if missing:
+                raise ProtocolError(f"sparse table {k}: init brings optimizer state {missing} the optimizer has not")
+            table.state_keys, table.start_step = list(keys), step
             self.tables[k] = table
             table.waiting_pulls.extend(self.early.pop(k, []))
-        elif (table.num_rows, table.width, str(table.dtype), table.size) != (num_rows, width, dtype, size):
+        elif (table.num_rows, table.width, str(table.dtype), table.size, table.state_keys, table.start_step) != (
+            num_rows, width, dtype, size, list(keys), step
+        ):
             raise ProtocolError(
-                f"sparse table {k} is {table.num_rows} x {table.width} {table.dtype}, init says otherwise"
+                f"sparse table {k} is {table.num_rows} x {table.width} {table.dtype} from step {table.start_step} "
+                f"with state {table.state_keys}, init says otherwise"
             )
         if table.ready:
             return
@@ -108,11 +124,18 @@ class Tables:
         want = count * width * table.dtype.itemsize
         if header["nbytes"] != want:
             raise ProtocolError(f"sparse table {k}: init of {count} rows has {header['nbytes']} bytes, expected {want}")
+        into = table.param if of is None else table.loaded.setdefault(of, np.zeros_like(table.param))
         if count:
-            table.param[first - a : first - a + count] = np.frombuffer(payload, table.dtype).reshape(count, width)
-        table.filled += count
-        if table.filled >= b - a:
+            into[first - a : first - a + count] = np.frombuffer(payload, table.dtype).reshape(count, width)
+        if of is None:
+            table.filled += count
+        else:
+            table.loaded_filled[of] = table.loaded_filled.get(of, 0) + count
+        if table.filled >= b - a and all(table.loaded_filled.get(x, 0) >= b - a for x in table.state_keys):
             table.state = table.optimizer.init_state(table.param)
+            for x, saved in table.loaded.items():  # a checkpoint's state, at its step
+                table.state[x][...] = saved
+            table.loaded, table.step = {}, table.start_step
             table.ready = True
             pulls, table.waiting_pulls = table.waiting_pulls, []
             for conn, hdr, data in pulls:
@@ -213,7 +236,11 @@ class Tables:
         a, b = table.rows
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
             raise ProtocolError(f"sparse pull of table {k}: rows outside this shard's {a}..{b - 1}")
-        rows = np.take(table.param, idx - a, axis=0) if idx.size else np.empty((0, table.width), table.dtype)
+        of = header.get("of")
+        source = table.param if of is None else table.state.get(of) if isinstance(of, str) else None
+        if not isinstance(source, np.ndarray) or source.shape != table.param.shape:
+            raise ProtocolError(f"sparse pull of table {k}: {of!r} is not the table or its optimizer's state")
+        rows = np.take(source, idx - a, axis=0) if idx.size else np.empty((0, table.width), table.dtype)
         reply = {
             "kind": "ps_param",
             "op": "sp_rows",

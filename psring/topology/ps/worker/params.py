@@ -475,23 +475,28 @@ class SparseTables:
         return [row_range(num_rows, self.g.num_servers, s) for s in range(self.g.num_servers)]
 
     async def init(self, k: int, table: np.ndarray | None, num_rows: int, width: int, dtype: str,
-                          optimizer: dict[str, Any]) -> None:  # fmt: skip
-        """Rank 0 hands each shard its rows of table k (``table``; None elsewhere); every rank
-        then waits until every shard holds them (an empty pull each)."""
+                   optimizer: dict[str, Any], step: int = 0,
+                   state: dict[str, np.ndarray] | None = None) -> None:  # fmt: skip
+        """Rank 0 hands each shard its rows of table k (``table``; None elsewhere) and, resuming from a
+        checkpoint, their optimizer ``state`` (by key) at the table's ``step``; every rank then waits
+        until every shard holds them (an empty pull each)."""
         if self.g.rank == 0:
             assert table is not None
+            state = state or {}
             per = max(1, self.g.links.config.ps_piece // max(width * table.itemsize, 1))
             for s, (a, b) in enumerate(self._shard_rows(num_rows)):
                 conn = self.g.links.shards[s]
                 base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
                         "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.g.world_size,
-                        "optimizer": optimizer}  # fmt: skip
-                for first in range(a, max(b, a + 1), per):
-                    count = max(0, min(per, b - first))
-                    conn.send_tensor({**base, "first": first, "count": count}, table[first : first + count])
-                    transport = conn.transport
-                    if transport is not None and transport.get_write_buffer_size() > INIT_QUEUE:
-                        await conn.flush()  # not the whole table queued in a second copy (a 4 GiB one: 8 GiB)
+                        "optimizer": optimizer, "step": step, "state_keys": sorted(state)}  # fmt: skip
+                for of, rows in [(None, table), *sorted(state.items())]:
+                    for first in range(a, max(b, a + 1), per):
+                        count = max(0, min(per, b - first))
+                        part = rows[first : first + count]
+                        conn.send_tensor({**base, "of": of, "first": first, "count": count}, part)
+                        transport = conn.transport
+                        if transport is not None and transport.get_write_buffer_size() > INIT_QUEUE:
+                            await conn.flush()  # not the whole table queued in a second copy (a 4 GiB one: 8 GiB)
         await self.pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
 
     async def step(
@@ -541,8 +546,11 @@ class SparseTables:
                 out[where] = np.frombuffer(payload, values.dtype).reshape(-1, width)
         return said, out
 
-    async def pull(self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype) -> np.ndarray:
-        """The current rows ``indices`` of table k, in that order (duplicates allowed)."""
+    async def pull(
+        self, k: int, indices: np.ndarray, num_rows: int, width: int, dtype: np.dtype, of: str | None = None
+    ) -> np.ndarray:
+        """The current rows ``indices`` of table k, in that order (duplicates allowed); ``of``: those rows
+        of the optimizer's state ``of`` instead (a checkpoint's)."""
         self._pull_requests = req = self._pull_requests + 1
         out = np.empty((indices.size, width), dtype)
         jobs = []
@@ -554,6 +562,8 @@ class SparseTables:
             fut = self.g.mailbox.expect(tag)
             header = {"kind": "ps_param", "op": "sp_pull", "tag": ("param", k, "sp_pull"), "req": req,
                       "count": int(where.size)}  # fmt: skip
+            if of is not None:
+                header["of"] = of
             self.g.links.shards[s].send_tensor(header, indices[where].astype(np.int64))
             jobs.append((fut, where))
 
