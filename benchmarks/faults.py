@@ -847,7 +847,7 @@ class Hosts:
 class Disk:
     """The store's data directory on a small tmpfs of its own, filled and emptied on demand."""
 
-    SIZE = "16m"
+    SIZE = "64m"  # larger than the log before its first compaction (16 MiB): a smaller disk fills with the log
 
     def __init__(self, base: str) -> None:
         self.dir = os.path.join(base, "store-data")

@@ -285,6 +285,13 @@ class AsyncClient:
             raw = await self.store.get(key("workers", wid))
             rec = json.loads(raw) if raw else None
             beat = rec["beat"] if rec else -1
+            pid = rec.get("pid", 0) if rec else 0
+            life = beats.setdefault(f"\0pid {wid}", (pid, now))[0]
+            if pid and life and pid != life:  # restarted under its name: its rank of this job is gone
+                dead.append((r, wid, -1.0))
+                continue
+            if pid and not life:
+                beats[f"\0pid {wid}"] = (pid, now)
             seen = beats.get(wid)
             if seen is None or seen[0] != beat:
                 beats[wid] = (beat, now)
@@ -293,9 +300,10 @@ class AsyncClient:
         if dead:
             r, wid, ago = dead[0]
             error = (
-                f"job {jid} failed: worker daemon {wid} (rank {r}) stopped heartbeating {ago:.1f}s ago "
-                "-- it died or hung"
-            )
+                f"job {jid} failed: worker daemon {wid} (rank {r}) "
+                + ("was started again (another process under its name): its rank of the job is gone"
+                   if ago < 0 else f"stopped heartbeating {ago:.1f}s ago -- it died or hung")
+            )  # fmt: skip
             await self.store.set(verdict_key, error)
             await self._fail(jid, error)
             return {"ok": False, "error": error}

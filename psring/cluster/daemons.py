@@ -389,9 +389,7 @@ class WorkerDaemon(_Daemon):
                     # the daemon goes at its next store call, which says the same
                 else:
                     why = f"job {jid} was {watch.result()} elsewhere"
-                body.cancel()
-                with contextlib.suppress(BaseException):  # cancelled: its outcome is why
-                    await body
+                await self._abandon(body)
                 outcome["error"] = why
                 # a consequence (the job ended elsewhere) only when the watch saw it so; a rank that
                 # lost the store or was signalled is a cause of its own
@@ -419,6 +417,23 @@ class WorkerDaemon(_Daemon):
             with contextlib.suppress(PsringError, OSError):
                 await self.store.set(run_key(jid, attempt, "rank", rank), json.dumps(outcome, default=str))
                 await self._settle(spec, rank, outcome)
+
+    async def _abandon(self, body: asyncio.Task[Any]) -> None:
+        """Cancel a job's body and wait for it, at most STOP_GRACE_S / 2: its outcome must reach the store
+        within the stop's grace. Cancelled again every 0.1 s meanwhile: a rank SIGTERMed as its group was
+        being set up swallowed the one cancellation and trained on to the job's end (the fault campaign's
+        ring/worker/wire/rendezvous: the outcome came after the store was given up, and the submitter
+        waited on a rank nobody ran). A body still running after the bound is left to the process's end."""
+        deadline = time.monotonic() + STOP_GRACE_S / 2
+        while not body.done():
+            body.cancel()
+            if time.monotonic() > deadline:
+                logger.warning("worker %s: the job's rank did not stop within %gs; leaving it", self.id,
+                               STOP_GRACE_S / 2)  # fmt: skip
+                return
+            await asyncio.wait({body}, timeout=0.1)
+        if not body.cancelled():
+            body.exception()  # (retrieved: cancelled, its outcome is why)
 
     async def _settle(self, spec: dict[str, Any], rank: int, outcome: dict[str, Any]) -> None:
         """Keep the job's state true without a submitter watching: a rank that failed of itself

@@ -126,8 +126,9 @@ class UnixMesh(Mesh[UnixLink]):
             for task in dials:
                 task.cancel()
             await acceptor.stop()
-            with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
-                await asyncio.gather(accepting, *dials, return_exceptions=True)
+            # (what they raised is theirs to drop; what this await raises is this task's own
+            # cancellation, which must go on: swallowed, a job told to stop set up its group anyway)
+            await asyncio.gather(accepting, *dials, return_exceptions=True)
         self.listener.close()  # every link is up: nobody else may join
         self.listener = None
         self._loop = loop
@@ -308,5 +309,4 @@ class _Acceptor:
     async def stop(self) -> None:
         for task in list(self._greeters):
             task.cancel()
-        with contextlib.suppress(BaseException):  # cancelled by us: nothing to hear
-            await asyncio.gather(*self._greeters, return_exceptions=True)
+        await asyncio.gather(*self._greeters, return_exceptions=True)  # (only this task's own cancel raises)

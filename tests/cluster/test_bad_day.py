@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from psring.cluster.client import JobError
 from psring.errors import StoreDiskError
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.rendezvous.store import StoreServer
@@ -66,6 +67,27 @@ def test_sigterm_ends_daemons_within_the_grace_while_their_store_is_gone(tmp_pat
             # its heartbeat thread ended before the process did (left running into interpreter shutdown,
             # its event loop crashed the process now and then: SIGSEGV after "stopped", once in CI)
             assert "heartbeat thread still running" not in out, out[-2000:]
+    finally:
+        c.close()
+
+
+def test_a_worker_daemon_sigtermed_as_its_rank_sets_up_stops_that_rank_and_the_job_says_so(tmp_path: Path) -> None:
+    """Found by the fault campaign (ring/worker/wire/rendezvous): SIGTERM to a worker daemon while its rank
+    loaded the data and set up its group. The cancelled rank swallowed its one cancellation and trained on
+    to the job's end, the daemon waited for it past the store's grace, its outcome never reached the store
+    and the submitter waited on. Now the rank is stopped within the grace and the job fails naming it."""
+    c = Cluster(tmp_path)
+    try:
+        workers = [c.worker(f"w{i}") for i in range(2)]
+        with c.client() as client:
+            job = client.submit("ring", 2, train={"epochs": 500})  # ~40 s: its end is no way out
+            t0 = time.monotonic()
+            os.kill(workers[1].pid, signal.SIGTERM)  # placed: its ranks load the data and meet
+            took = _gone_within(workers[1], GRACE_S)
+            assert took < 6.0, took  # (STOP_GRACE_S / 2 for the rank, the goodbyes, the data's import)
+            with pytest.raises(JobError, match=r"rank 1 on worker w1: worker w1 was stopped \(SIGTERM\)"):
+                job.wait()
+            assert time.monotonic() - t0 < 30.0
     finally:
         c.close()
 
