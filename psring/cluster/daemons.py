@@ -202,7 +202,7 @@ class _Daemon:
         if loop is not None and store is not None and hasattr(store, "give_up"):
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the thread is ending anyway
                 loop.call_soon_threadsafe(store.give_up, f"{self.kind[:-1]} {self.id} stopping")
-        thread.join(timeout=STOP_GRACE_S)
+        thread.join(timeout=1.0)  # (given up, it ends in milliseconds; the store's goodbyes need the grace)
         if thread.is_alive():
             logger.warning("%s %s: heartbeat thread still running at stop", self.kind[:-1], self.id)
 
