@@ -545,8 +545,8 @@ class Campaign:
                     problems.append(
                         f"{proc.name} failed ({proc.p.returncode}) without naming the fault: {last[:300]!r}"
                     )
-        if not ends and victim is not launch:
-            problems.append(f"no worker finished the elastic job: {launch.tail()}")
+        if not ends and launch.p.returncode == 0:  # (a launcher that failed said why, above)
+            problems.append(f"the launcher ended well but no worker finished the elastic job: {launch.tail()}")
         return problems
 
     def _launch_case(
