@@ -318,3 +318,16 @@ def test_the_shards_never_import_the_worker_side() -> None:
                 if "worker" in target.split(".") or any(a.name == "worker" for a in node.names):
                     wrong.append(f"{path.relative_to(PKG.parent)}: from {target} import ...")
     assert not wrong, wrong
+
+
+def test_no_asyncio_wait_for() -> None:
+    """Python 3.11's asyncio.wait_for returns a result that came as its caller was cancelled and drops the
+    cancellation (fixed in 3.12): a worker daemon's rank told to stop as it dialled its peer set up its
+    group and trained on to the job's end (the fault campaign, #59). asyncio.timeout() keeps it."""
+    found = [
+        f"{path.relative_to(PKG.parent)}:{n}"
+        for path in sorted(PKG.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "asyncio.wait_for(" in line
+    ]
+    assert not found, found

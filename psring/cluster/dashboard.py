@@ -193,7 +193,8 @@ class Dashboard:
                 await response.write(f"data: {json.dumps(self.snapshot)}\n\n".encode())
                 changed = self._changed
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), 15)  # a comment-only beat keeps proxies open
+                    async with asyncio.timeout(15):  # a comment-only beat keeps proxies open
+                        await changed.wait()
         return response
 
 

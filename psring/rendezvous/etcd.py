@@ -295,7 +295,8 @@ class EtcdStoreClient:
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode() + body
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), min(timeout, 5.0))
+            async with asyncio.timeout(min(timeout, 5.0)):
+                reader, writer = await asyncio.open_connection(host, port)
         except (OSError, TimeoutError) as exc:
             raise _Unavailable(str(exc)) from None
         try:

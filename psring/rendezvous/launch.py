@@ -80,7 +80,8 @@ async def _terminate(procs: Sequence[asyncio.subprocess.Process], grace: float =
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGTERM)
     try:
-        await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), grace)
+        async with asyncio.timeout(grace):
+            await asyncio.gather(*(p.wait() for p in procs))
     except TimeoutError:
         for proc in procs:
             if proc.returncode is None:

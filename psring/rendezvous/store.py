@@ -150,7 +150,8 @@ class StoreServer:
                 fut = loop.create_future()
                 self._waiters.setdefault(key, set()).add(fut)
                 try:
-                    await asyncio.wait_for(fut, remaining)
+                    async with asyncio.timeout(remaining):
+                        await fut
                 except TimeoutError:
                     return False
                 finally:

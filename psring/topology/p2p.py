@@ -104,7 +104,8 @@ class PointToPoint:
                         f"recv from any source on rank {g.rank} timed out after {limit:g}s", missing=tuple(posted)
                     )
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(got), min(remaining, 0.25))
+                    async with asyncio.timeout(min(remaining, 0.25)):
+                        await asyncio.shield(got)
         finally:
             if not got.done():
                 for tag in posted.values():
@@ -140,7 +141,8 @@ class PointToPoint:
                     wait.stalled += 1
                     g._layer().stalls.stalled(g, recv=(src, n, wait))
                 with contextlib.suppress(asyncio.TimeoutError):
-                    _conn, hdr, payload = await asyncio.wait_for(asyncio.shield(fut), min(remaining, 0.25))
+                    async with asyncio.timeout(min(remaining, 0.25)):
+                        _conn, hdr, payload = await asyncio.shield(fut)
                     break
         finally:
             del self.waits[(src, n)]

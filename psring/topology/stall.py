@@ -402,7 +402,8 @@ class StallInspector:
         try:
             await self._send(sorted(want), {"kind": "stall", "ask": list(ask_id)})
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(pending.complete.wait(), ASK_WAIT)
+                async with asyncio.timeout(ASK_WAIT):
+                    await pending.complete.wait()
         finally:
             del self._asks[ask_id]
         views = dict(pending.states)

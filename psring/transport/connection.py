@@ -466,7 +466,8 @@ class Connection(asyncio.BufferedProtocol):
         try:
             if not self.transport.is_closing() and self.handshake.frames is None:
                 self.send_frame({**(farewell or {}), "kind": "bye"})
-                await asyncio.wait_for(self.flush(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.flush()
         except (Exception, asyncio.CancelledError):  # the goodbye is best effort: close anyway
             pass
         finally:

@@ -72,10 +72,11 @@ async def open_connection(
         conn = Connection(secret=secret, name=name, settings=settings)
         try:
             remaining = deadline - time.monotonic()
-            await asyncio.wait_for(
-                loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx),
-                timeout=max(remaining, 0.001),
-            )
+            # (asyncio.timeout, not wait_for: Python 3.11's wait_for returns a result that came as the
+            # caller was cancelled and drops the cancellation -- a worker daemon's rank told to stop as
+            # it dialled its peer set up its group and trained on; fixed in 3.12)
+            async with asyncio.timeout(max(remaining, 0.001)):
+                await loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx)
             break
         except (TimeoutError, ConnectionRefusedError, ConnectionResetError, OSError) as exc:
             refused = isinstance(exc, (ConnectionRefusedError, ConnectionResetError))

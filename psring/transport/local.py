@@ -190,7 +190,8 @@ class LocalConnection(Connection):
             self._closing = True
             with contextlib.suppress(Exception):  # the goodbye is best effort: close anyway
                 self.send_frame({**(farewell or {}), "kind": "bye"})
-                await asyncio.wait_for(self.flush(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.flush()
         self._shut(None)
 
     def abort(self, exc: BaseException) -> None:

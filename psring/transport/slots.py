@@ -122,7 +122,8 @@ class SharedMemory:
             {"kind": "pool", "offer": pool.describe(), "mapped": self.peer_pool is not None, "pid": os.getpid()}
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(fut), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(fut)
         return self.peer_maps_pool
 
     def can_share_memory(self) -> bool:

@@ -281,7 +281,8 @@ class _Acceptor:
     async def _greet(self, sock: socket.socket) -> None:
         try:
             sock.setblocking(False)
-            raw = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                raw = await asyncio.get_running_loop().sock_recv(sock, 4096)
             hello: Any = msgpack.unpackb(raw, raw=False) if raw else None
             rank = hello.get("rank") if isinstance(hello, dict) else None
             if (

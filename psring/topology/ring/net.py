@@ -188,7 +188,8 @@ class PeerNet(PlaneLinks):
 
         await asyncio.gather(*(dial(r) for r in range(self.rank + 1, self.world_size)))
         try:
-            await asyncio.wait_for(mesh.all_in.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await mesh.all_in.wait()
         except TimeoutError:
             missing = sorted(set(range(self.rank)) - set(mesh.links))
             raise CollectiveTimeoutError(

@@ -129,7 +129,8 @@ class ShardServer:
     async def drain(self, timeout: float) -> None:
         """Wait (up to timeout) until every worker has disconnected."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(s.idle.wait() for s in self.shards.values())), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(s.idle.wait() for s in self.shards.values()))
 
     async def close(self) -> None:
         if self.listener is not None:

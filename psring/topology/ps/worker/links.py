@@ -86,7 +86,8 @@ class ServerLinks:
                 # (a rank cut off from everything) must not hold this past the deadline: dial the
                 # address the shard had
                 try:
-                    raw = await asyncio.wait_for(self.store.get(key), max(deadline - time.monotonic(), 0.1))
+                    async with asyncio.timeout(max(deadline - time.monotonic(), 0.1)):
+                        raw = await self.store.get(key)
                 except (TimeoutError, PsringError, OSError):
                     raw = None
                 host, _, port = (raw.decode() if raw else self.addresses[i]).rpartition(":")

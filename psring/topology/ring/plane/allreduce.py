@@ -212,7 +212,8 @@ class PlaneLinks:
         conn = await self.dial(right, timeout, data=True)
         plane.set_send(conn.detach())
         try:
-            await asyncio.wait_for(plane.recv_ready.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await plane.recv_ready.wait()
         except TimeoutError:
             raise CollectiveTimeoutError(
                 f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
