@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from .arrays import array_module
 
 
@@ -58,6 +60,11 @@ class Optimizer:
     @staticmethod
     def state_arrays(state: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in state.items() if k != "step"}
+
+    def state_keys(self) -> list[str]:
+        """The names of the arrays :meth:`init_state` keeps beside a parameter, sorted (none for plain
+        SGD; ``momentum_buffer``; Adam's ``exp_avg``, ``exp_avg_sq``): what a checkpoint must carry."""
+        return sorted(self.state_arrays(self.init_state(np.zeros(1, np.float32))))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.__dict__.items())

@@ -121,9 +121,11 @@ class Sharded:
         """A table's rows and their optimizer state, read from the shards (a checkpoint's)."""
         k, (rows, width, dtype) = sgd.sparse.index(name), sgd._table_shape[name]
         every = np.arange(rows, dtype=np.int64)
-        keys = sgd.optimizer.state_arrays(sgd.optimizer.init_state(np.zeros((1, width), np.dtype(dtype))))
         values = await self.tables.pull(k, every, rows, width, np.dtype(dtype))
-        return values, {key: await self.tables.pull(k, every, rows, width, np.dtype(dtype), of=key) for key in keys}
+        state = {}
+        for key in sgd.optimizer.state_keys():
+            state[key] = await self.tables.pull(k, every, rows, width, np.dtype(dtype), of=key)
+        return values, state
 
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
         got = sgd._prefetched.pop(name, None)

@@ -303,7 +303,7 @@ class SyncSGD:
             await self.start()
         if self.accumulate > 1 and self._micro:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
-        keys = sorted(Optimizer.state_arrays(self.optimizer.init_state(self.xp.zeros(1, np.float32))))
+        keys = self.optimizer.state_keys()
         per_bucket, step = await self.placement.state(self, keys)
         state = {k: self._by_name([b[k] for b in per_bucket]) for k in keys}
         out: dict[str, Any] = {
@@ -357,7 +357,7 @@ class SyncSGD:
         if rows.shape != (num_rows, width) or dtype_name(rows.dtype) != dtype:
             raise ValueError(f"the checkpoint's sparse table {name!r} is {rows.dtype}{list(rows.shape)}, "
                              f"the table is {dtype}[{num_rows}, {width}]")  # fmt: skip
-        want = sorted(Optimizer.state_arrays(self.optimizer.init_state(np.zeros((1, width), rows.dtype))))
+        want = self.optimizer.state_keys()
         table_state = {k: np.array(v) for k, v in dict(saved.get("state") or {}).items()}
         if sorted(table_state) != want or any(v.shape != rows.shape for v in table_state.values()):
             raise ValueError(f"the checkpoint's sparse table {name!r} has optimizer state "
