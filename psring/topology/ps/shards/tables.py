@@ -102,8 +102,7 @@ class Tables:
                 table = Table(k, num_rows, width, dtype, size, dict(header.get("optimizer") or {}), rows)
             except (TypeError, ValueError) as exc:
                 raise ProtocolError(f"sparse table {k}: bad optimizer config: {exc}") from None
-            kept = table.optimizer.state_arrays(table.optimizer.init_state(np.zeros((1, width), table.dtype)))
-            missing = [x for x in keys if x not in kept]
+            missing = [x for x in keys if x not in table.optimizer.state_keys()]
             if missing:
                 raise ProtocolError(f"sparse table {k}: init brings optimizer state {missing} the optimizer has not")
             table.state_keys, table.start_step = list(keys), step
@@ -124,7 +123,12 @@ class Tables:
         want = count * width * table.dtype.itemsize
         if header["nbytes"] != want:
             raise ProtocolError(f"sparse table {k}: init of {count} rows has {header['nbytes']} bytes, expected {want}")
-        into = table.param if of is None else table.loaded.setdefault(of, np.zeros_like(table.param))
+        if of is None:
+            into = table.param
+        elif of in table.loaded:
+            into = table.loaded[of]
+        else:  # the first rows of that state: its array, once
+            into = table.loaded[of] = np.empty_like(table.param)
         if count:
             into[first - a : first - a + count] = np.frombuffer(payload, table.dtype).reshape(count, width)
         if of is None:
@@ -133,8 +137,7 @@ class Tables:
             table.loaded_filled[of] = table.loaded_filled.get(of, 0) + count
         if table.filled >= b - a and all(table.loaded_filled.get(x, 0) >= b - a for x in table.state_keys):
             table.state = table.optimizer.init_state(table.param)
-            for x, saved in table.loaded.items():  # a checkpoint's state, at its step
-                table.state[x][...] = saved
+            table.state.update(table.loaded)  # a checkpoint's state (whole: every row came), at its step
             table.loaded, table.step = {}, table.start_step
             table.ready = True
             pulls, table.waiting_pulls = table.waiting_pulls, []
