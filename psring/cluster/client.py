@@ -285,13 +285,10 @@ class AsyncClient:
             raw = await self.store.get(key("workers", wid))
             rec = json.loads(raw) if raw else None
             beat = rec["beat"] if rec else -1
-            pid = rec.get("pid", 0) if rec else 0
-            life = beats.setdefault(f"\0pid {wid}", (pid, now))[0]
-            if pid and life and pid != life:  # restarted under its name: its rank of this job is gone
-                dead.append((r, wid, -1.0))
+            pid = rec.get("pid") if rec else None
+            if pid and beats.setdefault(f"\0pid {wid}", (pid, now))[0] != pid:
+                dead.append((r, wid, -1.0))  # started again under its name: its rank of this job is gone
                 continue
-            if pid and not life:
-                beats[f"\0pid {wid}"] = (pid, now)
             seen = beats.get(wid)
             if seen is None or seen[0] != beat:
                 beats[wid] = (beat, now)

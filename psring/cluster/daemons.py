@@ -186,8 +186,6 @@ class _Daemon:
 
     def _start_heartbeat(self) -> threading.Thread:
         self._beat_stop = threading.Event()
-        self._beat_loop = None
-        self._beat_store = None
         thread = threading.Thread(target=self._heartbeat_thread, name=f"psring-heartbeat-{self.id}", daemon=True)
         thread.start()
         return thread
