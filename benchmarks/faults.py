@@ -70,6 +70,10 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.support.harness.netns import NetnsCluster, netns_available  # noqa: E402
+
 MARK = "PSRING_FAULT_CASE"
 GRACE_S = 10.0
 
@@ -805,9 +809,6 @@ class Hosts:
     the submitter. A cut is two iptables rules in the victim's namespace (to and from the peer)."""
 
     def __init__(self, seed: int) -> None:
-        sys.path.insert(0, ROOT)
-        from tests.support.harness.netns import NetnsCluster
-
         self.cluster = NetnsCluster(f"f{os.getpid() % 1000}{seed % 100}{time.monotonic_ns() % 1000}")
 
     @staticmethod
@@ -816,9 +817,6 @@ class Hosts:
             return "a partition from one peer needs root (network namespaces, iptables)"
         if shutil.which("iptables") is None:
             return "a partition from one peer needs iptables"
-        sys.path.insert(0, ROOT)
-        from tests.support.harness.netns import netns_available
-
         return netns_available()
 
     def address(self, name: str) -> str:

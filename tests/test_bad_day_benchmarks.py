@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,16 +20,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_fault_campaign_runs_a_case_and_it_holds() -> None:
-    """The store SIGKILLed before the job and started again by the restart policy: the job still ends with
-    the undisturbed run's bits, a fresh job after it too, SIGTERM ends everything, nothing is left."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/store/kill/idle",
-           "--workers", "2", "--epochs", "4", "--json"]  # fmt: skip
+def _case(case: str, *extra: str) -> dict[str, Any]:
+    """Run one case of the campaign (its own process tree, bounded); its JSON line, checked to be the only
+    one and the run's exit status to agree with it (a case the machine cannot make: skipped, saying why)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", case, *extra, "--json"]
     res = run_tree(cmd, timeout=280)
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 1, res.stdout + res.stderr
-    assert rows[0]["case"] == "ring/store/kill/idle" and rows[0]["held"], rows[0]
+    if "skipped" in rows[0]:
+        pytest.skip(rows[0]["skipped"])
+    assert rows[0]["case"] == case and rows[0]["held"], rows[0]
     assert res.returncode == 0, res.stdout + res.stderr
+    return rows[0]
+
+
+def test_the_fault_campaign_runs_a_case_and_it_holds() -> None:
+    """The store SIGKILLed before the job and started again by the restart policy: the job still ends with
+    the undisturbed run's bits, a fresh job after it too, SIGTERM ends everything, nothing is left."""
+    _case("ring/store/kill/idle", "--workers", "2", "--epochs", "4")
 
 
 @pytest.mark.parametrize(
@@ -39,17 +48,9 @@ def test_the_fault_campaign_cuts_a_process_off_and_fills_a_disk(case: str) -> No
     only, each a network namespace of its own) and a full disk (the store's, then emptied) held while the
     job is submitted: it ends with the bits or fails naming the fault, a fresh job after the fault healed
     gives the bits, and nothing is left (iptables rule, cgroup, namespaces, mount, processes)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", case,
-           "--workers", "2", "--epochs", "4", "--stop-s", "2", "--json"]  # fmt: skip
-    res = run_tree(cmd, timeout=280)
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 1, res.stdout + res.stderr
-    if "skipped" in rows[0]:
-        pytest.skip(rows[0]["skipped"])
-    assert rows[0]["case"] == case and rows[0]["held"], rows[0]
-    assert res.returncode == 0, res.stdout + res.stderr
+    row = _case(case, "--workers", "2", "--epochs", "4", "--stop-s", "2")
     if case.endswith("full-disk/idle"):  # submitted onto a full disk: refused, saying so
-        assert "No space left" in rows[0]["job"] or rows[0]["job"] == "done, the bits", rows[0]
+        assert "No space left" in row["job"] or row["job"] == "done, the bits", row
     else:  # the partition healed: its rule is gone (and the namespaces, where it made them)
         left = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, timeout=30).stdout
         assert "psring-fault-" not in left, left
@@ -62,13 +63,8 @@ def test_the_fault_campaign_restarts_a_daemon_as_another_wire_version() -> None:
     """A worker daemon stopped and started again as the next wire version (a rolling upgrade gone wrong):
     it ends within the grace naming both versions (the case checks it), the operator's right version then
     takes the job, which ends with the bits."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/worker/wire/idle",
-           "--workers", "2", "--epochs", "4", "--json"]  # fmt: skip
-    res = run_tree(cmd, timeout=280)
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 1, res.stdout + res.stderr
-    assert rows[0]["held"] and rows[0]["job"] == "done, the bits", rows[0]
-    assert res.returncode == 0, res.stdout + res.stderr
+    row = _case("ring/worker/wire/idle", "--workers", "2", "--epochs", "4")
+    assert row["job"] == "done, the bits", row
 
 
 def test_the_fault_campaign_kills_a_worker_of_an_elastic_job_as_it_admits_a_new_one() -> None:
@@ -76,12 +72,8 @@ def test_the_fault_campaign_kills_a_worker_of_an_elastic_job_as_it_admits_a_new_
     SIGKILLed as they say so. Before psring launch took --elastic it stopped every rank on that loss; now
     the others and the joiner go on, every worker reports the same parameters at every step and the
     survivors agree on the live group (the case checks it)."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ps/rank/kill/admission", "--json"]
-    res = run_tree(cmd, timeout=280)
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 1, res.stdout + res.stderr
-    assert rows[0]["held"] and rows[0]["job"] == "done, agreed", rows[0]
-    assert res.returncode == 0, res.stdout + res.stderr
+    row = _case("ps/rank/kill/admission")
+    assert row["job"] == "done, agreed", row
 
 
 def test_the_fault_campaign_names_what_is_not_a_case() -> None:
