@@ -363,7 +363,13 @@ class Campaign:
         raise RuntimeError(f"no {phase} in the store's log within 120s: {job.tail()}")
 
     def _cluster_case(
-        self, case: Case, rng: random.Random, env: dict[str, str], procs: list[Proc], want: str, data: str,
+        self,
+        case: Case,
+        rng: random.Random,
+        env: dict[str, str],
+        procs: list[Proc],
+        want: str,
+        data: str,
         disk: Disk | None,
     ) -> list[str]:
         problems: list[str] = []
@@ -854,6 +860,8 @@ class Disk:
 
     def mount(self) -> str:
         os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(os.path.dirname(self.dir), OWNER), "w") as f:  # before the mount: see reclaim()
+            f.write(str(os.getpid()))
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.SIZE}", "tmpfs", self.dir], check=True, timeout=30)
         self.mounted = True
         return self.dir
@@ -882,6 +890,71 @@ class Disk:
         if self.mounted:
             subprocess.run(["umount", "-l", self.dir], check=False, timeout=30)
             self.mounted = False
+
+
+OWNER = "owner"  # a Disk's base holds its campaign's pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reclaim() -> list[str]:
+    """What campaigns that ended without their clean-up (SIGKILLed, or the machine restarted under them)
+    left: a full-disk case's tmpfs and a partition's cgroup and iptables rule, each keyed by the pid of
+    the campaign that made it. Those whose campaign is gone are undone; a live campaign's are left alone.
+    Returns what was undone, one line each."""
+    done: list[str] = []
+    with open("/proc/mounts") as f:
+        points = [line.split()[1] for line in f if "/psring-faults-" in line]
+    for point in points:
+        base = os.path.dirname(point)
+        try:
+            with open(os.path.join(base, OWNER)) as f:
+                owner = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            owner = 0  # mounted before owners were written: nobody's now
+        if owner and _alive(owner):
+            continue
+        subprocess.run(["umount", "-l", point], check=False, timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+        done.append(f"unmounted {point} (its campaign, pid {owner or '?'}, is gone)")
+    if os.geteuid() != 0 or shutil.which("iptables") is None:
+        return done
+    rules = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, timeout=30).stdout
+    for rule in rules.splitlines():
+        m = re.search(r"--path (psring-fault-(\d+)-\d+)", rule)
+        if m is None or _alive(int(m.group(2))):
+            continue
+        subprocess.run(["iptables", "-D", *rule.split()[1:]], check=False, timeout=30)
+        done.append(f"deleted the iptables rule of {m.group(1)} (its campaign is gone)")
+    try:
+        groups = [g for g in os.listdir(Partition.ROOT) if g.startswith("psring-fault-")]
+    except OSError:
+        groups = []
+    for group in groups:
+        m = re.fullmatch(r"psring-fault-(\d+)-\d+", group)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        path = os.path.join(Partition.ROOT, group)
+        for pid in _pids_in(path):  # back to the root group; they are the dead campaign's, ended by now
+            try:
+                with open(os.path.join(Partition.ROOT, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except OSError:
+                continue
+        try:
+            os.rmdir(path)
+            done.append(f"removed the cgroup {group} (its campaign is gone)")
+        except OSError:
+            pass
+    return done
 
 
 def _free_port() -> int:
@@ -976,6 +1049,8 @@ def main(argv: list[str] | None = None) -> int:
         why = todo[0].why_not()
         if why is not None:
             p.error(f"--case {args.case}: not a case ({why})")
+    for line in reclaim():  # what a campaign killed before its clean-up left
+        print(f"reclaimed: {line}", flush=True)
     campaign = Campaign(args)
     failed = 0
     skipped = 0
