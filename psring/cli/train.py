@@ -256,9 +256,9 @@ def run(args: argparse.Namespace) -> int:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
     if args.elastic and (args.topology != "ps" or args.compare):
         return bad("--elastic needs --topology ps (the shards hold the model; a worker is a source of gradients)")
-    if args.elastic and (args.checkpoint_dir or args.max_restarts or args.accumulate > 1 or args.compression != "none"):
-        return bad("--elastic goes on without a lost worker: not with --checkpoint-dir, --max-restarts, "
-                   "--accumulate or --compression")  # fmt: skip
+    if args.elastic and (args.checkpoint_dir or args.max_restarts or args.compression != "none"):
+        return bad("--elastic goes on without a lost worker: not with --checkpoint-dir, --max-restarts "
+                   "or --compression (its scale is agreed over every worker)")  # fmt: skip
     if args.backup and (args.topology != "ps" or args.compare):
         return bad(f"--backup {args.backup} needs --topology ps (a shard applies each piece once all but "
                    f"{args.backup} workers pushed it; a ring all_reduce needs every rank)")  # fmt: skip
@@ -268,10 +268,8 @@ def run(args: argparse.Namespace) -> int:
         return bad("--backup takes no --elastic, --accumulate or --compression (each agrees over every worker)")
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
-    if args.model == "embed" and (args.device != "cpu" or args.elastic or args.backup or args.accumulate > 1
-                                  or args.compression != "none"):  # fmt: skip
-        return bad("--model embed trains sparse tables: on --device cpu, without --elastic, --backup, --accumulate "
-                   "or --compression (not yet)")  # fmt: skip
+    if args.model == "embed" and (args.device != "cpu" or args.elastic or args.backup):
+        return bad("--model embed trains sparse tables: on --device cpu, without --elastic or --backup (not yet)")
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")

@@ -231,7 +231,9 @@ class _Run:
         acc = await self._accuracy()
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
-        if self.opt.elastic and epoch + 1 < spec["epochs"]:  # new workers join at epoch boundaries
+        # new workers join at epoch boundaries that are step boundaries too (accumulate=k: no micro-batches
+        # summed and not yet exchanged; every worker ran as many, so all admit or none does)
+        if self.opt.elastic and epoch + 1 < spec["epochs"] and self.steps % self.opt.accumulate == 0:
             await self.opt.admit_waiting({"epoch": epoch + 1})
         if self.opt.elastic and epoch + 2 >= spec["epochs"]:  # that was the last boundary: a worker that
             await self.opt.close_joins()  # asks to join from now on is told so at once

@@ -24,7 +24,7 @@ import numpy as np
 from ..core.arrays import array_module, check_array, dtype_name
 from ..core.compress import check_codec
 from ..core.optim import SGD, Optimizer
-from ..core.sparse import SparseRows
+from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
 from .placement import Placement, _like, _to_host, placement_for
@@ -118,8 +118,11 @@ class SyncSGD:
                     "elastic=True needs the ps topology: there the shards hold the model and a worker is only "
                     "a source of gradients (a ring would have to re-form; use psring launch --max-restarts)"
                 )
-            if compression is not None or accumulate != 1:
-                raise ValueError("elastic=True takes no compression or accumulate (both agree over every worker)")
+            if compression is not None:
+                raise ValueError(
+                    "elastic=True takes no compression: its scale is agreed by an all_reduce over every worker, "
+                    "which a lost worker would fail (accumulate is fine: it sums locally)"
+                )
             group.elastic = True
         self.elastic = elastic
         #: a worker that joined a running elastic job: what the admitting loop told it (else None)
@@ -157,6 +160,8 @@ class SyncSGD:
         self._flat = [self._concat(b, checked) for b in self.buckets]
         self._state: list[dict[str, Any]] = []
         self._acc: list[Any] | None = None
+        #: sparse tables' rows of the micro-batches so far (accumulate=k), in their order, by table
+        self._acc_rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._micro = 0
         self.step_count = 0  # optimizer steps taken (server-side step for ps)
         #: backup workers: the steps this worker skipped because the others completed them without it
@@ -214,6 +219,11 @@ class SyncSGD:
         (``joined_with``): the loop's position, e.g. the epoch they start. Returns the new ranks."""
         if not self.elastic:
             raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
+        if self._micro:  # a new worker starts at an exchange: it would push a step the others have not
+            raise RuntimeError(
+                f"admit_waiting in the middle of an accumulation ({self._micro} of {self.accumulate} "
+                "micro-batches summed): call it after a step that exchanged"
+            )
         if not self.started:
             await self.start()
         host = [_to_host(f) for f in self._flat]
@@ -281,10 +291,10 @@ class SyncSGD:
             raise IndexError(f"{what}({name!r}): index {bad} is outside the table's rows 0..{rows - 1}")
         return idx
 
-    async def _sparse_step(self, grads: Mapping[str, Any], prefetch: Mapping[str, np.ndarray]) -> None:
-        """Every sparse table's step: the rows summed over the workers in rank order, divided by
-        their number, and the optimizer run on those rows only (where the placement runs it)."""
-        for k, name in enumerate(self.sparse):
+    def _rows_of(self, grads: Mapping[str, Any]) -> dict[str, SparseRows]:
+        """Every sparse table's gradient rows, checked to be SparseRows of the table's shape."""
+        out = {}
+        for name in self.sparse:
             rows, width, dtype = self._table_shape[name]
             g = grads[name]
             if not isinstance(g, SparseRows):
@@ -293,7 +303,31 @@ class SyncSGD:
             if (g.num_rows, g.width, dtype_name(g.values.dtype)) != (rows, width, dtype):
                 raise ValueError(f"grads[{name!r}] has rows of {g.num_rows} x {g.width} {g.values.dtype}; "
                                  f"the table is {rows} x {width} {dtype}")  # fmt: skip
-            await self.placement.table_step(self, k, name, g, prefetch.get(name))
+            out[name] = g
+        return out
+
+    def _accumulate_rows(self, rows: Mapping[str, SparseRows]) -> dict[str, SparseRows] | None:
+        """accumulate=k: keep this micro-batch's rows; at the k-th, every micro-batch's rows summed in
+        their order (merge_rows: the same bits on every topology) and divided by k, as the dense
+        gradients are. None while the accumulation goes on."""
+        for name, g in rows.items():
+            self._acc_rows.setdefault(name, []).append((_to_host(g.indices), _to_host(g.values).copy()))
+        if self._micro + 1 < self.accumulate:
+            return None
+        out = {}
+        for name, parts in self._acc_rows.items():
+            num_rows, width, dtype = self._table_shape[name]
+            summed = merge_rows(parts, num_rows, width, np.dtype(dtype))
+            values = summed.values / summed.values.dtype.type(self.accumulate)
+            out[name] = SparseRows(_like(self.xp, summed.indices), _like(self.xp, values), num_rows)
+        self._acc_rows = {}
+        return out
+
+    async def _sparse_step(self, rows: Mapping[str, SparseRows], prefetch: Mapping[str, np.ndarray]) -> None:
+        """Every sparse table's step: the rows summed over the workers in rank order, divided by
+        their number, and the optimizer run on those rows only (where the placement runs it)."""
+        for k, name in enumerate(self.sparse):
+            await self.placement.table_step(self, k, name, rows[name], prefetch.get(name))
 
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
@@ -436,6 +470,10 @@ class SyncSGD:
         if missing or extra:
             raise KeyError(f"grads must have exactly the parameters' names: missing {missing}, unexpected {extra}")
         flats = [self._concat(b, grads) for b in self.buckets]
+        rows = self._rows_of(grads) if self.sparse else {}
+        if self.accumulate > 1 and self.sparse:
+            summed = self._accumulate_rows(rows)
+            rows = summed if summed is not None else rows
         if self.accumulate > 1:
             if self._acc is None:
                 self._acc = flats
@@ -450,7 +488,7 @@ class SyncSGD:
         t0 = time.perf_counter()
         t1, t2 = await self.placement.step(self, flats)
         if self.sparse:
-            await self._sparse_step(grads, wanted)
+            await self._sparse_step(rows, wanted)
             t2 = time.perf_counter()
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
@@ -521,7 +559,8 @@ def check_sparse(
     backup: int,
 ) -> None:  # fmt: skip
     """ValueError naming what SyncSGD(sparse=...) cannot take: a name that is no parameter, a table that
-    is not 2-D floating, an option sparse tables do not take yet, weight decay."""
+    is not 2-D floating, an option sparse tables do not take yet (elastic, backup), weight decay.
+    Compression applies to the dense buckets only (a table's rows travel as they are)."""
     for name in sparse:
         if name not in params:
             raise ValueError(f"sparse={sparse!r}: {name!r} is not one of the parameters {sorted(params)}")
@@ -529,8 +568,11 @@ def check_sparse(
         if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
             raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
                              f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
-    if sparse and (compression is not None or accumulate != 1 or elastic or backup):
-        raise ValueError("sparse tables take no compression, accumulate, elastic or backup (not yet)")
+    if sparse and (elastic or backup):  # compression: the dense buckets only; accumulate: rows summed locally
+        raise ValueError(
+            f"sparse tables take no {'elastic' if elastic else 'backup'} (not yet): the shards' tables step "
+            "once every worker pushed its rows"
+        )
     decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
     if sparse and decay:
         raise ValueError(

@@ -85,6 +85,19 @@ def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:
     assert all(r["live_size"] == 2 and r["sum"] == 2.0 and r["elastic_workers"] == 2 for r in ends), ends
 
 
+def test_a_worker_lost_mid_accumulation_costs_the_others_nothing() -> None:
+    """accumulate=2: rank 2 dies after the first of a step's two calls (its sum never pushed): the
+    step completes over ranks 0 and 1, as a loss mid-step does, and the job goes on."""
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, ACCUMULATE="2")
+    assert code == 0, out
+    by_call = sorted((r for r in rows if "step" in r), key=lambda r: (r["step"], r["rank"]))
+    for r in by_call:  # a step every second call: 0-1 over 1,2,3 (= 2), then over 1,2 (= 1.5)
+        steps_done = (r["step"] + 1) // 2
+        assert r["w"] == pytest.approx(-2.0 * min(steps_done, 1) - 1.5 * max(steps_done - 1, 0)), r
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == [0, 1] and all(r["members"] == [0, 1] for r in last), out
+
+
 def test_losing_rank_zero_is_no_different() -> None:
     code, rows, out = launch_elastic(3, leave_rank=0, leave_at=2)
     assert code == 0, out

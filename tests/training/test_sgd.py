@@ -323,3 +323,18 @@ async def test_server_sigkilled_and_restored_ends_with_uninterrupted_parameters(
     finally:
         await asyncio.gather(*(g.close() for g in groups), return_exceptions=True)
         end(server)
+
+
+@pytest.mark.asyncio
+async def test_elastic_admits_only_between_steps_that_exchanged(make_groups) -> None:
+    """elastic with accumulate=2: a new worker starts at an exchange, so admit_waiting mid-accumulation
+    raises, naming it (nothing sent); after the step that exchanged it admits (nobody waiting here)."""
+    groups = await make_groups(2, "ps")
+    opts = [psring.SyncSGD(g, _model(0), SGD(lr=0.1), elastic=True, accumulate=2) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    await asyncio.gather(*(o.step(_grads(0, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    with pytest.raises(RuntimeError, match=r"admit_waiting in the middle of an accumulation \(1 of 2"):
+        await opts[0].admit_waiting()
+    await asyncio.gather(*(o.step(_grads(1, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    assert [o.step_count for o in opts] == [1, 1]
+    assert await asyncio.gather(*(o.admit_waiting() for o in opts)) == [[], []]

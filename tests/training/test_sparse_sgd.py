@@ -157,16 +157,16 @@ async def test_what_a_sparse_table_refuses(make_groups) -> None:
         psring.SyncSGD(g, _params(), sparse=["w"])
     with pytest.raises(ValueError, match="take no weight_decay"):
         psring.SyncSGD(g, _params(), SGD(lr=0.1, weight_decay=0.1), sparse=["emb"])
-    with pytest.raises(ValueError, match="take no compression, accumulate, elastic or backup"):
-        psring.SyncSGD(g, _params(), accumulate=2, sparse=["emb"])
+    with pytest.raises(ValueError, match="sparse tables take no elastic"):
+        psring.SyncSGD(g, _params(), elastic=True, sparse=["emb"])
     opt = psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"])
-    opt.started = True  # no other rank here: the checks below come before any exchange
+    opt.started = True  # no other rank here: step checks the rows before any exchange
     opt._tables["emb"] = _params()["emb"]
     with pytest.raises(TypeError, match=r"grads\['emb'\] must be a psring.SparseRows"):
-        await opt._sparse_step({"emb": np.zeros((ROWS, WIDTH), np.float32)}, {})
+        await opt.step({"emb": np.zeros((ROWS, WIDTH), np.float32), "w": np.ones(3, np.float32)})
     narrow = psring.SparseRows(np.array([1]), np.ones((1, 3), np.float32), ROWS)
     with pytest.raises(ValueError, match=r"grads\['emb'\] has rows of 50 x 3 float32; the table is 50 x 4"):
-        await opt._sparse_step({"emb": narrow}, {})
+        await opt.step({"emb": narrow, "w": np.ones(3, np.float32)})
 
 
 @pytest.mark.asyncio
@@ -209,3 +209,32 @@ async def test_a_checkpoint_must_carry_the_tables(make_groups) -> None:
     saved["tables"]["emb"]["state"] = {}
     with pytest.raises(ValueError, match=r"sparse table 'emb' has optimizer state \{\}, the optimizer keeps"):
         psring.SyncSGD(groups[0], _params(), SGD(lr=0.1, momentum=0.9), sparse=["emb"]).load_state_dict(saved)
+
+
+@pytest.mark.asyncio
+async def test_accumulated_rows_are_each_micro_batchs_rows_merged_in_order_and_divided(make_groups, topology) -> None:
+    """accumulate=2: the table steps as if each rank had pushed its two micro-batches' rows merged
+    (merge_rows, in their order) and halved, as the dense gradients are averaged over the calls."""
+    world, steps = 2, 3
+    acc = [psring.SyncSGD(g, _params(), SGD(lr=0.1, momentum=0.9), sparse=["emb"], accumulate=2)
+           for g in await make_groups(world, topology)]  # fmt: skip
+    one = [psring.SyncSGD(g, _params(), SGD(lr=0.1, momentum=0.9), sparse=["emb"])
+           for g in await make_groups(world, topology)]  # fmt: skip
+    for t in range(steps):
+        for micro in (2 * t, 2 * t + 1):
+            out = await asyncio.gather(*(o.step(_grads(micro, r)) for r, o in enumerate(acc)))
+        assert all(o.step_count == t + 1 for o in acc), [o.step_count for o in acc]
+        mine = []
+        for r in range(world):
+            parts = [_grads(2 * t, r), _grads(2 * t + 1, r)]
+            m = merge_rows([(p["emb"].indices, p["emb"].values) for p in parts], ROWS, WIDTH, np.float32)  # type: ignore[attr-defined]
+            w = (parts[0]["w"] + parts[1]["w"]) / np.float32(2)  # type: ignore[operator]
+            mine.append({"emb": psring.SparseRows(m.indices, m.values / np.float32(2), ROWS), "w": w})
+        ref = await asyncio.gather(*(o.step(mine[r]) for r, o in enumerate(one)))
+        np.testing.assert_array_equal(out[0]["w"], ref[0]["w"])
+    everything = np.arange(ROWS)
+    got = await asyncio.gather(*(o.pull_rows("emb", everything) for o in acc))
+    want = await asyncio.gather(*(o.pull_rows("emb", everything) for o in one))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[0])
+    assert not np.array_equal(got[0], _params()["emb"])

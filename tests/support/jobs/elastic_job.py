@@ -1,9 +1,9 @@
-"""An elastic SyncSGD job over ps: rank LEAVE_RANK exits (os._exit, like a crash) before step
-LEAVE_AT (with LEAVE_IN=admit: at the boundary before step LEAVE_AT, where every other rank calls
-admit_waiting, so the loss lands in that call's exchange; with ADMIT_LATE=r, rank r gets there a
-second late, after the loss ended it); the others go on. Every rank pushes
-gradient rank+1, so each step's result says whose gradients it averaged. Prints one JSON line per
-step, then the live group's all_reduce."""
+"""An elastic SyncSGD job over ps: rank LEAVE_RANK exits (os._exit, like a crash) before call
+LEAVE_AT (with ACCUMULATE=k, k calls make a step; with LEAVE_IN=admit: at the boundary before call
+LEAVE_AT, where every other rank calls admit_waiting, so the loss lands in that call's exchange; with
+ADMIT_LATE=r, rank r gets there a second late, after the loss ended it); the others go on. Every rank
+pushes gradient rank+1, so each step's result says whose gradients it averaged. Prints one JSON line
+per call, then the live group's all_reduce."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from psring.training.sgd import SyncSGD
 async def main() -> None:
     leave_rank, leave_at = int(os.environ["LEAVE_RANK"]), int(os.environ["LEAVE_AT"])
     g = await psring.init_group(timeout=60)
-    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
+    accumulate = int(os.environ.get("ACCUMULATE", "1"))  # calls per exchange (summed locally)
+    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True, accumulate=accumulate)
     await opt.start()
     at_admit = os.environ.get("LEAVE_IN") == "admit"
     for t in range(int(os.environ.get("STEPS", "8"))):
