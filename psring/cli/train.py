@@ -256,9 +256,8 @@ def run(args: argparse.Namespace) -> int:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
     if args.elastic and (args.topology != "ps" or args.compare):
         return bad("--elastic needs --topology ps (the shards hold the model; a worker is a source of gradients)")
-    if args.elastic and (args.checkpoint_dir or args.max_restarts or args.compression != "none"):
-        return bad("--elastic goes on without a lost worker: not with --checkpoint-dir, --max-restarts "
-                   "or --compression (its scale is agreed over every worker)")  # fmt: skip
+    if args.elastic and (args.checkpoint_dir or args.max_restarts):
+        return bad("--elastic goes on without a lost worker: not with --checkpoint-dir or --max-restarts")
     if args.backup and (args.topology != "ps" or args.compare):
         return bad(f"--backup {args.backup} needs --topology ps (a shard applies each piece once all but "
                    f"{args.backup} workers pushed it; a ring all_reduce needs every rank)")  # fmt: skip

@@ -118,11 +118,6 @@ class SyncSGD:
                     "elastic=True needs the ps topology: there the shards hold the model and a worker is only "
                     "a source of gradients (a ring would have to re-form; use psring launch --max-restarts)"
                 )
-            if compression is not None:
-                raise ValueError(
-                    "elastic=True takes no compression: its scale is agreed by an all_reduce over every worker, "
-                    "which a lost worker would fail (accumulate is fine: it sums locally)"
-                )
             group.elastic = True
         self.elastic = elastic
         #: a worker that joined a running elastic job: what the admitting loop told it (else None)

@@ -98,6 +98,28 @@ def test_a_worker_lost_mid_accumulation_costs_the_others_nothing() -> None:
     assert sorted(r["rank"] for r in last) == [0, 1] and all(r["members"] == [0, 1] for r in last), out
 
 
+@pytest.mark.parametrize(("leave_rank", "leave_at", "accumulate"), [(2, 3, "1"), (0, 2, "1"), (1, 5, "2")])
+def test_compressed_steps_agree_on_their_scale_again_without_a_lost_worker(
+    leave_rank: int, leave_at: int, accumulate: str
+) -> None:
+    """compression="fp16": the workers agree on each step's scale (a max over them) before pushing; a
+    worker lost meanwhile fails that agreement on every survivor, who agree again without it. Found
+    with a CPU hog: the shards abandoned the survivors' new agreement for the loss too, and survivors
+    went on alone (each its own members). Gradients rank+1 are exact in float16: the plain run's values."""
+    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, COMPRESSION="fp16",
+                                     ACCUMULATE=accumulate)  # fmt: skip
+    assert code == 0, out
+    k = int(accumulate)
+    survivors = sorted({0, 1, 2} - {leave_rank})
+    lost_at = leave_at // k  # the first step without it
+    for r in (r for r in rows if "step" in r):
+        done = (r["step"] + 1) // k
+        want = -2.0 * min(done, lost_at) - (sum(survivors) / 2 + 1) * max(done - lost_at, 0)
+        assert r["w"] == pytest.approx(want), (r, out[-3000:])
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == survivors and all(r["members"] == survivors for r in last), out
+
+
 def test_losing_rank_zero_is_no_different() -> None:
     code, rows, out = launch_elastic(3, leave_rank=0, leave_at=2)
     assert code == 0, out
@@ -120,9 +142,10 @@ def test_elastic_needs_ps() -> None:
     assert psring  # the package imports
 
 
-def test_the_main_job_loses_a_sigkilled_worker_and_finishes() -> None:
+@pytest.mark.parametrize("options", [[], ["--compression", "fp16", "--accumulate", "2"]], ids=["plain", "fp16-acc2"])
+def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str]) -> None:
     cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--epochs", "30",
-           "--elastic", "--json"]  # fmt: skip
+           "--elastic", *options, "--json"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     killed = None
@@ -330,3 +353,12 @@ def test_the_blocking_facade_is_elastic_too() -> None:
     rows = sorted((json.loads(m) for m in found), key=lambda r: r["rank"])
     # steps 0-1 average 1,2,3 (2 each), steps 2-5 ranks 0 and 1 (1.5 each)
     assert rows == [{"rank": r, "members": [0, 1], "w": -10.0, "new": [], "live": 2} for r in (0, 1)], res.stdout
+
+
+def test_a_shard_reads_a_live_groups_members_from_its_name() -> None:
+    """A lost worker abandons the pending calls that may need it: a live group's name lists its members."""
+    from psring.topology.ps.plan import live_gid, may_need
+
+    assert live_gid([0, 2]) == "0.live.0.2"
+    assert may_need(live_gid([0, 2]), 2) and not may_need(live_gid([0, 2]), 1)
+    assert may_need("0", 1) and may_need("7", 1) and may_need("0.live.x", 1)  # others: it cannot tell

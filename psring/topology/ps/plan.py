@@ -17,6 +17,24 @@ KINDS = (*FOLD_KINDS, *RELAY_KINDS, "barrier", "scatter")
 #: collectives whose pushes may travel in a worker's shared memory
 SHARED_KINDS = (*FOLD_KINDS, *RELAY_KINDS)
 
+#: the gid prefix of a group of an elastic job's live workers, followed by their ranks ("0.live.0.2")
+LIVE = "0.live."
+
+
+def live_gid(members: list[int]) -> str:
+    return LIVE + ".".join(map(str, members))
+
+
+def may_need(gid: str, rank: int) -> bool:
+    """Whether a collective of group ``gid`` may need worker ``rank``: a group of an elastic job's live
+    workers names them (``live_gid``); of any other group a shard cannot tell."""
+    if gid.startswith(LIVE):
+        try:
+            return rank in {int(r) for r in gid[len(LIVE) :].split(".")}
+        except ValueError:
+            return True
+    return True
+
 
 #: the most shards a weighted plan may name (a join's word, bounded before use)
 MAX_WEIGHTED_SHARDS = 4096

@@ -22,7 +22,8 @@ async def main() -> None:
     leave_rank, leave_at = int(os.environ["LEAVE_RANK"]), int(os.environ["LEAVE_AT"])
     g = await psring.init_group(timeout=60)
     accumulate = int(os.environ.get("ACCUMULATE", "1"))  # calls per exchange (summed locally)
-    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True, accumulate=accumulate)
+    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True, accumulate=accumulate,
+                  compression=os.environ.get("COMPRESSION") or None)  # fmt: skip
     await opt.start()
     at_admit = os.environ.get("LEAVE_IN") == "admit"
     for t in range(int(os.environ.get("STEPS", "8"))):

@@ -47,7 +47,7 @@ from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
 from ...collective import mismatch_message
-from ..plan import FOLD_KINDS, check_weights
+from ..plan import FOLD_KINDS, check_weights, may_need
 from .folding import Folding
 from .paramstore import handle_param
 from .pending import _check_desc, _Pending
@@ -175,7 +175,9 @@ class Shard(Folding):
             if member:
                 self.gone[rank] = how
                 self.gone_at[rank] = None
-                needed = list(self.pending)
+                # any pending call may need it -- but a group of an elastic job's live workers names its
+                # members (SyncSGD.live_group): one without it goes on (its late joiners would not hear)
+                needed = [key for key, p in self.pending.items() if may_need(p.gid, rank)]
             elif not needed:
                 return
         self._report_lost(rank, how)

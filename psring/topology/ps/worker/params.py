@@ -19,7 +19,7 @@ from ....core.arrays import byte_view
 from ....core.compress import check_codec, quantize, scale_exponent
 from ....core.fold import pieces
 from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
-from ..plan import per_piece, plan
+from ..plan import live_gid, per_piece, plan
 from ..rows import pack_by_shard, row_range
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class ParameterClient:
         live = self.g.live_members
         if live == self.g.members == list(range(self.g.links.world_size)):  # the job's own world, as it began
             return self.g
-        gid = "0.live." + ".".join(map(str, live))
+        gid = live_gid(live)  # the shards read the members from it (plan.may_need)
         group = self.g.links.groups.get(gid)
         if group is None:
             me = live.index(self.g.members[self.g.rank])
@@ -313,7 +313,7 @@ class ParameterClient:
             for g in grads:
                 check_codec(compression, g.dtype, "avg")
             amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
-            amax = await self.g.all_reduce(amax, op="max")
+            amax = await self._agreed_max(amax)
             exps = [scale_exponent(float(a), self.g.world_size) for a in amax]
             wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
@@ -334,6 +334,28 @@ class ParameterClient:
                 await self.g.links.reconnect(deadline)
                 self.g._broken = None
                 resend = True
+
+    async def _agreed_max(self, amax: np.ndarray) -> np.ndarray:
+        """The max over the workers of each bucket's amax (compression's scale). Elastic: over the live
+        workers; a worker lost meanwhile fails it on every survivor alike (the shards say who), and
+        they agree again without it -- the step's pushes then go to shards that dropped it too."""
+        if not self.g.elastic:
+            return await self.g.all_reduce(amax, op="max")
+        while True:
+            try:
+                return await self.live_subgroup().all_reduce(amax, op="max")
+            except PeerLostError as exc:
+                me = self.g.members[self.g.rank]
+                if type(exc.rank) is not int or exc.rank not in self.g.members or exc.rank == me:
+                    raise  # a server shard (its own recovery), or not a worker of this job
+                if exc.rank in self.g.live_members:
+                    self.g.live_members = [m for m in self.g.live_members if m != exc.rank]
+                    logger.warning(
+                        "%r: elastic: worker %d left as the workers agreed on compression's scale; %d go on",
+                        self.g, exc.rank, len(self.g.live_members),
+                    )  # fmt: skip
+                # else: the shards abandoned this call for a loss already dropped here (they fail it on
+                # every survivor, a late one too), so every survivor agrees again, numbered alike
 
     def _param_result_tags(self, t: int, grads: list[np.ndarray]) -> list[tuple[tuple[Any, ...], int, int, int]]:
         """(tag, bucket, start, end) of every result piece of step t."""
