@@ -186,8 +186,11 @@ class _Run:
         losses = []
         first = 0 if self.opt.elastic else (self.steps - epoch * self.per_epoch) * batch_size
         for i, start in enumerate(range(first, len(idx), batch_size)):
-            if self.opt.backup and self.opt.step_count > epoch * self.per_epoch + (first // batch_size) + i:
-                continue  # backup workers: the others took this step without this (late) worker
+            if (
+                self.opt.backup
+                and self.opt.step_count * self.opt.accumulate > epoch * self.per_epoch + first // batch_size + i
+            ):
+                continue  # backup workers: the others took this batch's step without this (late) worker
             batch = self.xp.asarray(idx[start : start + batch_size])
             if self.embed:  # the rows this batch needs, from the shards (ps) or this rank's tables (ring)
                 t_pull = time.perf_counter()
@@ -205,7 +208,7 @@ class _Run:
             self.compute += t1 - t0
             self.comm += time.perf_counter() - t1
             losses.append(loss)
-            self.steps = self.opt.step_count * self.opt.accumulate if self.opt.backup else self.steps + 1
+            self.steps = self.opt.batches_done if self.opt.backup else self.steps + 1
             if self.steps % 10 == 0 or start + batch_size >= len(idx):
                 self._progress(epoch, float(np.mean(losses[-10:])))
             if self.report is not None and time.perf_counter() - self._reported[0] >= REPORT_S:

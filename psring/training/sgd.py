@@ -106,10 +106,13 @@ class SyncSGD:
                     f"backup={backup} needs the ps topology: there a shard applies each piece once all but "
                     f"{backup} workers pushed it; a ring all_reduce needs every rank's part"
                 )
-            if compression is not None or accumulate != 1 or elastic:
+            if compression is not None:
                 raise ValueError(
-                    f"backup={backup} takes no compression, accumulate or elastic (each agrees over every worker)"
+                    f"backup={backup} takes no compression: its scale is agreed over every worker before a step, "
+                    "which backup workers exist not to wait for"
                 )
+            if elastic:
+                raise ValueError(f"backup={backup} takes no elastic (not yet)")
             group.backup = backup
         self.backup = backup
         if elastic:
@@ -196,6 +199,12 @@ class SyncSGD:
     @property
     def topology(self) -> str:
         return str(self.group.topology)
+
+    @property
+    def batches_done(self) -> int:
+        """The calls to ``step`` the optimizer steps so far stand for (accumulate=k: k each), and the
+        micro-batches summed since the last exchange: where a loop that skips with backup workers is."""
+        return self.step_count * self.accumulate + self._micro
 
     @property
     def members(self) -> list[int]:
@@ -518,6 +527,10 @@ class BlockingSyncSGD:
     @property
     def skipped(self) -> int:
         return self._inner.skipped
+
+    @property
+    def batches_done(self) -> int:
+        return self._inner.batches_done
 
     @property
     def joined_with(self) -> dict[str, Any] | None:

@@ -65,10 +65,38 @@ async def test_backup_is_refused_where_it_cannot_work(make_groups) -> None:
     for bad in (2, -1, "1", 1.0):
         with pytest.raises(ValueError, match=r"backup=.* must be an integer from 0 to 1"):
             psring.SyncSGD(ps[0], _model(0), backup=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="takes no compression, accumulate or elastic"):
+    with pytest.raises(ValueError, match="backup=1 takes no compression: its scale is agreed over every worker"):
         psring.SyncSGD(ps[0], _model(0), backup=1, compression="fp16")
-    with pytest.raises(ValueError, match="takes no compression, accumulate or elastic"):
-        psring.SyncSGD(ps[0], _model(0), backup=1, accumulate=2)
+    with pytest.raises(ValueError, match=r"backup=1 takes no elastic \(not yet\)"):
+        psring.SyncSGD(ps[0], _model(0), backup=1, elastic=True)
+
+
+@pytest.mark.asyncio
+async def test_a_straggler_that_accumulates_skips_ahead_at_its_exchange(make_groups) -> None:
+    """accumulate=2 with backup=1: the sum is local, so a straggler's k-th call pushes late, is
+    dropped, and takes the newest results like any straggler; then all go on together."""
+    groups = await make_groups(4, "ps")
+    opts = [psring.SyncSGD(g, _model(0), SGD(lr=0.1), backup=1, accumulate=2) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    fast, slow = opts[:3], opts[3]
+    for call in range(6):  # three steps of ranks 0-2; rank 3 does not call
+        await asyncio.gather(*(o.step(_grads(call, g.rank)) for o, g in zip(fast, groups, strict=False)))
+    assert {o.step_count for o in fast} == {3}
+    want = {k: v.copy() for k, v in _model(0).items()}  # three of four, each step two calls averaged
+    for t in range(3):
+        for k in want:
+            per_rank = [(_grads(2 * t, r)[k] + _grads(2 * t + 1, r)[k]) / np.float32(2) for r in range(3)]
+            want[k] = want[k] - np.float32(0.1) * ((per_rank[0] + per_rank[1] + per_rank[2]) / np.float32(3))
+    for k in want:
+        np.testing.assert_allclose(fast[0].params[k], want[k], rtol=1e-6, atol=1e-7)
+    assert (await slow.step(_grads(0, 3)))["w"] is slow.params["w"] and slow.step_count == 0  # summed only
+    params = await slow.step(_grads(1, 3))
+    assert slow.step_count == 3 and slow.skipped == 2
+    assert all(np.array_equal(params[k], fast[0].params[k]) for k in params)
+    for call in (6, 7):
+        out = await asyncio.gather(*(o.step(_grads(call, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    assert all(np.array_equal(out[0][k], o[k]) for o in out for k in out[0])
+    assert {o.step_count for o in opts} == {4}
 
 
 @pytest.mark.asyncio

@@ -56,16 +56,19 @@ def test_every_worker_holds_the_same_parameters_at_every_step_with_a_straggler_l
     assert straggler["dropped"] > 0, straggler
 
 
-def test_the_main_job_learns_with_a_straggler_and_one_backup_worker() -> None:
+@pytest.mark.parametrize("accumulate", ["1", "2"])
+def test_the_main_job_learns_with_a_straggler_and_one_backup_worker(accumulate: str) -> None:
+    """With --accumulate 2 too: a late worker skips whole steps' batches (two each), not one."""
     env = _env(
         PYTHONPATH=pythonpath(ROOT / "tests" / "support" / "straggler", ROOT),
         STRAGGLER_RANK="3",
         STRAGGLER_S="0.01",
     )
     cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--backup", "1",
-           "--epochs", "6", "--json"]  # fmt: skip
+           "--epochs", "6", "--accumulate", accumulate, "--json"]  # fmt: skip
     res = run_tree(cmd, timeout=200, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ranks_agree"] is True, summary
     assert summary["test_accuracy"] >= 0.9, summary  # 0.95 with the default 20 epochs (docs/performance.md)
+    assert summary["history"][-1]["step"] == 6 * summary["history"][0]["step"], summary  # every batch counted once
