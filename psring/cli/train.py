@@ -267,8 +267,8 @@ def run(args: argparse.Namespace) -> int:
         return bad("--backup takes no --elastic (not yet) or --compression (its scale is agreed over every worker)")
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
-    if args.model == "embed" and (args.device != "cpu" or args.elastic or args.backup):
-        return bad("--model embed trains sparse tables: on --device cpu, without --elastic or --backup (not yet)")
+    if args.model == "embed" and (args.device != "cpu" or args.backup):
+        return bad("--model embed trains sparse tables: on --device cpu, without --backup (not yet)")
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")

@@ -254,6 +254,8 @@ class SyncSGD:
                 raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
             outs, step, self.joined_with = await self.group.params.join([_to_host(f) for f in self._flat])
             self._flat = [_like(self.xp, o) for o in outs]
+            for name in self.sparse:  # the shards hold the tables, at the step it joins at
+                self._tables[name] = None
             self.step_count = step
             self.started = True
             self.params = self._views()
@@ -567,7 +569,7 @@ def check_sparse(
     backup: int,
 ) -> None:  # fmt: skip
     """ValueError naming what SyncSGD(sparse=...) cannot take: a name that is no parameter, a table that
-    is not 2-D floating, an option sparse tables do not take yet (elastic, backup), weight decay.
+    is not 2-D floating, an option sparse tables do not take yet (backup), weight decay.
     Compression applies to the dense buckets only (a table's rows travel as they are)."""
     for name in sparse:
         if name not in params:
@@ -576,11 +578,8 @@ def check_sparse(
         if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
             raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
                              f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
-    if sparse and (elastic or backup):  # compression: the dense buckets only; accumulate: rows summed locally
-        raise ValueError(
-            f"sparse tables take no {'elastic' if elastic else 'backup'} (not yet): the shards' tables step "
-            "once every worker pushed its rows"
-        )
+    if sparse and backup:  # compression: the dense buckets only; accumulate: rows summed locally
+        raise ValueError("sparse tables take no backup (not yet): the shards' tables step once every worker pushed")
     decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
     if sparse and decay:
         raise ValueError(

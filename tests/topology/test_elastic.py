@@ -98,6 +98,25 @@ def test_a_worker_lost_mid_accumulation_costs_the_others_nothing() -> None:
     assert sorted(r["rank"] for r in last) == [0, 1] and all(r["members"] == [0, 1] for r in last), out
 
 
+@pytest.mark.parametrize(("leave_rank", "leave_at", "accumulate"), [(2, 3, "1"), (0, 3, "2")])
+def test_a_sparse_tables_rows_average_over_the_workers_still_there(leave_rank: int, leave_at: int, accumulate: str):
+    """Each worker pushes row 9 and its own row, rank+1: row 9 steps as the dense parameter does, a
+    worker's own row by its share of the live workers, the lost worker's row stops."""
+    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, SPARSE="1", ACCUMULATE=accumulate)
+    assert code == 0, out
+    k, survivors = int(accumulate), sorted({0, 1, 2} - {leave_rank})
+    lost_at = leave_at // k  # the first step without it
+    for r in (r for r in rows if "step" in r):
+        done = (r["step"] + 1) // k
+        before, after = min(done, lost_at), max(done - lost_at, 0)
+        assert r["emb"][9] == pytest.approx(r["w"]), r
+        for me in survivors:
+            assert r["emb"][me] == pytest.approx(-(me + 1) * (before / 3 + after / 2)), r
+        assert r["emb"][leave_rank] == pytest.approx(-(leave_rank + 1) * before / 3), r
+    last = [r for r in rows if r.get("step") == 7]
+    assert sorted(r["rank"] for r in last) == survivors and all(r["members"] == survivors for r in last), out
+
+
 @pytest.mark.parametrize(("leave_rank", "leave_at", "accumulate"), [(2, 3, "1"), (0, 2, "1"), (1, 5, "2")])
 def test_compressed_steps_agree_on_their_scale_again_without_a_lost_worker(
     leave_rank: int, leave_at: int, accumulate: str
@@ -142,9 +161,14 @@ def test_elastic_needs_ps() -> None:
     assert psring  # the package imports
 
 
-@pytest.mark.parametrize("options", [[], ["--compression", "fp16", "--accumulate", "2"]], ids=["plain", "fp16-acc2"])
-def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str]) -> None:
-    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--epochs", "30",
+@pytest.mark.parametrize(
+    ("options", "epochs", "floor"),
+    [([], 30, 0.95), (["--compression", "fp16", "--accumulate", "2"], 30, 0.95), (["--model", "embed"], 7, 0.6)],
+    ids=["plain", "fp16-acc2", "embed"],
+)
+def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str], epochs: int, floor: float) -> None:
+    """embed: the sparse tables' rows too go on averaging over the workers still there."""
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--epochs", str(epochs),
            "--elastic", *options, "--json"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -172,7 +196,7 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str]) 
     assert proc.returncode == 0, out + err
     summary = json.loads(lines[-1])
     assert summary["elastic"] == {"departed": [2], "joined": []} and summary["workers"] == 3, summary
-    assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
+    assert summary["ranks_agree"] and summary["test_accuracy"] >= floor, summary
     # epochs after the loss are shared by 3 workers: more steps each than before
     hist = summary["history"]
     assert hist[-1]["step"] - hist[-2]["step"] > hist[1]["step"] - hist[0]["step"], hist
@@ -236,16 +260,20 @@ def _run_with_joiner(
     return proc.returncode, lines, err, joiner.returncode, jout
 
 
-def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
+@pytest.mark.parametrize("sparse", ["0", "1"], ids=["dense", "sparse"])
+def test_a_new_worker_joins_at_a_boundary_and_takes_part(sparse: str) -> None:
+    """sparse: a sparse table's row, pushed alike, steps as the dense parameter does, the joiner's
+    rows from the step it is admitted at (the shards' tables admit it too)."""
     job = str(ROOT / "tests" / "support" / "jobs" / "elastic_grow_job.py")
     cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
 
     def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
         e = _env_of_rank(launcher, "0")
         extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY="ps", **extra)
+        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY="ps", SPARSE=sparse, **extra)
 
-    code, lines, err, jcode, jout = _run_with_joiner(cmd, r'"step": 2,', joiner_for)
+    with_table = env(SPARSE=sparse)
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, r'"step": 2,', joiner_for, with_table)
     out = "".join(lines)
     assert code == 0 and jcode == 0, out + err + jout
     rows = [json.loads(m) for m in re.findall(r"^\[rank \d\] (\{.*\})$", out, re.M)]
@@ -261,6 +289,7 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part() -> None:
         got = {r["rank"]: r for r in rows if r.get("step") == t}
         assert set(got) == ({0, 1} if t <= at else {0, 1, 2}), (t, got)
         assert all(r["w"] == pytest.approx(w) for r in got.values()), (t, got)
+        assert sparse == "0" or all(r["emb9"] == pytest.approx(w) for r in got.values()), (t, got)
     ends = [r for r in rows if "live" in r]
     assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["live"] == 3 and r["sum"] == 3.0 for r in ends)
 

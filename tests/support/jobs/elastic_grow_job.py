@@ -1,7 +1,8 @@
 """An elastic SyncSGD job over ps that admits new workers every 3 steps (JOIN=1: this process is
 one, started while the job runs; CLOSE_AT=t: no boundary admits anyone, the one at step t closes
 joins, and the job goes on to STEPS). Every worker pushes gradient rank+1 with lr 1, so each step's
-result says whose gradients it averaged. One JSON line per step; the live group's all_reduce last."""
+result says whose gradients it averaged (SPARSE=1: a sparse table's row 9 too, pushed alike). One JSON
+line per step; the live group's all_reduce last."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ async def main() -> None:
     steps = int(os.environ.get("STEPS", "60"))
     close_at = int(os.environ.get("CLOSE_AT", "0"))
     g = await psring.init_group(topology="ps", timeout=60, join=join)
-    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True)
+    sparse = os.environ.get("SPARSE") == "1"  # a sparse table too, whose row 9 every worker pushes
+    params = {"w": np.zeros(3, np.float32), **({"emb": np.zeros((10, 2), np.float32)} if sparse else {})}
+    opt = SyncSGD(g, params, SGD(lr=1.0), elastic=True, sparse=["emb"] if sparse else ())
     await opt.start()
     me = g.members[g.rank]
     start = opt.step_count
@@ -36,9 +39,15 @@ async def main() -> None:
             if new:
                 print(json.dumps({"rank": me, "admitted": new, "at": t}), flush=True)
         members = opt.members
-        params = await opt.step({"w": np.full(3, me + 1.0, np.float32)})
+        grads = {"w": np.full(3, me + 1.0, np.float32)}
+        if sparse:
+            grads["emb"] = psring.SparseRows(np.array([9]), np.full((1, 2), me + 1.0, np.float32), 10)
+        params = await opt.step(grads)
         t = opt.step_count
-        print(json.dumps({"rank": me, "step": t, "members": members, "w": float(params["w"][0])}), flush=True)
+        row = {"rank": me, "step": t, "members": members, "w": float(params["w"][0])}
+        if sparse:
+            row["emb9"] = float((await opt.pull_rows("emb", np.array([9])))[0, 0])
+        print(json.dumps(row), flush=True)
         await asyncio.sleep(0.05)
     live = opt.live_group()
     total = await live.all_reduce(np.array([1.0]))

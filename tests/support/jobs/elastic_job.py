@@ -22,7 +22,9 @@ async def main() -> None:
     leave_rank, leave_at = int(os.environ["LEAVE_RANK"]), int(os.environ["LEAVE_AT"])
     g = await psring.init_group(timeout=60)
     accumulate = int(os.environ.get("ACCUMULATE", "1"))  # calls per exchange (summed locally)
-    opt = SyncSGD(g, {"w": np.zeros(3, np.float32)}, SGD(lr=1.0), elastic=True, accumulate=accumulate,
+    sparse = os.environ.get("SPARSE") == "1"  # a sparse table too: each rank pushes row 9 (and its own)
+    params = {"w": np.zeros(3, np.float32), **({"emb": np.zeros((10, 2), np.float32)} if sparse else {})}
+    opt = SyncSGD(g, params, SGD(lr=1.0), elastic=True, accumulate=accumulate, sparse=["emb"] if sparse else (),
                   compression=os.environ.get("COMPRESSION") or None)  # fmt: skip
     await opt.start()
     at_admit = os.environ.get("LEAVE_IN") == "admit"
@@ -33,8 +35,13 @@ async def main() -> None:
             if g.rank == int(os.environ.get("ADMIT_LATE", "-1")):  # reach the boundary after the loss ended it
                 await asyncio.sleep(1.0)
             print(json.dumps({"rank": g.rank, "admitted": await opt.admit_waiting()}), flush=True)
-        params = await opt.step({"w": np.full(3, g.rank + 1.0, np.float32)})
+        grads = {"w": np.full(3, g.rank + 1.0, np.float32)}
+        if sparse:
+            grads["emb"] = psring.SparseRows(np.array([9, g.rank]), np.full((2, 2), g.rank + 1.0, np.float32), 10)
+        params = await opt.step(grads)
         row = {"rank": g.rank, "step": t, "members": opt.members, "w": float(params["w"][0])}
+        if sparse:
+            row["emb"] = (await opt.pull_rows("emb", np.arange(10)))[:, 0].tolist()
         print(json.dumps(row), flush=True)
     live = opt.live_group()
     total = await live.all_reduce(np.array([1.0]))

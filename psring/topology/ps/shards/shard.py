@@ -144,6 +144,8 @@ class Shard(Folding):
             self.idle.set()
         if attached and self.params is not None:  # elastic parameter buckets go on without it (joiners too)
             self.params.on_worker_lost(rank, lost=error is not None)
+        if attached and self.tables is not None:  # and elastic sparse tables
+            self.tables.on_worker_lost(rank)
         dropped = error is not None and isinstance(error.__cause__, ProtocolError)  # our own doing
         # a worker that said goodbye reports, per group, the first collective it did not
         # finish: the ones before it need nothing more from it, whoever has yet to join them

@@ -6,9 +6,10 @@ Rows are sharded by contiguous range (``row_range``): which shard holds a row is
 pull of nearby ids lands on one shard, and a shard's rows are one array. Per step a shard waits
 for every worker's push (empty where the worker touched none of its rows), sums each row's
 pushes with ``merge_rows`` in rank order -- the bits a ring's ``sparse_all_reduce`` gives --
-divides by the number of workers, and runs the optimizer on the touched rows only: gathered,
-updated elementwise with the table's global step, scattered back (lazy state: rows never touched
-keep zero moments; Adam's bias correction counts the table's steps, as torch's SparseAdam does).
+divides by the number of workers (elastic: those there now, as a parameter bucket does), and runs
+the optimizer on the touched rows only: gathered, updated elementwise with the table's global
+step, scattered back (lazy state: rows never touched keep zero moments; Adam's bias correction
+counts the table's steps, as torch's SparseAdam does).
 
 Knows connections and frames, not models.
 """
@@ -55,6 +56,10 @@ class Table:
         self.bad: set[int] = set()  # the ranks that said their rows of this step are not fit to apply
         self.pulls: dict[int, np.ndarray] = {}  # src -> the rows it wants back with this step's answer
         self.conns: dict[int, Connection] = {}
+        #: the workers a step waits for and averages over; elastic (SyncSGD(elastic=True)): a lost
+        #: worker leaves it, an admitted one joins it at a step boundary, as a parameter bucket's do
+        self.members: set[int] = set(range(size))
+        self.elastic = False
         self.waiting_pulls: list[tuple[Connection, dict[str, Any], Any]] = []
 
 
@@ -77,6 +82,13 @@ class Tables:
             self._push(conn, tag[1], header, payload)
         elif op == "sp_pull":
             self._pull(conn, tag[1], header, payload)
+        elif op == "sp_admit":
+            ranks, at = header.get("ranks"), header.get("at")
+            if not (
+                isinstance(ranks, (list, tuple)) and all(type(r) is int and r >= 0 for r in ranks) and type(at) is int
+            ):
+                raise ProtocolError(f"sparse table admit with ranks={ranks!r} at={at!r}")
+            self.admit(list(ranks), at)
         else:
             raise ProtocolError(f"sparse table frame with unknown op {op!r}")
 
@@ -106,6 +118,7 @@ class Tables:
             if missing:
                 raise ProtocolError(f"sparse table {k}: init brings optimizer state {missing} the optimizer has not")
             table.state_keys, table.start_step = list(keys), step
+            table.elastic = bool(header.get("elastic"))
             self.tables[k] = table
             table.waiting_pulls.extend(self.early.pop(k, []))
         elif (table.num_rows, table.width, str(table.dtype), table.size, table.state_keys, table.start_step) != (
@@ -151,7 +164,7 @@ class Tables:
         if not (
             type(t) is int
             and type(src) is int
-            and 0 <= src < table.size
+            and (0 <= src < table.size or (table.elastic and src in table.members))
             and type(count) is int
             and count >= 0
             and type(pull) is int
@@ -164,6 +177,11 @@ class Tables:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k}, which is at step {table.step}")
         if src in table.inbox:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k} twice")
+        if src not in table.members:
+            raise ProtocolError(
+                f"rank {src} pushed step {t} of sparse table {k} of an elastic job it left "
+                f"(members now {sorted(table.members)})"
+            )
         idx, val, want = unpack_rows(payload, count, table.width, table.dtype, owned="pool" not in header, pull=pull)
         a, b = table.rows
         if idx.size and (int(idx.min()) < a or int(idx.max()) >= b):
@@ -176,11 +194,35 @@ class Tables:
         if header.get("bad"):
             table.bad.add(src)
         table.conns[src] = conn
-        if len(table.inbox) == table.size:
+        if table.members.issubset(table.inbox):
             self._apply(table)
 
+    def admit(self, ranks: list[int], at: int) -> None:
+        """New workers push every elastic table from step ``at`` (a loop's boundary; the live rank 0's
+        admit comes before its own pushes of that step, so no table's step ``at`` is applied yet)."""
+        for table in self.tables.values():
+            if not table.elastic:
+                continue
+            if table.step != at:
+                raise ProtocolError(f"admit at step {at} to sparse table {table.k}, which is at step {table.step}")
+            table.members.update(ranks)
+
+    def on_worker_lost(self, rank: int) -> None:
+        """Elastic tables go on without a lost worker: its rows of the step in flight are dropped and
+        the step applies once the others all pushed."""
+        for table in self.tables.values():
+            if not (table.elastic and rank in table.members):
+                continue
+            table.members.discard(rank)
+            for held in (table.inbox, table.pulls, table.conns):
+                held.pop(rank, None)
+            table.bad.discard(rank)
+            if table.ready and table.members and table.members.issubset(table.inbox):
+                self._apply(table)
+
     def _apply(self, table: Table) -> None:
-        parts = [table.inbox[r] for r in range(table.size)]
+        members = sorted(table.members)  # rank order: the bits a ring's sparse_all_reduce gives
+        parts = [table.inbox[r] for r in members]
         bad, table.inbox, table.bad = sorted(table.bad), {}, set()
         pulls, table.pulls = table.pulls, {}
         t = table.step
@@ -193,7 +235,7 @@ class Tables:
         if merged.indices.size:
             local = merged.indices - table.rows[0]
             grad = merged.values  # merge_rows's own array: divided in place into the mean, as a dense avg
-            np.divide(grad, table.dtype.type(table.size), out=grad)
+            np.divide(grad, table.dtype.type(len(members)), out=grad)
             table.optimizer.update_rows(table.param, table.state, local, grad, t)  # as the ring's SyncSGD
             self.rows_applied += int(local.size)
         table.step = t + 1
@@ -204,7 +246,7 @@ class Tables:
         """sp_done to every worker, with the rows it asked for (taken after the step's update: what a
         pull right after it would read)."""
         a = table.rows[0]
-        for r in range(table.size):
+        for r in sorted(table.members):
             conn = table.conns.get(r)
             want = pulls.get(r) if pulls else None
             if conn is not None and want is not None:

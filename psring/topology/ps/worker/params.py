@@ -215,6 +215,9 @@ class ParameterClient:
                     self.g.links.shards[shard].send_frame(
                         {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
                     )
+            for conn in self.g.links.shards:  # every shard holds rows of every sparse table (if any)
+                conn.send_frame({"kind": "ps_param", "op": "sp_admit", "tag": ("param", 0, "sp_admit"), "ranks": new,
+                                 "at": step})  # fmt: skip
             for r in new:
                 await self.g.links.store.set(f"{self.g.links.prefix}/join/{r}", b"admitted")
                 value = json.dumps({"step": step, "members": members, "extra": extra or {}})
@@ -510,7 +513,8 @@ class SparseTables:
                 conn = self.g.links.shards[s]
                 base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
                         "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.g.world_size,
-                        "optimizer": optimizer, "step": step, "state_keys": sorted(state)}  # fmt: skip
+                        "optimizer": optimizer, "step": step, "state_keys": sorted(state),
+                        "elastic": self.g.elastic}  # fmt: skip
                 for of, rows in [(None, table), *sorted(state.items())]:
                     for first in range(a, max(b, a + 1), per):
                         count = max(0, min(per, b - first))
