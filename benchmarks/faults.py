@@ -241,10 +241,16 @@ class Campaign:
         """The undisturbed run's parameter digest (the main job's bits do not depend on the bed)."""
         if topology not in self.references:
             t0 = time.monotonic()
-            done = subprocess.run(
-                [sys.executable, "-m", "psring", *self._train_argv(topology)], cwd=ROOT, capture_output=True,
-                text=True, timeout=self.args.bound, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
+            try:
+                done = subprocess.run(
+                    [sys.executable, "-m", "psring", *self._train_argv(topology)], cwd=ROOT, capture_output=True,
+                    text=True, timeout=self.args.bound, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )  # fmt: skip
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"the undisturbed {topology} run did not end within --bound {self.args.bound:g}s: "
+                    "this machine is too busy to judge a case by it"
+                ) from None
             summary = _summary(done.stdout)
             if done.returncode != 0 or summary is None:
                 raise RuntimeError(
@@ -271,7 +277,11 @@ class Campaign:
         env = self._env(tag)
         procs: list[Proc] = []
         problems: list[str] = []
-        want = self.reference(case.topology) if case.phase != "admission" else ""
+        try:
+            want = self.reference(case.topology) if case.phase != "admission" else ""
+        except RuntimeError as exc:  # no reference: the case cannot be judged, said as such
+            self.outcome = ""
+            return [f"the case could not run: {exc}"]
         self.healing: list[threading.Timer] = []
         self.outcome = ""
         self.store_ports: list[int] = []
