@@ -1,14 +1,17 @@
-"""Chaos for elastic training: SIGKILL workers of running elastic ps jobs; the job must go on.
+"""Chaos for elastic training: SIGKILL workers of running elastic jobs; the job must go on.
 
-    python benchmarks/chaos.py --elastic [--trials 10] [--workers 4] [--kills 2] [--steps 300] [--json]
+    python benchmarks/chaos.py --elastic [--topology ps|ring|both] [--trials 10] [--workers 4] [--kills 2]
+                               [--steps 300] [--json]
 
-Each trial launches an elastic ps job (``psring launch``'s machinery with elastic=True: server
-processes hold the model, WORKERS workers run STEPS steps of SyncSGD(elastic=True) on a small
-model). At KILLS random steps the driver SIGKILLs a random live worker (rank 0 included), found
-by its RANK among the launcher's children. Recorded per kill: the time from the kill to the first
-step a survivor completes without the killed worker (averaged over one worker fewer). Per job:
-whether it finished (every survivor ran every step, the survivors' parameters agree) or was lost.
-The long chaos form of the elastic tests (tests/topology/test_elastic.py has the short ones).
+Each trial launches an elastic job (``psring launch``'s machinery with elastic=True; over ps server
+processes hold the model, over the ring every worker does and the survivors re-form) where WORKERS
+workers run STEPS steps of SyncSGD(elastic=True) on a small model. ``both``: the two topologies'
+trials alternate in one run, and each gets its own summary. At KILLS random steps the driver
+SIGKILLs a random live worker (rank 0 included), found by its RANK among the launcher's children.
+Recorded per kill: the time from the kill to the first step a survivor completes without the killed
+worker (averaged over one worker fewer). Per job: whether it finished (every survivor ran every
+step, the survivors' parameters agree) or was lost. The long chaos form of the elastic tests
+(tests/topology/test_elastic.py and test_elastic_ring.py have the short ones).
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ LAUNCH = """
 import sys
 from psring.rendezvous.launch import launch
 from psring.transport.loop import new_event_loop
-sys.exit(new_event_loop().run_until_complete(launch(int(sys.argv[1]), [sys.executable, sys.argv[2]], topology="ps",
-                                                    elastic=True)))
+sys.exit(new_event_loop().run_until_complete(launch(int(sys.argv[1]), [sys.executable, sys.argv[2]],
+                                                    topology=sys.argv[3], elastic=True)))
 """
 
 
@@ -73,12 +76,12 @@ def _rank_pids(launcher: int) -> dict[int, int]:
     return out
 
 
-def trial(workers: int, kills: int, steps: int, rng: random.Random, script: str) -> dict:  # type: ignore[type-arg]
+def trial(workers: int, kills: int, steps: int, rng: random.Random, script: str, topology: str) -> dict:  # type: ignore[type-arg]
     at = sorted(rng.sample(range(5, steps - 20), kills))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSRING_")}
     env.update(PYTHONPATH=str(ROOT), STEPS=str(steps), PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, str(workers), script],
+        [sys.executable, "-c", LAUNCH, str(workers), script, topology],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -134,9 +137,21 @@ def trial(workers: int, kills: int, steps: int, rng: random.Random, script: str)
     }
 
 
+def _summary(rows: list[dict]) -> dict:  # type: ignore[type-arg]
+    recover = [r for row in rows for r in row["recover_s"]]
+    return {
+        "jobs": len(rows),
+        "kills": sum(len(r["killed"]) for r in rows),
+        "lost_jobs": sum(not r["finished"] for r in rows),
+        "recover_ms_median": float(np.median(recover) * 1e3) if recover else None,
+        "recover_ms_max": float(np.max(recover) * 1e3) if recover else None,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--elastic", action="store_true", required=True, help="elastic ps jobs (the only mode here)")
+    p.add_argument("--elastic", action="store_true", required=True, help="elastic jobs (the only mode here)")
+    p.add_argument("--topology", choices=["ps", "ring", "both"], default="ps")
     p.add_argument("--trials", type=int, default=10, help="jobs")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--kills", type=int, default=2, help="workers killed per job (fewer than --workers)")
@@ -151,34 +166,39 @@ def main() -> int:
     rng = random.Random(args.seed)
     script = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"psring-chaos-elastic-{os.getpid()}.py")
     Path(script).write_text(WORKER)
-    rows = []
+    topologies = ["ps", "ring"] if args.topology == "both" else [args.topology]
+    rows: dict[str, list[dict]] = {t: [] for t in topologies}  # type: ignore[type-arg]
     try:
         for i in range(args.trials):
-            row = trial(args.workers, args.kills, args.steps, rng, script)
-            rows.append(row)
-            if not args.json:
-                rec = ", ".join(f"{r * 1e3:.0f} ms" for r in row["recover_s"])
-                how = "finished" if row["finished"] else f"LOST (exit {row['code']})"
-                print(f"job {i + 1}: killed ranks {row['killed']}, next step after {rec}, {how}", flush=True)
-                if not row["finished"]:
-                    print(row["tail"], flush=True)
+            for topology in topologies:  # alternating: both see the machine as it is at that time
+                row = trial(args.workers, args.kills, args.steps, rng, script, topology)
+                rows[topology].append(row)
+                if not args.json:
+                    rec = ", ".join(f"{r * 1e3:.0f} ms" for r in row["recover_s"])
+                    how = "finished" if row["finished"] else f"LOST (exit {row['code']})"
+                    print(f"{topology} job {i + 1}: killed ranks {row['killed']}, next step after {rec}, {how}",
+                          flush=True)  # fmt: skip
+                    if not row["finished"]:
+                        print(row["tail"], flush=True)
     finally:
         os.unlink(script)
-    recover = [r for row in rows for r in row["recover_s"]]
-    summary = {
-        "jobs": len(rows),
-        "kills": sum(len(r["killed"]) for r in rows),
-        "lost_jobs": sum(not r["finished"] for r in rows),
-        "recover_ms_median": float(np.median(recover) * 1e3) if recover else None,
-        "recover_ms_max": float(np.max(recover) * 1e3) if recover else None,
+    summaries = {t: _summary(r) for t, r in rows.items()}
+    summary = summaries[topologies[0]] if len(topologies) == 1 else {
+        "jobs": sum(s["jobs"] for s in summaries.values()),
+        "kills": sum(s["kills"] for s in summaries.values()),
+        "lost_jobs": sum(s["lost_jobs"] for s in summaries.values()),
     }
     if args.json:
-        print(json.dumps({"summary": summary, "jobs": rows}))
+        out = {"summary": summary, "jobs": [r for t in topologies for r in rows[t]]}
+        if len(topologies) > 1:
+            out["by_topology"] = summaries
+        print(json.dumps(out))
     else:
-        print(
-            f"{summary['kills']} kills in {summary['jobs']} jobs, {summary['lost_jobs']} lost; kill -> next completed "
-            f"step: median {summary['recover_ms_median']:.0f} ms, max {summary['recover_ms_max']:.0f} ms"
-        )
+        for topology, s in summaries.items():
+            print(
+                f"{topology}: {s['kills']} kills in {s['jobs']} jobs, {s['lost_jobs']} lost; kill -> next completed "
+                f"step: median {s['recover_ms_median']:.0f} ms, max {s['recover_ms_max']:.0f} ms"
+            )
     return 0 if summary["lost_jobs"] == 0 else 1
 
 

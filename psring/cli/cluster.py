@@ -87,6 +87,7 @@ def cli_submit(args: Any) -> int:
             wait_for_workers=not args.no_wait,
             timeout=args.timeout,
             max_restarts=args.max_restarts,
+            elastic=args.elastic,
         )
         print(f"psring submit: job {job.id} placed ({args.topology}, {args.workers} workers)", flush=True)
         for rec in job.stream():
@@ -377,6 +378,12 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     )
     p.add_argument(
         "--checkpoint-every", type=int, default=10, help="the main job: save a checkpoint every N optimizer steps"
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a rank that fails or whose daemon is lost does not stop the others (the main job: SyncSGD(elastic=True), "
+        "ring or ps); not with --max-restarts",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cli_submit)

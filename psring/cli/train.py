@@ -254,8 +254,6 @@ def run(args: argparse.Namespace) -> int:
         return bad(f"--accumulate must be at least 1, got {args.accumulate}")
     if args.max_restarts < 0 or args.checkpoint_every < 1:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
-    if args.elastic and (args.topology != "ps" or args.compare):
-        return bad("--elastic needs --topology ps (the shards hold the model; a worker is a source of gradients)")
     if args.elastic and (args.checkpoint_dir or args.max_restarts):
         return bad("--elastic goes on without a lost worker: not with --checkpoint-dir or --max-restarts")
     if args.backup and (args.topology != "ps" or args.compare):
@@ -322,7 +320,8 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     p.add_argument(
         "--elastic",
         action="store_true",
-        help="ps: a lost worker costs a step, not the job: the others go on (results then depend on membership)",
+        help="a lost worker costs a step, not the job: the others go on (ps: the shards average over the workers "
+        "still there; ring: the survivors agree who is left and re-form). Results then depend on membership",
     )
     p.add_argument(
         "--backup",

@@ -105,12 +105,16 @@ class AsyncClient:
         place_timeout: float = 600.0,
         timeout: float | None = None,
         max_restarts: int = 0,
+        elastic: bool = False,
     ) -> int:
         """Place a job on ``workers`` idle daemons; returns its id once every rank took it.
 
         ``max_restarts``: when a rank fails (a daemon lost, a rank raising), every rank is
         stopped and the job placed again on the daemons idle then, up to this many times, as
         long as someone waits on it; the main job resumes from its latest checkpoint.
+        ``elastic``: a rank that fails or whose daemon is lost does not stop the others (the main job
+        trains on with SyncSGD(elastic=True), on either topology); the job is done when every rank
+        still there finished, and failed only if none did.
         ``topology`` and ``timeout`` (seconds for any one collective of the job): ``None`` means this
         process's PSRING_TOPOLOGY and PSRING_TIMEOUT.
         """
@@ -128,7 +132,14 @@ class AsyncClient:
             raise ValueError("servers applies to topology='ps', and must be at least 1")
         if type(max_restarts) is not int or max_restarts < 0:
             raise ValueError(f"max_restarts={max_restarts!r} must be a whole number")
+        if elastic and max_restarts:
+            raise ValueError("elastic goes on without a lost worker; max_restarts starts every rank again: choose one")
         await self.connect()
+        if elastic and topology == "ps" and not [r for r in await self._records("servers") if not _lost(r)]:
+            raise ValueError(
+                "elastic over ps needs a server daemon (psring server --cluster): without one rank 0's worker "
+                "daemon hosts the shards, and losing it would lose the model"
+            )
         jid = await self.store.add(key("next-job"), 1)
         spec: dict[str, Any] = {
             "id": jid,
@@ -138,7 +149,8 @@ class AsyncClient:
             "kind": "entrypoint" if entrypoint else "train",
             "entrypoint": entrypoint,
             "args": args or {},
-            "train": train_spec(train or {}),
+            "train": {**train_spec(train or {}), **({"elastic": True} if elastic else {})},
+            "elastic": bool(elastic),
             "timeout": timeout,
             "workers": [],
             "attempt": 0,
@@ -294,6 +306,8 @@ class AsyncClient:
                 beats[wid] = (beat, now)
             elif now - seen[1] > dead_after:
                 dead.append((r, wid, now - seen[1]))
+        if spec.get("elastic"):
+            return await self._elastic_poll(jid, spec, outcomes, dead, beats)
         if dead:
             r, wid, ago = dead[0]
             error = (
@@ -324,6 +338,33 @@ class AsyncClient:
             await self.store.set(key("jobs", jid, "state"), b"done")
             return {"ok": True, "result": outcomes[0].get("result"), "ranks": outcomes}
         return None
+
+    async def _elastic_poll(
+        self, jid: int, spec: dict[str, Any], outcomes: dict[int, dict[str, Any]], dead: list[tuple[int, str, float]],
+        beats: dict[str, tuple[int, float]],
+    ) -> dict[str, Any] | None:  # fmt: skip
+        """An elastic job: a rank whose daemon was lost, or that failed, has left (logged once); the
+        job is done once every rank finished or left, with the result of the first that finished
+        (the main job's live rank 0 returns the summary), and failed only if none finished."""
+        chosen: list[str] = spec["workers"]
+        for r, wid, ago in dead:
+            if f"\0left {r}" not in beats:
+                beats[f"\0left {r}"] = (1, 0.0)
+                logger.warning("job %d: worker daemon %s (rank %d) %s; elastic: the others go on", jid, wid, r,
+                               "was started again" if ago < 0 else f"stopped heartbeating {ago:.1f}s ago")  # fmt: skip
+        left = {r for r, _w, _a in dead} | {int(k.split()[1]) for k in beats if k.startswith("\0left ")}
+        left |= {r for r, o in outcomes.items() if not o.get("ok")}
+        if len(set(outcomes) | left) < len(chosen):
+            return None
+        finished = {r: o for r, o in outcomes.items() if o.get("ok")}
+        if not finished:
+            failed = {r: o for r, o in outcomes.items() if not o.get("ok")}
+            error = _blame(jid, chosen, failed) if failed else f"job {jid} failed: every worker daemon was lost"
+            await self._fail(jid, error)
+            return {"ok": False, "error": error, "ranks": failed}
+        await self.store.set(key("jobs", jid, "state"), b"done")
+        result = next((o.get("result") for _r, o in sorted(finished.items()) if o.get("result") is not None), None)
+        return {"ok": True, "result": result, "ranks": outcomes, "left": sorted(left)}
 
     async def restart(self, jid: int, why: str, place_timeout: float = 600.0) -> int:
         """Stop the job's current attempt everywhere and place the next one; returns its number."""

@@ -441,6 +441,8 @@ class WorkerDaemon(_Daemon):
         if not outcome["ok"]:
             if outcome.get("stopped"):
                 return  # it was told to stop: whoever failed the job gave the reason
+            if spec.get("elastic"):
+                return  # an elastic job goes on without this rank (its submitter judges the whole)
             reason = f"job {jid} failed: rank {rank} on worker {self.id}: {outcome.get('error')}"
             ok, _ = await self.store.compare_set(state_key, b"running", b"failed")
             if ok:

@@ -105,6 +105,18 @@ async def open_store_for(settings: GroupSettings, rank: int | None) -> tuple[Any
     return store, embedded
 
 
+async def connect_store_of(settings: GroupSettings) -> Any:
+    """A store client for a group set up while its job runs (a ring re-formed to admit new workers,
+    a new worker asking to join): the client the settings carry, else a connection of its own --
+    never a store served here (the job's store runs already; a rank 0 serving an empty one would
+    split the job)."""
+    if settings.client is not None:
+        return settings.client
+    if settings.store.scheme == "torch":
+        return await _open_torch_store(settings, None)
+    return await connect_store(settings.store, secret=settings.secret, timeout=settings.timeout, role="rank")
+
+
 async def _open_torch_store(settings: GroupSettings, rank: int | None) -> TorchStoreClient:
     address, env = settings.store, settings.launcher
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -68,6 +68,12 @@ class Group(CollectiveRuntime, abc.ABC):
     tables: Any = None
     members: list[int]  #: the world ranks of this group's ranks, in its rank order
 
+    def quorum(self) -> Any:
+        """The elastic membership that re-forms this group's survivors after a loss (the ring's
+        ``ring.quorum.Quorum``; SyncSGD(elastic=True) takes it); None where the topology has none
+        (the parameter server keeps the model itself and averages over the workers still there)."""
+        return None
+
     def __init__(
         self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, config: Settings
     ) -> None:

@@ -311,7 +311,7 @@ class _Run:
     def _elastic_record(self) -> dict[str, Any] | None:
         if not self.opt.elastic:
             return None
-        world, members = self.group.links.world_size, self.opt.members
+        world, members = getattr(self.group, "links", self.group).world_size, self.opt.members
         return {
             "departed": sorted(set(range(world)) - set(members)),
             "joined": sorted(r for r in members if r >= world),

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..core.sparse import SparseRows
+from ..errors import CollectiveTimeoutError, PeerLostError
 
 if TYPE_CHECKING:
     from .sgd import SyncSGD
@@ -66,22 +68,58 @@ class Replicated:
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
         return sgd.xp.take(sgd._tables[name], sgd.xp.asarray(idx), axis=0)
 
-    async def step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
-        """The exchange and the update; (when the exchange ended, when the update did)."""
-        avgs = await asyncio.gather(*(sgd.group.all_reduce(f, op="avg", compression=sgd.compression) for f in flats))
+    async def step(
+        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+    ) -> tuple[float, float]:
+        """The exchange and the update, the sparse tables' too; (when the dense exchange ended, when
+        the updates did)."""
+        avgs = await self.exchange(sgd, flats)
         t1 = time.perf_counter()
-        for flat, avg, state in zip(sgd._flat, avgs, sgd._state, strict=True):
-            sgd.optimizer.update(flat, avg, state)
+        self.update(sgd, avgs)
+        for name in sgd.sparse:
+            self.update_rows(sgd, name, await self.table_exchange(sgd, rows[name]))
         return t1, time.perf_counter()
 
-    async def table_step(self, sgd: SyncSGD, k: int, name: str, g: SparseRows, pull: np.ndarray | None) -> None:
-        """One sparse table's step: every rank checks every rank's rows (bad ones named everywhere,
-        nothing applied), sums them in rank order and runs the optimizer on those rows."""
-        summed = await sgd.group.sparse_all_reduce(g)
+    async def exchange(self, sgd: SyncSGD, flats: list[Any]) -> list[Any]:
+        """Every bucket averaged over the group; the first error once every bucket's call ended (none
+        is left running)."""
+        calls = (sgd.group.all_reduce(f, op="avg", compression=sgd.compression) for f in flats)
+        got = await asyncio.gather(*calls, return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException):
+                raise g
+        return got
+
+    def update(self, sgd: SyncSGD, avgs: list[Any]) -> None:
+        for flat, avg, state in zip(sgd._flat, avgs, sgd._state, strict=True):
+            sgd.optimizer.update(flat, avg, state)
+
+    async def table_exchange(self, sgd: SyncSGD, g: SparseRows) -> SparseRows:
+        """One sparse table's rows summed over the group: every rank checks every rank's rows (bad
+        ones named everywhere, nothing applied) and sums them in rank order."""
+        return await sgd.group.sparse_all_reduce(g)
+
+    def update_rows(self, sgd: SyncSGD, name: str, summed: SparseRows) -> None:
+        """The optimizer on the rows the group's gradients touched, by their average."""
         if summed.indices.size == 0:
             return
         grad = summed.values / summed.values.dtype.type(sgd.group.world_size)
         sgd.optimizer.update_rows(sgd._tables[name], sgd._table_state[name], summed.indices, grad, sgd.step_count)
+
+    def live_group(self, sgd: SyncSGD) -> Any:
+        return sgd.group
+
+    def members(self, sgd: SyncSGD) -> list[int]:
+        return list(sgd.group.members)
+
+    async def join(self, sgd: SyncSGD) -> None:
+        raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
+
+    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+        raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
+
+    async def close_joins(self, sgd: SyncSGD) -> None:
+        raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
 
     async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state by bucket, and the step."""
@@ -135,7 +173,16 @@ class Sharded:
         out = await self.tables.pull(sgd.sparse.index(name), idx.astype(np.int64), rows, width, np.dtype(dtype))
         return _like(sgd.xp, out)
 
-    async def step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
+    async def step(
+        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+    ) -> tuple[float, float]:
+        t1, t2 = await self.dense_step(sgd, flats)
+        for k, name in enumerate(sgd.sparse):
+            await self.table_step(sgd, k, name, rows[name], pull.get(name))
+            t2 = time.perf_counter()
+        return t1, t2
+
+    async def dense_step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
         host = [_to_host(f) for f in flats]
         outs = [np.empty_like(h) for h in host]
         taken = await self.params.step(sgd.step_count, host, outs, compression=sgd.compression)
@@ -163,13 +210,137 @@ class Sharded:
     async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         return await self.params.state([_to_host(f) for f in sgd._flat], keys)
 
+    def live_group(self, sgd: SyncSGD) -> Any:
+        """Elastic: a group of the workers the shards averaged over last (the group itself otherwise)."""
+        return self.params.live_subgroup() if sgd.elastic else sgd.group
 
-Placement = Replicated | Sharded
+    def members(self, sgd: SyncSGD) -> list[int]:
+        live = getattr(sgd.group, "live_members", None)
+        return list(live if live is not None else sgd.group.members)
+
+    async def join(self, sgd: SyncSGD) -> None:
+        """A new worker: the shards' parameters (and tables) of the step a boundary admitted it at."""
+        outs, step, sgd.joined_with = await self.params.join([_to_host(f) for f in sgd._flat])
+        sgd._flat = [_like(sgd.xp, o) for o in outs]
+        for name in sgd.sparse:  # the shards hold the tables, at the step it joins at
+            sgd._tables[name] = None
+        sgd.step_count = step
+
+    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+        if not sgd.elastic:
+            raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
+        return list(await self.params.admit(sgd.step_count, [_to_host(f) for f in sgd._flat], extra))
+
+    async def close_joins(self, sgd: SyncSGD) -> None:
+        if not sgd.elastic:
+            raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
+        await self.params.close_joins(sgd.step_count)
 
 
-def placement_for(group: Any) -> Placement:
-    """The strategy the group's topology provides: its own parameter home where it has one."""
+class Reformed(Replicated):
+    """Replicated, elastic: a step whose exchange fails for a lost, killed or hung rank is finished
+    among the survivors. They agree who is left and re-form (the group's ``quorum()``: a round
+    through the store, a new group of the survivors over the same endpoint); then, if some survivor
+    had completed the step (its exchange ended before the loss), the first such hands its
+    parameters, optimizer state and tables to the others, who take the step as done; if none had,
+    all redo it among themselves. Every exchange of a step ends before any update (so a step is
+    whole on a rank or not at all), and the survivors stay bit-identical."""
+
+    def __init__(self, quorum: Any) -> None:
+        self.quorum = quorum
+
+    async def step(
+        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+    ) -> tuple[float, float]:
+        while True:
+            try:
+                avgs = await self.exchange(sgd, flats)
+                summed = [await self.table_exchange(sgd, rows[name]) for name in sgd.sparse]
+                break
+            except (PeerLostError, CollectiveTimeoutError) as exc:
+                if await self._recover(sgd, exc):
+                    t = time.perf_counter()
+                    return t, t  # a survivor that completed the step handed it over
+        t1 = time.perf_counter()
+        self.update(sgd, avgs)
+        for name, got in zip(sgd.sparse, summed, strict=True):
+            self.update_rows(sgd, name, got)
+        return t1, time.perf_counter()
+
+    async def _recover(self, sgd: SyncSGD, exc: BaseException) -> bool:
+        """Re-form without the lost; True when this rank took the step from a survivor that completed it."""
+        done = await self.quorum.reform(sgd.group, exc, sgd.step_count)
+        sgd.group = done.group
+        best = max(done.done)
+        if min(done.done) == best:
+            return False  # nobody completed it: redo it among the survivors
+        await self._hand_over(sgd, done.done.index(best))
+        if sgd.step_count >= best:
+            return False  # this rank had completed the steps before: it redoes its own
+        sgd.step_count = best - 1  # (SyncSGD.step counts the step taken)
+        return True
+
+    async def _hand_over(self, sgd: SyncSGD, src: int) -> None:
+        """Parameters, optimizer state and sparse tables (with theirs) from rank ``src`` of the
+        (new) group to all."""
+        g = sgd.group
+        for i, flat in enumerate(sgd._flat):
+            sgd._flat[i] = await g.broadcast(flat, src=src)
+        for state in [*sgd._state, *(sgd._table_state[n] for n in sgd.sparse)]:
+            for key in sorted(state):
+                if key == "step":
+                    state[key] = int((await g.broadcast(np.array([state[key]], np.int64), src=src))[0])
+                else:
+                    state[key][...] = await g.broadcast(state[key], src=src)
+        for name in sgd.sparse:
+            sgd._tables[name] = await g.broadcast(sgd._tables[name], src=src)
+
+    def live_group(self, sgd: SyncSGD) -> Any:
+        return sgd.group  # the survivors' group since the last loss or join
+
+    def members(self, sgd: SyncSGD) -> list[int]:
+        return self.quorum.ids_of(sgd.group)
+
+    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+        """The new workers waiting (``init_group(topology="ring", join=True)``), admitted into a new
+        ring of this group's ranks then them; its rank 0 streams them the step, parameters, optimizer
+        state and tables. Returns their ids (none waiting: [], and nothing re-formed)."""
+        before = len(sgd.group.members)
+        ring = await self.quorum.admit(sgd.group, extra)
+        if ring is None:
+            return []
+        sgd.group, self.quorum = ring, ring.quorum()
+        await ring.broadcast(np.array([sgd.step_count], np.int64), src=0)
+        await self._hand_over(sgd, 0)
+        return self.quorum.ids[before:]
+
+    async def join(self, sgd: SyncSGD) -> None:
+        """A new worker: the step, parameters, optimizer state and tables from the ring's rank 0, at
+        the boundary that admitted it."""
+        g = sgd.group
+        sgd._state = [sgd.optimizer.init_state(f) for f in sgd._flat]
+        for name in sgd.sparse:
+            sgd._table_state[name] = sgd.optimizer.init_state(sgd._tables[name])
+        sgd.step_count = int((await g.broadcast(np.array([0], np.int64), src=0))[0])
+        await self._hand_over(sgd, 0)
+        sgd.joined_with, g.joining = g.joined_with, False
+
+    async def close_joins(self, sgd: SyncSGD) -> None:
+        await self.quorum.close_joins(sgd.group, sgd.step_count)
+
+
+Placement = Replicated | Sharded | Reformed
+
+
+def placement_for(group: Any, elastic: bool = False) -> Placement:
+    """The strategy the group's topology provides: its own parameter home where it has one; else,
+    elastic, its survivors' re-forming (``group.quorum()``); else every rank's own copy."""
     params = getattr(group, "params", None)
     if params is not None:
         return Sharded(params, getattr(group, "tables", None))
+    if elastic:
+        quorum = group.quorum()
+        if quorum is None:
+            raise ValueError(f"elastic=True: the {group.topology} topology neither keeps the model nor re-forms")
+        return Reformed(quorum)
     return Replicated()

@@ -99,7 +99,7 @@ class SyncSGD:
                 f"{group.world_size - 1} (world size {group.world_size}: at least one worker's push completes a step)"
             )
         #: where the parameters live and who runs the optimizer: what the group's topology provides
-        self.placement: Placement = placement_for(group)
+        self.placement: Placement = placement_for(group, elastic)
         if backup:
             if not self.placement.holds_model:
                 raise ValueError(
@@ -115,13 +115,8 @@ class SyncSGD:
                 raise ValueError(f"backup={backup} takes no elastic (not yet)")
             group.backup = backup
         self.backup = backup
-        if elastic:
-            if not self.placement.holds_model:
-                raise ValueError(
-                    "elastic=True needs the ps topology: there the shards hold the model and a worker is only "
-                    "a source of gradients (a ring would have to re-form; use psring launch --max-restarts)"
-                )
-            group.elastic = True
+        if elastic and self.placement.holds_model:
+            group.elastic = True  # (the shards average over the workers still there; else the group re-forms)
         self.elastic = elastic
         #: a worker that joined a running elastic job: what the admitting loop told it (else None)
         self.joined_with: dict[str, Any] | None = None
@@ -209,12 +204,12 @@ class SyncSGD:
     @property
     def members(self) -> list[int]:
         """The ranks whose gradients the last step averaged (elastic: the workers still there)."""
-        return list(getattr(self.group, "live_members", range(self.group.world_size)))
+        return self.placement.members(self)
 
     def live_group(self) -> Any:
         """A group of the workers there now (elastic; the group itself while nobody left or joined),
         for the loop's own collectives. Every worker makes the same one at the same step."""
-        return self.group.params.live_subgroup() if self.elastic else self.group
+        return self.placement.live_group(self)
 
     async def admit_waiting(self, extra: dict[str, Any] | None = None) -> list[int]:
         """Elastic: at a boundary of the loop's choosing (between steps; every live worker calls it),
@@ -230,8 +225,7 @@ class SyncSGD:
             )
         if not self.started:
             await self.start()
-        host = [_to_host(f) for f in self._flat]
-        return await self.group.params.admit(self.step_count, host, extra)
+        return await self.placement.admit(self, extra)
 
     async def close_joins(self) -> None:
         """Elastic: no boundary will admit workers any more (the loop is near its end; every live
@@ -239,7 +233,7 @@ class SyncSGD:
         raise at once, saying so, instead of waiting out their timeout."""
         if not self.elastic:
             raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
-        await self.group.params.close_joins(self.step_count)
+        await self.placement.close_joins(self)
 
     async def start(self) -> dict[str, Any]:
         """Agree on the starting parameters (rank 0's, or a restored server's); returns them.
@@ -252,11 +246,7 @@ class SyncSGD:
         if getattr(self.group, "joining", False):  # a new worker of a running elastic job
             if not self.elastic:
                 raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
-            outs, step, self.joined_with = await self.group.params.join([_to_host(f) for f in self._flat])
-            self._flat = [_like(self.xp, o) for o in outs]
-            for name in self.sparse:  # the shards hold the tables, at the step it joins at
-                self._tables[name] = None
-            self.step_count = step
+            await self.placement.join(self)
             self.started = True
             self.params = self._views()
             return self.params
@@ -328,12 +318,6 @@ class SyncSGD:
             out[name] = SparseRows(_like(self.xp, summed.indices), _like(self.xp, values), num_rows)
         self._acc_rows = {}
         return out
-
-    async def _sparse_step(self, rows: Mapping[str, SparseRows], prefetch: Mapping[str, np.ndarray]) -> None:
-        """Every sparse table's step: the rows summed over the workers in rank order, divided by
-        their number, and the optimizer run on those rows only (where the placement runs it)."""
-        for k, name in enumerate(self.sparse):
-            await self.placement.table_step(self, k, name, rows[name], prefetch.get(name))
 
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
@@ -492,10 +476,9 @@ class SyncSGD:
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
         t0 = time.perf_counter()
-        t1, t2 = await self.placement.step(self, flats)
-        if self.sparse:
-            await self._sparse_step(rows, wanted)
-            t2 = time.perf_counter()
+        # the exchange and the update, the sparse tables' too (each table's rows summed over the
+        # workers in rank order, divided by their number, the optimizer run on those rows only)
+        t1, t2 = await self.placement.step(self, flats, rows, wanted)
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
         self.params = self._views()

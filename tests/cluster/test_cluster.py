@@ -471,6 +471,36 @@ def test_a_lost_worker_daemon_restarts_the_job_from_its_checkpoint(cluster, tmp_
     assert spare.poll() is None
 
 
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_an_elastic_job_goes_on_without_a_lost_worker_daemon(cluster, topology) -> None:
+    """submit(elastic=True): a worker daemon SIGKILLed mid-job costs the job a step, not the job: the
+    others train on (over the ring they re-form; over ps the server daemon's shards hold the model),
+    the job ends done, and its summary says who left."""
+    c = cluster()
+    victim = c.worker("e0")
+    c.worker("e1")
+    c.worker("e2")
+    with c.client() as client:
+        with pytest.raises(ValueError, match="elastic goes on without a lost worker"):
+            client.submit(topology, 3, elastic=True, max_restarts=1)
+        if topology == "ps":  # the shards must not live in a worker's daemon (rank 0's, without a server daemon)
+            with pytest.raises(ValueError, match="elastic over ps needs a server daemon"):
+                client.submit(topology, 3, elastic=True)
+            c.spawn_server_daemon("es")
+        job = client.submit(topology, 3, train={"epochs": 40}, elastic=True)
+        _stream_until(job, 150)
+        [placed] = [j for j in client.status()["jobs"] if j["id"] == job.id]
+        rank = placed["workers"].index("e0")  # the victim's rank in the job
+        os.kill(victim.pid, signal.SIGKILL)
+        summary = job.wait(timeout=180)
+        status = client.status()
+    [rec] = [j for j in status["jobs"] if j["id"] == job.id]
+    assert rec["state"] == "done", rec
+    assert summary["workers"] == 2 and summary["ranks_agree"] and summary["test_accuracy"] >= 0.9, summary
+    assert summary["elastic"]["joined"] == [], summary
+    assert summary["elastic"]["departed"] == [rank], summary
+
+
 def test_a_crashed_server_daemon_resumes_its_shards(cluster, tmp_path) -> None:
     """A server daemon SIGKILLed mid-job and started again (what a restart policy does): it keeps
     its identity in its checkpoint directory, resumes the job's shards from their checkpoints on

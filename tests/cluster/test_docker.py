@@ -315,6 +315,32 @@ def test_a_killed_worker_restarts_the_job_from_its_checkpoint(cluster: Compose) 
     assert len([w for w in status["workers"] if w["state"] == "idle"]) == WORKERS  # the restarted one too
 
 
+@pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_an_elastic_job_goes_on_without_a_killed_worker_container(cluster: Compose, topology: str) -> None:
+    """submit --elastic: a worker container SIGKILLed mid-job (its restart policy starts it again,
+    idle): the others train on -- over the ring the survivors re-form, over ps the server container's
+    shards hold the model -- and the job ends well, saying which rank left."""
+    proc = cluster.popen_psring(
+        "submit", "--store", "store:29500", "--topology", topology, "--workers", str(WORKERS), "--epochs", "80",
+        "--elastic", "--json",
+    )  # fmt: skip
+    try:
+        _follow(proc, 300)
+        status = cluster.status()
+        [job] = [j for j in status["jobs"] if j["state"] == "running"]
+        victim = next(w for w in status["workers"] if w["id"] == job["workers"][1])  # rank 1's daemon
+        os.kill(cluster.pid(cluster.container_of(victim["pid"], victim["hostname"])), 9)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out + cluster.daemon_logs()
+    summary = _summary(out)
+    assert summary["elastic"] == {"departed": [1], "joined": []} and summary["workers"] == WORKERS - 1, summary
+    assert summary["ranks_agree"] and summary["test_accuracy"] >= 0.95, summary
+    assert [j["state"] for j in cluster.status()["jobs"] if j["id"] == job["id"]] == ["done"]
+
+
 def test_cross_container_benchmark_short_form(cluster: Compose) -> None:
     """benchmarks/containers.py, short: it runs ranks in containers and reports sane figures."""
     proc = subprocess.run(

@@ -29,12 +29,14 @@ def env(**extra: str) -> dict[str, str]:
     return e
 
 
-def launch_elastic(n: int, leave_rank: int, leave_at: int, **extra_env: str) -> tuple[int, list[dict], str]:  # type: ignore[type-arg]
+def launch_elastic(
+    n: int, leave_rank: int, leave_at: int, topology: str = "ps", **extra_env: str
+) -> tuple[int, list[dict], str]:  # type: ignore[type-arg]
     code = (
         "import sys, asyncio\n"
         "from psring.rendezvous.launch import launch\n"
         "from psring.transport.loop import new_event_loop\n"
-        f"sys.exit(new_event_loop().run_until_complete(launch({n}, [sys.executable, {JOB!r}], topology='ps',"
+        f"sys.exit(new_event_loop().run_until_complete(launch({n}, [sys.executable, {JOB!r}], topology={topology!r},"
         " elastic=True)))\n"
     )
     extra = env(LEAVE_RANK=str(leave_rank), LEAVE_AT=str(leave_at), **extra_env)
@@ -68,8 +70,9 @@ def test_a_survivor_that_reaches_the_boundary_after_the_loss_ended_it_goes_on_to
     assert all(r["w"] == pytest.approx(-2.0 * 3 - 1.5 * 5) for r in last), last
 
 
-def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:
-    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3)
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_the_others_go_on_averaging_over_the_workers_still_there(topology: str) -> None:
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, topology=topology)
     assert code == 0, out
     assert "rank 2 exited with code 9; elastic: the others go on" in out
     steps = sorted((r for r in rows if "step" in r), key=lambda r: (r["step"], r["rank"]))
@@ -82,13 +85,18 @@ def test_the_others_go_on_averaging_over_the_workers_still_there() -> None:
     assert {r["rank"] for r in steps if r["step"] == 7} == {0, 1}
     ends = [r for r in rows if "live_size" in r]
     assert sorted(r["rank"] for r in ends) == [0, 1], out
-    assert all(r["live_size"] == 2 and r["sum"] == 2.0 and r["elastic_workers"] == 2 for r in ends), ends
+    assert all(r["live_size"] == 2 and r["sum"] == 2.0 for r in ends), ends
+    if topology == "ps":  # (the ring has no shards to count the live workers: its new group is the count)
+        assert all(r["elastic_workers"] == 2 for r in ends), ends
+    else:
+        assert "elastic ring: round 1: ranks [0, 1] go on without [2] (steps completed [3, 3]" in out, out
 
 
-def test_a_worker_lost_mid_accumulation_costs_the_others_nothing() -> None:
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_a_worker_lost_mid_accumulation_costs_the_others_nothing(topology: str) -> None:
     """accumulate=2: rank 2 dies after the first of a step's two calls (its sum never pushed): the
     step completes over ranks 0 and 1, as a loss mid-step does, and the job goes on."""
-    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, ACCUMULATE="2")
+    code, rows, out = launch_elastic(3, leave_rank=2, leave_at=3, topology=topology, ACCUMULATE="2")
     assert code == 0, out
     by_call = sorted((r for r in rows if "step" in r), key=lambda r: (r["step"], r["rank"]))
     for r in by_call:  # a step every second call: 0-1 over 1,2,3 (= 2), then over 1,2 (= 1.5)
@@ -99,10 +107,14 @@ def test_a_worker_lost_mid_accumulation_costs_the_others_nothing() -> None:
 
 
 @pytest.mark.parametrize(("leave_rank", "leave_at", "accumulate"), [(2, 3, "1"), (0, 3, "2")])
-def test_a_sparse_tables_rows_average_over_the_workers_still_there(leave_rank: int, leave_at: int, accumulate: str):
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_a_sparse_tables_rows_average_over_the_workers_still_there(
+    leave_rank: int, leave_at: int, accumulate: str, topology: str
+) -> None:
     """Each worker pushes row 9 and its own row, rank+1: row 9 steps as the dense parameter does, a
     worker's own row by its share of the live workers, the lost worker's row stops."""
-    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, SPARSE="1", ACCUMULATE=accumulate)
+    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, topology=topology, SPARSE="1",
+                                     ACCUMULATE=accumulate)  # fmt: skip
     assert code == 0, out
     k, survivors = int(accumulate), sorted({0, 1, 2} - {leave_rank})
     lost_at = leave_at // k  # the first step without it
@@ -118,15 +130,16 @@ def test_a_sparse_tables_rows_average_over_the_workers_still_there(leave_rank: i
 
 
 @pytest.mark.parametrize(("leave_rank", "leave_at", "accumulate"), [(2, 3, "1"), (0, 2, "1"), (1, 5, "2")])
+@pytest.mark.parametrize("topology", ["ps", "ring"])
 def test_compressed_steps_agree_on_their_scale_again_without_a_lost_worker(
-    leave_rank: int, leave_at: int, accumulate: str
+    leave_rank: int, leave_at: int, accumulate: str, topology: str
 ) -> None:
     """compression="fp16": the workers agree on each step's scale (a max over them) before pushing; a
     worker lost meanwhile fails that agreement on every survivor, who agree again without it. Found
     with a CPU hog: the shards abandoned the survivors' new agreement for the loss too, and survivors
     went on alone (each its own members). Gradients rank+1 are exact in float16: the plain run's values."""
-    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, COMPRESSION="fp16",
-                                     ACCUMULATE=accumulate)  # fmt: skip
+    code, rows, out = launch_elastic(3, leave_rank=leave_rank, leave_at=leave_at, topology=topology,
+                                     COMPRESSION="fp16", ACCUMULATE=accumulate)  # fmt: skip
     assert code == 0, out
     k = int(accumulate)
     survivors = sorted({0, 1, 2} - {leave_rank})
@@ -139,36 +152,47 @@ def test_compressed_steps_agree_on_their_scale_again_without_a_lost_worker(
     assert sorted(r["rank"] for r in last) == survivors and all(r["members"] == survivors for r in last), out
 
 
-def test_losing_rank_zero_is_no_different() -> None:
-    code, rows, out = launch_elastic(3, leave_rank=0, leave_at=2)
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_losing_rank_zero_is_no_different(topology: str) -> None:
+    code, rows, out = launch_elastic(3, leave_rank=0, leave_at=2, topology=topology)
     assert code == 0, out
     last = [r for r in rows if r.get("step") == 7]
     assert sorted(r["rank"] for r in last) == [1, 2] and all(r["members"] == [1, 2] for r in last), out
     assert all(r["w"] == pytest.approx(-2.0 * 2 - 2.5 * 6) for r in last), last
 
 
-def test_elastic_needs_ps() -> None:
+def test_elastic_needs_a_topology_that_keeps_the_model_or_re_forms() -> None:
     import numpy as np
 
-    import psring
     from psring.training.sgd import SyncSGD
 
-    class Ring:
-        topology, world_size = "ring", 2
+    class Neither:  # a group with no shards and no quorum (Group's defaults)
+        topology, world_size, params = "other", 2, None
 
-    with pytest.raises(ValueError, match="elastic=True needs the ps topology"):
-        SyncSGD(Ring(), {"w": np.zeros(2, np.float32)}, elastic=True)
-    assert psring  # the package imports
+        def quorum(self) -> None:
+            return None
+
+    with pytest.raises(ValueError, match="the other topology neither keeps the model nor re-forms"):
+        SyncSGD(Neither(), {"w": np.zeros(2, np.float32)}, elastic=True)
 
 
 @pytest.mark.parametrize(
-    ("options", "epochs", "floor"),
-    [([], 30, 0.95), (["--compression", "fp16", "--accumulate", "2"], 30, 0.95), (["--model", "embed"], 7, 0.6)],
-    ids=["plain", "fp16-acc2", "embed"],
+    ("topology", "options", "epochs", "floor"),
+    [
+        ("ps", [], 30, 0.95),
+        ("ps", ["--compression", "fp16", "--accumulate", "2"], 30, 0.95),
+        ("ps", ["--model", "embed"], 7, 0.6),
+        ("ring", [], 30, 0.95),
+        ("ring", ["--model", "embed"], 7, 0.6),
+    ],
+    ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ring-plain", "ring-embed"],
 )
-def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str], epochs: int, floor: float) -> None:
-    """embed: the sparse tables' rows too go on averaging over the workers still there."""
-    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "4", "--epochs", str(epochs),
+def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
+    topology: str, options: list[str], epochs: int, floor: float
+) -> None:
+    """embed: the sparse tables' rows too go on averaging over the workers still there. Over the ring
+    the survivors re-form (every rank holds the model and its tables)."""
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "4", "--epochs", str(epochs),
            "--elastic", *options, "--json"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
@@ -178,7 +202,7 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes(options: list[str], 
         lines = []
         for line in proc.stdout:
             lines.append(line)
-            if killed is None and re.match(r"\[ps\] epoch 5 ", line):
+            if killed is None and re.match(rf"\[{topology}\] epoch 5 ", line):
                 for task in Path(f"/proc/{proc.pid}/task").iterdir():
                     for child in (task / "children").read_text().split():
                         environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
@@ -260,19 +284,22 @@ def _run_with_joiner(
     return proc.returncode, lines, err, joiner.returncode, jout
 
 
+@pytest.mark.parametrize("topology", ["ps", "ring"])
 @pytest.mark.parametrize("sparse", ["0", "1"], ids=["dense", "sparse"])
-def test_a_new_worker_joins_at_a_boundary_and_takes_part(sparse: str) -> None:
+def test_a_new_worker_joins_at_a_boundary_and_takes_part(sparse: str, topology: str) -> None:
     """sparse: a sparse table's row, pushed alike, steps as the dense parameter does, the joiner's
-    rows from the step it is admitted at (the shards' tables admit it too)."""
+    rows from the step it is admitted at (the shards' tables admit it too). Over the ring the
+    boundary re-forms the ring with the new worker, and its rank 0 streams it the state."""
     job = str(ROOT / "tests" / "support" / "jobs" / "elastic_grow_job.py")
-    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", topology, "--", sys.executable, job]
 
     def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
         e = _env_of_rank(launcher, "0")
         extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY="ps", SPARSE=sparse, **extra)
+        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY=topology, TOPOLOGY=topology, SPARSE=sparse,
+                                          **extra)  # fmt: skip
 
-    with_table = env(SPARSE=sparse)
+    with_table = env(SPARSE=sparse, TOPOLOGY=topology)
     code, lines, err, jcode, jout = _run_with_joiner(cmd, r'"step": 2,', joiner_for, with_table)
     out = "".join(lines)
     assert code == 0 and jcode == 0, out + err + jout
@@ -294,14 +321,15 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part(sparse: str) -> None:
     assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["live"] == 3 and r["sum"] == 3.0 for r in ends)
 
 
-def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once() -> None:
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once(topology: str) -> None:
     """Joins closed (SyncSGD.close_joins) while a new worker waits: it raises, saying so, instead of
     waiting out its timeout (seen: the main job ended under a joiner, which waited on); one that asks
     afterwards is refused at init_group."""
     job = str(ROOT / "tests" / "support" / "jobs" / "elastic_grow_job.py")
-    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", "ps", "--", sys.executable, job]
-    proc = subprocess.Popen(cmd, env=env(CLOSE_AT="100", STEPS="400"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", topology, "--", sys.executable, job]
+    proc = subprocess.Popen(cmd, env=env(CLOSE_AT="100", STEPS="400", TOPOLOGY=topology), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     joiners: list[subprocess.Popen[str]] = []
     outs: list[tuple[int, str]] = []
     try:
@@ -310,7 +338,7 @@ def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once() ->
             if (not joiners and '"step": 1,' in line) or (len(joiners) == 1 and '"closed": 100' in line):
                 e = _env_of_rank(proc.pid, "0")
                 extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
-                jenv = env(JOIN="1", PSRING_TOPOLOGY="ps", **extra)
+                jenv = env(JOIN="1", PSRING_TOPOLOGY=topology, TOPOLOGY=topology, **extra)
                 joiners.append(subprocess.Popen([sys.executable, job], env=jenv, stdout=subprocess.PIPE,
                                                 stderr=subprocess.STDOUT, text=True))  # fmt: skip
                 if len(joiners) == 2:
@@ -329,8 +357,9 @@ def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once() ->
     assert c2 != 0 and "admits no more workers" in o2 and "closed joins at step 100" in o2, o2[-3000:]
 
 
-def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
-    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "3", "--epochs", "40",
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_the_main_job_takes_a_fourth_worker_mid_job(topology: str) -> None:
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "3", "--epochs", "40",
            "--elastic", "--json"]  # fmt: skip
 
     def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
@@ -339,13 +368,13 @@ def test_the_main_job_takes_a_fourth_worker_mid_job() -> None:
         spec = json.loads(argv[-1])
         spec.update(join=True, out=None)  # the same job's spec, as a new worker
         extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "PSRING_JOB")}
-        return [sys.executable, "-m", "psring.training", json.dumps(spec)], env(PSRING_TOPOLOGY="ps", **extra)
+        return [sys.executable, "-m", "psring.training", json.dumps(spec)], env(PSRING_TOPOLOGY=topology, **extra)
 
     # rank 0 sleeps 0-20 ms a batch (set by the test, never by psring): the job lasts past the joiner's
     # start-up on any machine (on 16 cores the 40 epochs were over before the joiner reached the store)
     slow = env(PYTHONPATH=pythonpath(ROOT / "tests" / "support" / "straggler", ROOT), STRAGGLER_RANK="0",
                STRAGGLER_S="0.01")  # fmt: skip
-    code, lines, err, jcode, jout = _run_with_joiner(cmd, r"^\[ps\] epoch 3 ", joiner_for, slow)
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, rf"^\[{topology}\] epoch 3 ", joiner_for, slow)
     assert code == 0 and jcode == 0, "".join(lines) + err + jout
     summary = json.loads(lines[-1])
     assert summary["elastic"] == {"departed": [], "joined": [3]} and summary["workers"] == 4, summary

@@ -16,6 +16,7 @@ A rank listens on one port (PSRING_PORT, or an ephemeral one); peers and its dat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
@@ -24,12 +25,12 @@ import numpy as np
 from ...core import wire
 from ...core.fold import ring_chunk_bounds
 from ...errors import PeerLostError, ProtocolError, PsringError
-from ...rendezvous.join import assign_rank, group_set_up
+from ...rendezvous.join import assign_rank, connect_store_of, group_set_up
 from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
-from . import agree
+from . import agree, quorum
 from .board import BoardAllReduce
 from .caller import CallerThread
 from .chooser import Algorithm, Chooser
@@ -42,6 +43,7 @@ from .onehop import OneHop
 from .paths import Path, choose_reduce
 from .pipeline import PipelinedRing
 from .plane.allreduce import PlaneAllReduce
+from .quorum import Quorum
 from .streamed import StreamedBoard
 from .tcpdirect import TcpDirect
 from .twohop import TwoHop
@@ -65,6 +67,10 @@ class RingGroup(Group):
         self.net = net
         self.members = members
         self._owns_resources = gid == "0"
+        self._quorum: Quorum | None = None
+        #: a new worker of a running elastic ring, until SyncSGD took its state; and what admitted it said
+        self.joining = False
+        self.joined_with: dict[str, Any] | None = None
         self._local = {g: r for r, g in enumerate(members)}
         #: the peers in the order this rank sends to them (not everyone to rank 0 first)
         self.peer_order = tuple((rank + k) % world_size for k in range(1, world_size))
@@ -97,8 +103,11 @@ class RingGroup(Group):
 
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> RingGroup:
+        join = options.pop("join", False)
         if options:
             raise TypeError(f"init_group(topology='ring') got unexpected options {sorted(options)}")
+        if join:  # a new worker of a running elastic ring: admitted at a boundary, into a re-formed ring
+            return await quorum.join(cls, settings)
         assert settings.world_size is not None
         world = settings.world_size
         prefix = f"psring/{settings.job}"
@@ -122,6 +131,22 @@ class RingGroup(Group):
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)
             return group
+
+    @classmethod
+    async def reformed(cls, settings: GroupSettings, job: str, round_: int, rank: int, world: int) -> RingGroup:
+        """A new ring of ``world`` ranks for an elastic job's round ``round_`` (its ranks and new workers):
+        a full set-up under ``psring/<job>/e<round>`` on a port of its own, meeting through a store
+        connection of its own (the job's store, never one served here)."""
+        store = await connect_store_of(settings)
+        config = settings.config.replace(job=f"{job}/e{round_}", port=0)
+        return await cls.create(dataclasses.replace(settings, rank=rank, world_size=world, client=store, config=config))
+
+    async def close(self) -> None:
+        q = self._quorum
+        if self.gid == "0" and q is not None:
+            for ring in q.spawned:  # the rings later joins re-formed into (an elastic job's; each closes its own)
+                await ring.close()
+        await super().close()
 
     # ---------------------------------------------------------------- plumbing
     async def _link(self, local_rank: int) -> Connection:
@@ -147,6 +172,13 @@ class RingGroup(Group):
         return RingGroup(
             self.net, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
         )
+
+    def quorum(self) -> Quorum:
+        """The rounds that re-form this ring's survivors after a loss (one per ring, kept by its root)."""
+        root = self.net.groups.get("0", self)
+        if root._quorum is None:
+            root._quorum = Quorum(root)
+        return root._quorum
 
     def on_peer_lost(self, err: PeerLostError) -> None:
         if err.rank is not None and err.rank in self.members and self.members != list(range(self.world_size)):

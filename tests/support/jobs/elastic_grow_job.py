@@ -1,8 +1,9 @@
-"""An elastic SyncSGD job over ps that admits new workers every 3 steps (JOIN=1: this process is
-one, started while the job runs; CLOSE_AT=t: no boundary admits anyone, the one at step t closes
-joins, and the job goes on to STEPS). Every worker pushes gradient rank+1 with lr 1, so each step's
-result says whose gradients it averaged (SPARSE=1: a sparse table's row 9 too, pushed alike). One JSON
-line per step; the live group's all_reduce last."""
+"""An elastic SyncSGD job over ps (TOPOLOGY=ring: the ring) that admits new workers every 3 steps
+(JOIN=1: this process is one, started while the job runs; CLOSE_AT=t: no boundary admits anyone,
+the one at step t closes joins, and the job goes on to STEPS). Every worker pushes gradient rank+1
+with lr 1, so each step's result says whose gradients it averaged (SPARSE=1: a sparse table's row 9
+too, pushed alike). LEAVE=id@t: the worker of that id exits (like a crash) before its step t. One
+JSON line per step; the live group's all_reduce last."""
 
 from __future__ import annotations
 
@@ -21,16 +22,19 @@ async def main() -> None:
     join = os.environ.get("JOIN") == "1"
     steps = int(os.environ.get("STEPS", "60"))
     close_at = int(os.environ.get("CLOSE_AT", "0"))
-    g = await psring.init_group(topology="ps", timeout=60, join=join)
+    g = await psring.init_group(topology=os.environ.get("TOPOLOGY", "ps"), timeout=60, join=join)
     sparse = os.environ.get("SPARSE") == "1"  # a sparse table too, whose row 9 every worker pushes
     params = {"w": np.zeros(3, np.float32), **({"emb": np.zeros((10, 2), np.float32)} if sparse else {})}
     opt = SyncSGD(g, params, SGD(lr=1.0), elastic=True, sparse=["emb"] if sparse else ())
     await opt.start()
-    me = g.members[g.rank]
+    me = opt.members[opt.live_group().rank]  # this worker's id in the job (a joiner's: after the first ring's)
     start = opt.step_count
     print(json.dumps({"rank": me, "start": start, "joined_with": opt.joined_with, "members": opt.members}), flush=True)
     t = start
+    leave, _, leave_at = os.environ.get("LEAVE", "-1@-1").partition("@")
     while t < steps:
+        if me == int(leave) and t == int(leave_at):
+            os._exit(9)
         if close_at and t == close_at:
             await opt.close_joins()
             print(json.dumps({"rank": me, "closed": t}), flush=True)
