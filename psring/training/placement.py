@@ -284,8 +284,8 @@ class Reformed(Replicated):
         """Parameters, optimizer state and sparse tables (with theirs) from rank ``src`` of the
         (new) group to all."""
         g = sgd.group
-        for i, flat in enumerate(sgd._flat):
-            sgd._flat[i] = await g.broadcast(flat, src=src)
+        for flat in sgd._flat:  # in place: the views the loop holds (opt.params) stay the parameters
+            flat[...] = await g.broadcast(flat, src=src)
         for state in [*sgd._state, *(sgd._table_state[n] for n in sgd.sparse)]:
             for key in sorted(state):
                 if key == "step":
@@ -293,7 +293,7 @@ class Reformed(Replicated):
                 else:
                     state[key][...] = await g.broadcast(state[key], src=src)
         for name in sgd.sparse:
-            sgd._tables[name] = await g.broadcast(sgd._tables[name], src=src)
+            sgd._tables[name][...] = await g.broadcast(sgd._tables[name], src=src)
 
     def live_group(self, sgd: SyncSGD) -> Any:
         return sgd.group  # the survivors' group since the last loss or join

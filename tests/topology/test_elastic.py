@@ -227,10 +227,11 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     assert "elastic" in out and "worker(s) [2] left" in out
 
 
-def test_chaos_short_form_loses_no_job() -> None:
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_chaos_short_form_loses_no_job(topology: str) -> None:
     res = run_tree(
-        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--elastic", "--trials", "1", "--kills", "2",
-         "--steps", "120", "--json"],
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--elastic", "--topology", topology, "--trials", "1",
+         "--kills", "2", "--steps", "120", "--json"],
         timeout=180,
         env=env(),
     )  # fmt: skip

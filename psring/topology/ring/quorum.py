@@ -4,14 +4,14 @@ A ring has no server that outlives a worker, so an elastic ring (``SyncSGD(elast
 the ring) keeps its state on every rank and, when a step's exchange fails for a lost, killed or
 hung peer, runs one quorum round through the job's store (as torchft's lighthouse does per step):
 
-1. each survivor posts ``<prefix>/elastic/q<e>/<rank>``: the steps it completed and the ranks it
-   knows are gone (its links' losses, which every rank's net floods, and a timeout's missing ranks);
-2. the round closes once every member of the ring it left has posted or is known gone (or the
-   group's timeout passed: the silent are left out); the first rank to see that writes the round's
-   record with compare-and-set, and every rank takes that record, so all agree even if a late
-   poster arrives;
-3. the ranks in it form a new group over the same endpoint (``RingGroup`` over the same ``PeerNet``:
-   no new rendezvous, only links to new neighbours), numbered in the old order.
+1. each survivor proposes the ring's members less those it knows are gone (its links' losses,
+   which every rank's net floods at once, and a failed call's missing ranks after a timeout) with
+   compare-and-set on ``<prefix>/elastic/q<e>/members``: the first proposal written is the round's
+   record, and every rank takes it (one store round trip), so all agree whoever comes late;
+2. the ranks in it form a new group over the same endpoint (``RingGroup`` over the same ``PeerNet``:
+   no new rendezvous, only links to new neighbours), numbered in the old order, and all_gather the
+   steps each completed (its first call). If a member of the record is gone too (it died meanwhile,
+   or hangs: that call times out), the survivors run the next round from there.
 
 A rank the record leaves out (it was silent past the timeout, e.g. stopped) raises
 ``PeerLostError`` saying so. What the survivors then do with the steps each completed (hand the
@@ -32,9 +32,6 @@ import numpy as np
 from ...errors import CollectiveTimeoutError, PeerLostError, PsringError, StoreError
 
 logger = logging.getLogger(__name__)
-
-#: how long a survivor waits for the others' posts before it looks at the round again (seconds)
-WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -130,55 +127,39 @@ class Quorum:
         return reg.prefix.removeprefix("psring/").removesuffix("/elastic")
 
     async def reform(self, group: Any, failed: BaseException, done: int) -> Round:
-        """The survivors of ``group``, which just ``failed`` a call, agreed through the store;
-        ``done``: the steps this rank completed."""
+        """The survivors of ``group``, which just ``failed`` a call: a round through the store agrees
+        who they are, a new group of them over this endpoint, and what each completed (``done``:
+        this rank's steps). A round whose new group loses a rank too is followed by another."""
         t0 = time.perf_counter()
-        e = self.epoch + 1
-        store, at = self.net.store, f"{self.prefix}/q{e}"
-        gone = gone_in(group, failed) | set(self.net.lost)
-        await store.set(f"{at}/{self.me}", json.dumps({"done": done, "gone": sorted(gone)}))
-        record = await self._close(store, at, group.members, group.timeout)
-        members = [int(r) for r in record["members"]]
-        if self.me not in members:
-            raise PeerLostError(
-                f"rank {self.me} was left out of the elastic ring's round {e} (the others found it silent "
-                f"for {group.timeout:.0f}s or lost): the ring went on with ranks {members}",
-                rank=self.me,
-            )
-        self.epoch = e
-        old = self.net.groups.get(group.gid)
-        if group.gid != self.root.gid and old is group:
-            del self.net.groups[group.gid]  # an earlier round's group: nothing more comes for it
-        new = type(self.root)(self.net, members.index(self.me), len(members), members, f"e{e}", self.root.timeout)
-        self.took.append(time.perf_counter() - t0)
-        logger.warning("elastic ring: round %d: ranks %s go on without %s (steps completed %s; %.1f ms)", e, members,
-                       sorted(set(group.members) - set(members)), [record["done"][str(r)] for r in members],
-                       1e3 * self.took[-1])  # fmt: skip
-        return Round(new, [int(record["done"][str(r)]) for r in members], e)
-
-    async def _close(self, store: Any, at: str, members: list[int], timeout: float) -> dict[str, Any]:
-        """The round's record: the one written first (compare-and-set), by whoever saw every member
-        posted or gone (or the timeout pass)."""
-        deadline = time.monotonic() + timeout
-        posts: dict[int, dict[str, Any]] = {}
         while True:
-            decided = await store.get(f"{at}/members")
-            if decided is not None:
-                return dict(json.loads(decided))
-            for r in members:  # (one get each, not a listing: torch's store cannot list keys)
-                if r not in posts:
-                    raw = await store.get(f"{at}/{r}")
-                    if raw is not None:
-                        posts[r] = json.loads(raw)
-            gone = set(self.net.lost).union(*(set(p["gone"]) for p in posts.values()))
-            waiting = [r for r in members if r not in posts and r not in gone]
-            if not waiting or time.monotonic() > deadline:
-                chosen = sorted(posts)
-                record = {"members": chosen, "done": {str(r): posts[r]["done"] for r in chosen}}
-                won, current = await store.compare_set(f"{at}/members", None, json.dumps(record).encode())
-                return record if won else dict(json.loads(current or b"{}"))
-            with contextlib.suppress(StoreError):  # not all there yet: look again (someone may have decided)
-                await store.wait([f"{at}/{r}" for r in waiting], WAIT_S)
+            e = self.epoch + 1
+            gone = gone_in(group, failed) | set(self.net.lost)
+            proposal = [r for r in group.members if r not in gone]
+            # the first proposal written is the round's: one store round trip for everyone
+            won, current = await self.net.store.compare_set(
+                f"{self.prefix}/q{e}/members", None, json.dumps(proposal).encode()
+            )
+            members = proposal if won else [int(r) for r in json.loads(current or b"[]")]
+            if self.me not in members:
+                raise PeerLostError(
+                    f"rank {self.me} was left out of the elastic ring's round {e} (the others found it silent "
+                    f"past their timeout, or lost): the ring went on with ranks {members}",
+                    rank=self.me,
+                )
+            self.epoch = e
+            if group.gid != self.root.gid and self.net.groups.get(group.gid) is group:
+                del self.net.groups[group.gid]  # an earlier round's group: nothing more comes for it
+            at = members.index(self.me)
+            new = type(self.root)(self.net, at, len(members), members, f"e{e}", self.root.timeout)
+            try:  # every member's completed steps, over the new group: its first call
+                dones = [int(d[0]) for d in await new.all_gather(np.array([done], np.int64))]
+            except (PeerLostError, CollectiveTimeoutError) as exc:
+                group, failed = new, exc  # a member of the round is gone too: another round
+                continue
+            self.took.append(time.perf_counter() - t0)
+            logger.warning("elastic ring: round %d: ranks %s go on without %s (steps completed %s; %.1f ms)", e,
+                           members, sorted(set(group.members) - set(members)), dones, 1e3 * self.took[-1])  # fmt: skip
+            return Round(new, dones, e)
 
 
 def _closed(value: bytes) -> str:
