@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ..conftest import run_tree
 from .test_elastic import ROOT, _env_of_rank, _run_with_joiner, env, launch_elastic
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -110,3 +111,17 @@ def test_a_ring_that_took_a_new_worker_loses_one_and_goes_on() -> None:
     _check_steps(rows)
     last = [r for r in rows if r.get("step") == 60]
     assert sorted(r["rank"] for r in last) == [1, 2] and all(r["members"] == [1, 2] for r in last), out
+
+
+def test_heal_short_form_measures_a_new_worker_on_both_topologies() -> None:
+    """benchmarks/heal.py, short: a new worker joins a running elastic job on each topology, its
+    first step is timed, and the job's workers end agreeing."""
+    res = run_tree(
+        [sys.executable, str(ROOT / "benchmarks" / "heal.py"), "--sizes", "256K", "--trials", "1", "--json"],
+        timeout=200,
+        env=env(),
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [(r["topology"], r["ok"]) for r in out["runs"]] == [("ps", True), ("ring", True)], out
+    assert all(0 < r["to_start_s"] <= r["to_step_s"] < 60 for r in out["runs"]), out
