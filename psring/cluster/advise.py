@@ -41,8 +41,7 @@ The model (its assumptions, in the order they matter):
   its link still sends the last piece to each of them (``drain``): each those workers x the piece /
   bandwidth, pieces as psring cuts them across hosts, 8 per shard's slice between
   PSRING_PS_WIRE_PIECE and PSRING_PS_PIECE (both seen on the hosts bed, in the byte counters of a
-  server host's link: 4 + 2 hosts, 64 MiB, its link out idle for the first 134 ms of a call and its
-  link in for the last 134). With R > 1 the ps reduces
+  server host's link: docs/performance.md, "psring advise against the hosts bed"). With R > 1 the ps reduces
   within each host before pushing, as BytePS does (from PSRING_PS_HOST_REDUCE bytes, in blocks of
   PSRING_PS_HOST_BLOCK): local rank l pushes the host's partial of slice l, so a host's link carries
   what one worker's would, and the ranks pay the hierarchical ring's memory traffic; below that size
@@ -166,8 +165,8 @@ def split_time(layout: Layout, x: float) -> float:
     that reach it. Its k dedicated flows, its pushes to the colocated shards of other hosts and its
     own shards' answers to them run side by side: the colocated ones take their share of the link
     while the dedicated shards' links idle, so the share that evens the links' bytes (BytePS's, the
-    equal-load bound) runs long. Measured on the bed at 4 + 2, 16 MiB, the share x = 0.5 / 0.6 /
-    0.67 / 0.75 gave 1.00 / 0.95 / 0.86 / 0.78x the ring; this gives 1.00 / 0.94 / 0.90 / 0.86x."""
+    equal-load bound) runs long. The bed's runs against this model: docs/performance.md ("psring advise
+    against the hosts bed")."""
     n, r, k = layout.workers, layout.ranks_per_host, layout.server_hosts
     pushers, per_host = _pushers(layout)
     # [flows on the link, bytes left in each (units of S), the most one flow may take of the link]
@@ -241,12 +240,12 @@ SNDBUF_LINK_MAX = 10e9 / 8
 def ps_tuning(layout: Layout, links: Links) -> dict[str, str]:
     """The ps's settings for these links where they differ from psring's defaults (between hosts only).
 
-    On the hosts bed, 4 workers + 4 server hosts, 1 Gbit/s, 64 MiB, ps dedicated against the flat ring:
-    1.12-1.17x as psring starts; 1.34-1.38x with 32 pieces a slice and 128 KiB send buffers. With the
-    kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to 4 shards, 4
-    workers' pushes into a shard -- take uneven shares, and a shard waits for the slowest worker's piece
-    while its link out idles; small buffers keep them even. At 10 Gbit/s the buffers paid there too
-    (ps colocated 0.84x -> 1.24x the ring at 64 MiB), the pieces did not (the bed is CPU-bound there)."""
+    With the kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to 4
+    shards, 4 workers' pushes into a shard -- take uneven shares, and a shard waits for the slowest
+    worker's piece while its link out idles; small buffers keep them even, and more pieces a slice let
+    a shard answer sooner. On fast links the buffers pay and the pieces do not (the CPU is the bound
+    there). The runs on the hosts bed: docs/defaults.md#parameter-server (PSRING_PS_SNDBUF,
+    PSRING_PS_WIRE_PIECES)."""
     if layout.hosts == 1 and layout.server_hosts == 0:
         return {}
     config = settings.current()

@@ -137,8 +137,8 @@ def prod(shape: tuple[int, ...]) -> int:
 class _BufferPool:
     """Recycles the memory of large results once the caller lets go of them.
 
-    A result is a new array, but a fresh 64 MiB array costs ~16 ms of page faults on
-    first write here (as much as a third of an all_reduce); training loops reduce
+    A result is a new array, but a fresh large array costs its page faults on first
+    write (a large share of an all_reduce: docs/design.md); training loops reduce
     same-sized tensors over and over. An array from :func:`result_empty` is backed by
     an owner object whose ``__del__`` hands the memory back; a result the caller keeps
     is never reused. Bounded by ``PSRING_BUFFER_POOL`` bytes (default 512 MiB, 0: off).
@@ -211,9 +211,9 @@ def keep_freed_memory(nbytes: int | None = None) -> bool:
     For psring's own long-lived processes only (shard servers, the main job's ranks), never a
     user's: it is process-wide. Arrays of a few MiB whose size changes every step (a sparse step's
     rows: no two steps alike, so :func:`pooled_empty` cannot help) are otherwise served from fresh
-    pages each time, because glibc trims its heap and maps large blocks anew; on these VMs a fresh
-    page costs a fault (~60 ms per 64 MiB), which measured as a third of a shard's time in a sparse
-    step. Returns whether the setting took (False off glibc or when nbytes is 0)."""
+    pages each time, because glibc trims its heap and maps large blocks anew, and a fresh page costs
+    a fault: a large share of a shard's time in a sparse step (docs/performance.md, sparse rows).
+    Returns whether the setting took (False off glibc or when nbytes is 0)."""
     global _kept_memory
     if nbytes is None:
         nbytes = settings.current().buffer_pool
@@ -266,7 +266,7 @@ def pooled_bytes(nbytes: int, min_bytes: int = _BufferPool.MIN_BYTES) -> np.ndar
     """An uninitialized uint8 buffer, from the pool (and back to it once unused) from ``min_bytes``.
 
     For receive buffers and per-piece outputs that live only as long as one collective: a
-    fresh megabyte-sized buffer costs its page faults on every use (~3 ms per 4 MiB here). A
+    fresh megabyte-sized buffer costs its page faults on every use (docs/design.md). A
     path that takes two or more buffers of a few hundred KiB a call pools those too (``min_bytes``):
     glibc hands their pages back when they are freed together, and maps them anew on the next call."""
     if nbytes < min_bytes or _POOL.cap <= 0:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 #: with PSRING_GPU_OVERLAP=1, cupy all_reduces of at least this many bytes copy their input off
 #: the device range by range while the network already moves the first ranges (where the
 #: implementation can: the ring's data plane). Off by default: with 4 ranks sharing one GPU it
-#: measured slower (README, GPU).
+#: measured slower (docs/gpu.md).
 STREAM_MIN_BYTES = 1 << 20
 
 

@@ -4,8 +4,8 @@ When every rank of a job runs under one kernel, in one network and one pid names
 (one machine, or containers sharing both), a small collective need not cross TCP:
 a seqpacket socket keeps message boundaries, so a message is one ``send`` and one
 ``recv_into``, with no stream framing, no protocol object and no transport buffers
-in between. Measured on the 2-core VM, a 4-byte all-to-all exchange between 4
-processes took ~260 microseconds this way against ~1.2 ms through the TCP links.
+in between: several times faster than the TCP links for small messages (the runs:
+docs/defaults.md#ring).
 
 A message is one whole frame (:func:`psring.core.wire.encode_message`); this module
 knows messages and peers, not collectives.

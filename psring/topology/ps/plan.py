@@ -98,8 +98,7 @@ def piece_bytes(
     on another host, small enough that each shard's slice is ``wire_pieces`` pieces, but not below
     ``wire_piece`` (PSRING_PS_WIRE_PIECE; 0: off). A shard folds and answers a piece only once every
     worker's copy is in, so a slice of one piece would cross a link twice in a row (pushes, then
-    results); much smaller pieces cost CPU each (at 10 Gbit/s on the bed 256 KiB pieces of 64 MiB took
-    1.4x the time of 4 MiB ones)."""
+    results); much smaller pieces cost CPU each (the runs: docs/defaults.md#parameter-server)."""
     if not (across_hosts and 0 < wire_piece < piece):
         return piece
     return min(piece, max(wire_piece, nbytes // max(shards, 1) // max(wire_pieces, 1)))

@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 _WAKE = ("wake", None, None, None, None)
 #: the longest a waiting rank sleeps before it looks at the board again (a poke may cross its sleep)
 NAP = 0.002
-#: board all_reduces of this many bytes or more split the fold over the ranks (measured, 4 ranks on this
-#: VM: below it the second wait costs more than the fold it saves)
+#: board all_reduces of this many bytes or more split the fold over the ranks (below it the second wait
+#: costs more than the fold it saves; measured side by side at 4 ranks)
 SPLIT_BYTES = 64 << 10
 #: polls of the board before the spin starts yielding the core between them (each yield is a syscall,
 #: which on a VM costs more than the wait for a peer running on another core)

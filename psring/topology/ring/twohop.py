@@ -222,10 +222,10 @@ class TwoHop(Algorithm):
     def fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """_soon for a kind of call (dtype, shape, op) that took two hops whole on the caller's thread
         before: the same checks and books with as little Python around the native call as can be (``on_loop``:
-        the asyncio API's call, from the loop, as _soon's). At 1 MiB, 4 ranks over TCP, the Python
-        around the call ran ~95 us of CPU a call (cold: the call's 3 MiB of socket copies leave nothing of it
-        in the caches), ~17% of the rank's CPU, on cores the four ranks share. None: not now, nothing done
-        (the usual way decides)."""
+        the asyncio API's call, from the loop, as _soon's). Over TCP the Python around the native call
+        runs cold (the call's socket copies leave nothing of it in the caches) and was a measurable share
+        of a rank's CPU on cores the ranks share (docs/design.md). None: not now,
+        nothing done (the usual way decides)."""
         plan = self.plans.get((x.dtype, x.shape, op))
         if plan is None or not plan.fast:
             return None
@@ -249,8 +249,8 @@ class TwoHop(Algorithm):
         started = time.monotonic()
         # the result: the last one again where nothing holds it or its memory any more (a memoryview or a
         # torch tensor of it holds the array; a view or a reshape, the array's base), else a pooled one -- a
-        # pooled result costs ~40 us of CPU cold (its base, its interface read by numpy, its return to the
-        # pool); one is kept at a time, with its rows (the group's scratch, while it is that)
+        # pooled result costs CPU cold (its base, its interface read by numpy, its return to the pool);
+        # one is kept at a time, with its rows (the group's scratch, while it is that)
         last = self._last
         out = last[1] if last is not None and last[0] is plan else None
         base = out.base if out is not None else None
