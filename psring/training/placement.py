@@ -227,13 +227,9 @@ class Sharded:
         sgd.step_count = step
 
     async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
-        if not sgd.elastic:
-            raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
         return list(await self.params.admit(sgd.step_count, [_to_host(f) for f in sgd._flat], extra))
 
     async def close_joins(self, sgd: SyncSGD) -> None:
-        if not sgd.elastic:
-            raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
         await self.params.close_joins(sgd.step_count)
 
 
@@ -269,12 +265,12 @@ class Reformed(Replicated):
 
     async def _recover(self, sgd: SyncSGD, exc: BaseException) -> bool:
         """Re-form without the lost; True when this rank took the step from a survivor that completed it."""
-        done = await self.quorum.reform(sgd.group, exc, sgd.step_count)
-        sgd.group = done.group
-        best = max(done.done)
-        if min(done.done) == best:
+        agreed = await self.quorum.reform(sgd.group, exc, sgd.step_count)
+        sgd.group = agreed.group
+        best = max(agreed.done)
+        if min(agreed.done) == best:
             return False  # nobody completed it: redo it among the survivors
-        await self._hand_over(sgd, done.done.index(best))
+        await self._hand_over(sgd, agreed.done.index(best))
         if sgd.step_count >= best:
             return False  # this rank had completed the steps before: it redoes its own
         sgd.step_count = best - 1  # (SyncSGD.step counts the step taken)

@@ -40,7 +40,6 @@ class Round:
 
     group: Any
     done: list[int]
-    epoch: int
 
 
 def gone_in(group: Any, exc: BaseException) -> set[int]:
@@ -82,8 +81,6 @@ class Quorum:
         self.admitted = admitted
         #: the rings later joins re-formed into, from this one (closed with it)
         self.spawned: list[Any] = []
-        #: the rounds' wall times, kill to new group (what benchmarks/chaos.py --elastic reports)
-        self.took: list[float] = []
 
     def ids_of(self, group: Any) -> list[int]:
         """The job's ids of a group's ranks (a group over this ring's endpoint)."""
@@ -156,10 +153,10 @@ class Quorum:
             except (PeerLostError, CollectiveTimeoutError) as exc:
                 group, failed = new, exc  # a member of the round is gone too: another round
                 continue
-            self.took.append(time.perf_counter() - t0)
             logger.warning("elastic ring: round %d: ranks %s go on without %s (steps completed %s; %.1f ms)", e,
-                           members, sorted(set(group.members) - set(members)), dones, 1e3 * self.took[-1])  # fmt: skip
-            return Round(new, dones, e)
+                           members, sorted(set(group.members) - set(members)), dones,
+                           1e3 * (time.perf_counter() - t0))  # fmt: skip
+            return Round(new, dones)
 
 
 def _closed(value: bytes) -> str:
