@@ -261,12 +261,12 @@ def run(args: argparse.Namespace) -> int:
                    f"{args.backup} workers pushed it; a ring all_reduce needs every rank)")  # fmt: skip
     if not 0 <= args.backup < args.workers:
         return bad(f"--backup must be from 0 to {args.workers - 1} (--workers {args.workers}), got {args.backup}")
-    if args.backup and (args.elastic or args.compression != "none"):
-        return bad("--backup takes no --elastic (not yet) or --compression (its scale is agreed over every worker)")
+    if args.backup and args.compression != "none":
+        return bad("--backup takes no --compression (its scale is agreed over every worker before a step)")
     if args.compare and args.checkpoint_dir:
         return bad("--checkpoint-dir keeps one run's checkpoints: not with --compare")
-    if args.model == "embed" and (args.device != "cpu" or args.backup):
-        return bad("--model embed trains sparse tables: on --device cpu, without --backup (not yet)")
+    if args.model == "embed" and args.device != "cpu":
+        return bad("--model embed trains sparse tables: on --device cpu")
     if args.device == "cuda":
         if not gpu.available():
             return bad("--device cuda needs cupy and a CUDA GPU, and none was found")

@@ -274,8 +274,15 @@ class DistributedOptimizer:
             raise TypeError(f"compression={compression!r} needs float32 parameters")
         if type(backup) is not int or backup < 0:
             raise ValueError(f"DistributedOptimizer: backup={backup!r} must be a non-negative integer")
-        if backup and (compression is not None or self.sparse_params):
-            raise ValueError(f"DistributedOptimizer: backup={backup} takes no compression and no sparse_params")
+        if backup and compression is not None:
+            raise ValueError(f"DistributedOptimizer: backup={backup} takes no compression: its scale is agreed over "
+                             "every worker before a step, which backup workers exist not to wait for")  # fmt: skip
+        if backup and self.sparse_params:
+            raise ValueError(
+                f"DistributedOptimizer: backup={backup} takes no sparse_params (not yet: with backup workers the "
+                "parameters live on the shards, and an embedding's rows would come back to the model each step; "
+                "psring.SyncSGD(sparse=..., backup=b) keeps tables there)"
+            )
         self.buckets: list[_Bucket] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
         current: list[torch.Tensor] = []

@@ -116,6 +116,9 @@ class _Run:
         self.t_start = time.perf_counter()
         self.checkpoints: Any = None
         self.resumed_at: int | None = None  # the batch this run resumed from (None: a fresh start)
+        #: elastic: the batch the next epoch starts at on every worker (None: epoch * per_epoch, as
+        #: before any epoch ended; the epochs' lengths follow the workers there)
+        self._boundary: int | None = None
 
     async def start(self, checkpoints: Any = None) -> None:
         """Agree on the starting parameters: rank 0's, or a checkpoint's (every rank loads the
@@ -131,6 +134,8 @@ class _Run:
         #: the boundary that admitted it named)
         self.first_epoch = int((self.opt.joined_with or {}).get("epoch", 0))
         if self.opt.joined_with is not None:
+            assert self.opt.joined_at is not None
+            self._boundary = self.opt.joined_at * self.opt.accumulate
             return  # a new worker: the shards' parameters of the step it was admitted at
         if saved is not None or self.steps:
             self.resumed_at = self.steps
@@ -185,11 +190,12 @@ class _Run:
         every = int(spec.get("checkpoint_every") or 0)
         losses = []
         first = 0 if self.opt.elastic else (self.steps - epoch * self.per_epoch) * batch_size
+        # the step the epoch's first batch is (backup: a worker that is ahead skips the batches taken
+        # without it); elastic: where the last epoch ended on every worker, or the boundary that admitted
+        # a new worker (the epochs' lengths follow the workers there, not per_epoch)
+        begin = self._boundary if self._boundary is not None else epoch * self.per_epoch + first // batch_size
         for i, start in enumerate(range(first, len(idx), batch_size)):
-            if (
-                self.opt.backup
-                and self.opt.step_count * self.opt.accumulate > epoch * self.per_epoch + first // batch_size + i
-            ):
+            if self.opt.backup and self.opt.step_count * self.opt.accumulate > begin + i:
                 continue  # backup workers: the others took this batch's step without this (late) worker
             batch = self.xp.asarray(idx[start : start + batch_size])
             if self.embed:  # the rows this batch needs, from the shards (ps) or this rank's tables (ring)
@@ -218,7 +224,11 @@ class _Run:
         if self.opt.elastic:
             group = self.opt.live_group()  # every survivor has had the same results: the same group
         try:
-            mean_loss = float((await group.all_reduce(np.array([np.mean(losses)]), op="avg"))[0])
+            # the mean of the workers' means, over those that ran a batch (backup: a straggler may have
+            # skipped a whole epoch's)
+            mine = np.array([np.mean(losses), 1.0] if losses else [0.0, 0.0])
+            total, ran = await group.all_reduce(mine, op="sum")
+            mean_loss = float(total / ran) if ran else float("nan")
         except PeerLostError as exc:
             links = getattr(group, "links", None)
             server_lost = exc.rank is None and links is not None and links.reconnect_servers
@@ -230,7 +240,7 @@ class _Run:
             # everywhere): report this worker's own mean; the next step reconnects, or drops the worker
             logger.warning("%r: epoch %d's loss all_reduce lost a %s (%s); reporting the local mean", group,
                            epoch + 1, "worker" if worker_lost else "server", exc)  # fmt: skip
-            mean_loss = float(np.mean(losses))
+            mean_loss = float(np.mean(losses)) if losses else float("nan")
         acc = await self._accuracy()
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
@@ -238,6 +248,8 @@ class _Run:
         # summed and not yet exchanged; every worker ran as many, so all admit or none does)
         if self.opt.elastic and epoch + 1 < spec["epochs"] and self.steps % self.opt.accumulate == 0:
             await self.opt.admit_waiting({"epoch": epoch + 1})
+        if self.opt.elastic:
+            self._boundary = self.opt.step_count * self.opt.accumulate  # every worker's: a step ends an epoch
         if self.opt.elastic and epoch + 2 >= spec["epochs"]:  # that was the last boundary: a worker that
             await self.opt.close_joins()  # asks to join from now on is told so at once
         if every and self.steps % self.opt.accumulate == 0:

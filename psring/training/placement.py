@@ -220,10 +220,12 @@ class Sharded:
 
     async def join(self, sgd: SyncSGD) -> None:
         """A new worker: the shards' parameters (and tables) of the step a boundary admitted it at."""
-        outs, step, sgd.joined_with = await self.params.join([_to_host(f) for f in sgd._flat])
+        outs, sgd.joined_at, step, sgd.joined_with = await self.params.join([_to_host(f) for f in sgd._flat])
         sgd._flat = [_like(sgd.xp, o) for o in outs]
-        for name in sgd.sparse:  # the shards hold the tables, at the step it joins at
+        for k, name in enumerate(sgd.sparse):  # the shards hold the tables, at the step it joins at
             sgd._tables[name] = None
+            self.tables.joined(k, sgd.joined_at)
+        sgd.skipped += step - sgd.joined_at
         sgd.step_count = step
 
     async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
@@ -317,7 +319,7 @@ class Reformed(Replicated):
         sgd._state = [sgd.optimizer.init_state(f) for f in sgd._flat]
         for name in sgd.sparse:
             sgd._table_state[name] = sgd.optimizer.init_state(sgd._tables[name])
-        sgd.step_count = int((await g.broadcast(np.array([0], np.int64), src=0))[0])
+        sgd.step_count = sgd.joined_at = int((await g.broadcast(np.array([0], np.int64), src=0))[0])
         await self._hand_over(sgd, 0)
         sgd.joined_with, g.joining = g.joined_with, False
 

@@ -92,7 +92,7 @@ class SyncSGD:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
         sparse = [sparse] if isinstance(sparse, str) else list(sparse)
-        check_sparse(params, sparse, optimizer, compression, accumulate, elastic, backup)
+        check_sparse(params, sparse, optimizer)
         if type(backup) is not int or not 0 <= backup < group.world_size:
             raise ValueError(
                 f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
@@ -111,8 +111,6 @@ class SyncSGD:
                     f"backup={backup} takes no compression: its scale is agreed over every worker before a step, "
                     "which backup workers exist not to wait for"
                 )
-            if elastic:
-                raise ValueError(f"backup={backup} takes no elastic (not yet)")
             group.backup = backup
         self.backup = backup
         if elastic and self.placement.holds_model:
@@ -120,6 +118,9 @@ class SyncSGD:
         self.elastic = elastic
         #: a worker that joined a running elastic job: what the admitting loop told it (else None)
         self.joined_with: dict[str, Any] | None = None
+        #: ... and the step of the boundary that admitted it (with backup workers it may start a few steps
+        #: later: the others took them without it, as they do a straggler's)
+        self.joined_at: int | None = None
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
         if compression is not None:
@@ -521,6 +522,10 @@ class BlockingSyncSGD:
     def joined_with(self) -> dict[str, Any] | None:
         return self._inner.joined_with
 
+    @property
+    def joined_at(self) -> int | None:
+        return self._inner.joined_at
+
     def live_group(self) -> BlockingGroup:
         group = self._inner.live_group()
         return self._group if group is self._group.group else BlockingGroup(group, self._portal, owns_portal=False)
@@ -547,12 +552,9 @@ class BlockingSyncSGD:
         self._inner.load_state_dict(state)
 
 
-def check_sparse(
-    params: Mapping[str, Any], sparse: list[str], optimizer: Any, compression: Any, accumulate: int, elastic: bool,
-    backup: int,
-) -> None:  # fmt: skip
+def check_sparse(params: Mapping[str, Any], sparse: list[str], optimizer: Any) -> None:
     """ValueError naming what SyncSGD(sparse=...) cannot take: a name that is no parameter, a table that
-    is not 2-D floating, an option sparse tables do not take yet (backup), weight decay.
+    is not 2-D floating, weight decay.
     Compression applies to the dense buckets only (a table's rows travel as they are)."""
     for name in sparse:
         if name not in params:
@@ -561,8 +563,6 @@ def check_sparse(
         if getattr(v, "ndim", 0) != 2 or np.dtype(v.dtype).kind != "f":
             raise ValueError(f"sparse table {name!r} must be a 2-D floating array (rows x width), got "
                              f"{getattr(v, 'dtype', type(v).__name__)} {getattr(v, 'shape', '')}")  # fmt: skip
-    if sparse and backup:  # compression: the dense buckets only; accumulate: rows summed locally
-        raise ValueError("sparse tables take no backup (not yet): the shards' tables step once every worker pushed")
     decay = float(getattr(optimizer, "weight_decay", 0.0)) if optimizer is not None else 0.0
     if sparse and decay:
         raise ValueError(

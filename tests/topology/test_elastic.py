@@ -182,10 +182,12 @@ def test_elastic_needs_a_topology_that_keeps_the_model_or_re_forms() -> None:
         ("ps", [], 30, 0.95),
         ("ps", ["--compression", "fp16", "--accumulate", "2"], 30, 0.95),
         ("ps", ["--model", "embed"], 7, 0.6),
+        ("ps", ["--backup", "1"], 30, 0.95),
+        ("ps", ["--model", "embed", "--backup", "1"], 7, 0.6),
         ("ring", [], 30, 0.95),
         ("ring", ["--model", "embed"], 7, 0.6),
     ],
-    ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ring-plain", "ring-embed"],
+    ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ps-backup", "ps-embed-backup", "ring-plain", "ring-embed"],
 )
 def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     topology: str, options: list[str], epochs: int, floor: float
@@ -225,6 +227,24 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     hist = summary["history"]
     assert hist[-1]["step"] - hist[-2]["step"] > hist[1]["step"] - hist[0]["step"], hist
     assert "elastic" in out and "worker(s) [2] left" in out
+
+
+def test_backup_workers_with_a_worker_that_starts_after_the_others_took_steps() -> None:
+    """elastic + backup=1: rank 2 pulls the first parameters 0.3 s late, when the others have taken
+    steps without it. It starts at their step and skips those batches; the epochs' boundaries still
+    find every worker at one step (they once did not: the epoch's first batch was taken as the
+    worker's own step, and rank 2 pushed one step past the epoch's end and waited there alone), and
+    an epoch it ran no batch of does not make the reported loss NaN."""
+    slow = env(PYTHONPATH=pythonpath(ROOT / "tests" / "support" / "straggler", ROOT), STRAGGLER_RANK="2",
+               STRAGGLER_S="0.002", STRAGGLER_PULL_S="0.3")  # fmt: skip
+    cmd = [sys.executable, "-m", "psring", "train", "--topology", "ps", "--workers", "3", "--epochs", "4",
+           "--elastic", "--backup", "1", "--json"]  # fmt: skip
+    res = run_tree(cmd, timeout=120, env=slow)
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout.splitlines()[-1])
+    assert summary["ranks_agree"] and summary["backup"]["skipped"][2] > 0, summary
+    assert [h["step"] for h in summary["history"]] == [15, 30, 45, 60], summary["history"]
+    assert all(h["loss"] == h["loss"] for h in summary["history"]), summary["history"]  # no NaN
 
 
 @pytest.mark.parametrize("topology", ["ps", "ring"])
@@ -358,10 +378,13 @@ def test_a_worker_that_asks_to_join_after_the_last_boundary_is_told_at_once(topo
     assert c2 != 0 and "admits no more workers" in o2 and "closed joins at step 100" in o2, o2[-3000:]
 
 
-@pytest.mark.parametrize("topology", ["ps", "ring"])
-def test_the_main_job_takes_a_fourth_worker_mid_job(topology: str) -> None:
+@pytest.mark.parametrize(("topology", "options"), [("ps", []), ("ring", []), ("ps", ["--backup", "1"])],
+                         ids=["ps", "ring", "ps-backup"])  # fmt: skip
+def test_the_main_job_takes_a_fourth_worker_mid_job(topology: str, options: list[str]) -> None:
+    """With a backup worker (ps) the workers meet at an epoch's end at one step (a straggler skipped the
+    batches the others took), so the boundary admits there as without."""
     cmd = [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "3", "--epochs", "40",
-           "--elastic", "--json"]  # fmt: skip
+           "--elastic", *options, "--json"]  # fmt: skip
 
     def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
         e = _env_of_rank(launcher, "0")

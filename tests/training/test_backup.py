@@ -67,8 +67,6 @@ async def test_backup_is_refused_where_it_cannot_work(make_groups) -> None:
             psring.SyncSGD(ps[0], _model(0), backup=bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="backup=1 takes no compression: its scale is agreed over every worker"):
         psring.SyncSGD(ps[0], _model(0), backup=1, compression="fp16")
-    with pytest.raises(ValueError, match=r"backup=1 takes no elastic \(not yet\)"):
-        psring.SyncSGD(ps[0], _model(0), backup=1, elastic=True)
 
 
 @pytest.mark.asyncio

@@ -148,6 +148,31 @@ async def test_bad_rows_are_named_on_every_rank_and_nothing_is_applied(make_grou
 
 
 @pytest.mark.asyncio
+async def test_a_tables_step_takes_all_but_the_backup_workers_rows(make_groups) -> None:
+    """backup=1 over ps: ranks 0-2 take five steps while rank 3 pushes nothing. Each table step applies
+    their rows (the rule over three workers, bit for bit); rank 3's late step is dropped, it takes the
+    answers of the steps taken without it, lands at the others' step with the same rows; then all four
+    go on together."""
+    groups = await make_groups(4, "ps")
+    opts = [psring.SyncSGD(g, _params(), SGD(lr=0.1, momentum=0.9), sparse=["emb"], backup=1) for g in groups]
+    await asyncio.gather(*(o.start() for o in opts))
+    fast, slow = opts[:3], opts[3]
+    for t in range(5):
+        await asyncio.gather(*(o.step(_grads(t, g.rank)) for o, g in zip(fast, groups, strict=False)))
+    everything = np.arange(ROWS)
+    want = _reference(SGD(lr=0.1, momentum=0.9), 3, 5)
+    for o in fast:
+        assert np.array_equal(await o.pull_rows("emb", everything), want)
+    await slow.step(_grads(0, 3))
+    assert slow.step_count == 5 and slow.skipped == 4
+    assert np.array_equal(await slow.pull_rows("emb", everything), want)
+    await asyncio.gather(*(o.step(_grads(5, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    pulled = await asyncio.gather(*(o.pull_rows("emb", everything) for o in opts))
+    assert all(np.array_equal(p, pulled[0]) for p in pulled) and not np.array_equal(pulled[0], want)
+    assert {o.step_count for o in opts} == {6}
+
+
+@pytest.mark.asyncio
 async def test_what_a_sparse_table_refuses(make_groups) -> None:
     groups = await make_groups(2, "ring")
     g = groups[0]
@@ -157,7 +182,7 @@ async def test_what_a_sparse_table_refuses(make_groups) -> None:
         psring.SyncSGD(g, _params(), sparse=["w"])
     with pytest.raises(ValueError, match="take no weight_decay"):
         psring.SyncSGD(g, _params(), SGD(lr=0.1, weight_decay=0.1), sparse=["emb"])
-    with pytest.raises(ValueError, match=r"sparse tables take no backup \(not yet\)"):
+    with pytest.raises(ValueError, match="backup=1 needs the ps topology"):  # (sparse or not; over ps it steps)
         psring.SyncSGD(g, _params(), backup=1, sparse=["emb"])
     opt = psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"])
     opt.started = True  # no other rank here: step checks the rows before any exchange

@@ -91,6 +91,8 @@ class Bucket:
         #: later pushes of it are dropped (counted in ``late``)
         self.backup = 0
         self.late = 0
+        #: elastic admissions taken: (step, ranks); every live worker sends its word, the first counts
+        self.admits: set[tuple[int, tuple[int, ...]]] = set()
 
     def piece_view(self, j: int) -> tuple[int, int, np.ndarray]:
         pa, pb = self.pieces[j]
@@ -457,17 +459,22 @@ class ParamStore:
             self._step_done(bucket, t)
 
     def _admit(self, b: int, header: dict[str, Any]) -> None:
-        """New workers take part from step ``at`` (a loop's boundary: no piece of it applied yet).
-        Sent by the live rank 0 before its own pushes of that step, so no piece of it can complete
-        without them."""
+        """New workers take part from step ``at`` (a loop's boundary). Every live worker sends it
+        before its own pushes of that step and the first to come counts (the others say the same),
+        so no piece of the step completes without the new workers -- with backup workers too, where
+        a piece completes without some of the old ones."""
         bucket = self._bucket(b)
         ranks, at = header.get("ranks"), header.get("at")
         if not bucket.elastic:
             raise ProtocolError(f"admit to bucket {b}, which is not elastic")
-        if not (isinstance(ranks, (list, tuple)) and all(type(r) is int and r >= 0 for r in ranks)):
-            raise ProtocolError(f"admit with ranks {ranks!r}")
+        if not (isinstance(ranks, (list, tuple)) and all(type(r) is int and r >= 0 for r in ranks) and type(at) is int):
+            raise ProtocolError(f"admit with ranks {ranks!r} at {at!r}")
+        word = (at, tuple(sorted(ranks)))
+        if word in bucket.admits:
+            return  # another worker's word on an admission taken (a joiner lost since stays out)
         if bucket.pieces and (at != bucket.step or bucket.applied):
             raise ProtocolError(f"admit at step {at!r} to bucket {b}, which is at step {bucket.step}")
+        bucket.admits.add(word)
         bucket.members.update(ranks)
         logger.info("%r: rank(s) %s join elastic bucket %d at step %d", self.shard, sorted(ranks), b, at)
 
@@ -489,7 +496,7 @@ class ParamStore:
             for j in sorted(bucket.inbox):
                 box = bucket.inbox[j]
                 box.pop(rank, None)
-                if bucket.members and bucket.members.issubset(box):
+                if bucket.members and len(bucket.members & box.keys()) >= max(len(bucket.members) - bucket.backup, 1):
                     self._apply(bucket, t, j)
 
     def _step_done(self, bucket: Bucket, t: int) -> None:

@@ -60,6 +60,11 @@ class Table:
         #: worker leaves it, an admitted one joins it at a step boundary, as a parameter bucket's do
         self.members: set[int] = set(range(size))
         self.elastic = False
+        #: backup workers (SyncSGD(backup=b)): a step applies once all but b members pushed; later
+        #: pushes of it are dropped (counted in ``late``), as a parameter bucket's
+        self.backup = 0
+        self.late = 0
+        self.admits: set[tuple[int, tuple[int, ...]]] = set()  # admissions taken: (step, ranks)
         self.waiting_pulls: list[tuple[Connection, dict[str, Any], Any]] = []
 
 
@@ -119,6 +124,9 @@ class Tables:
                 raise ProtocolError(f"sparse table {k}: init brings optimizer state {missing} the optimizer has not")
             table.state_keys, table.start_step = list(keys), step
             table.elastic = bool(header.get("elastic"))
+            table.backup = header.get("backup", 0)
+            if type(table.backup) is not int or not 0 <= table.backup < size:
+                raise ProtocolError(f"sparse table {k}: init with backup={table.backup!r}, needs 0..{size - 1}")
             self.tables[k] = table
             table.waiting_pulls.extend(self.early.pop(k, []))
         elif (table.num_rows, table.width, str(table.dtype), table.size, table.state_keys, table.start_step) != (
@@ -173,6 +181,11 @@ class Tables:
             raise ProtocolError(f"sparse push to table {k} with step={t!r} src={src!r} count={count!r} pull={pull!r}")
         if not table.ready:
             raise ProtocolError(f"sparse push to table {k} before its initial rows arrived")
+        if t < table.step and table.backup:
+            # a straggler's rows, late: the step was applied without them and its answer went to every
+            # worker (this one too): drop them, count them
+            table.late += 1
+            return
         if t != table.step:
             raise ProtocolError(f"rank {src} pushed step {t} of sparse table {k}, which is at step {table.step}")
         if src in table.inbox:
@@ -194,17 +207,25 @@ class Tables:
         if header.get("bad"):
             table.bad.add(src)
         table.conns[src] = conn
-        if table.members.issubset(table.inbox):
+        if self._complete(table):
             self._apply(table)
 
+    @staticmethod
+    def _complete(table: Table) -> bool:
+        """Every member pushed the step (with backup workers: all but b of them)."""
+        pushed = len(table.members & table.inbox.keys())
+        return bool(table.members) and pushed >= max(len(table.members) - table.backup, 1)
+
     def admit(self, ranks: list[int], at: int) -> None:
-        """New workers push every elastic table from step ``at`` (a loop's boundary; the live rank 0's
-        admit comes before its own pushes of that step, so no table's step ``at`` is applied yet)."""
+        """New workers push every elastic table from step ``at`` (a loop's boundary). Every live worker
+        sends it before its own pushes of that step; the first counts (as a parameter bucket's)."""
+        word = (at, tuple(sorted(ranks)))
         for table in self.tables.values():
-            if not table.elastic:
+            if not table.elastic or word in table.admits:
                 continue
             if table.step != at:
                 raise ProtocolError(f"admit at step {at} to sparse table {table.k}, which is at step {table.step}")
+            table.admits.add(word)
             table.members.update(ranks)
 
     def on_worker_lost(self, rank: int) -> None:
@@ -217,11 +238,13 @@ class Tables:
             for held in (table.inbox, table.pulls, table.conns):
                 held.pop(rank, None)
             table.bad.discard(rank)
-            if table.ready and table.members and table.members.issubset(table.inbox):
+            if table.ready and self._complete(table):
                 self._apply(table)
 
     def _apply(self, table: Table) -> None:
-        members = sorted(table.members)  # rank order: the bits a ring's sparse_all_reduce gives
+        # the members that pushed (every one, but with backup workers), in rank order: the bits a ring's
+        # sparse_all_reduce gives
+        members = sorted(r for r in table.inbox if r in table.members)
         parts = [table.inbox[r] for r in members]
         bad, table.inbox, table.bad = sorted(table.bad), {}, set()
         pulls, table.pulls = table.pulls, {}
@@ -241,13 +264,14 @@ class Tables:
         table.step = t + 1
         self._reply(table, header, pulls)
 
-    @staticmethod
-    def _reply(table: Table, header: dict[str, Any], pulls: dict[int, np.ndarray] | None = None) -> None:
+    def _reply(self, table: Table, header: dict[str, Any], pulls: dict[int, np.ndarray] | None = None) -> None:
         """sp_done to every worker, with the rows it asked for (taken after the step's update: what a
-        pull right after it would read)."""
+        pull right after it would read); with backup workers to the late ones too (no rows: they come
+        with a push that was taken)."""
         a = table.rows[0]
+        conns = self.shard.by_rank if table.backup else table.conns
         for r in sorted(table.members):
-            conn = table.conns.get(r)
+            conn = conns.get(r)
             want = pulls.get(r) if pulls else None
             if conn is not None and want is not None:
                 with contextlib.suppress(PsringError):

@@ -143,9 +143,10 @@ class ParameterClient:
         await self.wait(asyncio.gather(*jobs), what)
         return outs, steps
 
-    async def join(self, buckets: list[np.ndarray]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
+    async def join(self, buckets: list[np.ndarray]) -> tuple[list[np.ndarray], int, int, dict[str, Any]]:
         """A joining worker (init_group(join=True)): wait until a boundary of the running job admits
-        it, then take the shards' parameters of that step. Returns them, the step, and what the
+        it, then take the shards' parameters of that step. Returns them, the boundary's step, the step
+        they are of (later with backup workers: steps the others took meanwhile), and what the
         admitting loop said (``extra``: e.g. the epoch it starts)."""
         store, key = self.g.links.store, f"{self.g.links.prefix}/join/{self.g.rank}/admitted"
         deadline = time.monotonic() + self.g.timeout
@@ -164,14 +165,28 @@ class ParameterClient:
                 )
         admitted = json.loads(raw)
         at, members = int(admitted["step"]), [int(r) for r in admitted["members"]]
-        outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
-        if any(s != at for s in steps):
-            raise PsringError(
-                f"rank {self.g.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
-            )
+        while True:
+            outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
+            if min(steps, default=at) < at:
+                raise PsringError(
+                    f"rank {self.g.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
+                )
+            if len(set(steps)) <= 1 or not self.g.backup:
+                break
+            # backup workers: the others may complete steps without a new worker too (it is one of the
+            # stragglers a step does not wait for), so a pull can straddle one: pull again
+        now = steps[0] if steps else at
+        if now != at and not self.g.backup:
+            raise PsringError(f"rank {self.g.rank} was admitted at step {at} but the shards hold step {now}")
+        # the steps completed without it since ``at``: their results came before the pull's answers (one
+        # connection per shard, in order) and are dropped, as a straggler skips them
+        for t in range(at, now):
+            for tag, *_ in self._param_result_tags(t, buckets):
+                if not self.g.mailbox.expect(tag).done():
+                    self.g.mailbox.unpost(tag)
         self.g.live_members = members
         self.g.joining = False
-        return outs, at, dict(admitted.get("extra") or {})
+        return outs, at, now, dict(admitted.get("extra") or {})
 
     async def close_joins(self, step: int) -> None:
         """No boundary will admit workers any more (every live worker calls it; the live rank 0 says
@@ -185,14 +200,15 @@ class ParameterClient:
         the shards (before its own pushes of ``step``) and the new workers. Returns the new ranks."""
         live = self.g.live_members
         me = self.g.members[self.g.rank]
-        found = np.zeros(64, np.int64) - 1
+        found = np.zeros(66, np.int64) - 1
+        found[64:] = step, -step  # the max and (negated) min of the workers' steps come back too
         if me == live[0]:
             count = int(await self.g.links.store.add(f"{self.g.links.prefix}/joiners", 0))
             first = self.g.links.world_size
             waiting = [
                 r for r in range(first, first + count)
                 if r not in live and await self.g.links.store.get(f"{self.g.links.prefix}/join/{r}") == b"waiting"
-            ][: found.size]  # fmt: skip
+            ][:64]  # fmt: skip
             found[: len(waiting)] = waiting
         try:
             # an all_reduce (max over -1s and rank 0's list), not a broadcast: a broadcast's root
@@ -205,19 +221,28 @@ class ParameterClient:
             # finished for all), so all of them take this branch; the joiners wait for the next boundary
             logger.warning("%r: elastic: %s; nobody joins at step %d", self.g, exc, step)
             return []
-        new = [int(r) for r in found if r >= 0]
+        if found[64] != -found[65]:  # every worker sees the same: all raise alike
+            raise PsringError(
+                f"admit_waiting at step {step} on worker {me}, but the live workers are at steps {-found[65]} to "
+                f"{found[64]}: a boundary is one step on every worker (with backup workers a loop skips the "
+                "batches the others took: SyncSGD.batches_done, as psring's own loop does)"
+            )
+        new = [int(r) for r in found[:64] if r >= 0]
         if not new:
             return []
         members = sorted(set(live) | set(new))
+        # every live worker tells the shards, before its own pushes of ``step`` (the first word counts):
+        # no piece of the step can complete without the new workers, even where backup workers let
+        # it complete without some of the old ones
+        for b, flat in enumerate(buckets):  # every shard that holds a slice of it
+            for shard, _a, _parts in self._param_layout(b, flat):
+                self.g.links.shards[shard].send_frame(
+                    {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
+                )
+        for conn in self.g.links.shards:  # every shard holds rows of every sparse table (if any)
+            conn.send_frame({"kind": "ps_param", "op": "sp_admit", "tag": ("param", 0, "sp_admit"), "ranks": new,
+                             "at": step})  # fmt: skip
         if me == live[0]:
-            for b, flat in enumerate(buckets):  # every shard that holds a slice of it
-                for shard, _a, _parts in self._param_layout(b, flat):
-                    self.g.links.shards[shard].send_frame(
-                        {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
-                    )
-            for conn in self.g.links.shards:  # every shard holds rows of every sparse table (if any)
-                conn.send_frame({"kind": "ps_param", "op": "sp_admit", "tag": ("param", 0, "sp_admit"), "ranks": new,
-                                 "at": step})  # fmt: skip
             for r in new:
                 await self.g.links.store.set(f"{self.g.links.prefix}/join/{r}", b"admitted")
                 value = json.dumps({"step": step, "members": members, "extra": extra or {}})
@@ -495,6 +520,9 @@ class SparseTables:
     def __init__(self, g: PsGroup) -> None:
         self.g = g
         self._pull_requests = 0
+        #: table -> the step of it this worker pushes next: with backup workers the steps before one it
+        #: pushes were taken without it (it skipped them), and their answers are taken off the mailbox
+        self.next_step: dict[int, int] = {}
 
     def _shard_rows(self, num_rows: int) -> list[tuple[int, int]]:
         return [row_range(num_rows, self.g.num_servers, s) for s in range(self.g.num_servers)]
@@ -514,7 +542,7 @@ class SparseTables:
                 base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
                         "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.g.world_size,
                         "optimizer": optimizer, "step": step, "state_keys": sorted(state),
-                        "elastic": self.g.elastic}  # fmt: skip
+                        "elastic": self.g.elastic, "backup": self.g.backup}  # fmt: skip
                 for of, rows in [(None, table), *sorted(state.items())]:
                     for first in range(a, max(b, a + 1), per):
                         count = max(0, min(per, b - first))
@@ -524,6 +552,11 @@ class SparseTables:
                         if transport is not None and transport.get_write_buffer_size() > INIT_QUEUE:
                             await conn.flush()  # not the whole table queued in a second copy (a 4 GiB one: 8 GiB)
         await self.pull(k, np.empty(0, np.int64), num_rows, width, np.dtype(dtype))
+        self.next_step[k] = step
+
+    def joined(self, k: int, at: int) -> None:
+        """A new worker takes part in table k from step ``at`` (the boundary that admitted it)."""
+        self.next_step[k] = at
 
     async def step(
         self,
@@ -541,6 +574,10 @@ class SparseTables:
         said so. ``pull``: int64 row indices (in range) that come back with the shards' answers,
         read after the update (a pull saved). Returns the ranks that said bad (the same list on
         every rank; empty: applied) and the pulled rows (None when bad or not asked)."""
+        for skipped in range(self.next_step.get(k, t), t):  # taken without this worker: answered all the same
+            done = [self.g.mailbox.expect(("param", k, "sp_done", s, skipped)) for s in range(self.g.num_servers)]
+            await self.g.params.wait(asyncio.gather(*done), f"sparse table {k}'s step {skipped}")
+        self.next_step[k] = t + 1
         futs = []
         if bad:  # nothing will be applied: every shard gets the word and no rows
             indices, values, pull = indices[:0], values[:0], None
@@ -560,6 +597,8 @@ class SparseTables:
         said = [int(r) for r in futs[0].result()[1].get("bad") or []]
         if said or pull is None or wheres is None:
             return said, None
+        if any(w.size and "pull" not in f.result()[1] for f, w in zip(futs, wheres, strict=True)):
+            return said, None  # backup workers: the step was taken without this push (its rows asked again)
         width = values.shape[1]
         out = np.empty((pull.size, width), values.dtype)
         for fut, where in zip(futs, wheres, strict=True):
