@@ -48,6 +48,9 @@ LONG_FORMS = (
     # elastic: the API-level tests run compression + accumulate on both topologies with real processes,
     # and test_cluster.py's elastic ps job runs on daemon processes (the ring's runs in containers)
     "tests/topology/test_elastic.py::test_the_main_job_loses_a_sigkilled_worker_and_finishes[ps-fp16-acc2]",
+    # backup + elastic + sparse: ps-embed and ps-backup run by default, and the tables' backup rule in
+    # tests/training/test_sparse_sgd.py
+    "tests/topology/test_elastic.py::test_the_main_job_loses_a_sigkilled_worker_and_finishes[ps-embed-backup]",
     "tests/cluster/test_docker.py::test_an_elastic_job_goes_on_without_a_killed_worker_container[ps]",
 )
 

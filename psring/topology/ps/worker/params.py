@@ -173,6 +173,11 @@ class ParameterClient:
                 )
             if len(set(steps)) <= 1 or not self.g.backup:
                 break
+            if time.monotonic() >= deadline:
+                raise CollectiveTimeoutError(
+                    f"rank {self.g.rank} was admitted at step {at} but every pull of the parameters within "
+                    f"{self.g.timeout:g}s straddled a step (the shards held steps {sorted(set(steps))})"
+                )
             # backup workers: the others may complete steps without a new worker too (it is one of the
             # stragglers a step does not wait for), so a pull can straddle one: pull again
         now = steps[0] if steps else at
