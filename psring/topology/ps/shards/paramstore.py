@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,12 @@ from ..plan import per_piece, plan
 from .relay import release_held, send_once
 
 logger = logging.getLogger(__name__)
+
+
+def enough_pushed(pushed: AbstractSet[int], members: set[int], backup: int) -> bool:
+    """Whether a piece (or a sparse table's step) can be applied: every member pushed it, or with
+    backup workers all but ``backup`` of them (at least one)."""
+    return bool(members) and len(members & pushed) >= max(len(members) - backup, 1)
 
 
 class Bucket:
@@ -425,7 +432,7 @@ class ParamStore:
         box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
         if "pool" in header:  # it stays in the worker's shared memory until folded
             bucket.slots.setdefault(j, []).append((conn, conn.hold_slot()))
-        if len(box) < max(len(bucket.members) - bucket.backup, 1):
+        if not enough_pushed(box.keys(), bucket.members, bucket.backup):
             return
         self._apply(bucket, t, j)
 
@@ -496,7 +503,7 @@ class ParamStore:
             for j in sorted(bucket.inbox):
                 box = bucket.inbox[j]
                 box.pop(rank, None)
-                if bucket.members and len(bucket.members & box.keys()) >= max(len(bucket.members) - bucket.backup, 1):
+                if enough_pushed(box.keys(), bucket.members, bucket.backup):
                     self._apply(bucket, t, j)
 
     def _step_done(self, bucket: Bucket, t: int) -> None:

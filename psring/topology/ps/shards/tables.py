@@ -28,6 +28,7 @@ from ....core.sparse import merge_rows
 from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
 from ..rows import row_range, unpack_rows
+from .paramstore import enough_pushed
 
 logger = logging.getLogger(__name__)
 
@@ -207,14 +208,8 @@ class Tables:
         if header.get("bad"):
             table.bad.add(src)
         table.conns[src] = conn
-        if self._complete(table):
+        if enough_pushed(table.inbox.keys(), table.members, table.backup):
             self._apply(table)
-
-    @staticmethod
-    def _complete(table: Table) -> bool:
-        """Every member pushed the step (with backup workers: all but b of them)."""
-        pushed = len(table.members & table.inbox.keys())
-        return bool(table.members) and pushed >= max(len(table.members) - table.backup, 1)
 
     def admit(self, ranks: list[int], at: int) -> None:
         """New workers push every elastic table from step ``at`` (a loop's boundary). Every live worker
@@ -238,7 +233,7 @@ class Tables:
             for held in (table.inbox, table.pulls, table.conns):
                 held.pop(rank, None)
             table.bad.discard(rank)
-            if table.ready and self._complete(table):
+            if table.ready and enough_pushed(table.inbox.keys(), table.members, table.backup):
                 self._apply(table)
 
     def _apply(self, table: Table) -> None:

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 #: a worker waiting to join looks this often whether the job closed joins (SyncSGD.close_joins)
 JOIN_LOOK_S = 1.0
+#: the most workers one boundary admits (the rest wait for the next)
+MAX_JOINERS = 64
 
 
 def joins_closed_key(prefix: str) -> str:
@@ -167,11 +169,11 @@ class ParameterClient:
         at, members = int(admitted["step"]), [int(r) for r in admitted["members"]]
         while True:
             outs, steps = await self._pull_all(buckets, f"pulling the parameters of step {at}")
-            if min(steps, default=at) < at:
+            if any(s < at or (s > at and not self.g.backup) for s in steps):
                 raise PsringError(
                     f"rank {self.g.rank} was admitted at step {at} but the shards hold steps {sorted(set(steps))}"
                 )
-            if len(set(steps)) <= 1 or not self.g.backup:
+            if len(set(steps)) <= 1:
                 break
             if time.monotonic() >= deadline:
                 raise CollectiveTimeoutError(
@@ -181,8 +183,6 @@ class ParameterClient:
             # backup workers: the others may complete steps without a new worker too (it is one of the
             # stragglers a step does not wait for), so a pull can straddle one: pull again
         now = steps[0] if steps else at
-        if now != at and not self.g.backup:
-            raise PsringError(f"rank {self.g.rank} was admitted at step {at} but the shards hold step {now}")
         # the steps completed without it since ``at``: their results came before the pull's answers (one
         # connection per shard, in order) and are dropped, as a straggler skips them
         for t in range(at, now):
@@ -201,19 +201,20 @@ class ParameterClient:
 
     async def admit(self, step: int, buckets: list[np.ndarray], extra: dict[str, Any] | None = None) -> list[int]:
         """At a boundary (between steps; called by every live worker with the same arguments): admit
-        the workers waiting to join. The live rank 0 finds them in the store and tells the others,
-        the shards (before its own pushes of ``step``) and the new workers. Returns the new ranks."""
+        the workers waiting to join. The live rank 0 finds them in the store and tells the others and
+        the new workers; every live worker tells the shards, before its own pushes of ``step``.
+        Returns the new ranks."""
         live = self.g.live_members
         me = self.g.members[self.g.rank]
-        found = np.zeros(66, np.int64) - 1
-        found[64:] = step, -step  # the max and (negated) min of the workers' steps come back too
+        found = np.zeros(MAX_JOINERS + 2, np.int64) - 1
+        found[MAX_JOINERS:] = step, -step  # the max and (negated) min of the workers' steps come back too
         if me == live[0]:
             count = int(await self.g.links.store.add(f"{self.g.links.prefix}/joiners", 0))
             first = self.g.links.world_size
             waiting = [
                 r for r in range(first, first + count)
                 if r not in live and await self.g.links.store.get(f"{self.g.links.prefix}/join/{r}") == b"waiting"
-            ][:64]  # fmt: skip
+            ][:MAX_JOINERS]  # fmt: skip
             found[: len(waiting)] = waiting
         try:
             # an all_reduce (max over -1s and rank 0's list), not a broadcast: a broadcast's root
@@ -226,13 +227,14 @@ class ParameterClient:
             # finished for all), so all of them take this branch; the joiners wait for the next boundary
             logger.warning("%r: elastic: %s; nobody joins at step %d", self.g, exc, step)
             return []
-        if found[64] != -found[65]:  # every worker sees the same: all raise alike
+        top, bottom = int(found[MAX_JOINERS]), -int(found[MAX_JOINERS + 1])
+        if top != bottom:  # every worker sees the same: all raise alike
             raise PsringError(
-                f"admit_waiting at step {step} on worker {me}, but the live workers are at steps {-found[65]} to "
-                f"{found[64]}: a boundary is one step on every worker (with backup workers a loop skips the "
+                f"admit_waiting at step {step} on worker {me}, but the live workers are at steps {bottom} to "
+                f"{top}: a boundary is one step on every worker (with backup workers a loop skips the "
                 "batches the others took: SyncSGD.batches_done, as psring's own loop does)"
             )
-        new = [int(r) for r in found[:64] if r >= 0]
+        new = [int(r) for r in found[:MAX_JOINERS] if r >= 0]
         if not new:
             return []
         members = sorted(set(live) | set(new))
