@@ -304,7 +304,7 @@ class Reformed(Replicated):
         ring of this group's ranks then them; its rank 0 streams them the step, parameters, optimizer
         state and tables. Returns their ids (none waiting: [], and nothing re-formed)."""
         before = len(sgd.group.members)
-        ring = await self.quorum.admit(sgd.group, extra)
+        ring = await self.quorum.admit(sgd.group, extra, sgd.step_count)
         if ring is None:
             return []
         sgd.group, self.quorum = ring, ring.quorum()

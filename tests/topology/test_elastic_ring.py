@@ -125,3 +125,14 @@ def test_heal_short_form_measures_a_new_worker_on_both_topologies() -> None:
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert [(r["topology"], r["ok"]) for r in out["runs"]] == [("ps", True), ("ring", True)], out
     assert all(0 < r["to_start_s"] <= r["to_step_s"] < 60 for r in out["runs"]), out
+
+
+def test_a_worker_lost_at_a_boundary_costs_the_others_nothing_there() -> None:
+    """Worker 0 (rank 0) is lost right before a boundary (step 9; worker 3 joined at step 3): the
+    others' admission there agrees through the store, not a broadcast from rank 0 (which died with
+    it: the boundary raised PeerLostError before), and the next step's exchange re-forms the ring."""
+    rows, out = _grow(3, "0@9", r'"step": 1,')
+    assert any(r.get("admitted") == [3] for r in rows), out
+    _check_steps(rows)
+    last = [r for r in rows if r.get("step") == 60]
+    assert sorted(r["rank"] for r in last) == [1, 2, 3] and all(r["members"] == [1, 2, 3] for r in last), out

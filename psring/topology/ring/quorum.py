@@ -87,26 +87,35 @@ class Quorum:
         return [self.ids[r] for r in group.members]
 
     # ------------------------------------------------------------------ joins
-    async def admit(self, group: Any, extra: dict[str, Any] | None) -> Any | None:
-        """At a boundary (every rank of ``group`` calls it): the new workers that asked to join since
-        the last one, admitted into a new ring of ``group``'s ranks then them (a full rendezvous under
-        the job's prefix + ``/e<round>``: links, boards and plane as at start); None if nobody asked.
-        The caller hands the state over on the new ring (rank 0 is ``group``'s rank 0)."""
+    async def admit(self, group: Any, extra: dict[str, Any] | None, step: int) -> Any | None:
+        """At the boundary after ``step`` (every rank of ``group`` calls it): the new workers that asked
+        to join since the last one, admitted into a new ring of ``group``'s ranks then them (a full
+        rendezvous under the job's prefix + ``/e<round>``: links, boards and plane as at start); None if
+        nobody asked. The caller hands the state over on the new ring (rank 0 is ``group``'s rank 0).
+
+        The ranks agree how many asked through the store, not a collective: each reads the registry's
+        count and proposes it with compare-and-set on ``<registry>/boundary/<step>``, and all take the
+        first proposal written. A rank killed meanwhile then leaves no call half done on some ranks
+        and done on others (a broadcast from it would: the others would disagree whether they had
+        admitted anyone); they meet its loss in the next step's exchange, as anywhere else. A rank that
+        proposes while it knows a member is gone proposes nobody (that member would never meet the new
+        ring); one lost in the instant between the proposal and the new ring's rendezvous still fails
+        that rendezvous at the group's timeout."""
         store, reg = self.net.store, self.registry
-        asked = 0
-        if group.rank == 0:  # one rank reads the registry; all take its count (the same admissions)
-            asked = int(await store.add(f"{reg.prefix}/asked", 0))
-        asked = int((await group.broadcast(np.array([asked], np.int64), src=0))[0])
+        mine = int(await store.add(f"{reg.prefix}/asked", 0))
+        if set(self.net.lost) & set(group.members):  # a member is known gone: its ring could not form;
+            mine = self.admitted  # admit nobody here (the next step re-forms, the next boundary admits)
+        _, agreed = await store.compare_set(f"{reg.prefix}/boundary/{step}", None, str(mine).encode())
+        asked = int(agreed or mine)
         new = list(range(self.admitted, asked))
         if not new:
             return None
         e = self.epoch + 1
         ids = self.ids_of(group) + [reg.world0 + k for k in new]
-        if group.rank == 0:
-            for i, k in enumerate(new):
-                record = {"round": e, "rank": group.world_size + i, "ids": ids, "extra": extra, "asked": asked,
-                          "world0": reg.world0, "registry": reg.prefix}  # fmt: skip
-                await store.set(f"{reg.prefix}/admitted/{k}", json.dumps(record).encode())
+        for i, k in enumerate(new):  # every rank writes the same records: any survivor's stand
+            record = {"round": e, "rank": group.world_size + i, "ids": ids, "extra": extra, "asked": asked,
+                      "world0": reg.world0, "registry": reg.prefix}  # fmt: skip
+            await store.set(f"{reg.prefix}/admitted/{k}", json.dumps(record).encode())
         logger.warning("elastic ring: round %d: admitting new worker(s) %s (ranks %s)", e, ids[group.world_size :], ids)
         ring = await type(self.root).reformed(self.net.settings, self._job(reg), e, group.rank, len(ids))
         ring._quorum = Quorum(ring, ids, reg, e, asked)
