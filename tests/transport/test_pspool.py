@@ -351,6 +351,39 @@ async def test_pools_map_only_what_they_describe(tmp_path) -> None:
         pool.close()
 
 
+def _shmem_kib() -> int:
+    with open("/proc/self/status") as f:
+        status = f.read()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssShmem:")))
+
+
+async def test_a_pool_maps_its_pages_by_need_and_reuses_the_slots_it_touched() -> None:
+    """A 64 MiB pool (and a peer's map of it) enters this process's page tables only where touched,
+    so what a process holds, and what its death costs its peers' wait for EOF (the kernel unmaps
+    before it closes sockets), grows with what it uses; the pages stay reserved (fallocate). A slot
+    given back is the next taken, so a pool cycles through the few slots it needs."""
+    before = _shmem_kib()
+    pool = ShmPool(16, 4 << 20)
+    try:
+        peer = PeerPool.open(pool.describe())
+        try:
+            assert _shmem_kib() - before < 4 << 10  # not the 64 MiB (in KiB) populated at once
+            assert os.fstat(pool.fd).st_blocks * 512 >= 16 * (4 << 20)  # still reserved up front
+            for _ in range(20):  # one call at a time: the same slot each time
+                k = pool.take()
+                assert k is not None
+                pool.view(k, 4 << 20)[:] = 1
+                assert int(peer.view(k, 4 << 20)[::PAGE].sum()) == (4 << 20) // PAGE
+                pool.give_back(k)
+            assert k == 0
+            grew = _shmem_kib() - before
+            assert 4 << 10 <= grew < 3 * (4 << 10), grew  # one slot (4 MiB), in the owner's map and the peer's
+        finally:
+            peer.close()
+    finally:
+        pool.close()
+
+
 async def test_a_server_process_maps_the_workers_pools(store) -> None:
     """Separate processes: the server maps each worker's pool through /proc/<pid>/fd."""
     from ..conftest import end, ps_workers, spawn_server
