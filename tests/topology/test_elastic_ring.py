@@ -60,9 +60,10 @@ def test_a_hung_rank_is_left_out_and_told_so_when_it_wakes() -> None:
     assert "rank 2 exited with code 1; elastic: the others go on" in out, out
 
 
-def _grow(n: int, leave: str, trigger: str) -> tuple[list[dict], str]:  # type: ignore[type-arg]
+def _grow(n: int, leave: str, trigger: str, **more: str) -> tuple[list[dict], str]:  # type: ignore[type-arg]
     """elastic_grow_job on an elastic ring of n workers (a boundary every 3 steps), one new worker
-    started at the first line matching ``trigger``; LEAVE=id@t: that worker exits before step t."""
+    started at the first line matching ``trigger``; LEAVE=id@t: that worker exits before step t (``more``:
+    the job's other settings)."""
     job = str(ROOT / "tests" / "support" / "jobs" / "elastic_grow_job.py")
     cmd = [sys.executable, "-m", "psring", "launch", "-n", str(n), "--topology", "ring", "--elastic", "--",
            sys.executable, job]  # fmt: skip
@@ -72,7 +73,8 @@ def _grow(n: int, leave: str, trigger: str) -> tuple[list[dict], str]:  # type: 
         extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
         return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY="ring", TOPOLOGY="ring", **extra)
 
-    code, lines, err, jcode, jout = _run_with_joiner(cmd, trigger, joiner_for, env(TOPOLOGY="ring", LEAVE=leave))
+    job_env = env(TOPOLOGY="ring", LEAVE=leave, **more)
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, trigger, joiner_for, job_env)
     out = "".join(lines) + err + jout
     assert code == 0 and jcode == 0, out
     rows = [json.loads(m) for m in re.findall(r"^\[rank \d\] (\{.*\})$", "".join(lines), re.M)]
@@ -133,6 +135,21 @@ def test_a_worker_lost_at_a_boundary_costs_the_others_nothing_there() -> None:
     it: the boundary raised PeerLostError before), and the next step's exchange re-forms the ring."""
     rows, out = _grow(3, "0@9", r'"step": 1,')
     assert any(r.get("admitted") == [3] for r in rows), out
+    _check_steps(rows)
+    last = [r for r in rows if r.get("step") == 60]
+    assert sorted(r["rank"] for r in last) == [1, 2, 3] and all(r["members"] == [1, 2, 3] for r in last), out
+
+
+def test_a_worker_lost_after_proposing_an_admission_abandons_that_round_at_once() -> None:
+    """Worker 0 proposes admitting the new worker at the boundary after step 9 and dies before the new
+    ring's rendezvous: the others take its proposal (the first written), see its loss there and abandon
+    the round -- every rank of it, the new worker too, at once, not at the group's 60 s timeout for a
+    rank that will never come -- then the next step re-forms the ring and the next boundary admits it."""
+    rows, out = _grow(3, "0@9", r'"step": 1,', PROPOSE="1")
+    assert "elastic ring: round 1 abandoned" in out, out
+    assert "round 1, which admitted this worker, was abandoned" in out, out
+    first = next(r for r in rows if r["rank"] == 3 and "start" in r)
+    assert first["start"] == 12 and first["members"] == [1, 2, 3], out
     _check_steps(rows)
     last = [r for r in rows if r.get("step") == 60]
     assert sorted(r["rank"] for r in last) == [1, 2, 3] and all(r["members"] == [1, 2, 3] for r in last), out

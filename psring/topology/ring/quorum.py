@@ -20,10 +20,12 @@ furthest one's state to the others, or redo the step) is the training layer's (t
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,8 +101,9 @@ class Quorum:
         and done on others (a broadcast from it would: the others would disagree whether they had
         admitted anyone); they meet its loss in the next step's exchange, as anywhere else. A rank that
         proposes while it knows a member is gone proposes nobody (that member would never meet the new
-        ring); one lost in the instant between the proposal and the new ring's rendezvous still fails
-        that rendezvous at the group's timeout."""
+        ring). One lost after the proposals (its links' end not yet seen) abandons the round (``_meet``):
+        every rank of it, the new workers too, drops the new ring's set-up at once rather than wait out
+        the timeout for a rank that will never come; the new workers wait for the next boundary."""
         store, reg = self.net.store, self.registry
         mine = int(await store.add(f"{reg.prefix}/asked", 0))
         if set(self.net.lost) & set(group.members):  # a member is known gone: its ring could not form;
@@ -117,7 +120,17 @@ class Quorum:
                       "world0": reg.world0, "registry": reg.prefix}  # fmt: skip
             await store.set(f"{reg.prefix}/admitted/{k}", json.dumps(record).encode())
         logger.warning("elastic ring: round %d: admitting new worker(s) %s (ranks %s)", e, ids[group.world_size :], ids)
-        ring = await type(self.root).reformed(self.net.settings, self._job(reg), e, group.rank, len(ids))
+        members = set(group.members)
+        ring = await _meet(
+            type(self.root).reformed(self.net.settings, self._job(reg), e, group.rank, len(ids)),
+            store, f"{reg.prefix}/round/{e}", lambda: not members.isdisjoint(self.net.lost), self.net.settings.timeout,
+        )  # fmt: skip
+        self.epoch = e  # (an abandoned round's prefix is not used again)
+        if ring is None:
+            logger.warning("elastic ring: round %d abandoned (ring rank(s) %s lost meanwhile, or a set-up failed); new "
+                           "worker(s) %s wait for the next boundary", e, sorted(members & set(self.net.lost)),
+                           ids[group.world_size :])  # fmt: skip
+            return None
         ring._quorum = Quorum(ring, ids, reg, e, asked)
         self.spawned.append(ring)
         return ring
@@ -168,6 +181,49 @@ class Quorum:
             return Round(new, dones)
 
 
+FORMED, ABANDONED = b"formed", b"abandoned"
+
+
+async def _meet(form: Coroutine[Any, Any, Any], store: Any, decision: str, lost: Callable[[], bool],
+                timeout: float) -> Any | None:  # fmt: skip
+    """A boundary's new ring (``form``: its set-up), or None where the round was abandoned, the same on
+    every rank of the round: each writes its word with compare-and-set under ``decision`` and all take
+    the first -- ``formed`` from a rank whose set-up returned (it passed the new ring's ready barrier,
+    which every rank had reached), ``abandoned`` from a rank whose set-up failed or that saw a rank of
+    the old ring lost meanwhile (``lost``: that rank will never meet the new ring). A rank told
+    ``abandoned`` drops its set-up (or closes the ring it formed); one told ``formed`` finishes its own."""
+    task = asyncio.ensure_future(form)
+    watch = asyncio.ensure_future(store.wait([decision], timeout))
+    said: bytes | None = None
+    try:
+        while not task.done() and said != ABANDONED:
+            if said == FORMED:  # formed by another: this set-up completes too (or fails, said below)
+                await asyncio.wait({task})
+            elif lost():
+                said = (await store.compare_set(decision, None, ABANDONED))[1]
+            elif watch.done():
+                said = await store.get(decision) if not watch.cancelled() and watch.exception() is None else None
+                if said is None:  # (the watch timed out: the set-up times out too, and says so)
+                    watch = asyncio.ensure_future(asyncio.sleep(timeout))
+            else:
+                await asyncio.wait({task, watch}, timeout=0.02, return_when=asyncio.FIRST_COMPLETED)
+        if said is None:
+            failed = task.cancelled() or task.exception() is not None
+            said = (await store.compare_set(decision, None, ABANDONED if failed else FORMED))[1]
+    finally:
+        watch.cancel()
+        task.cancel()  # (a no-op once done)
+        await asyncio.wait({task, watch})
+    if said == FORMED:
+        return task.result()  # (formed by the others while this set-up failed after the barrier: its error)
+    if not task.cancelled():
+        if task.exception() is None:
+            await task.result().close()  # formed here, abandoned by another: nothing goes over it
+        else:
+            logger.warning("elastic ring: the new ring's set-up failed: %s", task.exception())
+    return None
+
+
 def _closed(value: bytes) -> str:
     step = json.loads(value).get("step")
     return (
@@ -179,43 +235,61 @@ async def join(ring_class: Any, settings: Any) -> Any:
     """A new worker of a running elastic ring (``init_group(topology="ring", join=True)``): ask the
     job's registry, wait for a boundary that admits it (or the job's word that none will), and meet
     the ring that boundary re-forms (a ``ring_class``, RingGroup: this module knows the group only
-through the groups it is given, never by import). The group it returns has ``joining`` set and ``joined_with`` (what
-    the boundary said); SyncSGD.start takes the state from the ring's rank 0."""
+    through the groups it is given, never by import). The group it returns has ``joining`` set and
+    ``joined_with`` (what the boundary said); SyncSGD.start takes the state from the ring's rank 0. A
+    boundary whose round is abandoned (a rank of the ring lost meanwhile) leaves it waiting for the next."""
     from ...rendezvous.join import connect_store_of
     reg_prefix = f"psring/{settings.job}/elastic"
+    closed = f"{reg_prefix}/closed"
     store = await connect_store_of(settings)
     try:
-        closed = f"{reg_prefix}/closed"
         said = await store.get(closed)
         if said is not None:
             raise PsringError(f"the elastic job {settings.job!r} {_closed(said)}")
         k = int(await store.add(f"{reg_prefix}/asked", 1)) - 1
         key = f"{reg_prefix}/admitted/{k}"
-        deadline = time.monotonic() + settings.timeout
-        raw = None
-        while raw is None:
-            said = await store.get(closed)
-            if said is not None:
-                raise PsringError(f"this worker cannot join: the elastic job {settings.job!r} {_closed(said)}")
-            if time.monotonic() > deadline:
-                raise CollectiveTimeoutError(
-                    f"no boundary of job {settings.job!r} admitted this worker within {settings.timeout:g}s"
-                )
-            with contextlib.suppress(StoreError):
-                await store.wait([key], 0.5)
-            raw = await store.get(key)
+        abandoned: set[int] = set()
+        while True:
+            record = await _admitted(store, key, closed, abandoned, settings)
+            reg = Registry(record["registry"], int(record["world0"]))
+            e = int(record["round"])
+            form = ring_class.reformed(settings, Quorum._job(reg), e, int(record["rank"]), len(record["ids"]))
+            ring = await _meet(form, store, f"{reg.prefix}/round/{e}", lambda: False, settings.timeout)
+            if ring is not None:
+                break
+            logger.warning("elastic ring: round %d, which admitted this worker, was abandoned (a rank of the ring "
+                           "was lost meanwhile); waiting for the next boundary", e)  # fmt: skip
+            abandoned.add(e)
     finally:
         if store is not settings.client:
             with contextlib.suppress(Exception):  # cleanup: the store may be gone with the job
                 await store.close()
-    record = json.loads(raw)
-    reg = Registry(record["registry"], int(record["world0"]))
-    ring = await ring_class.reformed(settings, Quorum._job(reg), int(record["round"]), int(record["rank"]),
-                                    len(record["ids"]))  # fmt: skip
-    ring._quorum = Quorum(ring, record["ids"], reg, int(record["round"]), int(record["asked"]))
+    ring._quorum = Quorum(ring, record["ids"], reg, e, int(record["asked"]))
     ring.joining = True
     ring.joined_with = record["extra"]
     return ring
+
+
+async def _admitted(store: Any, key: str, closed: str, abandoned: set[int], settings: Any) -> dict[str, Any]:
+    """The record of the boundary that admits this worker (``key``), not one of an ``abandoned`` round."""
+    deadline = time.monotonic() + settings.timeout
+    while True:
+        said = await store.get(closed)
+        if said is not None:
+            raise PsringError(f"this worker cannot join: the elastic job {settings.job!r} {_closed(said)}")
+        if time.monotonic() > deadline:
+            raise CollectiveTimeoutError(
+                f"no boundary of job {settings.job!r} admitted this worker within {settings.timeout:g}s"
+            )
+        raw = await store.get(key)
+        if raw is None:
+            with contextlib.suppress(StoreError):
+                await store.wait([key], 0.5)
+            continue
+        record = json.loads(raw)
+        if int(record["round"]) not in abandoned:
+            return record
+        await asyncio.sleep(0.1)  # (the next boundary writes this key again, for its round)
 
 
 __all__ = ["Quorum", "Registry", "Round", "gone_in", "join"]

@@ -3,7 +3,9 @@
 the one at step t closes joins, and the job goes on to STEPS). Every worker pushes gradient rank+1
 with lr 1, so each step's result says whose gradients it averaged (SPARSE=1: a sparse table's row 9
 too, pushed alike). LEAVE=id@t: the worker of that id exits (like a crash) before its step t. One
-JSON line per step; the live group's all_reduce last."""
+JSON line per step; the live group's all_reduce last. PROPOSE=1 (the ring, LEAVE at a boundary step):
+every worker waits there until a new worker asked, and the leaving one first proposes admitting it, as
+if it died right after its proposal (the others take the first proposal written)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ async def main() -> None:
     t = start
     leave, _, leave_at = os.environ.get("LEAVE", "-1@-1").partition("@")
     while t < steps:
+        if t == int(leave_at) and os.environ.get("PROPOSE") == "1":
+            await _propose(opt, t, me == int(leave))
         if me == int(leave) and t == int(leave_at):
             os._exit(9)
         if close_at and t == close_at:
@@ -57,6 +61,16 @@ async def main() -> None:
     total = await live.all_reduce(np.array([1.0]))
     print(json.dumps({"rank": me, "live": live.world_size, "sum": float(total[0])}), flush=True)
     await g.close()
+
+
+async def _propose(opt: SyncSGD, t: int, mine: bool) -> None:
+    """Wait until a new worker asked to join; the leaving worker proposes admitting it at boundary t."""
+    q = opt.placement.quorum  # type: ignore[union-attr]
+    store, reg = q.net.store, q.registry
+    while (asked := int(await store.add(f"{reg.prefix}/asked", 0))) <= q.admitted:
+        await asyncio.sleep(0.05)
+    if mine:
+        await store.compare_set(f"{reg.prefix}/boundary/{t}", None, str(asked).encode())
 
 
 asyncio.run(main())
