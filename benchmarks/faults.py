@@ -277,6 +277,7 @@ class Campaign:
         env = self._env(tag)
         procs: list[Proc] = []
         problems: list[str] = []
+        self.tails: dict[str, str] = {}
         try:
             want = self.reference(case.topology) if case.phase != "admission" else ""
         except RuntimeError as exc:  # no reference: the case cannot be judged, said as such
@@ -303,6 +304,8 @@ class Campaign:
                     timer.cancel()
                     timer.function()
                 problems += self._stop_all(procs, tag)
+                if problems:  # what each process said last: the report of a failed case carries it
+                    self.tails = {f"{p.name} #{i}": p.tail(12) for i, p in enumerate(procs)}
                 if disk is not None:
                     disk.close()
                 if self.net is not None:
@@ -1079,7 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
         failed += bool(problems)
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
-                              "seconds": round(took, 1), "job": campaign.outcome}), flush=True)  # fmt: skip
+                              "seconds": round(took, 1), "job": campaign.outcome,
+                              **({"tails": campaign.tails} if problems else {})}), flush=True)  # fmt: skip
         else:
             verdict = f"held ({campaign.outcome})" if not problems else "FAILED: " + "; ".join(problems)
             print(f"{case.name:34} {took:6.1f}s  {verdict}", flush=True)

@@ -29,7 +29,7 @@ def _case(case: str, *extra: str) -> dict[str, Any]:
     assert len(rows) == 1, res.stdout + res.stderr
     if "skipped" in rows[0]:
         pytest.skip(rows[0]["skipped"])
-    assert rows[0]["case"] == case and rows[0]["held"], rows[0]
+    assert rows[0]["case"] == case and rows[0]["held"], json.dumps(rows[0], indent=1)  # whole: tails and all
     assert res.returncode == 0, res.stdout + res.stderr
     return rows[0]
 

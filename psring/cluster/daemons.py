@@ -255,8 +255,9 @@ class _Daemon:
     def signalled(self, name: str = "SIGTERM") -> None:
         """Stop within docker's grace in any state: the serve loop and a job in flight see ``stopping``;
         the store's goodbyes (this daemon's records, a job's outcome) get STOP_GRACE_S, and a store that
-        is away now (reconnecting) is given up at once -- waiting out its reconnect window is what a
-        SIGKILL would end."""
+        is away now (reconnecting), or whose disk refuses changes (a call waits to try again), is given
+        up at once -- waiting out its reconnect window is what a SIGKILL would end, and a full disk
+        would refuse the goodbyes too."""
         if self.stopping.is_set():
             return
         self.signalled_by = name
@@ -265,7 +266,11 @@ class _Daemon:
         for store in [self.store, *self.side_stores]:  # (a job's shards hold clients of their own)
             if store is None or not hasattr(store, "give_up"):
                 continue
-            if getattr(store, "reconnecting", False):
+            if getattr(store, "waiting_for_disk", 0):
+                logger.warning("%s %s: %s; not waiting for the store (its disk refuses changes)", self.kind[:-1],
+                               self.id, name)  # fmt: skip
+                store.give_up(f"{self.kind[:-1]} {self.id} stopped ({name}) while the store's disk refused changes")
+            elif getattr(store, "reconnecting", False):
                 logger.warning("%s %s: %s; not waiting for the store", self.kind[:-1], self.id, name)
                 store.give_up(reason)
             else:

@@ -71,6 +71,9 @@ class StoreClient:
         #: seconds a change the store could not put on its disk is tried again (StoreDiskError): 0 for a
         #: caller that should say so at once (a submitter); daemons wait as for a lost store
         self.disk_retry_s = 0.0
+        #: calls waiting to try again a change the store's disk refused (a daemon told to stop then does
+        #: not wait for the store's goodbyes: its disk would refuse them too)
+        self.waiting_for_disk = 0
         self.reconnects = 0
 
     @classmethod
@@ -149,7 +152,11 @@ class StoreClient:
                     raise
                 if refused_since == now:
                     logger.warning("%s; retrying for up to %gs", exc, self.disk_retry_s)
-                await asyncio.sleep(pause)
+                self.waiting_for_disk += 1
+                try:
+                    await asyncio.sleep(pause)
+                finally:
+                    self.waiting_for_disk -= 1
                 pause = min(pause * 2, 1.0)
                 continue
             await self._reconnect(conn)

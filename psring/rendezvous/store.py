@@ -29,9 +29,6 @@ from .storelog import COMPACT_MIN_BYTES, DiskError, StoreLog, _remember
 
 logger = logging.getLogger(__name__)
 
-#: seconds between tries of a data dir that refused a write (StoreServer._disk_back)
-DISK_PROBE_S = 0.5
-
 STORE_MAX_VALUE = 64 << 20
 STORE_MAX_KEYS = 1_000_000
 STORE_MAX_BYTES = 1 << 30
@@ -73,9 +70,8 @@ class StoreServer:
         self.requests = 0
         self.bad_requests = 0
         self.disk_errors = 0  #: changes the data dir refused (and so not made)
-        #: the data dir's last refusal, while it lasts (every request answers with it), and the next probe
+        #: the data dir's last refusal, while it lasts (every request answers with it)
         self._disk_error: DiskError | None = None
-        self._disk_probe_at = 0.0
 
     @property
     def port(self) -> int:
@@ -201,7 +197,7 @@ class StoreServer:
             await self._durable(key, token, response, sync=sync)
         except DiskError as exc:
             self.disk_errors += 1
-            self._disk_error, self._disk_probe_at = exc, time.monotonic() + DISK_PROBE_S
+            self._disk_error = exc
             if self._data.get(key) is (None if value is None else value):  # (unless a later change followed)
                 if old is None:
                     self._forget(key)
@@ -211,14 +207,13 @@ class StoreServer:
             raise
 
     def _disk_back(self) -> bool:
-        """Whether the data dir takes writes again (tried at most every DISK_PROBE_S: a block written,
-        synced and removed); until then every request but ping answers with the disk's error, so a
-        client learns at once what is wrong instead of reading a state no change can follow."""
-        now = time.monotonic()
-        if self._log is None or now < self._disk_probe_at:
-            return False
-        self._disk_probe_at = now + DISK_PROBE_S
-        if not self._log.probe():
+        """Whether the data dir takes writes again: tried at every request while it refused them (a block
+        written, synced and removed; on a full disk the write fails at once, a few system calls). Until
+        then every request but ping answers with the disk's error, so a client learns at once what is
+        wrong instead of reading a state no change can follow; the first request after the operator made
+        room is served (a probe only every so often refused a job submitted just after: a CI run failed
+        so, the submitter saying the disk was full a second after it had been emptied)."""
+        if self._log is None or not self._log.probe():
             return False
         logger.warning("store: %s takes writes again", self._log.directory)
         self._disk_error = None

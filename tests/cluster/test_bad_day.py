@@ -168,7 +168,8 @@ def test_a_store_whose_disk_is_full_answers_naming_it_makes_no_change_and_recove
             for extra in (disk for disk in small_disk.iterdir() if disk.name.startswith("filler")):
                 extra.unlink()
             assert not filler.exists()
-            await asyncio.sleep(0.6)  # (the store tries its disk at most every half second)
+            # served at once: the store tries its disk at every request while it refuses (a probe only
+            # every half second refused a job submitted just after the room was made: a CI failure)
             assert await client.get("kept") == b"before"  # the refused change was not made
             await client.set("after", b"1")
             assert await client.add("n", 2) == 2
@@ -188,20 +189,50 @@ def test_a_store_whose_disk_is_full_answers_naming_it_makes_no_change_and_recove
     asyncio.run(main())
 
 
+def _store_on(disk: Path, c: Cluster) -> None:
+    c.store = subprocess.Popen(
+        [sys.executable, "-m", "psring", "store", "--host", "127.0.0.1", "--port", "0", "--data-dir",
+         str(disk / "data")],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    line = c.store.stdout.readline() if c.store.stdout else ""
+    assert "listening on 127.0.0.1:" in line, line
+    c.address = "127.0.0.1:" + line.split("127.0.0.1:")[1].split(",")[0].split()[0]
+
+
+def test_a_daemon_waiting_for_its_stores_disk_stops_at_once_on_sigterm(tmp_path: Path, small_disk: Path) -> None:
+    """A worker daemon whose store's disk refuses changes waits for it (its heartbeat and its poll for
+    work are refused); SIGTERM then ends it at once, saying why, instead of after the grace it gives
+    the store's goodbyes -- which that disk would refuse too (the fault campaign's full-disk case once
+    saw a daemon outlive docker's 10 s grace, so)."""
+    c = Cluster.__new__(Cluster)
+    c.tmp, c.secret, c.env, c.daemons = tmp_path, None, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, {}
+    try:
+        _store_on(small_disk, c)
+        worker = c.worker("w0")
+        _fill(small_disk)
+        assert worker.stdout is not None
+        line = ""
+        while "retrying for up to" not in line:  # its heartbeat or its poll refused: it waits for the disk
+            line = worker.stdout.readline()
+            assert line or worker.poll() is None, end(worker)
+        os.kill(worker.pid, signal.SIGTERM)
+        took = _gone_within(worker, GRACE_S)
+        out = worker.stdout.read()
+        assert worker.returncode == 0, out
+        assert "not waiting for the store (its disk refuses changes)" in out, out
+        assert took < 3.5, (took, out)  # (not the 4 s grace, and not at a bound: 1 s of backoff at most)
+    finally:
+        c.close()
+
+
 def test_a_full_disk_fails_the_submitter_at_once_and_the_cluster_goes_on(tmp_path: Path, small_disk: Path) -> None:
     """The submitter fails naming the disk within seconds; the worker daemons wait for the store's disk
     within their bound (they do not exit); with room again the next job runs."""
     c = Cluster.__new__(Cluster)
     c.tmp, c.secret, c.env, c.daemons = tmp_path, None, {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, {}
-    c.store = subprocess.Popen(
-        [sys.executable, "-m", "psring", "store", "--host", "127.0.0.1", "--port", "0", "--data-dir",
-         str(small_disk / "data")],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
     try:
-        line = c.store.stdout.readline() if c.store.stdout else ""
-        assert "listening on 127.0.0.1:" in line, line
-        c.address = "127.0.0.1:" + line.split("127.0.0.1:")[1].split(",")[0].split()[0]
+        _store_on(small_disk, c)
         workers = [c.worker(f"w{i}") for i in range(2)]
         _fill(small_disk)
         submit = [sys.executable, "-m", "psring", "submit", "--store", c.address, "--workers", "2", "--epochs", "1"]
