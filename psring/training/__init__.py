@@ -1,7 +1,8 @@
 """Layer 5: synchronous SGD over a Group, and the main job.
 
 - ``sgd``: SyncSGD (buckets, either topology, identical parameters); ``placement``: where its parameters
-  live and who runs the optimizer (``Replicated``, ``Sharded``), the strategy its group provides.
+  live and who runs the optimizer (``Replicated``, ``Sharded``, ``Reformed``: elastic over the ring), the
+  strategy its group provides.
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
 - ``embed``: the second main job (``psring train --model embed``): a recommendation model whose two
   embedding tables are sparse tables, on generated data.
