@@ -301,6 +301,8 @@ class _Daemon:
     async def _new_store(self) -> Any:
         """A store connection of its own (shard servers close theirs when they stop)."""
         store = await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
+        if hasattr(store, "disk_retry_s"):  # a store whose disk refuses changes: wait, as the daemon's own does
+            store.disk_retry_s = store.reconnect_s
         self.side_stores.add(store)
         return store
 
@@ -346,7 +348,13 @@ class WorkerDaemon(_Daemon):
                 if raw is None:
                     continue
                 await self.store.delete(key("assign", self.id))
-                await self._run_job(json.loads(raw))
+                try:
+                    assignment = _assignment(raw)
+                except ValueError as exc:  # not an assignment a submitter writes: said, and dropped
+                    logger.warning("worker %s: dropped an assignment: %s", self.id, exc)
+                    print(f"psring worker {self.id}: dropped an assignment: {exc}", flush=True)
+                    continue
+                await self._run_job(assignment)
         finally:
             self.stopping.set()
             self._stop_heartbeat(beat)
@@ -356,8 +364,11 @@ class WorkerDaemon(_Daemon):
     async def _run_job(self, assignment: dict[str, Any]) -> None:
         jid, rank, attempt = int(assignment["job"]), int(assignment["rank"]), int(assignment.get("attempt", 0))
         raw = await self.store.get(key("jobs", jid, "spec"))
-        spec = json.loads(raw) if raw is not None else None
-        if spec is None or spec.get("attempt", 0) != attempt:
+        try:
+            spec = json.loads(raw) if raw is not None else None
+        except (ValueError, UnicodeDecodeError):
+            spec = None  # (not a spec a submitter writes: as if there were none)
+        if not isinstance(spec, dict) or spec.get("attempt", 0) != attempt:
             logger.warning("worker %s: job %s attempt %s is not current; ignored", self.id, jid, attempt)
             return
         self.state, self.job = "busy", jid
@@ -626,18 +637,35 @@ class ServerDaemon(_Daemon):
     async def _serve_order(self, order: dict[str, Any], restore: bool) -> Any:
         jid, attempt = int(order["job"]), int(order.get("attempt", 0))
         directory = os.path.join(self.checkpoint_dir, f"job{jid}") if self.checkpoint_dir else None
-        return await start_servers(
-            await self._new_store(),
-            order["num_shards"],
-            job=job_name(jid, attempt),
-            secret=self.secret,
-            advertise=self.advertise,
-            shard_ids=order["shards"],
-            checkpoint_dir=directory,
-            restore=restore and directory is not None,
-            checkpoint_name=f"job{jid}",  # one name for every attempt: a restart resumes from it
-            shard_host=self.host,
-        )
+        store = await self._new_store()
+        try:
+            return await start_servers(
+                store,
+                order["num_shards"],
+                job=job_name(jid, attempt),
+                secret=self.secret,
+                advertise=self.advertise,
+                shard_ids=order["shards"],
+                checkpoint_dir=directory,
+                restore=restore and directory is not None,
+                checkpoint_name=f"job{jid}",  # one name for every attempt: a restart resumes from it
+                shard_host=self.host,
+            )
+        except (Exception, asyncio.CancelledError):  # cleanup, then the error stands
+            self.side_stores.discard(store)
+            with contextlib.suppress(PsringError, OSError):
+                await store.close()
+            raise
+
+    async def _order_failed(self, jid: int, exc: BaseException) -> None:
+        """A job's shards could not start here (its store refused them, the job's port is taken, ...): said,
+        and forgotten; the daemon goes on serving. The job's workers meet no shards at its address and fail
+        or restart by their own timeout, as for a server lost before it registered."""
+        logger.warning("server %s: the shards of job %d did not start: %s", self.id, jid, exc)
+        print(f"psring server {self.id}: the shards of job {jid} did not start: {exc}", flush=True)
+        self.hosting.pop(jid, None)
+        with contextlib.suppress(PsringError, OSError):  # best effort: a restart must not resume it either
+            await self.store.delete(key("hosting", self.id, jid))
 
     async def _resume(self, running: dict[int, tuple[int, Any]]) -> None:
         """After a restart: the shards of the jobs this daemon hosted that still run, from their checkpoints."""
@@ -675,16 +703,23 @@ class ServerDaemon(_Daemon):
                 raw = await self.store.get(key("serve", self.id), timeout=1.0)
                 if raw is not None:
                     await self.store.delete(key("serve", self.id))
-                    order = json.loads(raw)
+                    try:
+                        order = _order(raw)
+                    except ValueError as exc:  # not an order a submitter writes: said, and dropped
+                        logger.warning("server %s: dropped an order: %s", self.id, exc)
+                        print(f"psring server {self.id}: dropped an order: {exc}", flush=True)
+                        continue
                     jid = int(order["job"])
                     if jid in running:  # a restart of the job replaces its earlier attempt
                         await running.pop(jid)[1].close()
                     await self.store.set(key("hosting", self.id, jid), raw)  # outlives this process
                     self.hosting[jid] = raw
-                    running[jid] = (
-                        order.get("attempt", 0),
-                        await self._serve_order(order, restore=order.get("attempt", 0) > 0),
-                    )
+                    try:
+                        shards = await self._serve_order(order, restore=order.get("attempt", 0) > 0)
+                    except (PsringError, OSError, ValueError) as exc:  # one job's: the daemon serves the next
+                        await self._order_failed(jid, exc)
+                        continue
+                    running[jid] = (order.get("attempt", 0), shards)
                     self.state, self.job = "busy", jid
                 for jid in list(running):
                     state = await self.store.get(key("jobs", jid, "state"))
@@ -702,6 +737,42 @@ class ServerDaemon(_Daemon):
                 with contextlib.suppress(Exception):  # cleanup: a close may fail any way (the peer is gone)
                     await srv.close()
             await self.stop()
+
+
+def _parsed(raw: bytes) -> dict[str, Any]:
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON ({exc}): {bytes(raw)[:80]!r}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not an object: {bytes(raw)[:80]!r}")
+    return record
+
+
+def _assignment(raw: bytes) -> dict[str, Any]:
+    """A worker daemon's assignment (``assign/<id>``, written by a submitter), checked: job, rank, attempt."""
+    a = _parsed(raw)
+    job, rank, attempt = a.get("job"), a.get("rank"), a.get("attempt", 0)
+    if not all(type(v) is int and v >= 0 for v in (job, rank, attempt)):
+        raise ValueError(f"expected job, rank and attempt (numbers), got {bytes(raw)[:200]!r}")
+    return a
+
+
+def _order(raw: bytes) -> dict[str, Any]:
+    """A server daemon's order (``serve/<id>``, written by a submitter), checked: the job, its shard count,
+    this daemon's shards among them, the attempt."""
+    order = _parsed(raw)
+    job, num, shards, attempt = order.get("job"), order.get("num_shards"), order.get("shards"), order.get("attempt", 0)
+    ok = (
+        type(job) is int and job >= 0 and type(num) is int and num >= 1 and type(attempt) is int and attempt >= 0
+        and isinstance(shards, list) and shards and all(type(i) is int and 0 <= i < num for i in shards)
+    )  # fmt: skip
+    if not ok:
+        raise ValueError(
+            f"expected job (a number), num_shards (at least 1), shards (numbers below num_shards) and attempt, "
+            f"got {bytes(raw)[:200]!r}"
+        )
+    return order
 
 
 __all__ = ["JobError", "ServerDaemon", "WorkerDaemon"]

@@ -189,6 +189,54 @@ def test_a_store_whose_disk_is_full_answers_naming_it_makes_no_change_and_recove
     asyncio.run(main())
 
 
+def test_daemons_drop_orders_they_cannot_serve_and_serve_the_next_job(tmp_path: Path) -> None:
+    """An order (server daemon) or an assignment (worker daemon) under a daemon's name that is not one --
+    not JSON, a shard out of range, a negative job -- is said and dropped, not a crash of the daemon
+    (before: the JSON error or start_servers' ValueError ended the process; and a store refusing a job's
+    shards on a full disk did the same: the fault campaign's next job waited 30 s for the dead server);
+    the next ps job then runs on them."""
+    c = Cluster(tmp_path)
+    try:
+        workers = [c.worker("w0"), c.worker("w1")]
+        server = c.spawn_server_daemon("s0")
+        bad = {
+            "serve/s0": [b"{not json", b'{"job": 7, "num_shards": 2, "shards": [5], "attempt": 0}'],
+            "assign/w0": [b"\xff\xfe"],
+            "assign/w1": [b'{"job": -1, "rank": 0}'],
+        }
+
+        async def orders() -> None:
+            store = await connect_store(parse_store_address(c.address), secret=None, timeout=10)
+            try:
+                for name, values in bad.items():
+                    for value in values:
+                        await store.set(f"psring-cluster/{name}", value)
+                        for _ in range(100):  # taken (deleted) within the daemon's 1 s poll
+                            if await store.get(f"psring-cluster/{name}") is None:
+                                break
+                            await asyncio.sleep(0.1)
+            finally:
+                await store.close()
+
+        asyncio.run(orders())
+        with c.client() as client:
+            summary = client.submit("ps", 2, train={"epochs": 2}).wait(timeout=120)
+        assert summary["ranks_agree"], summary
+        outs = {}
+        for name, proc in (("s0", server), ("w0", workers[0]), ("w1", workers[1])):
+            assert proc.poll() is None, end(proc)
+            os.kill(proc.pid, signal.SIGTERM)
+            _gone_within(proc, GRACE_S)
+            outs[name] = proc.stdout.read() if proc.stdout else ""
+            assert proc.returncode == 0, outs[name]
+        assert "psring server s0: dropped an order: not JSON" in outs["s0"], outs["s0"]
+        assert "dropped an order: expected job (a number), num_shards" in outs["s0"] and "[5]" in outs["s0"], outs
+        assert "psring worker w0: dropped an assignment: not JSON" in outs["w0"], outs["w0"]
+        assert "psring worker w1: dropped an assignment: expected job, rank and attempt" in outs["w1"], outs["w1"]
+    finally:
+        c.close()
+
+
 def _store_on(disk: Path, c: Cluster) -> None:
     c.store = subprocess.Popen(
         [sys.executable, "-m", "psring", "store", "--host", "127.0.0.1", "--port", "0", "--data-dir",

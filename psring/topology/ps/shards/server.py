@@ -274,7 +274,12 @@ async def start_servers(
         server.serve_on(shard_host, advertise)
     else:
         await server.start(host, port, advertise)
-    await server.register(store)
+    try:
+        await server.register(store)
+    except (Exception, asyncio.CancelledError):  # cleanup, then the error stands: no half-registered job
+        server.store = None  # (the caller's store: it closes it)
+        await server.close()
+        raise
     return server
 
 
