@@ -3,12 +3,14 @@ dies like a crash or is SIGKILLed)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -278,14 +280,22 @@ def _run_with_joiner(
     trigger: str,
     joiner_for: Callable[[int], tuple[list[str], dict[str, str]]],
     cmd_env: dict[str, str] | None = None,
+    bound: float = 150.0,
 ) -> tuple[int, list[str], str, int, str]:
     """Run cmd (its own session); at the first stdout line matching ``trigger`` start the joiner that
     ``joiner_for(cmd's pid)`` gives as (argv, env). Returns (rc, stdout lines, stderr, joiner rc, joiner output);
-    both are ended by PID whatever happens."""
+    both are ended by PID whatever happens -- a job still running after ``bound`` seconds is killed, so a
+    hang fails the test with the job's output (not at pytest's timeout, with nothing said)."""
     proc = subprocess.Popen(cmd, env=cmd_env or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     joiner = None
     lines: list[str] = []
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):  # (it ended meanwhile)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    watchdog = threading.Timer(bound, kill)
+    watchdog.start()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -298,10 +308,13 @@ def _run_with_joiner(
         assert joiner is not None, "".join(lines) + err
         jout, _ = joiner.communicate(timeout=60)
     finally:
+        watchdog.cancel()
         for p in (proc, joiner):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL) if p is proc else p.kill()
                 p.communicate(timeout=30)
+    if proc.returncode == -signal.SIGKILL:
+        lines.append(f"(killed: still running {bound:g}s after it started)\n")
     return proc.returncode, lines, err, joiner.returncode, jout
 
 

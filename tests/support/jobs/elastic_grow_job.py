@@ -4,14 +4,16 @@ the one at step t closes joins, and the job goes on to STEPS). Every worker push
 with lr 1, so each step's result says whose gradients it averaged (SPARSE=1: a sparse table's row 9
 too, pushed alike). LEAVE=id@t: the worker of that id exits (like a crash) before its step t. One
 JSON line per step; the live group's all_reduce last. PROPOSE=1 (the ring, LEAVE at a boundary step):
-every worker waits there until a new worker asked, and the leaving one first proposes admitting it, as
-if it died right after its proposal (the others take the first proposal written)."""
+no boundary before it admits anyone; there every worker waits until a new worker asked, and the leaving
+one first proposes admitting it, as if it died right after its proposal (the others take the first
+proposal written)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import time
 
 import numpy as np
 
@@ -34,15 +36,16 @@ async def main() -> None:
     print(json.dumps({"rank": me, "start": start, "joined_with": opt.joined_with, "members": opt.members}), flush=True)
     t = start
     leave, _, leave_at = os.environ.get("LEAVE", "-1@-1").partition("@")
+    propose = os.environ.get("PROPOSE") == "1"
     while t < steps:
-        if t == int(leave_at) and os.environ.get("PROPOSE") == "1":
+        if t == int(leave_at) and propose:
             await _propose(opt, t, me == int(leave))
         if me == int(leave) and t == int(leave_at):
             os._exit(9)
         if close_at and t == close_at:
             await opt.close_joins()
             print(json.dumps({"rank": me, "closed": t}), flush=True)
-        elif t % 3 == 0 and t and not (join and t == start) and not close_at:
+        elif t % 3 == 0 and t and not (join and t == start) and not close_at and not (propose and t < int(leave_at)):
             new = await opt.admit_waiting({"t": t})  # a boundary every 3 steps (a joiner starts after its own)
             if new:
                 print(json.dumps({"rank": me, "admitted": new, "at": t}), flush=True)
@@ -67,7 +70,10 @@ async def _propose(opt: SyncSGD, t: int, mine: bool) -> None:
     """Wait until a new worker asked to join; the leaving worker proposes admitting it at boundary t."""
     q = opt.placement.quorum  # type: ignore[union-attr]
     store, reg = q.net.store, q.registry
+    deadline = time.monotonic() + 60
     while (asked := int(await store.add(f"{reg.prefix}/asked", 0))) <= q.admitted:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no new worker asked to join within 60 s (admitted {q.admitted}, asked {asked})")
         await asyncio.sleep(0.05)
     if mine:
         await store.compare_set(f"{reg.prefix}/boundary/{t}", None, str(asked).encode())
