@@ -130,9 +130,11 @@ def test_heal_short_form_measures_a_new_worker_on_both_topologies() -> None:
 
 
 def test_a_worker_lost_at_a_boundary_costs_the_others_nothing_there() -> None:
-    """Worker 0 (rank 0) is lost right before a boundary (step 9; worker 3 joined at step 3): the
-    others' admission there agrees through the store, not a broadcast from rank 0 (which died with
-    it: the boundary raised PeerLostError before), and the next step's exchange re-forms the ring."""
+    """Worker 0 (rank 0) is lost right before a boundary (step 9; worker 3 asked to join after step 1,
+    and is admitted at whichever boundary comes once it asked): the others' admission there agrees
+    through the store, not a broadcast from rank 0 (which died with it: the boundary raised
+    PeerLostError before), and the next step's exchange re-forms the ring -- or, where they agreed to
+    admit before they saw the loss, the round is abandoned and the next boundary admits it."""
     rows, out = _grow(3, "0@9", r'"step": 1,')
     assert any(r.get("admitted") == [3] for r in rows), out
     _check_steps(rows)
