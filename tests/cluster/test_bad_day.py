@@ -259,6 +259,16 @@ def test_a_daemon_waiting_for_its_stores_disk_stops_at_once_on_sigterm(tmp_path:
         _store_on(small_disk, c)
         worker = c.worker("w0")
         _fill(small_disk)
+
+        async def refused() -> None:  # a change the disk cannot take (the log's last page has room for small ones)
+            store = await connect_store(parse_store_address(c.address), secret=None, timeout=10)
+            try:
+                with pytest.raises(StoreDiskError):
+                    await store.set("big", b"x" * 65536)
+            finally:
+                await store.close()
+
+        asyncio.run(refused())
         assert worker.stdout is not None
         line = ""
         while "retrying for up to" not in line:  # its heartbeat or its poll refused: it waits for the disk
