@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .. import settings as settings_mod
@@ -252,6 +253,19 @@ class _Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.signalled, sig.name)
 
+    async def _take(
+        self, record: str, raw: bytes, parse: Callable[[bytes], dict[str, Any]], what: str
+    ) -> dict[str, Any] | None:
+        """A record a submitter left under this daemon's name (``record``/<id>), taken (deleted) and checked
+        by ``parse``; one that is not ``what`` it claims is said and dropped (None), not a crash."""
+        await self.store.delete(key(record, self.id))
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            logger.warning("%s %s: dropped %s: %s", self.kind[:-1], self.id, what, exc)
+            print(f"psring {self.kind[:-1]} {self.id}: dropped {what}: {exc}", flush=True)
+            return None
+
     def signalled(self, name: str = "SIGTERM") -> None:
         """Stop within docker's grace in any state: the serve loop and a job in flight see ``stopping``;
         the store's goodbyes (this daemon's records, a job's outcome) get STOP_GRACE_S, and a store that
@@ -347,14 +361,9 @@ class WorkerDaemon(_Daemon):
                 raw = get.result()
                 if raw is None:
                     continue
-                await self.store.delete(key("assign", self.id))
-                try:
-                    assignment = _assignment(raw)
-                except ValueError as exc:  # not an assignment a submitter writes: said, and dropped
-                    logger.warning("worker %s: dropped an assignment: %s", self.id, exc)
-                    print(f"psring worker {self.id}: dropped an assignment: {exc}", flush=True)
-                    continue
-                await self._run_job(assignment)
+                assignment = await self._take("assign", raw, _assignment, "an assignment")
+                if assignment is not None:
+                    await self._run_job(assignment)
         finally:
             self.stopping.set()
             self._stop_heartbeat(beat)
@@ -702,12 +711,8 @@ class ServerDaemon(_Daemon):
             while not self.stopping.is_set():
                 raw = await self.store.get(key("serve", self.id), timeout=1.0)
                 if raw is not None:
-                    await self.store.delete(key("serve", self.id))
-                    try:
-                        order = _order(raw)
-                    except ValueError as exc:  # not an order a submitter writes: said, and dropped
-                        logger.warning("server %s: dropped an order: %s", self.id, exc)
-                        print(f"psring server {self.id}: dropped an order: {exc}", flush=True)
+                    order = await self._take("serve", raw, _order, "an order")
+                    if order is None:
                         continue
                     jid = int(order["job"])
                     if jid in running:  # a restart of the job replaces its earlier attempt
