@@ -16,10 +16,11 @@ set to the post's number, written after what it covers): the ring folds one chun
 post into its own post's copy of that chunk, marks it, and reads its peers' folded chunks once
 they are all marked (a reduce-scatter and an all-gather through the same two slots).
 
-A writer may reuse a slot only once every peer has finished reading what it holds: each
-board's header page carries an *ack*, a number up to which its owner has finished everything
+A writer may reuse a slot only once every rank, the writer too, has finished reading what it holds:
+each board's header page carries an *ack*, a number up to which its owner has finished everything
 (the caller's: for a collective, every collective up to it ended), and
-:meth:`Board.clear_to_post` checks every peer's against what the slot holds.
+:meth:`Board.clear_to_post` checks every peer's and its own against what the slot holds (the owner
+reads its own post back: the split fold's folded chunk).
 
 Where the C extension ``psring._native`` is built (``setup.py``; pip builds it from the sdist where
 a compiler is) and ``native`` is on (PSRING_NATIVE), posting, polling, checking and the fold of every
@@ -194,8 +195,13 @@ class Board:
 
     # ----------------------------------------------------------------- posting
     def clear_to_post(self, k: int) -> bool:
-        """Whether every peer is done with the post that slot k % 2 holds (post k may replace it)."""
+        """Whether every rank -- this one too -- is done with the post that slot k % 2 holds (post k may
+        replace it). This one: the ring's split fold reads its own post's folded chunk back after every
+        peer has marked and may have acked, and a later call in flight (async_op) must not post over it
+        before then."""
         before = self.last[k & 1]
+        if self._own.ack[0] < before:
+            return False
         for peer in self._peers:
             if peer.ack[0] < before:
                 return False

@@ -64,7 +64,7 @@ def _run(
     topology: str, n: int, hosts: str, hierarchical: str = "auto", **extra: str
 ) -> tuple[list[list[str]], str]:
     """The job's 'HIER' lines, one per rank (rank, two-level matches, flat matches, total, digest, host-reduced
-    blocks), and its output."""
+    blocks, the calls not in the flat order), and its output."""
     env = {**os.environ, "HIER_HOSTS": hosts, "PSRING_HIERARCHICAL": hierarchical, **extra}
     cmd = [sys.executable, "-m", "psring", "launch", "-n", str(n), "--topology", topology, "--", sys.executable, JOB]
     proc = run_tree(cmd, timeout=150, env=env)
@@ -83,7 +83,7 @@ def test_ring_and_ps_fold_in_the_two_level_order_across_hosts(n: int, hosts: str
     digests = set()
     for topology in ("ring", "ps"):
         rows, _ = _run(topology, n, hosts)
-        for _rank, two, _flat, total, digest, blocks in rows:
+        for _rank, two, _flat, total, digest, blocks, _odd in rows:
             assert two == total, (
                 f"{topology}: {int(total) - int(two)} of {total} all_reduces not in the two-level order"
             )
@@ -105,7 +105,7 @@ def test_ps_reduces_within_the_host_in_blocks_and_off_pushes_every_tensor(n: int
     # 100_003 floats: one block; 1_500_001: six; the three 300_000 in flight at once: two each
     for limit, want in (("256K", 4 * (1 + 6) + 3 * 2), ("0", 0)):
         rows, _ = _run("ps", n, hosts, PSRING_PS_HOST_BLOCK="1M", PSRING_PS_HOST_REDUCE=limit)
-        for _rank, two, _flat, total, digest, blocks in rows:
+        for _rank, two, _flat, total, digest, blocks, _odd in rows:
             assert two == total, f"{int(total) - int(two)} of {total} all_reduces not in the two-level order"
             assert int(blocks) == want, (limit, blocks)
             digests.add(digest)
@@ -117,7 +117,7 @@ def test_ranks_that_set_another_host_reduce_size_take_the_path_for_the_same_call
     """Rank 0 says PSRING_PS_HOST_REDUCE=2M, the others 256K: every rank takes the largest, so only the
     1_500_001-float calls (one block each, 4 ops) are reduced within the host, on every rank."""
     rows, _ = _run("ps", 4, "block:2", HIER_RANK0_HOST_REDUCE="2M")
-    for _rank, two, _flat, total, _digest, blocks in rows:
+    for _rank, two, _flat, total, _digest, blocks, _odd in rows:
         assert two == total and int(blocks) == 4, (two, total, blocks)
 
 
@@ -126,8 +126,9 @@ def test_off_keeps_the_flat_order_on_both_topologies() -> None:
     digests = set()
     for topology in ("ring", "ps"):
         rows, _ = _run(topology, 4, "block:2", hierarchical="off")
-        for _rank, two, flat, total, digest, blocks in rows:
-            assert flat == total and int(two) < int(total), (topology, two, flat, total)
+        for rank, two, flat, total, digest, blocks, odd in rows:
+            # (odd: the calls not in the flat order, as size/op)
+            assert flat == total and int(two) < int(total), (topology, rank, two, flat, total, odd)
             assert blocks == "0", (topology, blocks)  # the flat order: no host-reduced all_reduce
             digests.add(digest)
     assert len(digests) == 1, f"ring and ps SyncSGD parameters differ: {digests}"
@@ -136,7 +137,7 @@ def test_off_keeps_the_flat_order_on_both_topologies() -> None:
 @pytest.mark.timeout(200)
 def test_on_with_uneven_hosts_says_why_it_stays_flat() -> None:
     rows, output = _run("ring", 3, "block:2", hierarchical="on")  # hosts of 2 and 1 ranks
-    assert all(flat == total for _r, _two, flat, total, _d, _b in rows), rows
+    assert all(flat == total for _r, _two, flat, total, _d, _b, _odd in rows), rows
     assert "PSRING_HIERARCHICAL=on, but the ranks' hosts hold [1, 2] ranks" in output, output[-3000:]
 
 

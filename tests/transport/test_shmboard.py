@@ -43,10 +43,13 @@ def test_a_post_is_seen_whole_checked_and_its_slot_reused_only_after_every_ack()
         (view,) = a.arrays(4, np.dtype(np.float32), 4)
         assert view.tobytes() == x.tobytes()
         assert a.read(1, 4)[:2] == (4, b"tag-4")
-        # slot 0 holds post 4 until a says it is done with it
+        # slot 0 holds post 4 until a says it is done with it -- and b itself (the split fold reads the
+        # owner's post back after every peer is done with it)
         assert not b.clear_to_post(6) and b.clear_to_post(5)
         a.ack(5)
         a.ack(3)  # an ack never goes back
+        assert not b.clear_to_post(6)
+        b.ack(4)
         assert b.clear_to_post(6)
         with pytest.raises(ValueError, match="at most 32 bytes"):
             b.post(6, b"t", memoryview(np.zeros(9, np.float32)).cast("B"))
@@ -334,6 +337,27 @@ async def test_many_calls_in_flight_post_in_call_order_and_reuse_slots_safely(ma
     for i in range(40):
         ref = canonical_fold([xs[r][i] for r in range(3)], "sum", np.empty_like(xs[0][i]))
         assert all(ys[r][i].tobytes() == ref.tobytes() for r in range(3)), i
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 4])
+async def test_split_calls_in_flight_keep_their_folded_chunks_until_they_gather_them(make_groups, n: int) -> None:
+    """Forty split-fold all_reduces in flight on every rank: a rank's later call posts over a slot only once
+    this rank too has gathered the call before it there (its folded chunk lives in its own post: before
+    the fix a rank whose peers were done with a slot posted over it and returned the next call's input
+    as its own chunk of the result)."""
+    groups = await make_groups(n)
+    rng = np.random.default_rng(12)
+    size = SPLIT_BYTES // 4 * 3
+    xs = [[rng.standard_normal(size + i).astype(np.float32) for i in range(40)] for _ in groups]
+    ys = await asyncio.gather(*(asyncio.gather(*(g.all_reduce(x) for x in xs[g.rank])) for g in groups))
+    wrong = []
+    for i in range(40):
+        ref = canonical_fold([xs[r][i] for r in range(n)], "sum", np.empty_like(xs[0][i]))
+        wrong += [(i, r) for r in range(n) if ys[r][i].tobytes() != ref.tobytes()]
+    assert not wrong, f"(call, rank) not in the canonical fold's bits: {wrong}"
 
 
 @pytest.mark.slow

@@ -468,6 +468,8 @@ class BoardAllReduce(Algorithm):
         board = self.net.board
         if board is not None and self.gid == "0":
             board.ack(self.g.stopped_at() - 1)
+            if self.wake_futs:  # a call after it may wait for this rank to be done with its slot
+                self.on_wake()
 
 
 def _settle(fut: asyncio.Future[None]) -> None:

@@ -3,7 +3,8 @@ ranks r // per on one host, 'interleave' r % per), as ranks in separate containe
 would be. Each rank all_reduces tensors of every path's size with every op, compares the result
 with the two-level and the flat canonical orders computed here from all ranks' inputs, runs a
 few SyncSGD steps, and prints one line: 'HIER <rank> <two-level matches> <flat matches> <total>
-<params digest> <ps: all_reduce blocks reduced within the host before they were pushed>'.
+<params digest> <ps: all_reduce blocks reduced within the host before they were pushed> <the calls
+not in the flat order, as size/op, comma-separated; '-': none>'.
 """
 
 import hashlib
@@ -60,6 +61,7 @@ if odd is not None:  # rank HIER_MISMATCH all_reduces a larger tensor than the o
     g.close()
     os._exit(0)
 two = flat = total = 0
+odd_calls: list[str] = []  # the calls not in the flat order, for the test's message
 # 1 element to blocks of the hierarchical path (4 MiB): the small path, one block, several
 for size in (1, 7, 1000, 100_003, 1_500_001):
     for op in ("sum", "avg", "prod", "max"):
@@ -68,8 +70,11 @@ for size in (1, 7, 1000, 100_003, 1_500_001):
         )
         y = g.all_reduce(xs[rank], op=op)
         two += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32), hosts=hosts)))
-        flat += bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32))))
+        is_flat = bool(np.array_equal(y, canonical_fold(xs, op, np.empty(size, np.float32))))
+        flat += is_flat
         total += 1
+        if not is_flat:
+            odd_calls.append(f"{size}/{op}")
 # three calls in flight at once (async_op), each large enough for the ps to reduce it within the host
 xs3 = [
     np.stack([np.random.default_rng(7 * i + r).standard_normal(300_000).astype(np.float32) for r in range(world)])
@@ -79,8 +84,11 @@ handles = [g.all_reduce(x[rank], async_op=True) for x in xs3]
 for x, h in zip(xs3, handles, strict=True):
     y = h.wait()
     two += bool(np.array_equal(y, canonical_fold(x, "sum", np.empty(300_000, np.float32), hosts=hosts)))
-    flat += bool(np.array_equal(y, canonical_fold(x, "sum", np.empty(300_000, np.float32))))
+    is_flat = bool(np.array_equal(y, canonical_fold(x, "sum", np.empty(300_000, np.float32))))
+    flat += is_flat
     total += 1
+    if not is_flat:
+        odd_calls.append("300000/sum/async")
 params = {"w": np.zeros(600_001, np.float32), "b": np.zeros(5, np.float32)}
 opt = psring.SyncSGD(g, params, optimizer=psring.optim.SGD(lr=0.1, momentum=0.9))
 for step in range(3):
@@ -88,5 +96,5 @@ for step in range(3):
     params = opt.step({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in params.items()})
 digest = hashlib.sha256(b"".join(np.ascontiguousarray(params[k]).tobytes() for k in sorted(params))).hexdigest()[:16]
 blocks = g.stats().get("host_reduce_blocks", 0)  # ps: all_reduce blocks reduced within the host first
-print(f"HIER {g.rank} {two} {flat} {total} {digest} {blocks}", flush=True)
+print(f"HIER {g.rank} {two} {flat} {total} {digest} {blocks} {','.join(odd_calls) or '-'}", flush=True)
 g.close()
