@@ -7,11 +7,13 @@ import os
 import re
 import signal
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 import psring
+from psring.core.fold import canonical_fold
 from psring.rendezvous.client import connect_store, parse_store_address
 from psring.topology.ps.shards.server import start_servers
 from psring.transport.listener import Listener, open_connection
@@ -276,6 +278,54 @@ async def test_slower_ranks_finish_what_a_departed_rank_finished(make_groups, to
     assert time.monotonic() - t0 < 10
     with pytest.raises(psring.PeerLostError, match="rank 0"):
         await groups[1].send(x, dst=0)
+
+
+class _LateLink:
+    """A real connection whose sends go out ``delay`` seconds late (a slow rank's, as far as its peer sees)."""
+
+    def __init__(self, conn: Any, delay: float) -> None:
+        self.conn, self.delay, self.sent = conn, delay, 0
+
+    def send_tensor(self, header: Any, x: np.ndarray) -> None:
+        self.sent += 1
+        asyncio.get_running_loop().call_later(self.delay, self.conn.send_tensor, header, x.copy())
+
+    async def flush(self) -> None:
+        await asyncio.sleep(self.delay + 0.1)
+        await self.conn.flush()
+
+
+async def test_a_reduces_destination_is_not_hurt_by_a_rank_that_finished_and_left(make_groups) -> None:
+    """A ring reduce to rank 0 (the pipelined ring: rank 0 hears its left neighbour, rank 3, and each rank that
+    finished a chunk): rank 3 finishes, closes and leaves while rank 0 still waits for rank 1's chunk, which
+    comes late. Rank 3 sent everything it owed, so rank 0 finishes with the canonical fold (before, it failed
+    naming rank 3's going: it counted the call as waiting on its left neighbour alone)."""
+    groups = await make_groups(4, "ring", timeout=20.0)
+    xs = [np.random.default_rng(r).standard_normal(300_000).astype(np.float32) for r in range(4)]
+    real = groups[1]._link  # type: ignore[attr-defined]
+    late: list[_LateLink] = []
+
+    async def link(rank: int) -> Any:
+        conn = await real(rank)
+        if rank != 0:
+            return conn
+        late.append(_LateLink(conn, 0.5))
+        return late[-1]
+
+    groups[1]._link = link  # type: ignore[attr-defined]
+
+    async def leave_after(g: Any, x: np.ndarray) -> Any:
+        y = await g.reduce(x, dst=0)
+        await g.close()
+        return y
+
+    ys = await asyncio.gather(
+        groups[0].reduce(xs[0], dst=0), groups[1].reduce(xs[1], dst=0), groups[2].reduce(xs[2], dst=0),
+        leave_after(groups[3], xs[3]),
+    )  # fmt: skip
+    assert late and late[0].sent > 0  # rank 1's chunk went to rank 0 late, after rank 3 had left
+    assert ys[1:] == [None, None, None]
+    assert ys[0].tobytes() == canonical_fold(xs, "sum", np.empty_like(xs[0])).tobytes()
 
 
 async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decodes_them() -> None:

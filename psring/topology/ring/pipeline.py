@@ -63,20 +63,36 @@ class PipelinedRing(Algorithm):
         ag_into: np.ndarray,
         rs_arrived: Callable[[int, int, int, int], Callable[..., None]],
         ag_arrived: Callable[[int, int, int, int], Callable[..., None]],
+        ag_from: Callable[[int], int] | None = None,
     ) -> None:
         """The pipelined ring's skeleton, for every element type on the wire: post a receive for every
         reduce-scatter piece (each chunk but this rank's, into ``rs_into``) and every all-gather piece of
         ``ag_chunks`` (into ``ag_into``), send this rank's own chunk of ``sends`` to the right, and return
-        once every receive's callback (``rs_arrived``/``ag_arrived(c, j, a, b)``: fold, forward) has run."""
+        once every receive's callback (``rs_arrived``/``ag_arrived(c, j, a, b)``: fold, forward) has run.
+
+        ``ag_from(c)``: the rank chunk c's all-gather pieces come from (default the left neighbour; a
+        reduce's destination hears from the rank that finished each chunk). ``coll.waiting_on`` is the
+        ranks with pieces still owed: a peer that finished the call and left once all of its pieces are
+        in costs nothing, even while the call still waits for another rank's."""
         n_ranks, me = self.world_size, self.rank
-        coll.waiting_on = {(me - 1) % n_ranks}
-        needed = sum(len(chunk_pieces[c]) for c in range(n_ranks) if c != me)
-        needed += sum(len(chunk_pieces[c]) for c in ag_chunks)
+        left = (me - 1) % n_ranks
+        owed: dict[int, int] = {}  # pieces still expected, by sender (they make coll.waiting_on)
+        for c in range(n_ranks):
+            if c != me:
+                owed[left] = owed.get(left, 0) + len(chunk_pieces[c])
+        for c in ag_chunks:
+            src = left if ag_from is None else ag_from(c)
+            owed[src] = owed.get(src, 0) + len(chunk_pieces[c])
+        coll.waiting_on = {r for r, k in owed.items() if k}
+        needed = sum(owed.values())
         done, one_done = self._wait_piece(coll, needed)
 
-        def counted(cb: Callable[..., None]) -> Callable[..., None]:
+        def counted(cb: Callable[..., None], src: int) -> Callable[..., None]:
             def run(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 cb(conn, hdr, payload)
+                owed[src] -= 1
+                if not owed[src]:
+                    coll.waiting_on.discard(src)  # every piece of src's is in: its leaving costs nothing now
                 one_done()  # every posted receive counts once: done means all forwarding duties are met too
 
             return self.g._guard(coll, run)
@@ -85,10 +101,11 @@ class PipelinedRing(Algorithm):
         for c in range(n_ranks):
             if c != me:
                 for j, (a, b) in enumerate(chunk_pieces[c]):
-                    post((gid, seq, RS, c, j), byte_view(rs_into[a:b]), counted(rs_arrived(c, j, a, b)))
+                    post((gid, seq, RS, c, j), byte_view(rs_into[a:b]), counted(rs_arrived(c, j, a, b), left))
         for c in ag_chunks:
+            src = left if ag_from is None else ag_from(c)
             for j, (a, b) in enumerate(chunk_pieces[c]):
-                post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b)))
+                post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b), src))
         for j, (a, b) in enumerate(chunk_pieces[me]):
             right.send_tensor(self.g._header(coll, RS, me, j), sends[a:b])
         await done
@@ -141,7 +158,9 @@ class PipelinedRing(Algorithm):
 
             return cb
 
-        await self.ring_pass(coll, right, chunk_pieces, ag_chunks, x, out, out, rs_arrived, ag_arrived)
+        # (a reduce's destination hears chunk c from the rank that finished its fold, c's left neighbour)
+        ag_from = (lambda c: (c - 1) % n_ranks) if mode == "reduce" else None
+        await self.ring_pass(coll, right, chunk_pieces, ag_chunks, x, out, out, rs_arrived, ag_arrived, ag_from)
         if to_dst is not None:
             await to_dst.flush()
         return out
