@@ -1,12 +1,12 @@
-"""A straggler for the main job, set by the test (never by psring): on the rank named by
-STRAGGLER_RANK, each batch's forward/backward first sleeps a random 0-2x STRAGGLER_S seconds (and,
+"""A straggler for the main job, set by the test (never by psring): on the rank(s) named by
+STRAGGLER_RANK (comma-separated), each batch's forward/backward first sleeps a random 0-2x STRAGGLER_S seconds (and,
 with STRAGGLER_PULL_S, each pull of the ps shards' parameters first sleeps that long: a worker that
 starts or joins after the others took steps without it).
 Python imports this at start-up in every process whose PYTHONPATH names this directory."""
 
 import os
 
-if os.environ.get("STRAGGLER_RANK") is not None and os.environ.get("RANK") == os.environ["STRAGGLER_RANK"]:
+if os.environ.get("STRAGGLER_RANK") is not None and os.environ.get("RANK") in os.environ["STRAGGLER_RANK"].split(","):
     import random
     import time
 
