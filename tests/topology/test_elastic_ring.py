@@ -56,7 +56,11 @@ def test_a_hung_rank_is_left_out_and_told_so_when_it_wakes() -> None:
     last = _last(rows, 7)
     assert [r["rank"] for r in last] == [0, 1, 3] and all(r["members"] == [0, 1, 3] for r in last), out
     assert all(r["w"] == pytest.approx(-2.5 * 3 - 7 / 3 * 5, rel=1e-5) for r in last), last
-    assert "rank 2 was left out of the elastic ring's round 1" in out, out
+    # the round that left it out, named to it (round 1 on a quiet machine; under load a step of every rank
+    # may time out first, and a round of all four re-form the ring before the hang's)
+    gone = re.findall(r"round (\d+): ranks \[0, 1, 3\] go on without \[2\]", out)
+    assert gone and len(set(gone)) == 1, out
+    assert f"rank 2 was left out of the elastic ring's round {gone[0]}" in out, out
     assert "rank 2 exited with code 1; elastic: the others go on" in out, out
 
 
