@@ -29,8 +29,10 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+import traceback
 import uuid
 import weakref
 from collections.abc import Callable
@@ -137,6 +139,7 @@ class _Daemon:
         #: the heartbeat thread's loop and store client, while it runs (given up from that loop at stop)
         self._beat_loop: asyncio.AbstractEventLoop | None = None
         self._beat_store: Any = None
+        self._beat_task: asyncio.Task[None] | None = None
 
     def record(self) -> dict[str, Any]:
         return {
@@ -163,6 +166,8 @@ class _Daemon:
         daemon's event loop for a while (imports, a long computation) is not mistaken for a dead daemon."""
 
         async def beat() -> None:
+            if self._beat_stop.is_set():
+                return
             store = await connect_store(parse_store_address(self.store_spec), secret=self.secret, timeout=30.0)
             self._beat_store = store
             try:
@@ -176,13 +181,16 @@ class _Daemon:
                     await store.close()
 
         loop = new_event_loop()
-        self._beat_loop = loop
+        task = loop.create_task(beat())
+        self._beat_loop, self._beat_task = loop, task
         try:
-            loop.run_until_complete(beat())
+            loop.run_until_complete(task)
+        except asyncio.CancelledError:  # stopped before its store connection was made (_stop_heartbeat)
+            pass
         except (PsringError, OSError) as exc:
             logger.warning("%s %s: heartbeat stopped: %s", self.kind[:-1], self.id, exc)
         finally:
-            self._beat_loop = None
+            self._beat_loop = self._beat_task = None
             loop.close()
 
     def _start_heartbeat(self) -> threading.Thread:
@@ -197,13 +205,18 @@ class _Daemon:
         once. Left running into interpreter shutdown, that thread's event loop crashed the process now
         and then (SIGSEGV at exit, after "stopped" was logged: CI, #59's test of SIGTERM without a store)."""
         self._beat_stop.set()
-        loop, store = self._beat_loop, self._beat_store
-        if loop is not None and store is not None and hasattr(store, "give_up"):
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the thread is ending anyway
+        loop, store, task = self._beat_loop, self._beat_store, self._beat_task
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the thread is ending anyway
+            if loop is not None and store is not None and hasattr(store, "give_up"):
                 loop.call_soon_threadsafe(store.give_up, f"{self.kind[:-1]} {self.id} stopping")
+            elif loop is not None and task is not None and store is None:
+                # still making its first connection (a store gone since the daemon started: up to 30 s)
+                loop.call_soon_threadsafe(task.cancel)
         thread.join(timeout=1.0)  # (given up, it ends in milliseconds; the store's goodbyes need the grace)
         if thread.is_alive():
-            logger.warning("%s %s: heartbeat thread still running at stop", self.kind[:-1], self.id)
+            frame = sys._current_frames().get(thread.ident or -1)
+            where = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else "(no frame)"
+            logger.warning("%s %s: heartbeat thread still running at stop, in:\n%s", self.kind[:-1], self.id, where)
 
     async def _open_port(self) -> None:
         """Listen on the declared port while idle: doctor's reachability and secret checks land here."""

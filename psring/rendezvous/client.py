@@ -225,7 +225,9 @@ class StoreClient:
         last: BaseException | None = broken.lost
         logger.warning("store at %s: connection lost (%s); reconnecting for up to %gs", self.address, last,
                        self.reconnect_s)  # fmt: skip
-        while not self._closed:
+        # (given up on -- give_up -- ends it too, not only the cancellation of this task: a cancellation that
+        # meets a dial's own timeout can come out as a TimeoutError, an OSError retried below)
+        while not self._closed and self._unreachable is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -253,6 +255,8 @@ class StoreClient:
                 except (PsringError, OSError) as exc:
                     logger.warning("store at %s: re-registering after a reconnect failed: %s", self.address, exc)
             return
+        if self._unreachable is not None:  # given up on meanwhile
+            raise self._unreachable
         self._unreachable = PeerLostError(
             f"the rendezvous store at {self.address} has been unreachable for {time.monotonic() - started:.0f}s "
             f"(tried for up to PSRING_STORE_RECONNECT_S={self.reconnect_s:g}s): {last}"
