@@ -24,8 +24,9 @@ from ..errors import ProtocolError
 from ..settings import Settings
 from .arrays import DTYPES, byte_view, dtype_name, prod
 
-#: bump when the frame layout or the meaning of a field changes
-WIRE_VERSION = 2
+#: bump when the frame layout or the meaning of a field changes (3: a call descriptor's sixth field,
+#: ``after``, names the call before it where that one was partial -- topology.collective.after_of)
+WIRE_VERSION = 3
 
 #: every message kind a frame may carry
 KINDS = frozenset(
@@ -245,7 +246,7 @@ def decode_frame(data: bytes, limits: Limits | None = None) -> tuple[dict[str, A
 #: a message is one frame held whole in one datagram-like unit (psring.transport.unixmesh): a 2-byte
 #: header length, a msgpack array header (gid, seq, phase, call), then the payload bytes.
 #: The payload's size is the message's rest; the receiver checks it against the call
-#: descriptor (kind, dtype, shape, op, root) it expects, which names dtype and shape.
+#: descriptor (kind, dtype, shape, op, root, after) it expects, which names dtype and shape.
 MESSAGE_MAX_HEADER = 4096
 
 
@@ -298,7 +299,7 @@ def decode_message(msg: memoryview) -> tuple[tuple[str, int, int, tuple[Any, ...
         and head[1] >= 0
         and type(head[2]) is int
         and type(head[3]) is tuple
-        and len(head[3]) == 5
+        and len(head[3]) == 6
     ):
         raise ProtocolError(f"message header {str(head)[:80]} is not (gid, seq, phase, call descriptor)")
     return head, msg[2 + hlen :]

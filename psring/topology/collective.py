@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
+
+import msgpack
 
 from ..errors import PsringError
 from ..transport.connection import Connection
@@ -83,7 +86,29 @@ class Collective:
         return False
 
 
-_FIELDS = ("kind", "dtype", "shape", "op", "root")
+_FIELDS = ("kind", "dtype", "shape", "op", "root", "after")
+
+#: calls a rank can return from having heard from only some of the ranks (a broadcast's root sends and
+#: returns; a scatter's receiver hears from the root alone): a mismatch in one of them may be found by
+#: other ranks after this rank has returned, so the next call's descriptor names it (``after``)
+PARTIAL = frozenset({"broadcast", "scatter", "gather", "reduce"})
+
+
+def after_of(desc: tuple[Any, ...]) -> int | None:
+    """The ``after`` field of the call that follows ``desc`` on a group: a digest of desc when it is a
+    call of :data:`PARTIAL` kind, else None.
+
+    Why: ranks 0 and 1 call ``scatter(src=0)`` while rank 2 calls ``reduce(dst=0)``. Rank 1 hears from
+    rank 0 alone and returns a right-looking result; ranks 0 and 2 find the mismatch only when each reads
+    the other's frame, maybe after all three have sent their next call's data -- and rank 1 would return
+    from that call too. With the digest in every frame of the next call (rank 2's names its reduce, rank
+    1's its scatter), rank 1 names the mismatch in that next call, whichever way the frames race. The
+    digest is a CRC-32 of the packed descriptor, without its own ``after``: stable across processes, and a
+    few bytes in a board's tag. A partial call that raised on this rank before the next began names nothing
+    (runtime._failed_partial): where every rank raised, the next call goes on as ever."""
+    if desc[0] not in PARTIAL:
+        return None
+    return zlib.crc32(msgpack.packb(desc[:5]))
 
 
 def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, ...]) -> str:
@@ -99,6 +124,13 @@ def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, 
         )
     diffs = [f for f in _FIELDS[1:] if theirs[f] != mine[f]]
     field = diffs[0] if diffs else "call"
+    if field == "after":
+        return (
+            f"rank {src} called {describe(call)} #{seq} after another call #{seq - 1} than rank {rank} made "
+            f"there: collective #{seq - 1} was mismatched (rank {src} and rank {rank} made different calls, "
+            "or the same call with other arguments); every rank must make the same calls, with the same "
+            "arguments, in the same order"
+        )
     if field in ("op", "root"):
         fix = "pass the same op on every rank" if field == "op" else "pass the same src/dst on every rank"
         return f"rank {src} called {describe(call)} #{seq}, rank {rank} called {describe(desc)} #{seq}: {fix}"
@@ -115,9 +147,9 @@ def mismatch_message(seq: int, src: Any, call: Any, rank: Any, desc: tuple[Any, 
 def describe(desc: Any, detail: bool = False) -> str:
     """A call as a user wrote it: ``all_reduce(sum)``, ``broadcast(src=0)``, ``reduce(sum, dst=0)``;
     with ``detail``, the array too (``all_reduce(sum, float32[10])``)."""
-    if not isinstance(desc, (list, tuple)) or len(desc) != len(_FIELDS):
+    if not isinstance(desc, (list, tuple)) or len(desc) not in (5, 6):  # (5: the call alone, without after)
         return repr(desc)
-    kind, dtype, shape, op, root = desc
+    kind, dtype, shape, op, root = desc[:5]
     args = [str(op)] if op is not None else []
     if root is not None:
         args.append(f"{'src' if kind in ('broadcast', 'scatter') else 'dst'}={root}")

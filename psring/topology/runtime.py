@@ -18,7 +18,7 @@ from ..core.arrays import DTYPES, dtype_name
 from ..errors import CollectiveTimeoutError, GroupClosedError, MismatchError, PeerLostError, PsringError
 from ..settings import Settings
 from ..transport.mailbox import Mailbox
-from .collective import Collective, _absorb_cancel, _failure, describe, mismatch_message
+from .collective import Collective, _absorb_cancel, _failure, after_of, describe, mismatch_message
 from .recorder import OBSERVERS
 
 logger = logging.getLogger(__name__)
@@ -73,6 +73,8 @@ class CollectiveRuntime:
     _closed: bool
     _recent: list[tuple[int, tuple[Any, ...], bool, float] | None]
     _late_error: MismatchError | None
+    _after: int | None
+    _mismatched_at: int
 
     if TYPE_CHECKING:
 
@@ -129,19 +131,30 @@ class CollectiveRuntime:
             self._check_usable()
             seq = self._seq
             self._seq += 1
+            dtype = dtype_name(x.dtype) if x is not None else None
+            shape = tuple(x.shape) if x is not None else None
+            # what this rank called before (collective.after_of), set for the next call before any raise:
+            # a call abandoned here is abandoned on every rank, and every rank's next call names it alike
+            desc = (kind, dtype, shape, op, root, self._after)
+            self._after = after_of(desc)
             if self._late_error is not None:  # see on_abort: this call is abandoned everywhere
                 err, self._late_error = self._late_error, None
                 self._send_abort(seq, err, "mismatch")
+                self._failed_partial(seq)
                 raise err
         else:
+            # a number reserved earlier: by a call of several collectives (reserved after its first) or by a
+            # short way (taken only while no after is pending): what came before it was no partial call
             self._reserved.discard(seq)
             self._check_usable(seq=seq)
-        dtype = dtype_name(x.dtype) if x is not None else None
-        shape = tuple(x.shape) if x is not None else None
-        desc = (kind, dtype, shape, op, root)
+            dtype = dtype_name(x.dtype) if x is not None else None
+            shape = tuple(x.shape) if x is not None else None
+            desc = (kind, dtype, shape, op, root, None)
         coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout, started)
         pending = self._aborted.pop(seq, None)
         if pending is not None:
+            self._ended_with(seq, pending)
+            self._failed_partial(seq)
             raise pending
         self._active[seq] = coll
         self.mailbox.inspect((self.gid, seq), coll.inspect)
@@ -166,6 +179,19 @@ class CollectiveRuntime:
         self._active.pop(coll.seq, None)
         self._recent[coll.seq & (RECENT - 1)] = (coll.seq, coll.desc, ok, time.monotonic())  # a Recent's fields
         self.mailbox.forget((self.gid, coll.seq), drop_queued=not ok)
+
+    def _ended_with(self, seq: int, error: BaseException | None) -> None:
+        """A call ended failed: one failed as a mismatch reports every mismatch before it (see _found_late)."""
+        if isinstance(error, MismatchError) and seq > self._mismatched_at:
+            self._mismatched_at = seq
+
+    def _failed_partial(self, seq: int) -> None:
+        """Call seq raised here. If no call has begun after it, the next one names no call before it
+        (collective.after_of is for a rank that returned: this one raised, and told the others): where every
+        rank raised, the next call runs as if nothing had happened; where a rank returned from it, that rank's
+        next call names it and raises there."""
+        if seq == self._seq - 1:
+            self._after = None
 
     def recent(self, seq: int) -> Recent | None:
         """What this rank called as collective seq, if it has ended and is still remembered."""
@@ -215,6 +241,9 @@ class CollectiveRuntime:
                 coll.done.cancel()
             elif not coll.done.cancelled():
                 coll.done.exception()  # mark retrieved
+            if error is not None:
+                self._ended_with(coll.seq, error)
+                self._failed_partial(coll.seq)
             self._end(coll, error is None)
             if coll.stalled:
                 self._layer().stalls.resolved(self, coll, error)
@@ -223,7 +252,7 @@ class CollectiveRuntime:
 
     def _observe(self, coll: Collective, failed: BaseException | None) -> None:
         now_wall, now = time.time(), time.monotonic()
-        kind, dtype, shape, op, root = coll.desc
+        kind, dtype, shape, op, root, _after = coll.desc
         nbytes = 0
         if dtype is not None and shape is not None:
             nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
@@ -322,6 +351,10 @@ class CollectiveRuntime:
         if rec is None or not rec.ok:
             return  # failed here already, or reported already, or too long ago to matter
         self._recent[seq & (RECENT - 1)] = (seq, rec.desc, False, rec.ended)
+        if self._mismatched_at > seq:
+            # a later call of this rank already failed as a mismatch (on every rank: a mismatch is abandoned
+            # everywhere) -- the next call after a partial one names it (collective.after_of): told already
+            return
         err = MismatchError(
             f"{message} [rank {self.rank} had returned from its {describe(rec.desc)} #{seq} before the "
             f"mismatch was found: its next collective is abandoned on every rank]"

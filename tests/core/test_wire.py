@@ -204,22 +204,22 @@ def test_frame_limit_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_message_header_is_validated() -> None:
-    msg = wire.encode_message(("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None)), b"12345678")
+    msg = wire.encode_message(("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None, None)), b"12345678")
     head, payload = wire.decode_message(memoryview(msg))
-    assert head == ("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None)) and bytes(payload) == b"12345678"
+    assert head == ("0", 3, 1, ("all_reduce", "float32", (2,), "sum", None, None)) and bytes(payload) == b"12345678"
     for bad in (b"", b"\x01", b"\xff\x0fxx", b"\x03\x00\xc1\xc1\xc1", b"\x02\x00\x92\x01"):
         with pytest.raises(ProtocolError):
             wire.decode_message(memoryview(bad))
-    packed = msgpack.packb(("0", -1, 0, ("barrier", None, None, None, None)))
+    packed = msgpack.packb(("0", -1, 0, ("barrier", None, None, None, None, None)))
     with pytest.raises(ProtocolError, match="gid, seq, phase"):
         wire.decode_message(memoryview(len(packed).to_bytes(2, "little") + packed))
 
 
 def test_header_maker_gives_message_headers_bytes_for_every_seq() -> None:
-    call = ("all_reduce", "float32", (3, 4), "sum", None)
+    call = ("all_reduce", "float32", (3, 4), "sum", None, None)
     make = wire.header_maker("0", 2, call)
     for seq in (0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1):
         assert make(seq) == wire.message_header(("0", seq, 2, call)), seq
     assert wire.decode_message(memoryview(make(300)))[0] == ("0", 300, 2, call)
     with pytest.raises(ProtocolError, match="over the"):
-        wire.header_maker("0", 2, ("all_reduce", "x" * 5000, (), "sum", None))
+        wire.header_maker("0", 2, ("all_reduce", "x" * 5000, (), "sum", None, None))

@@ -130,7 +130,7 @@ async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> No
     groups = await make_groups(2, "ps", servers_n=1)
     conn = groups[1].links.shards[0]
     x = np.ones(100_000, np.float32)  # > WHOLE_MAX_BYTES: pieces are checked against the plan
-    coll_desc = ("all_reduce", "float32", (100_000,), "sum", None)
+    coll_desc = ("all_reduce", "float32", (100_000,), "sum", None, None)
     # rank 1 joins, then pushes a piece of the wrong length by hand
     conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": coll_desc, "src": 1, "size": 2})
     conn.send_tensor({"kind": "ps_data", "tag": ("0", 0, "p", 0), "call": coll_desc, "src": 1}, x[:10])
@@ -144,7 +144,7 @@ async def test_shard_refuses_a_join_whose_piece_size_would_split_it_into_too_man
 
     groups = await make_groups(2, "ps", servers_n=1)
     conn = groups[1].links.shards[0]
-    desc = ("all_reduce", "float32", (MAX_PIECES * 4,), "sum", None)
+    desc = ("all_reduce", "float32", (MAX_PIECES * 4,), "sum", None, None)
     # one element a piece: more pieces than the shard keeps books for; the join is refused, not obeyed
     conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2, "piece": 4})
     with pytest.raises(psring.PsringError, match=r"rank 1 was dropped.*more than 65536"):
@@ -158,7 +158,7 @@ async def test_shard_weights_on_the_wire_are_checked_and_compared(store, make_gr
     """A join whose shard weights do not fit the shards drops its worker with the reason; workers whose
     weights differ (as a hand-set config would) get a MismatchError naming PSRING_PS_WEIGHTS."""
     groups = await make_groups(2, "ps", servers_n=2)
-    desc = ("all_reduce", "float32", (100_000,), "sum", None)
+    desc = ("all_reduce", "float32", (100_000,), "sum", None, None)
     conn = groups[1].links.shards[0]
     join = {"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2}
     conn.send_frame({**join, "weights": [1, 2, 3]})
@@ -177,7 +177,7 @@ async def test_shard_checks_and_compares_the_ordered_fold_flag(store, make_group
     with anything but a bool there drops its worker; workers that disagree get a MismatchError; and an
     ordered fold over 3 ranks is the left fold in rank order (x0 + x1) + x2, not from a chunk's owner."""
     groups = await make_groups(2, "ps", servers_n=1)
-    desc = ("all_reduce", "float32", (10,), "sum", None)
+    desc = ("all_reduce", "float32", (10,), "sum", None, None)
     conn = groups[1].links.shards[0]
     conn.send_frame({"kind": "ps_req", "tag": ("0", 0, "join"), "call": desc, "src": 1, "size": 2, "ordered": 1})
     with pytest.raises(psring.PsringError, match=r"rank 1 was dropped.*ordered=1"):
@@ -291,7 +291,7 @@ async def test_data_right_behind_a_join_the_shard_refuses_for_a_lost_rank_is_not
         host, int(port), secret=None, hello={"role": "rank", "rank": 1, "world_size": 3, "job": job, "shard": 0},
         router=box,
     )  # fmt: skip
-    desc = ("broadcast", "float64", (4,), 0, None)
+    desc = ("broadcast", "float64", (4,), 0, None, None)
     for _ in range(2):  # join + data, twice: the second join meets the abandoned collective
         conn.send_frame({"kind": "ps_req", "tag": ("0", 5, "join"), "call": desc, "src": 1, "size": 3})
         conn.send_tensor({"kind": "ps_data", "tag": ("0", 5, "p", 0), "call": desc, "src": 1}, np.ones(4))

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,6 +109,48 @@ async def test_no_rank_returns_as_if_nothing_were_wrong(make_groups, topology: s
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("n", [2, 300_000, 4 << 20])
+async def test_a_rank_that_returned_from_a_partial_call_names_its_mismatch_in_the_next_call(
+    make_groups, n: int, stall
+) -> None:
+    """Ranks 0 and 1 scatter from rank 0, rank 2 reduces to rank 0. Rank 1 hears from rank 0 alone and returns
+    a right-looking result; only ranks 0 and 2 can see the mismatch, each in the other's frame -- here held
+    back (as on a busy machine, where both send their next call's data before either reads it) until every
+    rank made its next call. Rank 1 must still raise in that next call: its peers' frames of it name the
+    calls they made before (the descriptor's ``after``). Before, every rank returned from the next call too,
+    and the mismatch surfaced one call later than the contract says. Every next-call size path."""
+    groups = await make_groups(3, "ring", timeout=60)
+    held: list[tuple[Any, int, Any, Any]] = []
+    for g in (groups[0], groups[2]):
+        real = g.on_stray  # type: ignore[attr-defined]
+
+        def hold(seq: int, call: Any, src: Any, real: Any = real) -> bool:
+            held.append((real, seq, call, src))
+            return False
+
+        g.on_stray = hold  # type: ignore[attr-defined]
+    x = np.ones(10, np.float32)
+
+    async def partial(g: Any) -> Any:
+        if g.rank == 2:
+            return await g.reduce(x, dst=0)
+        return await g.scatter([x] * 3 if g.rank == 0 else None, src=0)
+
+    firsts = await asyncio.gather(*(partial(g) for g in groups), return_exceptions=True)
+    assert not any(isinstance(r, BaseException) for r in firsts), firsts  # (the strays held: nobody knew)
+    nexts = await asyncio.gather(*(g.all_reduce(np.ones(n, np.float32)) for g in groups), return_exceptions=True)
+    assert held  # the frames that show the mismatch came, and were held
+    assert all(isinstance(r, psring.MismatchError) for r in nexts), nexts
+    assert "all_reduce(sum) #1 after another call #0 than rank 1 made there" in str(nexts[1]), nexts[1]
+    for real, *args in held:  # the held frames arrive now: nothing more to report
+        real(*args)
+    for g in (groups[0], groups[2]):
+        del g.on_stray  # type: ignore[attr-defined]
+    ys = await asyncio.gather(*(g.all_reduce(np.ones(3, np.float32)) for g in groups))  # the group works on
+    assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
+
+
+@pytest.mark.asyncio
 async def test_a_subgroup_call_against_a_world_call_is_a_deadlock_named(make_groups, topology: str, stall) -> None:
     groups = await make_groups(3, topology, timeout=60)
     subs = await asyncio.gather(*(g.new_group([1, 2]) for g in groups))
@@ -185,7 +228,7 @@ def _view(rank, calls, members=(0, 1, 2), nxt=4, recvs=()):
     )
 
 
-AR = ["all_reduce", "float32", [3], "sum", None]
+AR = ["all_reduce", "float32", [3], "sum", None, None]
 
 
 def test_judge_tells_a_deadlock_from_a_late_or_slow_rank() -> None:
@@ -212,7 +255,7 @@ def test_judge_tells_a_deadlock_from_a_late_or_slow_rank() -> None:
     assert not verdict.mismatch and "rank 2 did not answer" in verdict.message
     # two calls as one collective: named, the odd one first
     views = {r: _view(r, waiting) for r in range(2)}
-    views[2] = _view(2, [[3, ["broadcast", "float32", [3], None, 0], "waiting", 6.0, []]])
+    views[2] = _view(2, [[3, ["broadcast", "float32", [3], None, 0, None], "waiting", 6.0, []]])
     verdict = judge(0, views, "0", seq=3)
     assert verdict.mismatch and verdict.message.startswith(
         "rank 2 called broadcast(src=0) #3, ranks 0, 1 called all_reduce(sum) #3: every rank must make the same calls"

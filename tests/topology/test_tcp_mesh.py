@@ -216,7 +216,7 @@ async def test_catch_up_hands_on_what_a_peer_sent_before_its_link_ended_and_then
     mesh.add(1, mine)
     try:
         for seq in (7, 8):
-            msg = wire.encode_message(("0", seq, 0, ("barrier", None, None, None, None)), b"ab" * seq)
+            msg = wire.encode_message(("0", seq, 0, ("barrier", None, None, None, None, None)), b"ab" * seq)
             theirs.sendall(struct.pack("<I", len(msg)) + msg)
         theirs.close()
         mesh.catch_up(1)  # not held: left to whoever reads the link

@@ -47,7 +47,7 @@ def mesh3() -> Iterator[tuple[TcpMesh, dict[int, socket.socket]]]:
             s.close()
 
 
-def _head(seq: int, nbytes: int, call: tuple = ("all_reduce", "float32", (3,), "sum", None)) -> bytes:
+def _head(seq: int, nbytes: int, call: tuple = ("all_reduce", "float32", (3,), "sum", None, None)) -> bytes:
     return TcpMesh.head(wire.message_header(("0", seq, 0, call)), nbytes)
 
 
@@ -56,7 +56,7 @@ def test_read_takes_messages_in_pieces_and_leaves_the_next_one_for_the_loops_rea
     rows = np.zeros((3, 3), np.float32)
     head = _head(7, 12)
     msgs = {p: head + np.full(3, p, np.float32).tobytes() for p in (1, 2)}
-    nxt = wire.message_header(("0", 8, 0, ("barrier", None, (), None, None)))
+    nxt = wire.message_header(("0", 8, 0, ("barrier", None, (), None, None, None)))
     far[1].sendall(msgs[1] + struct.pack("<I", len(nxt)) + nxt)  # the next message behind it
     far[2].sendall(msgs[2][:5])  # the rest a moment later, in two pieces
 
@@ -77,7 +77,7 @@ def test_read_takes_messages_in_pieces_and_leaves_the_next_one_for_the_loops_rea
     link1 = mesh.links[1]
     assert link1.bytes_received == len(msgs[1]) + 4 + len(nxt)
     got = mesh.peek(link1)  # what the C left in the buffer is the Python reader's, where it left off
-    assert got is not None and got[0] == ("0", 8, 0, ("barrier", None, (), None, None))
+    assert got is not None and got[0] == ("0", 8, 0, ("barrier", None, (), None, None, None))
     mesh.consume(link1)
     assert link1.start == link1.end
 
@@ -131,7 +131,7 @@ def test_exchange_sends_reads_and_folds_the_canonical_bits(mesh3, dtype, op: str
     rng = np.random.default_rng(5)
     size = 37
     xs = [(rng.standard_normal(size) * 50).astype(dtype) for _ in range(3)]
-    call = ("all_reduce", np.dtype(dtype).name, (size,), op, None)
+    call = ("all_reduce", np.dtype(dtype).name, (size,), op, None, None)
     head = _head(11, xs[0].nbytes, call)
     for p in (1, 2):
         far[p].sendall(head + xs[p].tobytes())
@@ -154,7 +154,7 @@ def test_exchange_queues_what_the_kernel_did_not_take_in_order(mesh3) -> None:
     for s in far.values():
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     x = np.arange(16 << 10, dtype=np.float32)  # 64 KiB: more than the two buffers hold
-    head = _head(2, x.nbytes, ("all_reduce", "float32", (x.size,), "sum", None))
+    head = _head(2, x.nbytes, ("all_reduce", "float32", (x.size,), "sum", None, None))
     bufs, out = np.empty((3, x.size), np.float32), np.empty_like(x)
     links, ranks = [mesh.links[1], mesh.links[2]], [1, 2]
     code = mesh.exchange(links, ranks, head, x, bufs, 0, out, "f", "sum", 0, 0.0, 0.2)

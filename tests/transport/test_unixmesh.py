@@ -210,12 +210,12 @@ async def test_a_stranger_cannot_pose_as_a_rank(caplog) -> None:
             await accepting
         assert f"from pid {stranger.pid}" in caplog.text
         assert sorted(m1.links) == [0]
-        m0.send(1, wire.encode_message(("0", 7, 0, ("barrier", None, None, None, None)), b"abc"))
+        m0.send(1, wire.encode_message(("0", 7, 0, ("barrier", None, None, None, None, None)), b"abc"))
         for _ in range(100):
             if got:
                 break
             await asyncio.sleep(0.01)
-        assert got == [(0, ("0", 7, 0, ("barrier", None, None, None, None)), b"abc")]
+        assert got == [(0, ("0", 7, 0, ("barrier", None, None, None, None, None)), b"abc")]
         # and a dialer refuses a socket that is not held by the pid its rank published
         m2, m3 = UnixMesh(0, "j", lambda *a: None, lambda *a: None), UnixMesh(1, "j", lambda *a: None, lambda *a: None)
         info3 = m3.bind()

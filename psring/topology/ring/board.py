@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from .group import RingGroup
 
 #: the call descriptor of a wake-up message (it carries no call; messages must name one)
-_WAKE = ("wake", None, None, None, None)
+_WAKE = ("wake", None, None, None, None, None)
 #: the longest a waiting rank sleeps before it looks at the board again (a poke may cross its sleep)
 NAP = 0.002
 #: board all_reduces of this many bytes or more split the fold over the ranks (below it the second wait
@@ -260,7 +260,7 @@ class BoardAllReduce(Algorithm):
             plan = False
             kind = board.native_kind(x.dtype, op)
             if kind is not None and x.nbytes <= board.limit:  # (streamed calls: the chooser's, not this)
-                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None)
                 hot = HOT_POLLS if self.world_size <= CORES else 0
                 plan = (desc, self.tag(desc), kind, self._split(x), hot, self.g.caller.spin_budget(x.nbytes))
             if len(self._quick) < 1024:

@@ -43,9 +43,17 @@ class CallerThread:
 
     def idle(self) -> bool:
         """Whether a call may take a short way now: this rank runs a loop and nothing of the group is in
-        flight there, numbered for later, or failed and not yet raised."""
+        flight there, numbered for later, or failed and not yet raised; and the call before was no partial
+        one (collective.after_of: the call after it names it, and takes the loop's way, which carries it)."""
         g = self.g
-        return g.net.loop is not None and not g._active and not g._reserved and not g._aborted and g._late_error is None
+        return (
+            g.net.loop is not None
+            and not g._active
+            and not g._reserved
+            and not g._aborted
+            and g._late_error is None
+            and g._after is None
+        )
 
     def checked(self, x: np.ndarray, op: str) -> np.ndarray:
         """x, contiguous, once its dtype and op passed the checks every path makes (TypeError,
@@ -67,7 +75,7 @@ class CallerThread:
         seq = g._seq
         g._seq += 1
         g._reserved.add(seq)
-        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None), time.monotonic()
+        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None), time.monotonic()
 
     def books(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
         """A call a short way ended: as the loop's _end would (its number released, kept among the
@@ -75,6 +83,8 @@ class CallerThread:
         g = self.g
         g._reserved.discard(seq)
         g._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
+        if error is not None:
+            g._ended_with(seq, error)
         if OBSERVERS:
             g._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
 

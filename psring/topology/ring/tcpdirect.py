@@ -142,7 +142,7 @@ class TcpDirect(GroupPart):
             plan = False
             kind = fold_kind(x.dtype, op)
             if kind is not None and 0 < x.nbytes and self.takes(x.nbytes):
-                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None)
+                desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None)
                 links = [mesh.links[self.members[d]] for d in self.g.peer_order]
                 plan = (
                     desc,

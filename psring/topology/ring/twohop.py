@@ -71,8 +71,9 @@ class _Plan:
         "takes",
     )
 
-    def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...]) -> None:
-        self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None)  # the call's own shape (x may be flat)
+    def __init__(self, group: TwoHop, x: np.ndarray, op: str, shape: tuple[int, ...], after: int | None) -> None:
+        #: the call's own shape (x may be flat); after: what the call before it was (collective.after_of)
+        self.desc = ("all_reduce", dtype_name(x.dtype), shape, op, None, after)
         self.kind = fold_kind(x.dtype, op)
         self.bounds = ring_chunk_bounds(x.size, group.world_size)
         self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
@@ -168,12 +169,13 @@ class TwoHop(Algorithm):
                 return quick
         return self._soon(x, op, on_loop)
 
-    def _plan(self, x: np.ndarray, op: str, shape: tuple[int, ...]) -> _Plan:
-        """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``."""
-        key = (x.dtype, shape, op)
+    def _plan(self, x: np.ndarray, op: str, shape: tuple[int, ...], after: int | None = None) -> _Plan:
+        """The plan of a call of x (any shape: the loop's is flat) whose caller's tensor has ``shape``
+        (``after``: its descriptor's last field; only the loop's calls have one)."""
+        key: tuple[Any, ...] = (x.dtype, shape, op) if after is None else (x.dtype, shape, op, after)
         plan = self.plans.get(key)
         if plan is None:
-            plan = _Plan(self, x, op, shape)
+            plan = _Plan(self, x, op, shape, after)
             if len(self.plans) < 1024:
                 self.plans[key] = plan
         return plan
@@ -317,7 +319,7 @@ class TwoHop(Algorithm):
         """The two-hop all_reduce as a collective on the loop: in C on the loop's thread while the
         messages move within its spin budget (PSRING_SPIN_US), then on the loop's own reading."""
         x = x.reshape(-1)
-        plan = self._plan(x, op, coll.desc[2])
+        plan = self._plan(x, op, coll.desc[2], coll.desc[5])
         self.ran_on_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
         call = _Call(self, coll.seq, x, op, plan, alone=len(self.g._active) == 1 and not self.g._reserved)

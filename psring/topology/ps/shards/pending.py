@@ -61,7 +61,7 @@ class _Pending:
         weights: tuple[int, ...] | None = None,
     ):
         self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
-        kind, dtype, shape, op, root = desc
+        kind, dtype, shape, op, root, _after = desc
         self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.core.compress says
         self.kind, self.op, self.root = kind, (self.codec[0] if self.codec else op), root
         self.dtype = DTYPES[dtype] if dtype is not None else None
@@ -116,9 +116,11 @@ class _Pending:
 
 
 def _check_desc(desc: Any, max_tensor: int) -> None:
-    if not (isinstance(desc, tuple) and len(desc) == 5 and desc[0] in KINDS):
+    if not (isinstance(desc, tuple) and len(desc) == 6 and desc[0] in KINDS):
         raise ProtocolError(f"join frame with a malformed call descriptor {desc!r}")
-    kind, dtype, shape, op, root = desc
+    kind, dtype, shape, op, root, after = desc
+    if after is not None and type(after) is not int:
+        raise ProtocolError(f"after {after!r} is not a call's digest")
     if dtype is not None and dtype not in DTYPES:
         raise ProtocolError(f"dtype {dtype!r} is not allowed")
     if shape is not None and not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape)):

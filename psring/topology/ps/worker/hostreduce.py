@@ -116,16 +116,17 @@ async def agree(
 
 
 def _shown(tag: bytes) -> str:
-    """A board post's tag (seq/block/dtype/op/elements) as the call it is: all_reduce(sum, <f4[1000]) #3."""
+    """A board post's tag (seq/block/dtype/op/elements/after) as the call it is: all_reduce(sum, <f4[1000]) #3."""
     parts = tag.decode(errors="replace").split("/")
-    if len(parts) != 5:
+    if len(parts) != 6:
         return repr(tag)
-    seq, block, dtype, op, n = parts
+    seq, block, dtype, op, n, after = parts
     try:
         dtype = np.dtype(dtype).name
     except TypeError:
         pass
-    return f"all_reduce({op}, {dtype}[{n}]) #{seq} (block {block})"
+    shown = f"all_reduce({op}, {dtype}[{n}]) #{seq} (block {block})"
+    return shown if after == "None" else f"{shown}, after the call of digest {after} before it"
 
 
 class HostReduce:
@@ -183,7 +184,7 @@ class HostReduce:
                 if len(inflight) == DEPTH:
                     await self._finish(coll, out, op, *inflight.pop(0))
                 await self._wait(coll, k, board.clear_to_post, board.unacked, "read a block to its end")
-                tag = f"{coll.seq}/{b}/{x.dtype.str}/{op}/{x.size}".encode()
+                tag = f"{coll.seq}/{b}/{x.dtype.str}/{op}/{x.size}/{coll.desc[5]}".encode()  # [5]: after_of
                 board.post(k, tag, byte_view(x[a0:a1]))
                 await self._wait(coll, k, board.all_posted, board.missing, "post a block")
                 self._check(coll, k, tag, (a1 - a0) * x.itemsize)
