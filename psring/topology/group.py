@@ -97,6 +97,7 @@ class Group(CollectiveRuntime, abc.ABC):
         self._recent: list[tuple[int, tuple[Any, ...], bool, float] | None] = [None] * RECENT  # Recent's fields
         self._late_error: MismatchError | None = None  # raised by the next collective (runtime._found_late)
         self._after: int | None = None  # the next call's descriptor's last field (collective.after_of)
+        self._reserved_after: dict[int, int] = {}  # numbers a short way took, and the after each named
         self._mismatched_at = -1  # the last call that failed here as a mismatch (runtime._found_late)
         self.p2p = PointToPoint(self)  # send, recv, recv_any
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])

@@ -74,6 +74,7 @@ class CollectiveRuntime:
     _recent: list[tuple[int, tuple[Any, ...], bool, float] | None]
     _late_error: MismatchError | None
     _after: int | None
+    _reserved_after: dict[int, int]
     _mismatched_at: int
 
     if TYPE_CHECKING:
@@ -143,13 +144,13 @@ class CollectiveRuntime:
                 self._failed_partial(seq)
                 raise err
         else:
-            # a number reserved earlier: by a call of several collectives (reserved after its first) or by a
-            # short way (taken only while no after is pending): what came before it was no partial call
+            # a number reserved earlier: by a call of several collectives (reserved after its first: no partial
+            # call before it) or by a short way (CallerThread.number keeps the after it named)
             self._reserved.discard(seq)
             self._check_usable(seq=seq)
             dtype = dtype_name(x.dtype) if x is not None else None
             shape = tuple(x.shape) if x is not None else None
-            desc = (kind, dtype, shape, op, root, None)
+            desc = (kind, dtype, shape, op, root, self._reserved_after.pop(seq, None) if self._reserved_after else None)
         coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout, started)
         pending = self._aborted.pop(seq, None)
         if pending is not None:

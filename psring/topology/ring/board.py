@@ -310,7 +310,7 @@ class BoardAllReduce(Algorithm):
         """The short way (any thread, nothing of this group in flight): number the call and post it;
         (board, seq, call, x, when it began), or None: take the long way (all_reduce)."""
         board = self._board(x)
-        if board is None or not self.g.caller.idle() or not board.clear_to_post(self.g._seq):
+        if board is None or not self.g.caller.idle(numbered=True) or not board.clear_to_post(self.g._seq):
             return None
         x, seq, desc, started = self.g.caller.number(x, op)
         self._post(board, seq, desc, x)

@@ -41,10 +41,11 @@ class CallerThread:
         #: the buffer alone_rows gives out (replaced by a larger one when a call needs more)
         self.scratch: np.ndarray | None = None
 
-    def idle(self) -> bool:
+    def idle(self, numbered: bool = False) -> bool:
         """Whether a call may take a short way now: this rank runs a loop and nothing of the group is in
-        flight there, numbered for later, or failed and not yet raised; and the call before was no partial
-        one (collective.after_of: the call after it names it, and takes the loop's way, which carries it)."""
+        flight there, numbered for later, or failed and not yet raised. ``numbered``: the short way numbers
+        the call with :meth:`number`, whose descriptor names a partial call before it (collective.after_of);
+        the quick ways, whose descriptors and headers are made once per kind of call, take none after one."""
         g = self.g
         return (
             g.net.loop is not None
@@ -52,7 +53,7 @@ class CallerThread:
             and not g._reserved
             and not g._aborted
             and g._late_error is None
-            and g._after is None
+            and (numbered or g._after is None)
         )
 
     def checked(self, x: np.ndarray, op: str) -> np.ndarray:
@@ -75,13 +76,19 @@ class CallerThread:
         seq = g._seq
         g._seq += 1
         g._reserved.add(seq)
-        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None), time.monotonic()
+        after = g._after
+        if after is not None:  # the call before was partial: this one names it (the loop's _begin, if adopted)
+            g._after = None
+            g._reserved_after[seq] = after
+        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, after), time.monotonic()
 
     def books(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
         """A call a short way ended: as the loop's _end would (its number released, kept among the
         recent calls, observers told)."""
         g = self.g
         g._reserved.discard(seq)
+        if g._reserved_after:
+            g._reserved_after.pop(seq, None)
         g._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
         if error is not None:
             g._ended_with(seq, error)

@@ -82,7 +82,13 @@ class TcpDirect(GroupPart):
         ``poll`` for long: it waits for its peers' messages only within its spin budget
         (PSRING_SPIN_US) and then goes on as a collective like any other."""
         mesh = self.net.tcp_mesh
-        if mesh is None or type(x) is not np.ndarray or mesh.holds or mesh.backlog or not self.g.caller.idle():
+        if (
+            mesh is None
+            or type(x) is not np.ndarray
+            or mesh.holds
+            or mesh.backlog
+            or not self.g.caller.idle(numbered=True)
+        ):
             return None
         quick = self.quick(x, op, on_loop)
         if quick is not None:

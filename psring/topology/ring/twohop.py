@@ -197,11 +197,11 @@ class TwoHop(Algorithm):
             or mesh.holds
             or mesh.backlog
             or self.g.exchange.early
-            or not self.g.caller.idle()
+            or not self.g.caller.idle(numbered=True)
             or not self.net.paths.two_hop(x.nbytes, self.world_size)  # (no plan for a size it never takes)
         ):
             return None
-        plan = self._plan(x, op, x.shape)
+        plan = self._plan(x, op, x.shape, self.g._after)  # (the after number() gives it)
         if not plan.takes or not mesh.usable(plan.links):
             return None
         x, seq, desc, started = self.g.caller.number(x, op)

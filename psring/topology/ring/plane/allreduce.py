@@ -89,7 +89,7 @@ class PlaneAllReduce(Algorithm):
             or type(x) is not np.ndarray
             or self.gid != "0"
             or self.g.chooser.loop_path(x.nbytes) is not Path.PLANE
-            or not self.g.caller.idle()
+            or not self.g.caller.idle(numbered=True)
             or not plane.idle()
         ):
             return None
