@@ -212,7 +212,7 @@ class Sharded:
 
     def live_group(self, sgd: SyncSGD) -> Any:
         """Elastic: a group of the workers the shards averaged over last (the group itself otherwise)."""
-        return self.params.live_subgroup() if sgd.elastic else sgd.group
+        return self.params.admission.live_subgroup() if sgd.elastic else sgd.group
 
     def members(self, sgd: SyncSGD) -> list[int]:
         live = getattr(sgd.group, "live_members", None)
@@ -220,7 +220,7 @@ class Sharded:
 
     async def join(self, sgd: SyncSGD) -> None:
         """A new worker: the shards' parameters (and tables) of the step a boundary admitted it at."""
-        outs, sgd.joined_at, step, sgd.joined_with = await self.params.join([_to_host(f) for f in sgd._flat])
+        outs, sgd.joined_at, step, sgd.joined_with = await self.params.admission.join([_to_host(f) for f in sgd._flat])
         sgd._flat = [_like(sgd.xp, o) for o in outs]
         for k, name in enumerate(sgd.sparse):  # the shards hold the tables, at the step it joins at
             sgd._tables[name] = None
@@ -229,10 +229,10 @@ class Sharded:
         sgd.step_count = step
 
     async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
-        return list(await self.params.admit(sgd.step_count, [_to_host(f) for f in sgd._flat], extra))
+        return list(await self.params.admission.admit(sgd.step_count, [_to_host(f) for f in sgd._flat], extra))
 
     async def close_joins(self, sgd: SyncSGD) -> None:
-        await self.params.close_joins(sgd.step_count)
+        await self.params.admission.close_joins(sgd.step_count)
 
 
 class Reformed(Replicated):

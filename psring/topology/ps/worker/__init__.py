@@ -3,5 +3,6 @@
 ``group`` (``PsGroup``, the collectives), ``setup`` (making one: its shards where they live, the links,
 the wire's piece; or joining a running elastic job), ``links`` (connections to the shards, reconnecting
 to a restarted one), ``params`` (``ParameterClient``: parameter mode for SyncSGD; ``SparseTables``:
-sparse tables on the shards), ``hostreduce`` (all_reduce reduced within each host before it is pushed).
+sparse tables on the shards), ``admission`` (an elastic job's membership: join, admit, close joins),
+``hostreduce`` (all_reduce reduced within each host before it is pushed).
 """

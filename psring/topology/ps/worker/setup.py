@@ -12,9 +12,9 @@ from ....rendezvous.join import assign_rank, group_set_up
 from ....rendezvous.scheduler import GroupSettings
 from ..shards.server import start_servers
 from . import hostreduce
+from .admission import joins_closed, joins_closed_key
 from .hostreduce import HostReduce
 from .links import ServerLinks
-from .params import joins_closed, joins_closed_key
 
 if TYPE_CHECKING:
     from .group import PsGroup
