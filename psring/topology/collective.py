@@ -30,6 +30,7 @@ class Collective:
         "input_wait",
         "interrupted",
         "kind",
+        "owed",
         "report_grace",
         "seq",
         "stalled",
@@ -52,6 +53,7 @@ class Collective:
         self.stalled = 0  # stall thresholds passed so far (the inspector ran that often)
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
+        self.owed: dict[int, int] = {}  # frames still due, by sender, where a path counts them (expect_from)
         #: its data comes over links other than the control connections (the ring's data plane),
         #: so a peer's goodbye does not prove that all of the peer's data has arrived
         self.data_elsewhere = False
@@ -66,6 +68,20 @@ class Collective:
     @property
     def label(self) -> str:
         return f"{self.kind} #{self.seq}"
+
+    def expect_from(self, src: int, frames: int = 1) -> None:
+        """``frames`` more frames are due from rank ``src``: it is in ``waiting_on`` until all are in."""
+        if frames:
+            self.owed[src] = self.owed.get(src, 0) + frames
+            self.waiting_on.add(src)
+
+    def arrived_from(self, src: int) -> None:
+        """A frame due from rank ``src`` came: once all of them are in, src's leaving costs this call nothing
+        (a peer that finished and left is no reason to fail a call that has everything it owed)."""
+        left = self.owed[src] - 1
+        self.owed[src] = left
+        if not left:
+            self.waiting_on.discard(src)
 
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():

@@ -65,11 +65,10 @@ class Hierarchical(Algorithm):
         per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
         blocks = [(a, min(a + per_block, x.size)) for a in range(0, x.size, per_block)]
         room = asyncio.Semaphore(HIER_DEPTH)
-        owed: dict[int, int] = {}  # frames still expected, by sender (they make coll.waiting_on)
 
         async def block(b: int, a0: int, a1: int) -> None:
             async with room:
-                await self._block(coll, x[a0:a1], out[a0:a1], ufunc, op, b, home, cross, conns, owed)
+                await self._block(coll, x[a0:a1], out[a0:a1], ufunc, op, b, home, cross, conns)
 
         tasks = [asyncio.ensure_future(block(b, a0, a1)) for b, (a0, a1) in enumerate(blocks)]
         try:
@@ -90,7 +89,6 @@ class Hierarchical(Algorithm):
         home: tuple[int, ...],
         cross: list[int],
         conns: dict[int, Connection],
-        owed: dict[int, int],
     ) -> None:
         me: int = self.rank
         n_hosts, local = len(cross), home.index(me)
@@ -103,7 +101,7 @@ class Hierarchical(Algorithm):
         # every receive is posted first, so payloads land in place
         gathered = {q: pooled_empty(e - s, x.dtype) for q in home if q != me}
         partials = {r: pooled_empty(ce - cs, x.dtype) for r in cross if r != me}
-        post = functools.partial(self._post, coll, owed=owed)
+        post = functools.partial(self._post, coll)
         step1 = post(phase, gathered)
         step2 = post(phase + 1, partials)
         step3 = post(phase + 2, {r: out[a:z] for r, (a, z) in zip(cross, subs, strict=True) if r != me})
@@ -130,9 +128,7 @@ class Hierarchical(Algorithm):
         await self._send(coll, phase + 3, conns, {q: out[s:e] for q in home if q != me})
         await step4
 
-    def _post(
-        self, coll: Collective, phase: int, into: dict[int, np.ndarray], owed: dict[int, int]
-    ) -> asyncio.Future[None]:
+    def _post(self, coll: Collective, phase: int, into: dict[int, np.ndarray]) -> asyncio.Future[None]:
         """Post one receive per sender, straight into its buffer; the future is done when all are in."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         left = len(into)
@@ -141,8 +137,7 @@ class Hierarchical(Algorithm):
             return done
         gid, seq = self.gid, coll.seq
         for src in into:
-            owed[src] = owed.get(src, 0) + 1
-            coll.waiting_on.add(src)
+            coll.expect_from(src)
 
         def arrived(conn: Connection, header: dict[str, Any], payload: Any) -> None:
             nonlocal left
@@ -151,9 +146,7 @@ class Hierarchical(Algorithm):
             if header["nbytes"] != want:
                 coll.fail(ProtocolError(f"rank {src} sent {header['nbytes']} bytes for {coll.label}, expected {want}"))
                 return
-            owed[src] -= 1
-            if not owed[src]:
-                coll.waiting_on.discard(src)  # all of its frames so far are in: its leaving costs nothing now
+            coll.arrived_from(src)  # all of its frames so far in: its leaving costs nothing now
             left -= 1
             if left == 0 and not done.done():
                 done.set_result(None)

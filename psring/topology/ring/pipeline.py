@@ -76,23 +76,22 @@ class PipelinedRing(Algorithm):
         in costs nothing, even while the call still waits for another rank's."""
         n_ranks, me = self.world_size, self.rank
         left = (me - 1) % n_ranks
-        owed: dict[int, int] = {}  # pieces still expected, by sender (they make coll.waiting_on)
+        ag_src = [left if ag_from is None else ag_from(c) for c in ag_chunks]  # who sends each one's pieces
+        coll.waiting_on = set()  # (the senders of its pieces, by coll.expect_from)
+        needed = 0
         for c in range(n_ranks):
             if c != me:
-                owed[left] = owed.get(left, 0) + len(chunk_pieces[c])
-        for c in ag_chunks:
-            src = left if ag_from is None else ag_from(c)
-            owed[src] = owed.get(src, 0) + len(chunk_pieces[c])
-        coll.waiting_on = {r for r, k in owed.items() if k}
-        needed = sum(owed.values())
+                coll.expect_from(left, len(chunk_pieces[c]))
+                needed += len(chunk_pieces[c])
+        for c, src in zip(ag_chunks, ag_src, strict=True):
+            coll.expect_from(src, len(chunk_pieces[c]))
+            needed += len(chunk_pieces[c])
         done, one_done = self._wait_piece(coll, needed)
 
         def counted(cb: Callable[..., None], src: int) -> Callable[..., None]:
             def run(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 cb(conn, hdr, payload)
-                owed[src] -= 1
-                if not owed[src]:
-                    coll.waiting_on.discard(src)  # every piece of src's is in: its leaving costs nothing now
+                coll.arrived_from(src)
                 one_done()  # every posted receive counts once: done means all forwarding duties are met too
 
             return self.g._guard(coll, run)
@@ -102,8 +101,7 @@ class PipelinedRing(Algorithm):
             if c != me:
                 for j, (a, b) in enumerate(chunk_pieces[c]):
                     post((gid, seq, RS, c, j), byte_view(rs_into[a:b]), counted(rs_arrived(c, j, a, b), left))
-        for c in ag_chunks:
-            src = left if ag_from is None else ag_from(c)
+        for c, src in zip(ag_chunks, ag_src, strict=True):
             for j, (a, b) in enumerate(chunk_pieces[c]):
                 post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b), src))
         for j, (a, b) in enumerate(chunk_pieces[me]):
