@@ -121,7 +121,7 @@ def after_of(desc: tuple[Any, ...]) -> int | None:
     1's its scatter), rank 1 names the mismatch in that next call, whichever way the frames race. The
     digest is a CRC-32 of the packed descriptor, without its own ``after``: stable across processes, and a
     few bytes in a board's tag. A partial call that raised on this rank before the next began names nothing
-    (runtime._failed_partial): where every rank raised, the next call goes on as ever."""
+    (runtime._failed): where every rank raised, the next call goes on as ever."""
     if desc[0] not in PARTIAL:
         return None
     return zlib.crc32(msgpack.packb(desc[:5]))

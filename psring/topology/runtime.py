@@ -128,34 +128,34 @@ class CollectiveRuntime:
 
         ``started``: when the call began, if before now (a fast path that ran part of it on the
         caller's thread and hands the rest to the loop); its deadline counts from then."""
+        fresh = seq is None
         if seq is None:
             self._check_usable()
             seq = self._seq
             self._seq += 1
-            dtype = dtype_name(x.dtype) if x is not None else None
-            shape = tuple(x.shape) if x is not None else None
-            # what this rank called before (collective.after_of), set for the next call before any raise:
-            # a call abandoned here is abandoned on every rank, and every rank's next call names it alike
-            desc = (kind, dtype, shape, op, root, self._after)
-            self._after = after_of(desc)
-            if self._late_error is not None:  # see on_abort: this call is abandoned everywhere
-                err, self._late_error = self._late_error, None
-                self._send_abort(seq, err, "mismatch")
-                self._failed_partial(seq)
-                raise err
+            after = self._after  # what this rank called before (collective.after_of)
         else:
             # a number reserved earlier: by a call of several collectives (reserved after its first: no partial
             # call before it) or by a short way (CallerThread.number keeps the after it named)
             self._reserved.discard(seq)
             self._check_usable(seq=seq)
-            dtype = dtype_name(x.dtype) if x is not None else None
-            shape = tuple(x.shape) if x is not None else None
-            desc = (kind, dtype, shape, op, root, self._reserved_after.pop(seq, None) if self._reserved_after else None)
+            after = self._reserved_after.pop(seq, None) if self._reserved_after else None
+        dtype = dtype_name(x.dtype) if x is not None else None
+        shape = tuple(x.shape) if x is not None else None
+        desc = (kind, dtype, shape, op, root, after)
+        if fresh:
+            # set for the next call before any raise: a call abandoned here is abandoned on every rank, and
+            # every rank's next call names it alike
+            self._after = after_of(desc)
+            if self._late_error is not None:  # see on_abort: this call is abandoned everywhere
+                err, self._late_error = self._late_error, None
+                self._send_abort(seq, err, "mismatch")
+                self._failed(seq, err)
+                raise err
         coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout, started)
         pending = self._aborted.pop(seq, None)
         if pending is not None:
-            self._ended_with(seq, pending)
-            self._failed_partial(seq)
+            self._failed(seq, pending)
             raise pending
         self._active[seq] = coll
         self.mailbox.inspect((self.gid, seq), coll.inspect)
@@ -181,16 +181,15 @@ class CollectiveRuntime:
         self._recent[coll.seq & (RECENT - 1)] = (coll.seq, coll.desc, ok, time.monotonic())  # a Recent's fields
         self.mailbox.forget((self.gid, coll.seq), drop_queued=not ok)
 
-    def _ended_with(self, seq: int, error: BaseException | None) -> None:
-        """A call ended failed: one failed as a mismatch reports every mismatch before it (see _found_late)."""
+    def _failed(self, seq: int, error: BaseException) -> None:
+        """Call seq raised here (on the loop, or a short way's: CallerThread.books).
+
+        A mismatch reports every mismatch before it (see _found_late). And if no call has begun after it,
+        the next one names no call before it (collective.after_of is for a rank that returned: this one
+        raised, and told the others): where every rank raised, the next call runs as if nothing had
+        happened; where a rank returned from it, that rank's next call names it and raises there."""
         if isinstance(error, MismatchError) and seq > self._mismatched_at:
             self._mismatched_at = seq
-
-    def _failed_partial(self, seq: int) -> None:
-        """Call seq raised here. If no call has begun after it, the next one names no call before it
-        (collective.after_of is for a rank that returned: this one raised, and told the others): where every
-        rank raised, the next call runs as if nothing had happened; where a rank returned from it, that rank's
-        next call names it and raises there."""
         if seq == self._seq - 1:
             self._after = None
 
@@ -243,8 +242,7 @@ class CollectiveRuntime:
             elif not coll.done.cancelled():
                 coll.done.exception()  # mark retrieved
             if error is not None:
-                self._ended_with(coll.seq, error)
-                self._failed_partial(coll.seq)
+                self._failed(coll.seq, error)
             self._end(coll, error is None)
             if coll.stalled:
                 self._layer().stalls.resolved(self, coll, error)

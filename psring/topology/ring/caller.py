@@ -91,7 +91,7 @@ class CallerThread:
             g._reserved_after.pop(seq, None)
         g._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
         if error is not None:
-            g._ended_with(seq, error)
+            g._failed(seq, error)
         if OBSERVERS:
             g._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
 
