@@ -19,6 +19,12 @@ machine hits them alike:
         (psd and split reduce within each host first, as psh, where hosts hold several ranks)
   gloo  torch.distributed gloo (needs torch), meeting through a file, GLOO_SOCKET_IFNAME=eth0
 
+Any variant may be run under settings of its own, side by side with the others: ``--tuning NAME=K=V,K=V``
+names them, ``VARIANT@NAME`` runs one with them (ranks and shards alike), as in ``--variants
+flat,psd,psd@fixed,psd@tuned --tuning fixed=PSRING_PS_SNDBUF=0,PSRING_PS_WIRE_PIECES=8 --tuning
+tuned=PSRING_PS_SNDBUF=128K,PSRING_PS_WIRE_PIECES=32`` (the ps's own choice, the fixed values psring used
+before it measured its links, and advise's by hand).
+
 Needs root (network namespaces, tc). Prints one table per rate (median time of the slowest rank,
 busbw = size/time·2(N-1)/N) and the ratios; ``--json FILE`` writes the rows.
 
@@ -111,8 +117,11 @@ def run_variant(
     iters: int,
     timeout: float,
     weights: str | None = None,
+    tunings: dict[str, dict[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Start every rank in its namespace, wait for all, return rank 0's rows (one per size)."""
+    variant, _, tuned = variant.partition("@")
+    extra = (tunings or {})[tuned] if tuned else {}
     world = hosts * ranks
     names = [n for n in cluster.hosts if n.startswith("host")]
     server_hosts = [n for n in cluster.hosts if n.startswith("srv")]
@@ -150,7 +159,7 @@ def run_variant(
                        "--shard", str(first + i), "--num-shards", str(total), "--host", "0.0.0.0",
                        "--advertise", cluster.addresses[srv], "--job", job, "--timeout", str(timeout)]  # fmt: skip
                 env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT),
-                       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **_tuning()}  # fmt: skip
+                       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **_tuning(), **extra}  # fmt: skip
                 procs.append(cluster.run(srv, cmd, env))
         servers = list(procs)  # the store and shards, ended once the ranks are done
         for r in range(world):
@@ -178,6 +187,7 @@ def run_variant(
                 env["PSRING_STORE"] = store_at
                 del env["MASTER_ADDR"], env["MASTER_PORT"]
             env.update(_tuning())
+            env.update(extra)
             if variant == "split":
                 env.update(PSRING_PS_DEDICATED=str(len(server_hosts)), PSRING_PS_WEIGHTS=str(weights))
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
@@ -239,7 +249,15 @@ def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for variant in args.variants:
                     runs[variant].append(
                         run_variant(
-                            cluster, variant, args.hosts, args.ranks, args.sizes, args.iters, args.timeout, args.weights
+                            cluster,
+                            variant,
+                            args.hosts,
+                            args.ranks,
+                            args.sizes,
+                            args.iters,
+                            args.timeout,
+                            args.weights,
+                            args.tunings,
                         )
                     )
             for variant, per_round in runs.items():
@@ -293,15 +311,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one variant may take")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--tuning",
+        action="append",
+        default=[],
+        metavar="NAME=K=V,K=V",
+        help="settings a variant written VARIANT@NAME runs with (repeatable)",
+    )
     args = parser.parse_args()
+    args.tunings = {}
+    for spec in args.tuning:
+        name, _, pairs = spec.partition("=")
+        try:
+            args.tunings[name] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
+        except ValueError:
+            parser.error(f"--tuning {spec!r}: write NAME=K=V,K=V")
     args.rates = [r for r in args.rates.split(",") if r]
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.variants = [v for v in args.variants.split(",") if v]
     if args.server_hosts == 0:  # nothing to put the dedicated shards on
-        args.variants = [v for v in args.variants if v not in DEDICATED]
-    unknown = sorted(set(args.variants) - set(VARIANTS))
+        args.variants = [v for v in args.variants if v.partition("@")[0] not in DEDICATED]
+
+    def known(v: str) -> bool:
+        base, at, name = v.partition("@")
+        return base in VARIANTS and (not at or name in args.tunings)
+
+    unknown = sorted(v for v in args.variants if not known(v))
     if unknown or args.hosts < 1 or args.ranks < 1 or not args.rates:
-        parser.error(f"variants are {', '.join(VARIANTS)} (not {unknown}); --hosts, --ranks and --rates need values")
+        parser.error(
+            f"variants are {', '.join(VARIANTS)}, each with @NAME of a --tuning (not {unknown}); "
+            "--hosts, --ranks and --rates need values"
+        )
     if shutil.which("tc") is None:
         raise SystemExit("hosts.py: tc (iproute2) is not installed")
     results = bench(args)

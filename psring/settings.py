@@ -53,6 +53,24 @@ def parse_count(raw: str) -> int:
     return value
 
 
+def parse_positive(raw: str) -> int:
+    """A whole number, 1 or more."""
+    value = parse_count(raw)
+    if value < 1:
+        raise ValueError("expected a whole number, 1 or more")
+    return value
+
+
+def parse_auto(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, or None for ``auto`` (what psring picks, as when the variable is unset)."""
+
+    def parse_or_auto(raw: str) -> Any:
+        return None if raw.strip().lower() == "auto" else parse(raw)
+
+    parse_or_auto.__doc__ = f"auto, or {parse.__doc__ or parse.__name__}"
+    return parse_or_auto
+
+
 def parse_port(raw: str) -> int:
     value = parse_count(raw)
     if value > 65535:
@@ -391,23 +409,25 @@ class Settings:
         tuning=True,
     )
     # More pieces help slow links and cost CPU on fast ones: docs/defaults.md#parameter-server.
-    ps_wire_pieces: int = _var(
+    ps_wire_pieces: int | None = _var(
         "PSRING_PS_WIRE_PIECES",
-        8,
-        parse_count,
+        None,
+        parse_auto(parse_positive),
         "ps: where some worker reaches a shard on another host, the pieces of each shard's slice (more: a "
-        "shorter first and last piece on slow links, more CPU per byte; every worker must agree)",
+        "shorter first and last piece on slow links, more CPU per byte; every worker must agree). "
+        "auto: 8, or 32 where the links rank 0 measures at set-up run at 2.5 Gbit/s or less",
         tuning=True,
     )
     # Small send buffers share a link evenly among the flows that cross it, but cap a connection at
-    # buffer / round trip: off unless set (`psring advise` prints it where it pays; docs/defaults.md#parameter-server).
-    ps_sndbuf: int = _var(
+    # buffer / round trip: only where they cover the link (docs/defaults.md#parameter-server).
+    ps_sndbuf: int | None = _var(
         "PSRING_PS_SNDBUF",
-        0,
-        parse_bytes,
+        None,
+        parse_auto(parse_bytes),
         "ps: the kernel send buffer (SO_SNDBUF) of every connection between a worker and a shard on another "
         "host, both ends (small: the flows that share a link take even shares; 0: the kernel sizes it). "
-        "psring advise says when",
+        "auto: 128K where the links rank 0 measures at set-up run at 10 Gbit/s or less and 4 round trips "
+        "of them fit in it, else 0",
         tuning=True,
     )
     ps_host_reduce: int = _var(
@@ -596,7 +616,7 @@ def _shown(f: dataclasses.Field[Any]) -> str:
     """A field's default as a user would write it."""
     default = f.default
     if default is None:
-        return "unset"
+        return "auto" if f.metadata["parse"].__name__ == "parse_or_auto" else "unset"
     if isinstance(default, bool):
         return "on" if default else "off"
     if f.metadata["parse"] is parse_bytes and isinstance(default, int) and default:

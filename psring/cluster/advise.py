@@ -69,7 +69,7 @@ import numpy as np
 
 from .. import settings
 from ..settings import parse_bytes
-from ..topology.ps.plan import piece_bytes
+from ..topology.ps.plan import WIRE_PIECES, link_tuning, piece_bytes
 from ..topology.ring.paths import SMALL_BYTES, RingPaths
 
 _RATE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?)(bit|bps|b|B)?(?:/s)?\s*$", re.IGNORECASE)
@@ -226,35 +226,20 @@ def split_weights(layout: Layout) -> tuple[int, ...]:
     return (colocated // common,) * n + (dedicated // common,) * k
 
 
-#: links up to this rate (bytes/s) are slow for the ps: a piece's CPU is small beside its time on the
-#: wire, so smaller pieces pay (a shorter first and last piece: PSRING_PS_WIRE_PIECES)
-SLOW_LINK = 2.5e9 / 8
-SLOW_LINK_PIECES = 32
-#: the send buffer advise gives a ps's connections between hosts (PSRING_PS_SNDBUF), on links up to
-#: SNDBUF_LINK_MAX whose bandwidth-delay product it covers four times over (it caps a connection at
-#: the buffer / the round trip)
-SNDBUF = 128 << 10
-SNDBUF_LINK_MAX = 10e9 / 8
-
-
 def ps_tuning(layout: Layout, links: Links) -> dict[str, str]:
-    """The ps's settings for these links where they differ from psring's defaults (between hosts only).
-
-    With the kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to 4
-    shards, 4 workers' pushes into a shard -- take uneven shares, and a shard waits for the slowest
-    worker's piece while its link out idles; small buffers keep them even, and more pieces a slice let
-    a shard answer sooner. On fast links the buffers pay and the pieces do not (the CPU is the bound
-    there). The runs on the hosts bed: docs/defaults.md#parameter-server (PSRING_PS_SNDBUF,
-    PSRING_PS_WIRE_PIECES)."""
+    """The ps's settings for these links where they differ from what psring would run with (between
+    hosts only): :func:`~psring.topology.ps.plan.link_tuning`'s rule, which a job also applies by
+    itself to the links its set-up probe measures where these settings are unset -- printed so that a
+    job whose rank 0 measures nothing (it reaches no shard on another host) runs with them too."""
     if layout.hosts == 1 and layout.server_hosts == 0:
         return {}
     config = settings.current()
+    pieces, sndbuf = link_tuning(links.bandwidth, 2 * links.latency)  # the wire's round trip (the kernel acks)
     out = {}
-    if links.bandwidth <= SLOW_LINK and config.ps_wire_pieces < SLOW_LINK_PIECES:
-        out["PSRING_PS_WIRE_PIECES"] = str(SLOW_LINK_PIECES)
-    round_trip = 2 * links.latency  # the wire's (the kernel acks; per_message is the processes' time)
-    if config.ps_sndbuf == 0 and links.bandwidth <= SNDBUF_LINK_MAX and 4 * round_trip * links.bandwidth <= SNDBUF:
-        out["PSRING_PS_SNDBUF"] = f"{SNDBUF >> 10}K"
+    if pieces > WIRE_PIECES and (config.ps_wire_pieces or WIRE_PIECES) < pieces:
+        out["PSRING_PS_WIRE_PIECES"] = str(pieces)
+    if sndbuf and config.ps_sndbuf is None:
+        out["PSRING_PS_SNDBUF"] = f"{sndbuf >> 10}K"
     return out
 
 
@@ -289,7 +274,8 @@ def settings_for(name: str, layout: Layout, links: Links | None = None) -> dict[
 def _piece(size: float, shards: int) -> float:
     """The bytes of the last piece of a shard's slice, as psring cuts a collective across hosts."""
     config = settings.current()
-    piece = piece_bytes(int(size), shards, config.ps_piece, config.ps_wire_piece, True, config.ps_wire_pieces)
+    pieces = config.ps_wire_pieces or WIRE_PIECES
+    piece = piece_bytes(int(size), shards, config.ps_piece, config.ps_wire_piece, True, pieces)
     return min(size / max(shards, 1), piece)
 
 

@@ -25,8 +25,9 @@ from ..settings import Settings
 from .arrays import DTYPES, byte_view, dtype_name, prod
 
 #: bump when the frame layout or the meaning of a field changes (3: a call descriptor's sixth field,
-#: ``after``, names the call before it where that one was partial -- topology.collective.after_of)
-WIRE_VERSION = 3
+#: ``after``, names the call before it where that one was partial -- topology.collective.after_of;
+#: 4: ``ps_link``, a worker's probe of its link to a shard and its word on the send buffer)
+WIRE_VERSION = 4
 
 #: every message kind a frame may carry
 KINDS = frozenset(
@@ -52,6 +53,7 @@ KINDS = frozenset(
         "ps_req",
         "ps_param",
         "ps_data",
+        "ps_link",
     }
 )
 

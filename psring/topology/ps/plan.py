@@ -87,8 +87,31 @@ def check_weights(weights: object, shards: int | None = None) -> tuple[int, ...]
 
 
 #: across hosts, a shard's slice of a collective goes in this many pieces (see piece_bytes;
-#: PSRING_PS_WIRE_PIECES sets it)
+#: PSRING_PS_WIRE_PIECES sets it; unset, :func:`link_tuning` picks it for the links a job measured)
 WIRE_PIECES = 8
+#: links up to this rate (bytes/s) are slow for the ps: a piece's CPU is small beside its time on the
+#: wire, so smaller pieces pay (a shorter first and last piece)
+SLOW_LINK = 2.5e9 / 8
+SLOW_LINK_PIECES = 32
+#: the send buffer of a ps's connections between hosts on links up to SNDBUF_LINK_MAX whose
+#: bandwidth-delay product it covers four times over (it caps a connection at the buffer / the round trip)
+SNDBUF = 128 << 10
+SNDBUF_LINK_MAX = 10e9 / 8
+
+
+def link_tuning(rate: float, round_trip: float) -> tuple[int, int]:
+    """(pieces a shard's slice, the send buffer; 0: the kernel sizes it) for a ps whose workers reach
+    shards on other hosts over links of ``rate`` bytes/s each way and ``round_trip`` seconds.
+
+    With the kernel's send buffers (up to 4 MiB) the flows that share a link -- a worker's pushes to
+    its shards, the workers' pushes into a shard -- take uneven shares, and a shard waits for the
+    slowest worker's piece while its link out idles; small buffers keep them even, where they still
+    cover the link's bandwidth-delay product. More pieces a slice let a shard answer sooner, and cost
+    CPU each: they pay on slow links only. The runs: docs/defaults.md#parameter-server. The one rule
+    for both a job's own choice (its set-up probe) and ``psring advise``'s."""
+    pieces = SLOW_LINK_PIECES if rate <= SLOW_LINK else WIRE_PIECES
+    sndbuf = SNDBUF if rate <= SNDBUF_LINK_MAX and 4 * round_trip * rate <= SNDBUF else 0
+    return pieces, sndbuf
 
 
 def piece_bytes(

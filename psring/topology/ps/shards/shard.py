@@ -54,6 +54,9 @@ from .pending import _check_desc, _Pending
 from .relay import release_held
 from .tables import tables_of
 
+#: the largest send buffer a worker may ask a shard to keep for its connection (a ps_link frame)
+MAX_SNDBUF = 256 << 20
+
 logger = logging.getLogger(__name__)
 
 
@@ -124,7 +127,7 @@ class Shard(Folding):
         if old is not None and old.is_open and old is not conn:
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
         self.by_rank[rank] = conn
-        if self.settings.ps_sndbuf > 0 and elsewhere(conn.peer.get("host")):
+        if self.settings.ps_sndbuf and elsewhere(conn.peer.get("host")):
             conn.limit_send_buffer(self.settings.ps_sndbuf)  # PSRING_PS_SNDBUF: a worker on another host
         self._layouts.clear()
         self.gone.pop(rank, None)
@@ -224,10 +227,27 @@ class Shard(Folding):
                     handle_param(self, conn, header, payload)
             elif kind == "stall":
                 self._relay_stall(header)
+            elif kind == "ps_link":
+                self._on_link(conn, header)
             else:
                 raise ProtocolError(f"a {kind!r} frame means nothing to a parameter server")
         except ProtocolError as exc:
             self._reject(conn, str(exc))
+
+    def _on_link(self, conn: Connection, header: dict[str, Any]) -> None:
+        """A worker's word on its link: a probe, answered at once (its payload is only timed), or the
+        send buffer its job chose for links to other hosts (kept at this end where PSRING_PS_SNDBUF here
+        is auto)."""
+        tag: Any = header.get("tag")
+        sndbuf: Any = header.get("sndbuf")
+        if tag is not None:
+            if not isinstance(tag, tuple) or len(tag) != 2 or tag[0] != "link":
+                raise ProtocolError(f"a ps_link probe with tag {tag!r}")
+            conn.send_frame({"kind": "ps_link", "tag": tag})
+        elif type(sndbuf) is not int or not 0 < sndbuf <= MAX_SNDBUF:
+            raise ProtocolError(f"a ps_link frame names send buffer {sndbuf!r} (1 to {MAX_SNDBUF} bytes)")
+        elif self.settings.ps_sndbuf is None and elsewhere(conn.peer.get("host")):
+            conn.limit_send_buffer(sndbuf)
 
     def _reject(self, conn: Connection, message: str) -> None:
         logger.warning("%r: dropping rank %s (%s): %s", self, conn.peer.get("rank"), conn.peername, message)

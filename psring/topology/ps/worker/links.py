@@ -19,8 +19,9 @@ from ....transport.samehost import elsewhere, host_key
 from ....transport.shmpool import ShmPool
 from ...group import farewell
 from ...stall import StallInspector
-from ..plan import check_weights, piece_bytes
+from ..plan import WIRE_PIECES, check_weights, piece_bytes
 from ..shards.server import ShardServer
+from . import linkprobe
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ class ServerLinks:
         #: each shard's share of every large tensor (PSRING_PS_WEIGHTS as rank 0 set it; None: equal)
         self.weights: tuple[int, ...] | None = None
         self.host_reduce: Any = None  # the job's group's HostReduce (its board is closed with the links)
+        #: the job's pieces a slice and send buffer between hosts (rank 0's choice: linkprobe); until
+        #: learn_piece, this worker's own settings
+        self.tuning = linkprobe.Tuning(self.config.ps_wire_pieces or WIRE_PIECES, self.config.ps_sndbuf or 0)
+        self.probes: dict[tuple[Any, ...], asyncio.Future[None]] = {}  # a link probe's answers (linkprobe)
         ServerLinks.live += 1
         self._counted = True
 
@@ -154,9 +159,13 @@ class ServerLinks:
         }
 
     def _tune(self, conn: Connection) -> None:
-        """PSRING_PS_SNDBUF on a connection to a shard on another host (the shard does the same at its end)."""
-        if self.config.ps_sndbuf > 0 and elsewhere(conn.peer.get("host")):
-            conn.limit_send_buffer(self.config.ps_sndbuf)
+        """The job's send buffer (PSRING_PS_SNDBUF, or what rank 0 measured) on a connection to a shard on
+        another host, at both ends: the shard takes the worker's word where its own setting is auto."""
+        sndbuf = self.tuning.sndbuf
+        if sndbuf > 0 and not conn.is_local and elsewhere(conn.peer.get("host")):
+            conn.limit_send_buffer(sndbuf)
+            with contextlib.suppress(PsringError):  # a connection lost meanwhile: its loss is reported
+                conn.send_frame({"kind": linkprobe.KIND, "sndbuf": sndbuf})
 
     def reaches_other_hosts(self) -> bool:
         """Whether some shard connection of this worker leaves its host (its handshake says so)."""
@@ -164,11 +173,14 @@ class ServerLinks:
 
     async def tell_piece(self, key: str) -> None:
         """Count, in the store, whether this worker reaches a shard on another host, and on rank 0 write
-        its shard weights there (before the ranks' ready barrier; :meth:`learn_piece` reads both after it)."""
+        its shard weights and its links' tuning there (measured now where a setting is left auto:
+        linkprobe), before the ranks' ready barrier; :meth:`learn_piece` reads them after it."""
         await self.store.add(key, 1 if self.reaches_other_hosts() else 0)
-        if self.rank == 0:  # rank 0's shard weights are the job's
+        if self.rank == 0:  # rank 0's shard weights and tuning are the job's
             weights = self.config.ps_weights
             await self.store.set(f"{self.prefix}/weights", ",".join(map(str, weights)).encode() if weights else b"")
+            measured = await linkprobe.measure(self) if linkprobe.needs_measure(self.config) else None
+            await self.store.set(linkprobe.key(self.prefix), linkprobe.choose(self.config, measured).encode())
 
     async def learn_weights(self) -> None:
         """The job's shard weights (rank 0's PSRING_PS_WEIGHTS), checked against the shards there are."""
@@ -180,16 +192,28 @@ class ServerLinks:
             raise ValueError(f"PSRING_PS_WEIGHTS (rank 0's): {exc}") from None
 
     async def learn_piece(self, key: str) -> None:
-        """Whether any worker of the job reaches a shard on another host, and the job's shard weights
-        (the same answers on every worker; one joining a running job takes them as they are)."""
+        """Whether any worker of the job reaches a shard on another host, the job's shard weights and
+        its links' tuning (the same answers on every worker; one joining a running job takes them as
+        they are). A setting this worker was given stands: one that differs from rank 0's pieces
+        fails the first large collective with a MismatchError naming both, as ever."""
         wire = self.config.ps_wire_piece
         self.wire = 0 < wire < self.config.ps_piece and await self.store.add(key, 0) > 0
         await self.learn_weights()
+        job = linkprobe.Tuning.decode(await self.store.get(linkprobe.key(self.prefix)))
+        c = self.config
+        self.tuning = linkprobe.Tuning(
+            c.ps_wire_pieces or job.pieces, job.sndbuf if c.ps_sndbuf is None else c.ps_sndbuf, job.rate, job.round_trip
+        )
+        if c.ps_sndbuf is None:  # the connections were dialed before the job's choice was known
+            for conn in self.shards:
+                self._tune(conn)
+        if self.wire and self.rank == 0:
+            logger.info("job %r: %s", self.settings.job, self.tuning)
 
     def piece_for(self, nbytes: int) -> int:
         """The piece size of a collective of nbytes (:func:`~psring.topology.ps.plan.piece_bytes`)."""
         c = self.config
-        return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire, c.ps_wire_pieces)
+        return piece_bytes(nbytes, len(self.shards), c.ps_piece, c.ps_wire_piece, self.wire, self.tuning.pieces)
 
     def share_memory_pending(self) -> bool:
         """Whether a shard connection has not been considered for this worker's pool yet."""
@@ -283,6 +307,11 @@ class ServerLinks:
         kind = header["kind"]
         if kind == "stall":
             self.stalls.on_frame(conn, header)
+            return True
+        if kind == linkprobe.KIND:  # a shard's answer to a link probe
+            fut = self.probes.pop(header.get("tag"), None)  # type: ignore[arg-type]  # wire values
+            if fut is not None and not fut.done():
+                fut.set_result(None)
             return True
         if kind == "reject":
             self._break(ProtocolError(str(header.get("reason", "the server rejected this worker"))[:2000]))
