@@ -3,7 +3,7 @@
 - ``connection``: an authenticated, heartbeating asyncio connection that moves frames
   (its parts are objects of their own, each naming what it needs of the connection: ``framereader``
   the receive path, ``handshake``, ``heartbeat``, ``slots`` payloads in shared memory); ``local``: an
-  in-process pair.
+  in-process pair; ``tcpsocket``: its TCP socket's send buffer and the round trip the kernel measured.
 - ``listener``: one listening port per process, dialing out, TLS.
 - ``mailbox``: tag-matched delivery of frames to posted receives.
 - ``shmpool``: shared-memory pools whose slots carry payloads between processes on one host.

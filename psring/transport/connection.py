@@ -20,7 +20,6 @@ import asyncio
 import logging
 import os
 import socket
-import struct
 import time
 import zlib
 from collections.abc import Callable
@@ -175,44 +174,6 @@ class Connection(asyncio.BufferedProtocol):
         if isinstance(peer, tuple):
             self.peername = f"{peer[0]}:{peer[1]}"
         self.last_heard = self.last_sent = time.monotonic()
-
-    def limit_send_buffer(self, nbytes: int) -> bool:
-        """Bound the kernel's send buffer of this TCP connection to ``nbytes`` (SO_SNDBUF, which also
-        turns off the kernel's sizing of it; Linux doubles it for its own bookkeeping): the bytes in
-        flight and queued in the kernel stay about that, so connections that share a link take even
-        shares of it -- at the price of at most ``nbytes`` / the round trip each. False where this is
-        no TCP socket (or not open)."""
-        transport = self.transport
-        if transport is None or transport.is_closing() or nbytes <= 0:
-            return False
-        try:
-            sock = transport.get_extra_info("socket")
-            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-                return False
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-        except (OSError, ValueError):  # a socket closed under us
-            return False
-        return True
-
-    def kernel_round_trip(self) -> float | None:
-        """The least round trip (seconds) the kernel has measured on this TCP connection (Linux's
-        TCP_INFO min_rtt; its smoothed one where the kernel is older): the wire's, without either
-        process's time. None where this is no TCP socket or the kernel does not say."""
-        transport = self.transport
-        sock = transport.get_extra_info("socket") if transport is not None and not transport.is_closing() else None
-        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(socket, "TCP_INFO"):
-            return None
-        try:
-            raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-        except (OSError, ValueError):  # a socket closed under us
-            return None
-        # struct tcp_info (linux/tcp.h): tcpi_rtt at byte 68, tcpi_min_rtt at 148, both microseconds
-        for offset in (148, 68):
-            if len(raw) >= offset + 4:
-                (micros,) = struct.unpack_from("I", raw, offset)
-                if 0 < micros < 0xFFFFFFFF:
-                    return micros / 1e6
-        return None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._lost is None and not self._closing:

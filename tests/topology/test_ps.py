@@ -139,6 +139,21 @@ async def test_shard_rejects_a_piece_of_the_wrong_size(store, make_groups) -> No
 
 
 @pytest.mark.asyncio
+async def test_shard_answers_a_link_probe_and_refuses_a_bad_send_buffer(store, make_groups) -> None:
+    """The set-up probe's frames (topology.ps.worker.linkprobe): a shard answers each share of a round
+    once it is in; a send buffer out of range drops the worker that named it, with the reason."""
+    from psring.topology.ps.worker import linkprobe
+
+    groups = await make_groups(2, "ps", servers_n=2)
+    links = groups[1].links
+    seconds = await linkprobe._round(links, links.shards, 1 << 20, 10.0)  # 512 KiB to each shard
+    assert 0 < seconds < 10 and not links.probes
+    links.shards[0].send_frame({"kind": "ps_link", "sndbuf": -5})
+    with pytest.raises(psring.PsringError, match=r"server shard 0: a ps_link frame names send buffer -5"):
+        await asyncio.wait_for(groups[1].all_reduce(np.ones(4, np.float32)), 20)
+
+
+@pytest.mark.asyncio
 async def test_shard_refuses_a_join_whose_piece_size_would_split_it_into_too_many_pieces(store, make_groups) -> None:
     from psring.topology.ps.shards.pending import MAX_PIECES
 

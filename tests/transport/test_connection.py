@@ -12,6 +12,7 @@ from psring.core import wire
 from psring.core.arrays import byte_view
 from psring.transport.listener import Listener, open_connection
 from psring.transport.mailbox import Mailbox
+from psring.transport.tcpsocket import kernel_round_trip, limit_send_buffer
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -58,17 +59,20 @@ async def test_limit_send_buffer_sets_a_tcp_sockets_buffer_and_frames_still_flow
         conn = await open_connection("127.0.0.1", listener.port, secret=None, hello={"role": "t"})
         sock = conn.transport.get_extra_info("socket")
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) != 2 * (48 << 10)  # the kernel's own size
-        assert conn.limit_send_buffer(48 << 10) is True
+        assert limit_send_buffer(conn, 48 << 10) is True
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * (48 << 10)  # Linux keeps twice it
-        assert conn.limit_send_buffer(0) is False  # nothing to set
+        assert limit_send_buffer(conn, 0) is False  # nothing to set
         x = np.arange(1 << 20, dtype=np.float32)  # 4 MiB through the small buffer, whole
         fut = mailbox.expect(("t", 1))
         conn.send_tensor({"kind": "data", "tag": ("t", 1)}, x)
         await conn.flush()
         _conn, _header, payload = await asyncio.wait_for(fut, 10)
         assert np.array_equal(np.frombuffer(payload, np.float32), x)
+        trip = kernel_round_trip(conn)  # the kernel's least round trip on loopback: microseconds
+        assert trip is not None and 0 < trip < 0.05, trip
     finally:
         if conn is not None:
             await conn.close()
         await listener.close()
-    assert conn.limit_send_buffer(48 << 10) is False  # closed: no socket
+    assert limit_send_buffer(conn, 48 << 10) is False  # closed: no socket
+    assert kernel_round_trip(conn) is None

@@ -46,6 +46,7 @@ from ....errors import PeerLostError, ProtocolError, PsringError
 from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
+from ....transport.tcpsocket import limit_send_buffer
 from ...collective import mismatch_message
 from ..plan import FOLD_KINDS, check_weights, may_need
 from .folding import Folding
@@ -128,7 +129,7 @@ class Shard(Folding):
             raise ProtocolError(f"rank {rank} is already connected to shard {self.index} from {old.peername}")
         self.by_rank[rank] = conn
         if self.settings.ps_sndbuf and elsewhere(conn.peer.get("host")):
-            conn.limit_send_buffer(self.settings.ps_sndbuf)  # PSRING_PS_SNDBUF: a worker on another host
+            limit_send_buffer(conn, self.settings.ps_sndbuf)  # PSRING_PS_SNDBUF: a worker on another host
         self._layouts.clear()
         self.gone.pop(rank, None)
         self.gone_at.pop(rank, None)
@@ -228,26 +229,11 @@ class Shard(Folding):
             elif kind == "stall":
                 self._relay_stall(header)
             elif kind == "ps_link":
-                self._on_link(conn, header)
+                on_link(self.settings, conn, header)
             else:
                 raise ProtocolError(f"a {kind!r} frame means nothing to a parameter server")
         except ProtocolError as exc:
             self._reject(conn, str(exc))
-
-    def _on_link(self, conn: Connection, header: dict[str, Any]) -> None:
-        """A worker's word on its link: a probe, answered at once (its payload is only timed), or the
-        send buffer its job chose for links to other hosts (kept at this end where PSRING_PS_SNDBUF here
-        is auto)."""
-        tag: Any = header.get("tag")
-        sndbuf: Any = header.get("sndbuf")
-        if tag is not None:
-            if not isinstance(tag, tuple) or len(tag) != 2 or tag[0] != "link":
-                raise ProtocolError(f"a ps_link probe with tag {tag!r}")
-            conn.send_frame({"kind": "ps_link", "tag": tag})
-        elif type(sndbuf) is not int or not 0 < sndbuf <= MAX_SNDBUF:
-            raise ProtocolError(f"a ps_link frame names send buffer {sndbuf!r} (1 to {MAX_SNDBUF} bytes)")
-        elif self.settings.ps_sndbuf is None and elsewhere(conn.peer.get("host")):
-            conn.limit_send_buffer(sndbuf)
 
     def _reject(self, conn: Connection, message: str) -> None:
         logger.warning("%r: dropping rank %s (%s): %s", self, conn.peer.get("rank"), conn.peername, message)
@@ -506,3 +492,19 @@ POOLED_MIN = 1 << 20
 
 
 __all__ = ["Shard"]
+
+
+def on_link(settings: Settings, conn: Connection, header: dict[str, Any]) -> None:
+    """A worker's word on its link: a probe, answered at once (its payload is only timed), or the
+    send buffer its job chose for links to other hosts (kept at this end where PSRING_PS_SNDBUF here
+    is auto)."""
+    tag: Any = header.get("tag")
+    sndbuf: Any = header.get("sndbuf")
+    if tag is not None:
+        if not isinstance(tag, tuple) or len(tag) != 2 or tag[0] != "link":
+            raise ProtocolError(f"a ps_link probe with tag {tag!r}")
+        conn.send_frame({"kind": "ps_link", "tag": tag})
+    elif type(sndbuf) is not int or not 0 < sndbuf <= MAX_SNDBUF:
+        raise ProtocolError(f"a ps_link frame names send buffer {sndbuf!r} (1 to {MAX_SNDBUF} bytes)")
+    elif settings.ps_sndbuf is None and elsewhere(conn.peer.get("host")):
+        limit_send_buffer(conn, sndbuf)

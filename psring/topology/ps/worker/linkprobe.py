@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from ....errors import PsringError
 from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
+from ....transport.tcpsocket import kernel_round_trip
 from ..plan import WIRE_PIECES, link_tuning
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ async def measure(links: ServerLinks) -> tuple[float, float] | None:
     except (TimeoutError, PsringError) as exc:
         logger.warning("rank %d: the links to the shards on other hosts were not measured (%s)", links.rank, exc)
         return None
-    trips = [t for t in (c.kernel_round_trip() for c in conns) if t is not None]
+    trips = [t for t in (kernel_round_trip(c) for c in conns) if t is not None]
     # without the kernel's word the first round's time stands in: far above any round trip small
     # buffers would cover, so the kernel keeps sizing them
     return rate, max(trips) if trips else FIRST / first

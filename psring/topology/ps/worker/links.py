@@ -17,6 +17,7 @@ from ....transport.listener import open_connection
 from ....transport.mailbox import Mailbox
 from ....transport.samehost import elsewhere, host_key
 from ....transport.shmpool import ShmPool
+from ....transport.tcpsocket import limit_send_buffer
 from ...group import farewell
 from ...stall import StallInspector
 from ..plan import WIRE_PIECES, check_weights, piece_bytes
@@ -163,7 +164,7 @@ class ServerLinks:
         another host, at both ends: the shard takes the worker's word where its own setting is auto."""
         sndbuf = self.tuning.sndbuf
         if sndbuf > 0 and not conn.is_local and elsewhere(conn.peer.get("host")):
-            conn.limit_send_buffer(sndbuf)
+            limit_send_buffer(conn, sndbuf)
             with contextlib.suppress(PsringError):  # a connection lost meanwhile: its loss is reported
                 conn.send_frame({"kind": linkprobe.KIND, "sndbuf": sndbuf})
 
