@@ -41,15 +41,22 @@ from psring.cli.bench import human, mpich_problem, parse_size
 
 
 @contextlib.contextmanager
-def hogs(n: int) -> Iterator[list[int]]:
-    """n processes that spin on a core each until the block ends."""
-    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=True) for _ in range(n)]
+def hogs(n: int, session: str = "own") -> Iterator[list[int]]:
+    """n processes that spin on a core each until the block ends. ``own``: each in a session of its own,
+    as another job's process is -- where the kernel groups processes by session for scheduling
+    (/proc/sys/kernel/sched_autogroup_enabled) the ranks then share the cores with the hogs as one
+    group; ``shared``: in the ranks' session, as a data loader of the same job is."""
+    own = session == "own"
+    procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"], start_new_session=own) for _ in range(n)]
     try:
         yield [p.pid for p in procs]
     finally:
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+                if own:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
             p.wait(timeout=10)
 
 
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         mpi_script = os.path.join(tmp, "mpi_rank.py")
         Path(mpi_script).write_text(MPI_RANK)
         for n_hogs in (int(h) for h in args.hogs.split(",") if h):
-            with hogs(n_hogs):
+            with hogs(n_hogs, args.hog_session):
                 for path in args.paths.split(","):
                     with path_env(path):
                         for workers in (int(w) for w in args.workers.split(",") if w):
@@ -93,7 +100,7 @@ def ddp(args: argparse.Namespace) -> int:
     rows = []
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_backend.py")
     for n_hogs in (int(h) for h in args.hogs.split(",") if h):
-        with hogs(n_hogs):
+        with hogs(n_hogs, args.hog_session):
             cmd = [sys.executable, script, "--workers", args.workers, "--variants", "gloo,ring", "--threads", "0",
                    "--params", args.params, "--steps", "5", "--warmup", "2", "--rounds", str(args.rounds),
                    "--json"]  # fmt: skip
@@ -150,6 +157,12 @@ def _line(r: dict[str, Any], mpich: bool = False) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hogs", default="0,1,2", help="comma-separated numbers of spinning processes")
+    p.add_argument(
+        "--hog-session",
+        choices=("own", "shared"),
+        default="own",
+        help="own: each hog in a session of its own (another job's); shared: in the ranks' (a data loader's)",
+    )
     p.add_argument("--paths", default="host,tcp", help="host (same-host paths allowed), tcp (TCP only), or both")
     p.add_argument("--workers", default="2,4")
     p.add_argument("--sizes", default="4,1M,64M")

@@ -119,11 +119,13 @@ def test_the_fault_campaign_names_what_is_not_a_case() -> None:
     assert res.returncode == 2 and "no server daemon on the ring" in res.stderr, res.stderr
 
 
-def test_the_contention_benchmark_runs_a_cell_and_ends_its_hogs() -> None:
+@pytest.mark.parametrize("session", ["own", "shared"])
+def test_the_contention_benchmark_runs_a_cell_and_ends_its_hogs(session: str) -> None:
     pytest.importorskip("torch", reason="gloo comes with torch")
     before = set(_hogs())  # (spinners of someone else's: not this run's to end)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--hogs", "1", "--paths", "host",
-           "--workers", "2", "--sizes", "4", "--iters", "3", "--rounds", "1", "--json"]  # fmt: skip
+           "--workers", "2", "--sizes", "4", "--iters", "3", "--rounds", "1", "--json",
+           "--hog-session", session]  # fmt: skip
     res = run_tree(cmd, timeout=280)
     assert res.returncode == 0, res.stdout + res.stderr
     [row] = json.loads(res.stdout.strip().splitlines()[-1])
