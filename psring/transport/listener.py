@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
+import socket
 import ssl
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -76,7 +79,18 @@ async def open_connection(
             # caller was cancelled and drops the cancellation -- a worker daemon's rank told to stop as
             # it dialled its peer set up its group and trained on; fixed in 3.12)
             async with asyncio.timeout(max(remaining, 0.001)):
-                await loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx)
+                transport, _ = await loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx)
+            if _connected_to_itself(transport):
+                # nothing listens there and the kernel gave this socket that very port (a port in the
+                # ephemeral range, dialed while its server is down): a TCP simultaneous open with itself.
+                # Reset, not closed: a close would hold the port in TIME_WAIT, where a server restarted
+                # at it could not bind it
+                with contextlib.suppress(OSError):
+                    transport.get_extra_info("socket").setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                    )
+                transport.abort()
+                raise ConnectionRefusedError(f"nothing listens on {host}:{port} (the dial reached itself)")
             break
         except (TimeoutError, ConnectionRefusedError, ConnectionResetError, OSError) as exc:
             refused = isinstance(exc, (ConnectionRefusedError, ConnectionResetError))
@@ -93,6 +107,15 @@ async def open_connection(
         conn.abort(AuthError("handshake failed"))
         raise
     return conn
+
+
+def _connected_to_itself(transport: asyncio.BaseTransport) -> bool:
+    """Whether a dialed TCP socket's two ends are one address (a self-connect)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock is not None and sock.getsockname() == sock.getpeername()
+    except OSError:  # closed under us: the handshake will say so
+        return False
 
 
 def _is_loopback(host: str) -> bool:
