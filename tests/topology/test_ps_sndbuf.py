@@ -71,6 +71,39 @@ def _wait_for_port(cluster: NetnsCluster, host: str, address: str, port: int) ->
         time.sleep(0.2)
 
 
+def _start_job(
+    cluster: NetnsCluster, job: str, script: str, rank_hosts: tuple[str, str], settings: dict[str, str]
+) -> tuple[int, list[subprocess.Popen[str]]]:
+    """A store and a ``psring server`` shard on host a, and a rank of ``script`` on each of rank_hosts
+    (rank 0 first); returns the shard's port and the ranks, each waiting on its stdin to end."""
+    a = cluster.addresses["a"]
+    store_port, server_port = _free_port(), _free_port()
+    base = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
+            "PSRING_JOB": job, **settings}  # fmt: skip
+    cluster.run("a", [sys.executable, "-m", "psring", "store", "--port", str(store_port)], base)
+    _wait_for_port(cluster, "a", a, store_port)
+    store = f"{a}:{store_port}"
+    cluster.run("a", [sys.executable, "-m", "psring", "server", "--store", store, "--shard", "0",
+                      "--num-shards", "1", "--host", "0.0.0.0", "--port", str(server_port),
+                      "--advertise", a, "--job", job], base)  # fmt: skip
+    _wait_for_port(cluster, "a", a, server_port)
+    ranks = []
+    for rank, host in enumerate(rank_hosts):
+        env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "PSRING_STORE": store, "PSRING_TOPOLOGY": "ps"}
+        ranks.append(cluster.run(host, [sys.executable, "-c", script], env, stdin=subprocess.PIPE))
+    return server_port, ranks
+
+
+def _end(ranks: list[subprocess.Popen[str]]) -> None:
+    """Let the ranks close their groups, and wait for them to exit cleanly."""
+    for proc in ranks:
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    for proc in ranks:
+        assert proc.wait(timeout=60) == 0
+
+
 def test_send_buffer_is_set_between_hosts_only() -> None:
     why = netns_available()
     if why is not None:
@@ -80,21 +113,7 @@ def test_send_buffer_is_set_between_hosts_only() -> None:
         for name in ("a", "b"):
             cluster.host(name)
         a, b = cluster.addresses["a"], cluster.addresses["b"]
-        store_port, server_port = _free_port(), _free_port()
-        base = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
-                "PSRING_JOB": "sndbuf", "PSRING_PS_SNDBUF": str(SNDBUF)}  # fmt: skip
-        cluster.run("a", [sys.executable, "-m", "psring", "store", "--port", str(store_port)], base)
-        _wait_for_port(cluster, "a", a, store_port)
-        store = f"{a}:{store_port}"
-        cluster.run("a", [sys.executable, "-m", "psring", "server", "--store", store, "--shard", "0",
-                          "--num-shards", "1", "--host", "0.0.0.0", "--port", str(server_port),
-                          "--advertise", a, "--job", "sndbuf"], base)  # fmt: skip
-        _wait_for_port(cluster, "a", a, server_port)
-        ranks = []
-        for rank, host in enumerate(("a", "b")):
-            env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "PSRING_STORE": store, "PSRING_TOPOLOGY": "ps"}
-            proc = cluster.run(host, [sys.executable, "-c", WORKER], env, stdin=subprocess.PIPE)
-            ranks.append(proc)
+        server_port, ranks = _start_job(cluster, "sndbuf", WORKER, ("a", "b"), {"PSRING_PS_SNDBUF": str(SNDBUF)})
         for proc in ranks:  # the all_reduce went through the shard: 1 + 2 everywhere
             assert proc.stdout is not None
             line = proc.stdout.readline()
@@ -108,12 +127,7 @@ def test_send_buffer_is_set_between_hosts_only() -> None:
         # rank 0 and the shard share host a: the kernel sizes those buffers as it does any other's
         local = {k: v for k, v in at_a.items() if k[1].startswith(f"{a}:")}
         assert local and all(v != 2 * SNDBUF for v in local.values()), at_a
-        for proc in ranks:
-            assert proc.stdin is not None
-            proc.stdin.write("\n")
-            proc.stdin.flush()
-        for proc in ranks:
-            assert proc.wait(timeout=60) == 0
+        _end(ranks)
     finally:
         cluster.close()
 
@@ -149,20 +163,7 @@ def test_a_job_takes_advises_pieces_and_buffers_for_slow_links_it_measures() -> 
         except Unavailable as exc:
             pytest.skip(f"needs tc tbf: {exc}")
         a, b = cluster.addresses["a"], cluster.addresses["b"]
-        store_port, server_port = _free_port(), _free_port()
-        base = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1", "HOME": "/tmp",
-                "PSRING_JOB": "tuned"}  # fmt: skip
-        cluster.run("a", [sys.executable, "-m", "psring", "store", "--port", str(store_port)], base)
-        _wait_for_port(cluster, "a", a, store_port)
-        store = f"{a}:{store_port}"
-        cluster.run("a", [sys.executable, "-m", "psring", "server", "--store", store, "--shard", "0",
-                          "--num-shards", "1", "--host", "0.0.0.0", "--port", str(server_port),
-                          "--advertise", a, "--job", "tuned"], base)  # fmt: skip
-        _wait_for_port(cluster, "a", a, server_port)
-        ranks = []
-        for rank, host in enumerate(("b", "a")):
-            env = {**base, "RANK": str(rank), "WORLD_SIZE": "2", "PSRING_STORE": store, "PSRING_TOPOLOGY": "ps"}
-            ranks.append(cluster.run(host, [sys.executable, "-c", TUNED], env, stdin=subprocess.PIPE))
+        server_port, ranks = _start_job(cluster, "tuned", TUNED, ("b", "a"), {})
         for proc in ranks:
             assert proc.stdout is not None
             line = proc.stdout.readline()
@@ -178,11 +179,6 @@ def test_a_job_takes_advises_pieces_and_buffers_for_slow_links_it_measures() -> 
         assert list(at_b.values()) == [2 * (128 << 10)], at_b  # rank 0's end
         local = {k: v for k, v in at_a.items() if k[1].startswith(f"{a}:")}
         assert local and all(v != 2 * (128 << 10) for v in local.values()), at_a
-        for proc in ranks:
-            assert proc.stdin is not None
-            proc.stdin.write("\n")
-            proc.stdin.flush()
-        for proc in ranks:
-            assert proc.wait(timeout=60) == 0
+        _end(ranks)
     finally:
         cluster.close()
