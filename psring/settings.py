@@ -166,6 +166,13 @@ class Settings:
         parse_text,
         "the store: host:port, tcp://, env:// (MASTER_ADDR/MASTER_PORT), file://dir or etcd://h1:2379,h2:2379",
     )
+    store_serve: bool = _var(
+        "PSRING_STORE_SERVE",
+        True,
+        parse_switch,
+        "rank 0 serves the store at its address when none answers there and the address is its own (as "
+        "TCPStore's master); 0: never -- a worker daemon's ranks, whose store is the cluster's, set so",
+    )
     job: str = _var("PSRING_JOB", "default", parse_text, "job name: the ranks of one job meet under it in the store")
     secret: str | None = _var("PSRING_SECRET", None, parse_text, "shared secret every process of a job must know")
     secret_file: str | None = _var(

@@ -512,19 +512,8 @@ class WorkerDaemon(_Daemon):
     async def _job_body(self, spec: dict[str, Any], rank: int) -> Any:
         jid, attempt = spec["id"], spec.get("attempt", 0)
         job = job_name(jid, attempt)
-        world = len(spec["workers"])
         await self._close_port()  # the job's group listens on this daemon's declared port now
-        # what this job's rank resolves its settings from: the daemon's own, then the job's
-        env = settings_mod.child_env(
-            settings_mod.process_env(),
-            job=job,
-            topology=spec["topology"],
-            timeout=spec.get("timeout"),
-            port=self.port,
-            advertise_host=str(self.advertise),
-            store=self.store_spec,
-        )
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="", MASTER_PORT="")
+        env = rank_env(spec, rank, store=self.store_spec, port=self.port, advertise=str(self.advertise))
         servers = None
         recorder = None
         try:
@@ -607,6 +596,24 @@ class WorkerDaemon(_Daemon):
         if self.metrics is not None:
             self.metrics.add_traffic(stats.get("bytes_sent", 0), stats.get("bytes_received", 0))
         return json.loads(json.dumps(result, default=str))
+
+
+def rank_env(spec: dict[str, Any], rank: int, *, store: str, port: int, advertise: str) -> dict[str, str]:
+    """What a job's rank on a worker daemon resolves its settings from: the daemon's own environment,
+    then the job's. The store is the cluster's: rank 0 never serves one of its own at that address
+    (PSRING_STORE_SERVE=0), even while the cluster's restarts -- it waits for it, as every client does."""
+    env = settings_mod.child_env(
+        settings_mod.process_env(),
+        job=job_name(spec["id"], spec.get("attempt", 0)),
+        topology=spec["topology"],
+        timeout=spec.get("timeout"),
+        port=port,
+        advertise_host=advertise,
+        store=store,
+        store_serve=False,
+    )
+    env.update(RANK=str(rank), WORLD_SIZE=str(len(spec["workers"])), LOCAL_RANK="0", MASTER_ADDR="", MASTER_PORT="")
+    return env
 
 
 class ServerDaemon(_Daemon):

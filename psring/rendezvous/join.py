@@ -82,14 +82,16 @@ async def release_store(owner: Any, store: Any, embedded: StoreServer | None) ->
 
 async def open_store_for(settings: GroupSettings, rank: int | None) -> tuple[Any, StoreServer | None]:
     """Connect to the store; rank 0 serves it first when none answers at its address and that
-    address is this machine's (like TCPStore's is_master)."""
+    address is this machine's (like TCPStore's is_master), unless its settings say the store is
+    someone else's to serve (PSRING_STORE_SERVE=0: a worker daemon's ranks, whose store is the
+    cluster's -- rank 0 serving an empty one while it restarts would split the job from it)."""
     if settings.client is not None:
         return settings.client, None
     address = settings.store
     if address.scheme == "torch":
         return await _open_torch_store(settings, rank), None
     embedded = None
-    if address.scheme == "tcp" and rank == 0:
+    if address.scheme == "tcp" and rank == 0 and settings.config.store_serve:
         bind = local_bind_address(address.host)
         if bind is not None:
             try:

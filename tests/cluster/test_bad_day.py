@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -377,3 +378,33 @@ def test_no_rank_outlives_its_launcher(tmp_path: Path, sig: signal.Signals) -> N
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         end(proc)
+
+
+@pytest.mark.timeout(60)
+def test_a_daemons_rank_0_waits_for_the_clusters_store_and_never_serves_its_own() -> None:
+    """The fault campaign's ring/store/term/rendezvous: the store stopped just as a job's ranks met, and
+    rank 0 on a worker daemon, finding nothing at the store's (local) address, served an empty store
+    there itself -- the restarted store found its port taken and the job split from it. A daemon's rank
+    takes the cluster's store as someone else's: with nothing at the address it says so within its
+    timeout and leaves the port to the store. (Before the fix, this one-rank job set up on a store of
+    its own and the port was held.)"""
+    from psring import init_group
+    from psring.cluster.daemons import rank_env
+    from psring.errors import PeerLostError
+
+    with socket.socket() as probe:  # a free port on loopback: where the cluster's store would be
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spec = {"id": "j1", "attempt": 0, "topology": "ring", "workers": ["w0"], "timeout": 2.0}
+    env = rank_env(spec, 0, store=f"127.0.0.1:{port}", port=0, advertise="127.0.0.1")
+
+    async def meet() -> None:
+        group = await init_group(env=env)
+        await group.close()
+
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match=f"cannot reach the rendezvous store at 127.0.0.1:{port}"):
+        asyncio.run(meet())
+    assert time.monotonic() - t0 < 20
+    with socket.socket() as again:  # nobody took the store's port
+        again.bind(("127.0.0.1", port))
