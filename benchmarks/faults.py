@@ -46,6 +46,7 @@ every step and the survivors agree on the live group, or a failure names the fau
     python benchmarks/faults.py                         # every case, both topologies
     python benchmarks/faults.py --kinds store --faults kill --phases mid-step --topologies ring
     python benchmarks/faults.py --case ring/worker/kill/mid-step --seed 3    # replay one case
+    python benchmarks/faults.py --workers 2 --stop-s 5 --log campaign.jsonl  # in parts: skips what held
 
 Seeded: the seed picks the victim among processes of its kind and the moment within its phase; a case
 that fails prints the command that replays it. Exit status 1 when any case failed.
@@ -1039,6 +1040,42 @@ def cases(args: argparse.Namespace) -> list[Case]:
     return out
 
 
+def code_digest() -> str:
+    """What the cases run: a digest of psring's sources (its .py, .c, .h and page files), so a log of
+    cases run in parts -- across days, beside other work -- can show they all ran the same code."""
+    import hashlib
+
+    h = hashlib.sha256()
+    base = os.path.join(ROOT, "psring")
+    for folder, dirs, files in sorted(os.walk(base)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith((".py", ".c", ".h", ".html")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, base).encode() + b"\0")
+                with open(path, "rb") as fh:
+                    h.update(fh.read() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def held_in_log(path: str, code: str, args: argparse.Namespace) -> set[str]:
+    """The cases a log (``--log``) says held on this code with this run's seed and bed."""
+    held: set[str] = set()
+    if not os.path.exists(path):
+        return held
+    with open(path) as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            same = (row.get("code"), row.get("seed"), row.get("workers"), row.get("stop_s"), row.get("epochs")) == (
+                code, args.seed, args.workers, args.stop_s, args.epochs)  # fmt: skip
+            if same and row.get("held"):
+                held.add(row["case"])
+    return held
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--topologies", nargs="+", default=["ring", "ps"], choices=["ring", "ps"])
@@ -1052,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-s", type=float, default=10.0, help="seconds a SIGSTOPped process stays stopped")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a job may take, faults and all")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
+    p.add_argument("--log", help="append each case's result (JSON, with a digest of psring's code) to this file, "
+                   "and skip the cases it says held on the same code, seed and bed: a campaign in parts")
     args = p.parse_args(argv)
     todo = cases(args)
     if args.case:
@@ -1067,7 +1106,14 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(args)
     failed = 0
     skipped = 0
+    code = code_digest()
+    before = held_in_log(args.log, code, args) if args.log else set()
+    if before:
+        print(f"{len([c for c in todo if c.name in before])} of these cases held already on this code "
+              f"({code}, {args.log}): not run again", flush=True)  # fmt: skip
     for case in todo:
+        if case.name in before:
+            continue
         lacks = case.lacks()
         if lacks is not None:
             skipped += 1
@@ -1080,6 +1126,12 @@ def main(argv: list[str] | None = None) -> int:
         problems = campaign.run(case, args.seed)
         took = time.monotonic() - t0
         failed += bool(problems)
+        if args.log:
+            with open(args.log, "a") as fh:
+                fh.write(json.dumps({"case": case.name, "held": not problems, "problems": problems, "code": code,
+                                     "seed": args.seed, "workers": args.workers, "stop_s": args.stop_s,
+                                     "epochs": args.epochs, "seconds": round(took, 1), "job": campaign.outcome,
+                                     "at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")  # fmt: skip
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
                               "seconds": round(took, 1), "job": campaign.outcome,
@@ -1090,9 +1142,12 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print(f"  replay: python benchmarks/faults.py --case {case.name} --seed {args.seed} "
                   f"--workers {args.workers} --epochs {args.epochs} --stop-s {args.stop_s:g}", flush=True)  # fmt: skip
-    ran = len(todo) - skipped
+    ran = len(todo) - skipped - len([c for c in todo if c.name in before])
     note = f" ({skipped} skipped: this machine lacks their fault)" if skipped else ""
     print(f"{ran - failed} of {ran} cases held{note}", flush=True)
+    if before:
+        whole = len([c for c in todo if c.name in before]) + ran - failed
+        print(f"with the log's: {whole} of {len(todo) - skipped} held on this code ({code})", flush=True)
     return 1 if failed else 0
 
 
