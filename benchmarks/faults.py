@@ -1101,6 +1101,11 @@ def main(argv: list[str] | None = None) -> int:
         why = todo[0].why_not()
         if why is not None:
             p.error(f"--case {args.case}: not a case ({why})")
+    def interrupted(signum: int, _frame: Any) -> None:  # the case under way ends its bed, then the campaign
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGINT, interrupted)  # (a shell's background job starts with SIGINT ignored)
     for line in reclaim():  # what a campaign killed before its clean-up left
         print(f"reclaimed: {line}", flush=True)
     campaign = Campaign(args)
@@ -1152,4 +1157,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as exc:  # the case under way ended its processes on the way out
+        print(f"faults.py: interrupted ({exc}); --log keeps what ran", file=sys.stderr)
+        sys.exit(130)
