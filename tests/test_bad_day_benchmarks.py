@@ -4,10 +4,14 @@ ends its hogs. What they measure is theirs to say (docs/operations.md, docs/perf
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +115,70 @@ def test_the_fault_campaign_kills_a_worker_of_an_elastic_job_as_it_admits_a_new_
     survivors agree on the live group (the case checks it)."""
     row = _case("ps/rank/kill/admission")
     assert row["job"] == "done, agreed", row
+
+
+def test_the_fault_campaign_skips_what_its_log_says_held_on_this_code(tmp_path: Path) -> None:
+    """--log: a campaign in parts. A case the log says held on this code, seed and bed is not run again
+    (nothing starts: the run ends at once) and counts in the totals; one that held on other code does
+    not count."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import faults
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    code = faults.code_digest()
+    assert len(code) == 16 and code == faults.code_digest()
+    log = tmp_path / "campaign.jsonl"
+    bed = {"seed": 0, "workers": 2, "stop_s": 5.0, "epochs": 4}
+    rows = [{"case": "ring/store/kill/idle", "held": True, "code": code, **bed},
+            {"case": "ring/store/term/idle", "held": True, "code": "0" * 16, **bed}]  # fmt: skip
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/store/kill/idle", "--workers", "2",
+           "--stop-s", "5", "--epochs", "4", "--log", str(log)]  # fmt: skip
+    res = run_tree(cmd, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"1 of these cases held already on this code ({code}" in res.stdout, res.stdout
+    assert f"with the log's: 1 of 1 held on this code ({code})" in res.stdout, res.stdout
+    assert log.read_text().count("\n") == 2  # nothing ran, nothing appended
+    held = faults.held_in_log(str(log), code, argparse.Namespace(**bed))
+    assert held == {"ring/store/kill/idle"}  # the other held on other code
+
+
+def test_sigterm_ends_the_campaign_and_the_case_under_way_stops_its_processes() -> None:
+    """The campaign runs for hours: stopped midway (SIGTERM, or ^C), the case under way ends every process
+    of its bed before the campaign exits (130, saying so), and nothing of it is left."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/store/kill/mid-step",
+           "--workers", "2", "--epochs", "30"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _marked_by(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert _marked_by(proc.pid), "the case's bed never came up"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "interrupted (signal 15)" in err, out + err
+        assert _marked_by(proc.pid) == [], "processes of the case left running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _marked_by(campaign: int) -> list[int]:
+    """Processes a campaign's case started (their marker names the campaign's pid)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(v.startswith(b"PSRING_FAULT_CASE=") and f"-{campaign}-".encode() in v for v in env):
+                found.append(int(d))
+    return found
 
 
 def test_the_fault_campaign_names_what_is_not_a_case() -> None:
