@@ -1136,7 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
                 fh.write(json.dumps({"case": case.name, "held": not problems, "problems": problems, "code": code,
                                      "seed": args.seed, "workers": args.workers, "stop_s": args.stop_s,
                                      "epochs": args.epochs, "seconds": round(took, 1), "job": campaign.outcome,
-                                     "at": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")  # fmt: skip
+                                     "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                     **({"tails": campaign.tails} if problems else {})}) + "\n")  # fmt: skip
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
                               "seconds": round(took, 1), "job": campaign.outcome,
