@@ -1101,6 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
         why = todo[0].why_not()
         if why is not None:
             p.error(f"--case {args.case}: not a case ({why})")
+
     def interrupted(signum: int, _frame: Any) -> None:  # the case under way ends its bed, then the campaign
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -1113,9 +1114,10 @@ def main(argv: list[str] | None = None) -> int:
     skipped = 0
     code = code_digest()
     before = held_in_log(args.log, code, args) if args.log else set()
-    if before:
-        print(f"{len([c for c in todo if c.name in before])} of these cases held already on this code "
-              f"({code}, {args.log}): not run again", flush=True)  # fmt: skip
+    held_before = sum(c.name in before for c in todo)
+    if held_before:
+        print(f"{held_before} of these cases held already on this code ({code}, {args.log}): not run again",
+              flush=True)  # fmt: skip
     for case in todo:
         if case.name in before:
             continue
@@ -1148,12 +1150,12 @@ def main(argv: list[str] | None = None) -> int:
         if problems:
             print(f"  replay: python benchmarks/faults.py --case {case.name} --seed {args.seed} "
                   f"--workers {args.workers} --epochs {args.epochs} --stop-s {args.stop_s:g}", flush=True)  # fmt: skip
-    ran = len(todo) - skipped - len([c for c in todo if c.name in before])
+    ran = len(todo) - skipped - held_before
     note = f" ({skipped} skipped: this machine lacks their fault)" if skipped else ""
     print(f"{ran - failed} of {ran} cases held{note}", flush=True)
-    if before:
-        whole = len([c for c in todo if c.name in before]) + ran - failed
-        print(f"with the log's: {whole} of {len(todo) - skipped} held on this code ({code})", flush=True)
+    if held_before:
+        print(f"with the log's: {held_before + ran - failed} of {len(todo) - skipped} held on this code ({code})",
+              flush=True)  # fmt: skip
     return 1 if failed else 0
 
 
