@@ -55,6 +55,7 @@ that fails prints the command that replays it. Exit status 1 when any case faile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -279,6 +280,8 @@ class Campaign:
         procs: list[Proc] = []
         problems: list[str] = []
         self.tails: dict[str, str] = {}
+        self.dumps: dict[str, str] = {}
+        self.procs = procs
         try:
             want = self.reference(case.topology) if case.phase != "admission" else ""
         except RuntimeError as exc:  # no reference: the case cannot be judged, said as such
@@ -609,6 +612,7 @@ class Campaign:
         try:
             job.p.wait(timeout=self.args.bound)
         except subprocess.TimeoutExpired:
+            self._dump_waiting()
             return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
         took = time.monotonic() - t0
         if victim is not None:  # the faulted job's outcome, for the report
@@ -632,6 +636,18 @@ class Campaign:
                 problems.append(f"{job.name} failed ({job.p.returncode}) in {took:.1f}s without naming the fault: "
                                 f"{last[:300]!r}")  # fmt: skip
         return problems
+
+    def _dump_waiting(self) -> None:
+        """A process waited past its bound: SIGUSR1 to every psring process of the bed still running (each
+        prints its asyncio tasks' await chains and its threads' stacks, and goes on) -- kept in the log."""
+        live = [p for p in self.procs if p.p.poll() is None and p.exe != ["etcd"]]
+        marks = {id(p): len(p.lines) for p in live}
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.p.pid, signal.SIGUSR1)
+        time.sleep(2.0)
+        for i, p in enumerate(live):
+            self.dumps[f"{p.name} #{i}"] = "\n".join(p.lines[marks[id(p)]:][:400])
 
     def _stop_all(self, procs: list[Proc], tag: str) -> list[str]:
         """SIGTERM to every process still running: each must end within the grace; nothing marked may stay."""
@@ -1139,7 +1155,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "seed": args.seed, "workers": args.workers, "stop_s": args.stop_s,
                                      "epochs": args.epochs, "seconds": round(took, 1), "job": campaign.outcome,
                                      "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                     **({"tails": campaign.tails} if problems else {})}) + "\n")  # fmt: skip
+                                     **({"tails": campaign.tails} if problems else {}),
+                                     **({"dumps": campaign.dumps} if campaign.dumps else {})}) + "\n")  # fmt: skip
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
                               "seconds": round(took, 1), "job": campaign.outcome,

@@ -7,10 +7,14 @@ import concurrent.futures
 import os
 import threading
 import time
+import weakref
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
+
+#: every loop psring made in this process, for dump_tasks
+_loops: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -18,9 +22,36 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
 
-        return uvloop.new_event_loop()
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency
-        return asyncio.new_event_loop()
+        loop = asyncio.new_event_loop()
+    _loops.add(loop)
+    return loop
+
+
+def dump_tasks(out: TextIO) -> int:
+    """Print every pending task of every loop psring made in this process, each with the chain of
+    awaits it is suspended in (innermost last): what a hung process waits on. Returns how many.
+    Safe from a signal handler in any thread (it reads, it never touches a loop)."""
+    count = 0
+    for loop in list(_loops):
+        if loop.is_closed():
+            continue
+        try:
+            tasks = list(asyncio.all_tasks(loop))
+        except RuntimeError:  # the set changed under us: the loop runs in another thread
+            continue
+        for task in tasks:
+            count += 1
+            print(f"task {task.get_name()}:", file=out)
+            coro: Any = task.get_coro()
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=out)
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    out.flush()
+    return count
 
 
 def poll_until(done: asyncio.Future[Any], end: float) -> None:

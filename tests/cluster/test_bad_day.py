@@ -408,3 +408,28 @@ def test_a_daemons_rank_0_waits_for_the_clusters_store_and_never_serves_its_own(
     assert time.monotonic() - t0 < 20
     with socket.socket() as again:  # nobody took the store's port
         again.bind(("127.0.0.1", port))
+
+
+def test_sigusr1_prints_what_a_daemon_waits_in_and_it_goes_on(tmp_path: Path) -> None:
+    """A process that hangs must be able to say where (the campaign's one unexplained case was a
+    submitter waiting on ranks that said nothing): SIGUSR1 prints every asyncio task with the chain of
+    awaits it is suspended in, and every thread's stack; the daemon goes on serving."""
+    c = Cluster(tmp_path)
+    try:
+        proc = c.worker("w0")
+        os.kill(proc.pid, signal.SIGUSR1)
+        seen: list[str] = []
+        deadline = time.monotonic() + 20
+        assert proc.stdout is not None
+        while time.monotonic() < deadline and not any("Thread 0x" in line or "Current thread" in line for line in seen):
+            line = proc.stdout.readline()
+            assert line, f"the worker ended on SIGUSR1: {proc.poll()}\n{''.join(seen)}"
+            seen.append(line)
+        text = "".join(seen)
+        assert f"pid {proc.pid} on SIGUSR1" in text, text
+        assert "task " in text and "daemons.py" in text and " in serve" in text, text  # the daemon's own await chain
+        assert proc.poll() is None, text
+        with c.client() as client:  # and it goes on: a job on it still runs
+            assert client.submit("ring", 1, train={"epochs": 1}).wait(timeout=120)["test_accuracy"] > 0.5
+    finally:
+        c.close()
