@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
-import socket
 import ssl
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,6 +16,7 @@ from ..errors import AuthError, PeerLostError, ProtocolError
 from ..settings import Settings
 from .connection import Connection, Router
 from .handshake import HANDSHAKE_TIMEOUT
+from .tcpsocket import dialed_itself, reset
 
 logger = logging.getLogger(__name__)
 
@@ -80,16 +78,11 @@ async def open_connection(
             # it dialled its peer set up its group and trained on; fixed in 3.12)
             async with asyncio.timeout(max(remaining, 0.001)):
                 transport, _ = await loop.create_connection(lambda conn=conn: conn, host, port, ssl=ctx)
-            if _connected_to_itself(transport):
+            if dialed_itself(transport):
                 # nothing listens there and the kernel gave this socket that very port (a port in the
-                # ephemeral range, dialed while its server is down): a TCP simultaneous open with itself.
-                # Reset, not closed: a close would hold the port in TIME_WAIT, where a server restarted
-                # at it could not bind it
-                with contextlib.suppress(OSError):
-                    transport.get_extra_info("socket").setsockopt(
-                        socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                    )
-                transport.abort()
+                # ephemeral range, dialed while its server is down). Reset, not closed: a close would hold
+                # the port in TIME_WAIT, where a server restarted at it could not bind it
+                reset(transport)
                 raise ConnectionRefusedError(f"nothing listens on {host}:{port} (the dial reached itself)")
             break
         except (TimeoutError, ConnectionRefusedError, ConnectionResetError, OSError) as exc:
@@ -107,15 +100,6 @@ async def open_connection(
         conn.abort(AuthError("handshake failed"))
         raise
     return conn
-
-
-def _connected_to_itself(transport: asyncio.BaseTransport) -> bool:
-    """Whether a dialed TCP socket's two ends are one address (a self-connect)."""
-    sock = transport.get_extra_info("socket")
-    try:
-        return sock is not None and sock.getsockname() == sock.getpeername()
-    except OSError:  # closed under us: the handshake will say so
-        return False
 
 
 def _is_loopback(host: str) -> bool:

@@ -23,6 +23,29 @@ def tcp_socket(conn: Any) -> socket.socket | None:
     return sock
 
 
+def dialed_itself(transport: asyncio.BaseTransport) -> bool:
+    """Whether a dialed TCP socket's two ends are one address: nothing listened at a port in the
+    kernel's ephemeral range and the kernel gave the dialing socket that very port (a TCP simultaneous
+    open with itself)."""
+    sock = transport.get_extra_info("socket")
+    try:
+        return sock is not None and sock.getsockname() == sock.getpeername()
+    except OSError:  # closed under us: the handshake will say so
+        return False
+
+
+def reset(transport: asyncio.Transport) -> None:
+    """Close a TCP connection with a reset (SO_LINGER 0), not a FIN: its port is free at once instead of
+    held in TIME_WAIT (a self-connect's port is one a server restarted there must bind)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:  # closed under us
+            pass
+    transport.abort()
+
+
 def limit_send_buffer(conn: Any, nbytes: int) -> bool:
     """Bound the kernel's send buffer of this TCP connection to ``nbytes`` (SO_SNDBUF, which also
     turns off the kernel's sizing of it; Linux doubles it for its own bookkeeping): the bytes in
