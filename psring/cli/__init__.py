@@ -11,21 +11,14 @@ environment variable psring reads (psring.settings).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import faulthandler
 import logging
-import os
-import signal
 import sys
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 from .. import settings as settings_mod
 from ..core import wire
 from ..errors import PsringError
 from ..topology import stall
-from ..transport.loop import dump_tasks
 from ..version import __version__
 from . import bench, cluster, serve, train
 
@@ -60,24 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dump(_signum: int, _frame: Any) -> None:
-    """SIGUSR1: what this process waits in -- its groups' calls, its asyncio tasks, its threads."""
-    print(f"psring: pid {os.getpid()} on SIGUSR1: what it waits in", file=sys.stderr, flush=True)
-    stall.dump()
-    dump_tasks(sys.stderr)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-
-
-def install_dump() -> None:
-    """Every psring command prints what it waits in on SIGUSR1 and goes on (a hung daemon, a
-    submitter that waits, a rank: ``kill -USR1 PID``, then read its stderr)."""
-    if threading.current_thread() is threading.main_thread():
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(signal.SIGUSR1, _dump)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    install_dump()
+    stall.install_dump_signal()  # every command: kill -USR1 PID prints what it waits in, and it goes on
     try:
         parser = build_parser()
     except ValueError as exc:  # a PSRING_* variable with a bad value

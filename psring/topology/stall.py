@@ -33,12 +33,14 @@ import socket
 import sys
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..errors import MismatchError
+from ..transport.loop import dump_tasks
 from .collective import Collective, describe
 
 logger = logging.getLogger(__name__)
@@ -519,8 +521,11 @@ def format_picture(picture: dict[str, Any], now: float | None = None) -> list[st
 
 # ---------------------------------------------------------------- SIGUSR1
 def dump(out: TextIO | None = None) -> None:
-    """Print what every group of this process is doing (SIGUSR1 does this)."""
+    """Print what this process waits in (SIGUSR1 does this): every group's calls, every asyncio task of
+    psring's loops with the chain of awaits it is suspended in, every thread's stack. Read only: safe
+    from a signal handler, the process goes on."""
     out = out or sys.stderr
+    print(f"psring: pid {os.getpid()} on SIGUSR1: what it waits in", file=out, flush=True)
     for inspector in list(_inspectors):
         try:
             view = read_view(snapshot(inspector.layer))
@@ -532,10 +537,16 @@ def dump(out: TextIO | None = None) -> None:
         doing = "; ".join(info["doing"]) or "not in a psring call"
         last = f" (last: {info['last']})" if info["last"] else ""
         print(f"psring rank {view.rank} (pid {view.pid}): {doing}{last}", file=out, flush=True)
+    dump_tasks(out)
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        print(f"thread {names.get(ident, ident)} (most recent call last):", file=out)
+        print("".join(traceback.format_stack(frame)).rstrip("\n"), file=out)
+    out.flush()
 
 
 def install_dump_signal() -> None:
-    """SIGUSR1 prints this process's calls (only where nobody else handles SIGUSR1: its default kills)."""
+    """SIGUSR1 prints what this process waits in (only where nobody else handles SIGUSR1: its default kills)."""
     sig = getattr(signal, "SIGUSR1", None)
     if sig is None or threading.current_thread() is not threading.main_thread():
         return

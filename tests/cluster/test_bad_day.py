@@ -421,13 +421,14 @@ def test_sigusr1_prints_what_a_daemon_waits_in_and_it_goes_on(tmp_path: Path) ->
         seen: list[str] = []
         deadline = time.monotonic() + 20
         assert proc.stdout is not None
-        while time.monotonic() < deadline and not any("Thread 0x" in line or "Current thread" in line for line in seen):
+        while time.monotonic() < deadline and not any(line.startswith("thread MainThread") for line in seen):
             line = proc.stdout.readline()
             assert line, f"the worker ended on SIGUSR1: {proc.poll()}\n{''.join(seen)}"
             seen.append(line)
         text = "".join(seen)
         assert f"pid {proc.pid} on SIGUSR1" in text, text
         assert "task " in text and "daemons.py" in text and " in serve" in text, text  # the daemon's own await chain
+        assert "_heartbeat_thread" in text, text  # and its threads' stacks
         assert proc.poll() is None, text
         with c.client() as client:  # and it goes on: a job on it still runs
             assert client.submit("ring", 1, train={"epochs": 1}).wait(timeout=120)["test_accuracy"] > 0.5
