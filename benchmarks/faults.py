@@ -108,6 +108,7 @@ class Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], exe: list[str] | None = None) -> None:
         self.name, self.argv, self.env, self.exe = name, argv, env, exe
         self.lines: list[str] = []
+        self.times: list[float] = []  # when each line came (time.monotonic())
         self.p = subprocess.Popen(
             [*(exe or [sys.executable, "-m", "psring"]), *argv], env=env, cwd=ROOT, text=True,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -118,6 +119,7 @@ class Proc:
     def _read(self) -> None:
         assert self.p.stdout is not None
         for line in self.p.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
 
     def wait_line(self, pattern: str, timeout: float) -> re.Match[str]:
@@ -135,6 +137,12 @@ class Proc:
                     break
             time.sleep(0.02)
         raise RuntimeError(f"{self.name}: {pattern!r} never appeared (exit {self.p.poll()}): {self.tail()}")
+
+    def timed(self, since: float, n: int = 40) -> str:
+        """Its last ``n`` lines, each after the seconds since ``since`` it came at."""
+        start = max(0, len(self.lines) - n)
+        timed = zip(self.times[start:], self.lines[start:], strict=False)
+        return "\n".join(f"{t - since:7.2f} {line[:300]}" for t, line in timed)
 
     def tail(self, n: int = 8) -> str:
         return " | ".join(line[:200] for line in self.lines[-n:])[-600:]
@@ -282,6 +290,7 @@ class Campaign:
         self.tails: dict[str, str] = {}
         self.dumps: dict[str, str] = {}
         self.procs = procs
+        started = time.monotonic()
         try:
             want = self.reference(case.topology) if case.phase != "admission" else ""
         except RuntimeError as exc:  # no reference: the case cannot be judged, said as such
@@ -310,6 +319,8 @@ class Campaign:
                 problems += self._stop_all(procs, tag)
                 if problems:  # what each process said last: the report of a failed case carries it
                     self.tails = {f"{p.name} #{i}": p.tail(12) for i, p in enumerate(procs)}
+                if self.args.tails:  # every case's: what each process said, and when
+                    self.tails = {f"{p.name} #{i}": p.timed(started) for i, p in enumerate(procs)}
                 if disk is not None:
                     disk.close()
                 if self.net is not None:
@@ -1105,6 +1116,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-s", type=float, default=10.0, help="seconds a SIGSTOPped process stays stopped")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a job may take, faults and all")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
+    p.add_argument("--tails", action="store_true",
+                   help="keep every case's processes' last lines, timed, in --log (a failed case's are kept anyway)")
     p.add_argument("--log", help="append each case's result (JSON, with a digest of psring's code) to this file, "
                    "and skip the cases it says held on the same code, seed and bed: a campaign in parts")
     args = p.parse_args(argv)
@@ -1155,7 +1168,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "seed": args.seed, "workers": args.workers, "stop_s": args.stop_s,
                                      "epochs": args.epochs, "seconds": round(took, 1), "job": campaign.outcome,
                                      "at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                     **({"tails": campaign.tails} if problems else {}),
+                                     **({"tails": campaign.tails} if campaign.tails else {}),
                                      **({"dumps": campaign.dumps} if campaign.dumps else {})}) + "\n")  # fmt: skip
         if args.json:
             print(json.dumps({"case": case.name, "seed": args.seed, "held": not problems, "problems": problems,
