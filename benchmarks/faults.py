@@ -620,11 +620,17 @@ class Campaign:
         """bounded, and done with the bits or failed naming the fault."""
         problems: list[str] = []
         t0 = time.monotonic()
-        try:
-            job.p.wait(timeout=self.args.bound)
-        except subprocess.TimeoutExpired:
-            self._dump_waiting()
-            return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
+        dumped = False
+        while job.p.poll() is None:
+            now = time.monotonic()
+            if now - t0 > self.args.bound:
+                self._dump_waiting()
+                return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
+            quiet = now - (job.times[-1] if job.times else t0)
+            if self.args.dump_silent and quiet > self.args.dump_silent and not dumped:
+                dumped = True  # once a job: what the bed waits in while the job says nothing
+                self._dump_waiting(f"{job.name} silent {quiet:.1f}s")
+            time.sleep(0.1)
         took = time.monotonic() - t0
         if victim is not None:  # the faulted job's outcome, for the report
             code = job.p.returncode
@@ -648,7 +654,7 @@ class Campaign:
                                 f"{last[:300]!r}")  # fmt: skip
         return problems
 
-    def _dump_waiting(self) -> None:
+    def _dump_waiting(self, why: str = "") -> None:
         """A process waited past its bound: SIGUSR1 to every psring process of the bed still running (each
         prints its asyncio tasks' await chains and its threads' stacks, and goes on) -- kept in the log."""
         live = [p for p in self.procs if p.p.poll() is None and p.exe != ["etcd"]]
@@ -658,7 +664,7 @@ class Campaign:
                 os.kill(p.p.pid, signal.SIGUSR1)
         time.sleep(2.0)
         for i, p in enumerate(live):
-            self.dumps[f"{p.name} #{i}"] = "\n".join(p.lines[marks[id(p)]:][:400])
+            self.dumps[f"{why + ': ' if why else ''}{p.name} #{i}"] = "\n".join(p.lines[marks[id(p)]:][:400])
 
     def _stop_all(self, procs: list[Proc], tag: str) -> list[str]:
         """SIGTERM to every process still running: each must end within the grace; nothing marked may stay."""
@@ -1116,6 +1122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-s", type=float, default=10.0, help="seconds a SIGSTOPped process stays stopped")
     p.add_argument("--bound", type=float, default=240.0, help="seconds a job may take, faults and all")
     p.add_argument("--json", action="store_true", help="one JSON line per case")
+    p.add_argument("--dump-silent", type=float, default=0.0, metavar="S",
+                   help="SIGUSR1 the bed (once a job) when a judged job says nothing for S seconds; kept in --log")
     p.add_argument("--tails", action="store_true",
                    help="keep every case's processes' last lines, timed, in --log (a failed case's are kept anyway)")
     p.add_argument("--log", help="append each case's result (JSON, with a digest of psring's code) to this file, "
