@@ -95,11 +95,17 @@ class StoreLog:
         self._snapshot_path = os.path.join(self.directory, "snapshot")
         self.epoch = self._next_epoch()
         self._fd = -1
-        self.written = 0  # bytes appended to the log
-        self.synced = 0  # bytes known to be on disk
+        # positions in the stream of every byte ever appended (never reset: a writer waiting for its
+        # record to reach the disk compares against them across a compaction); the log file holds
+        # the bytes from _base on
+        self.written = 0  # appended
+        self.synced = 0  # known to be on disk
+        self._base = 0  # where the log file starts (the last compaction's `written`)
         self.snapshot_bytes = 0
         self._flushing: asyncio.Task[None] | None = None
         self._compacting = False
+        self._compacted = asyncio.Event()  # (set while no compaction runs: the writers wait on it)
+        self._compacted.set()
         self._compact_after = 0.0  # (after a compaction the disk refused: not before then)
 
     # ------------------------------------------------------------------ load
@@ -184,7 +190,7 @@ class StoreLog:
                 view = view[n:]
         except OSError as exc:
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self.written)  # (the log opens O_APPEND: the next write follows)
+                os.ftruncate(self._fd, self.written - self._base)  # (the log opens O_APPEND: the next write follows)
             raise DiskError(self._log_path, exc) from None
         self.written += len(record)
 
@@ -221,7 +227,7 @@ class StoreLog:
             # what was written since the last good fsync may or may not be on disk: cut it off, and
             # every writer waiting on this fsync answers with the error (none of their changes stand)
             with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, self.synced)
+                os.ftruncate(self._fd, self.synced - self._base)
             self.written = self.synced
             raise DiskError(self._log_path, exc) from None
         self.synced = max(self.synced, upto)
@@ -230,15 +236,31 @@ class StoreLog:
         return (
             not self._compacting
             and time.monotonic() >= self._compact_after
-            and self.written > max(self.compact_bytes, self.snapshot_bytes)
+            and self.written - self._base > max(self.compact_bytes, self.snapshot_bytes)
         )
 
+    async def writable(self) -> None:
+        """Return when a change may be made and appended: not while a compaction runs. A change made
+        meanwhile would be in neither the snapshot being written nor, once the log is emptied after
+        it, the log (lost at the next restart). The store calls it before it changes its memory, and
+        appends with no await in between."""
+        while self._compacting:
+            await self._compacted.wait()
+
     async def compact(self, data: dict[str, bytes], tokens: OrderedDict[str, Any]) -> None:
-        """Write the whole state as the new snapshot and empty the log."""
+        """Write the whole state as the new snapshot and empty the log. No change is made meanwhile
+        (:meth:`writable` holds them): the snapshot is of every change appended, each on disk first,
+        and the log is emptied of exactly those. A disk that refuses the snapshot leaves the log as it
+        is (it still holds everything) and compaction waits for room."""
         self._compacting = True
+        self._compacted.clear()
         try:
+            try:
+                await self.sync()  # the snapshot must not be older than anything acknowledged
+            except DiskError:  # the writers it failed were told so; nothing to compact now
+                self._compact_after = time.monotonic() + COMPACT_RETRY_S
+                return
             snap = msgpack.packb({"data": data, "tokens": list(tokens.items())}, use_bin_type=True)
-            await self.sync()  # the snapshot must not be older than anything acknowledged
             try:
                 await asyncio.to_thread(_write_atomically, self._snapshot_path, snap, self.directory)
             except OSError as exc:  # the log still holds everything: compaction waits for room
@@ -248,12 +270,16 @@ class StoreLog:
                 logger.warning("store: cannot compact %s (%s); the log keeps every change", self.directory, exc)
                 return
             self.snapshot_bytes = len(snap)
-            os.ftruncate(self._fd, 0)
-            await asyncio.to_thread(os.fsync, self._fd)
-            self.written = self.synced = 0
+            try:
+                os.ftruncate(self._fd, 0)
+                self._base = self.written
+                await asyncio.to_thread(os.fsync, self._fd)
+            except OSError as exc:  # (replaying the log over a snapshot that holds its effects is harmless)
+                logger.warning("store: compacted %s but its log was not emptied (%s)", self.directory, exc)
             logger.info("store: compacted %s (%d keys, %d bytes)", self.directory, len(data), len(snap))
         finally:
             self._compacting = False
+            self._compacted.set()
 
     def _release(self) -> None:
         with contextlib.suppress(OSError):

@@ -245,3 +245,56 @@ async def test_a_heartbeat_does_not_wait_for_the_disk_and_survives_a_kill(
         for p in (proc, again):
             if p is not None:
                 end(p)
+
+
+@pytest.mark.asyncio
+async def test_a_change_made_while_the_log_is_compacted_is_answered_and_kept(tmp_path: Path) -> None:
+    """Found by the fault campaign: a ps job stalled 30 s (its rank 0's checkpoint, written to the store
+    as the store compacted, got no answer; the servers waited on that rank) -- and once, with nothing
+    written after it, a rank's outcome never got its answer and the submitter waited for good. A change
+    appended while the snapshot was being written waited on the log's byte count, which compaction had
+    reset to 0, to grow back past it; and the truncation after the snapshot dropped it from the disk."""
+    store = await psring.start_store(data_dir=str(tmp_path), compact_bytes=1 << 20)
+    big, small = await _client(store.port), await _client(store.port)
+    done = asyncio.Event()
+
+    async def checkpoints() -> None:  # a value larger each time: every set outgrows the snapshot and is
+        try:  # compacted before it is answered (the last one too), each snapshot a while
+            for i in range(1, 9):
+                try:
+                    async with asyncio.timeout(15):
+                        await big.set("big", bytes([i]) * (i << 20))
+                except TimeoutError:
+                    pytest.fail(f"the store did not answer a set of {i} MiB within 15s (it compacted meanwhile)")
+        finally:
+            done.set()
+
+    async def records() -> list[str]:  # small changes all along, one after another, as daemons make
+        keys = []
+        while not done.is_set() or len(keys) < 5:  # (each a few records: the log does not outgrow a MiB)
+            k = f"small/{len(keys)}"
+            try:
+                async with asyncio.timeout(15):
+                    await small.set(k, k.encode())
+            except TimeoutError:
+                pytest.fail(f"the store did not answer {k} within 15s (set as it compacted)")
+            keys.append(k)
+            if done.is_set():
+                await asyncio.sleep(0.01)
+        return keys
+
+    try:
+        _, keys = await asyncio.gather(checkpoints(), records())
+        assert os.path.getsize(tmp_path / "log") < 1 << 20  # the last set was compacted
+    finally:
+        await big.close()
+        await small.close()
+        await store.close()
+    again = await psring.start_store(data_dir=str(tmp_path))
+    try:
+        client = await _client(again.port)
+        lost = [k for k in keys if await client.get(k) != k.encode()]
+        await client.close()
+    finally:
+        await again.close()
+    assert not lost, f"{len(lost)} of {len(keys)} acknowledged changes lost across a restart: {lost[:5]}"
