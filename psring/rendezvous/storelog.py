@@ -5,7 +5,8 @@ store) and written a few times a second, so every change is appended to ``D/log`
 before the store answers (concurrent writers share one fsync: group commit); a restart loads
 ``D/snapshot`` and replays the log over it. When the log outgrows the snapshot it is compacted:
 the whole state is written to ``snapshot.tmp``, fsync'd, renamed over ``snapshot`` (atomic) and the
-log is emptied. Replaying a log over a snapshot that already holds its effects gives the same
+log is emptied; changes wait meanwhile (reads do not), so the snapshot holds exactly what the log
+held. Replaying a log over a snapshot that already holds its effects gives the same
 state (each record sets or deletes one key), so a crash between the rename and the truncation
 loses nothing. A torn last record (a crash mid-append) fails its checksum and is cut off: it was
 never acknowledged.
