@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import json
 import logging
@@ -523,9 +524,11 @@ def format_picture(picture: dict[str, Any], now: float | None = None) -> list[st
 def dump(out: TextIO | None = None) -> None:
     """Print what this process waits in (SIGUSR1 does this): every group's calls, every asyncio task of
     psring's loops with the chain of awaits it is suspended in, every thread's stack. Read only: safe
-    from a signal handler, the process goes on."""
-    out = out or sys.stderr
-    print(f"psring: pid {os.getpid()} on SIGUSR1: what it waits in", file=out, flush=True)
+    from a signal handler, the process goes on. Without ``out`` it goes to stderr's file descriptor in
+    one write: a signal that came while the process was writing to stderr itself (a log line) must not
+    re-enter that stream (Python raises there, in whatever the process was doing)."""
+    buf = io.StringIO()
+    print(f"psring: pid {os.getpid()} on SIGUSR1: what it waits in", file=buf)
     for inspector in list(_inspectors):
         try:
             view = read_view(snapshot(inspector.layer))
@@ -536,13 +539,25 @@ def dump(out: TextIO | None = None) -> None:
         info = describe_view(view)
         doing = "; ".join(info["doing"]) or "not in a psring call"
         last = f" (last: {info['last']})" if info["last"] else ""
-        print(f"psring rank {view.rank} (pid {view.pid}): {doing}{last}", file=out, flush=True)
-    dump_tasks(out)
+        print(f"psring rank {view.rank} (pid {view.pid}): {doing}{last}", file=buf)
+    dump_tasks(buf)
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():
-        print(f"thread {names.get(ident, ident)} (most recent call last):", file=out)
-        print("".join(traceback.format_stack(frame)).rstrip("\n"), file=out)
-    out.flush()
+        print(f"thread {names.get(ident, ident)} (most recent call last):", file=buf)
+        print("".join(traceback.format_stack(frame)).rstrip("\n"), file=buf)
+    if out is not None:
+        out.write(buf.getvalue())
+        out.flush()
+        return
+    data = buf.getvalue().encode(errors="replace")
+    with contextlib.suppress(OSError):
+        while data:
+            data = data[os.write(2, data) :]
+
+
+def _on_sigusr1(_signum: int, _frame: Any) -> None:
+    with contextlib.suppress(Exception):  # a dump that fails must not fail what the process was doing
+        dump()
 
 
 def install_dump_signal() -> None:
@@ -552,7 +567,7 @@ def install_dump_signal() -> None:
         return
     with contextlib.suppress(ValueError, OSError):
         if signal.getsignal(sig) == signal.SIG_DFL:
-            signal.signal(sig, lambda _s, _f: dump())
+            signal.signal(sig, _on_sigusr1)
 
 
 __all__ = ["StallInspector", "deadlocked", "dump", "format_picture", "install_dump_signal", "judge"]
