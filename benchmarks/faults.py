@@ -626,7 +626,7 @@ class Campaign:
             if now - t0 > self.args.bound:
                 self._dump_waiting()
                 return [f"{job.name} still waiting {self.args.bound:g}s later: {job.tail()}"]
-            quiet = now - (job.times[-1] if job.times else t0)
+            quiet = now - job.times[-1] if job.times else 0.0  # (from its first line: it has its handler)
             if self.args.dump_silent and quiet > self.args.dump_silent and not dumped:
                 dumped = True  # once a job: what the bed waits in while the job says nothing
                 self._dump_waiting(f"{job.name} silent {quiet:.1f}s")
@@ -657,7 +657,8 @@ class Campaign:
     def _dump_waiting(self, why: str = "") -> None:
         """A process waited past its bound: SIGUSR1 to every psring process of the bed still running (each
         prints its asyncio tasks' await chains and its threads' stacks, and goes on) -- kept in the log."""
-        live = [p for p in self.procs if p.p.poll() is None and p.exe != ["etcd"]]
+        # (a process that has said nothing yet may not have its handler yet: SIGUSR1 would end it)
+        live = [p for p in self.procs if p.p.poll() is None and p.exe != ["etcd"] and p.lines]
         marks = {id(p): len(p.lines) for p in live}
         for p in live:
             with contextlib.suppress(ProcessLookupError):

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,3 +214,21 @@ def _cmdline(pid: str) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+def test_the_fault_campaign_keeps_timed_tails_and_what_a_silent_bed_waits_in(tmp_path: Path) -> None:
+    """--tails keeps every process's last lines with when each came; --dump-silent S sends SIGUSR1 to the
+    bed when the judged job says nothing for S seconds, and keeps what each process says it waits in --
+    without disturbing the case (it still holds: the processes go on)."""
+    log = tmp_path / "campaign.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "faults.py"), "--case", "ring/store/kill/idle", "--workers", "2",
+           "--stop-s", "5", "--epochs", "4", "--log", str(log), "--tails", "--dump-silent", "0.3"]  # fmt: skip
+    res = run_tree(cmd, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (row,) = [json.loads(line) for line in log.read_text().splitlines()]
+    assert row["held"], row
+    assert any(name.startswith("worker") for name in row["tails"]), row["tails"].keys()
+    timed = row["tails"][next(n for n in row["tails"] if n.startswith("worker"))].splitlines()
+    assert timed and all(re.match(r"\s*\d+\.\d\d ", line) for line in timed), timed
+    said = "\n".join(row["dumps"].values())
+    assert "on SIGUSR1: what it waits in" in said and "thread MainThread" in said, said[-2000:]
