@@ -602,8 +602,9 @@ class Campaign:
             while not found() and time.monotonic() < deadline:
                 time.sleep(0.02)
             time.sleep(rng.uniform(0.0, 0.3))
-        else:  # psring train prints no step lines: mid-step is a moment within the undisturbed run's second quarter
-            time.sleep(rng.uniform(0.3, 0.5) * self.took[case.topology])
+        else:  # mid-step: a moment within the job's second quarter of epochs, by its own epoch lines (a
+            # moment timed by the undisturbed run came after the whole job once: it ran faster than that)
+            self._mid_epoch(train, rng, self.took[case.topology])
         if train.p.poll() is not None:
             return ["the job ended before its fault could be injected: give it more --epochs"]
         if case.kind == "launcher":
@@ -615,6 +616,23 @@ class Campaign:
             victim = _Pid(pid, case.kind)  # type: ignore[assignment]
         self._inject(victim, case.fault)
         return self._judge(train, victim, case, want)
+
+    def _mid_epoch(self, proc: Proc, rng: random.Random, took: float) -> None:
+        """Wait until ``psring train`` says it finished an epoch in its second quarter (its lines: "epoch N
+        loss ..."); without such lines, a moment within the undisturbed run's second quarter."""
+        at = rng.randint(max(1, self.args.epochs // 4), max(1, self.args.epochs // 2))
+        deadline = time.monotonic() + self.args.bound
+        fallback = time.monotonic() + rng.uniform(0.3, 0.5) * took
+        seen = 0
+        while time.monotonic() < deadline and proc.p.poll() is None:
+            while seen < len(proc.lines):
+                m = re.search(r"\bepoch (\d+) loss", proc.lines[seen])
+                seen += 1
+                if m and int(m[1]) >= at:
+                    return
+            if time.monotonic() > fallback and not any("epoch" in line for line in proc.lines):
+                return  # (no epoch lines by the timed moment: fault it then)
+            time.sleep(0.002)
 
     def _judge(self, job: Proc, victim: Any, case: Case, want: str) -> list[str]:
         """bounded, and done with the bits or failed naming the fault."""
