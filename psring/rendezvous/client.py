@@ -21,12 +21,12 @@ from ..transport.handshake import HANDSHAKE_TIMEOUT
 from ..transport.listener import open_connection
 from ..transport.mailbox import Mailbox
 from .barrier import store_barrier
+from .store import CHANGES
 
 logger = logging.getLogger(__name__)
 
 #: requests that change the store: each carries a token, so a retry after a lost connection
 #: returns the first attempt's answer instead of applying it twice
-_MUTATING = ("set", "add", "cas", "delete")
 
 
 # --------------------------------------------------------------------- clients
@@ -130,7 +130,7 @@ class StoreClient:
             ) from exc
 
     async def _call(self, op: str, value: bytes = b"", **fields: Any) -> tuple[dict[str, Any], Any]:
-        if op in _MUTATING:
+        if op in CHANGES:
             fields["token"] = f"{self._client_id}:{next(self._ids)}"  # the same on every retry of this call
         timeout = fields.get("timeout")
         deadline = time.monotonic() + timeout if isinstance(timeout, (int, float)) and timeout > 0 else None

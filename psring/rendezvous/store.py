@@ -34,8 +34,9 @@ STORE_MAX_KEYS = 1_000_000
 STORE_MAX_BYTES = 1 << 30
 STORE_MAX_INFLIGHT = 1024
 _OPS = ("set", "get", "add", "cas", "delete", "list", "wait", "ping")
-#: the requests that change the store (each appended to its log, with a data dir)
-_CHANGES = frozenset(("set", "add", "cas", "delete"))
+#: the requests that change the store: each appended to its log (with a data dir), and each sent with a
+#: token by the client, so that a retry after a lost answer is not made twice
+CHANGES = frozenset(("set", "add", "cas", "delete"))
 
 
 def _key(req: dict[str, Any], field: str = "key") -> str:
@@ -235,7 +236,7 @@ class StoreServer:
             return {"instance": self.instance, "epoch": self.epoch}, b""
         if self._disk_error is not None and not self._disk_back():
             raise self._disk_error.since()  # every request says so until the disk takes writes again
-        if op in _CHANGES and self._log is not None:
+        if op in CHANGES and self._log is not None:
             # not while the log is compacted; from here to the change's append nothing awaits, so what a
             # change reads (add's count, cas's value, a retry's token) is what it changes
             await self._log.writable()

@@ -104,8 +104,7 @@ class StoreLog:
         self._base = 0  # where the log file starts (the last compaction's `written`)
         self.snapshot_bytes = 0
         self._flushing: asyncio.Task[None] | None = None
-        self._compacting = False
-        self._compacted = asyncio.Event()  # (set while no compaction runs: the writers wait on it)
+        self._compacted = asyncio.Event()  # set while no compaction runs: changes wait on it
         self._compacted.set()
         self._compact_after = 0.0  # (after a compaction the disk refused: not before then)
 
@@ -235,7 +234,7 @@ class StoreLog:
 
     def wants_compaction(self) -> bool:
         return (
-            not self._compacting
+            self._compacted.is_set()
             and time.monotonic() >= self._compact_after
             and self.written - self._base > max(self.compact_bytes, self.snapshot_bytes)
         )
@@ -245,7 +244,7 @@ class StoreLog:
         meanwhile would be in neither the snapshot being written nor, once the log is emptied after
         it, the log (lost at the next restart). The store calls it before it changes its memory, and
         appends with no await in between."""
-        while self._compacting:
+        while not self._compacted.is_set():
             await self._compacted.wait()
 
     async def compact(self, data: dict[str, bytes], tokens: OrderedDict[str, Any]) -> None:
@@ -253,7 +252,6 @@ class StoreLog:
         (:meth:`writable` holds them): the snapshot is of every change appended, each on disk first,
         and the log is emptied of exactly those. A disk that refuses the snapshot leaves the log as it
         is (it still holds everything) and compaction waits for room."""
-        self._compacting = True
         self._compacted.clear()
         try:
             try:
@@ -279,7 +277,6 @@ class StoreLog:
                 logger.warning("store: compacted %s but its log was not emptied (%s)", self.directory, exc)
             logger.info("store: compacted %s (%d keys, %d bytes)", self.directory, len(data), len(snap))
         finally:
-            self._compacting = False
             self._compacted.set()
 
     def _release(self) -> None:
