@@ -29,11 +29,10 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-def dump_tasks(out: TextIO) -> int:
+def dump_tasks(out: TextIO) -> None:
     """Print every pending task of every loop psring made in this process, each with the chain of
-    awaits it is suspended in (innermost last): what a hung process waits on. Returns how many.
-    Safe from a signal handler in any thread (it reads, it never touches a loop)."""
-    count = 0
+    awaits it is suspended in (innermost last): what a hung process waits on. Safe from a signal
+    handler in any thread (it reads, it never touches a loop)."""
     for loop in list(_loops):
         if loop.is_closed():
             continue
@@ -42,7 +41,6 @@ def dump_tasks(out: TextIO) -> int:
         except RuntimeError:  # the set changed under us: the loop runs in another thread
             continue
         for task in tasks:
-            count += 1
             print(f"task {task.get_name()}:", file=out)
             coro: Any = task.get_coro()
             while coro is not None:
@@ -51,7 +49,6 @@ def dump_tasks(out: TextIO) -> int:
                     print(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}", file=out)
                 coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
     out.flush()
-    return count
 
 
 def poll_until(done: asyncio.Future[Any], end: float) -> None:

@@ -7,6 +7,7 @@ kept apart from it: they touch the socket under the transport, which the connect
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from typing import Any
@@ -39,10 +40,8 @@ def reset(transport: asyncio.Transport) -> None:
     held in TIME_WAIT (a self-connect's port is one a server restarted there must bind)."""
     sock = transport.get_extra_info("socket")
     if sock is not None:
-        try:
+        with contextlib.suppress(OSError):  # closed under us
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:  # closed under us
-            pass
     transport.abort()
 
 
