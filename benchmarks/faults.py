@@ -623,14 +623,15 @@ class Campaign:
         at = rng.randint(max(1, self.args.epochs // 4), max(1, self.args.epochs // 2))
         deadline = time.monotonic() + self.args.bound
         fallback = time.monotonic() + rng.uniform(0.3, 0.5) * took
-        seen = 0
+        seen, epochs = 0, False
         while time.monotonic() < deadline and proc.p.poll() is None:
             while seen < len(proc.lines):
                 m = re.search(r"\bepoch (\d+) loss", proc.lines[seen])
                 seen += 1
+                epochs |= m is not None
                 if m and int(m[1]) >= at:
                     return
-            if time.monotonic() > fallback and not any("epoch" in line for line in proc.lines):
+            if not epochs and time.monotonic() > fallback:
                 return  # (no epoch lines by the timed moment: fault it then)
             time.sleep(0.002)
 
