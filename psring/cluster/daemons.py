@@ -358,9 +358,10 @@ class WorkerDaemon(_Daemon):
 
     async def serve(self) -> None:
         await self.start()
-        print(f"psring worker {self.id}: ready on {self.advertise}:{self.port}, store {self.store_spec}", flush=True)
-        beat = self._start_heartbeat()
+        beat = self._start_heartbeat()  # before "ready": a daemon said ready is whole (a SIGUSR1 dump shows its beat)
         try:
+            ready = f"psring worker {self.id}: ready on {self.advertise}:{self.port}, store {self.store_spec}"
+            print(ready, flush=True)
             while not self.stopping.is_set():
                 get = asyncio.create_task(self.store.get(key("assign", self.id), timeout=1.0))
                 stop = asyncio.create_task(self.stopping.wait())
@@ -722,12 +723,12 @@ class ServerDaemon(_Daemon):
         if running:
             self.state, self.job = "busy", max(running)
             await self._publish()
-        print(
-            f"psring server {self.id}: ready for ps jobs on {self.advertise}:{self.port}, store {self.store_spec}",
-            flush=True,
-        )
         beat = self._start_heartbeat()
         try:
+            print(
+                f"psring server {self.id}: ready for ps jobs on {self.advertise}:{self.port}, store {self.store_spec}",
+                flush=True,
+            )
             while not self.stopping.is_set():
                 raw = await self.store.get(key("serve", self.id), timeout=1.0)
                 if raw is not None:

@@ -542,9 +542,12 @@ def dump(out: TextIO | None = None) -> None:
         print(f"psring rank {view.rank} (pid {view.pid}): {doing}{last}", file=buf)
     dump_tasks(buf)
     names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
+    main = threading.main_thread().ident
+    frames = sorted(sys._current_frames().items(), key=lambda item: (item[0] != main, str(names.get(item[0], item[0]))))
+    for ident, frame in frames:  # the main thread first, then by name: the same order in every dump
         print(f"thread {names.get(ident, ident)} (most recent call last):", file=buf)
         print("".join(traceback.format_stack(frame)).rstrip("\n"), file=buf)
+    print(f"psring: pid {os.getpid()}: end of what it waits in", file=buf)
     if out is not None:
         out.write(buf.getvalue())
         out.flush()

@@ -421,7 +421,7 @@ def test_sigusr1_prints_what_a_daemon_waits_in_and_it_goes_on(tmp_path: Path) ->
         seen: list[str] = []
         deadline = time.monotonic() + 20
         assert proc.stdout is not None
-        while time.monotonic() < deadline and not any(line.startswith("thread MainThread") for line in seen):
+        while time.monotonic() < deadline and not any("end of what it waits in" in line for line in seen):
             line = proc.stdout.readline()
             assert line, f"the worker ended on SIGUSR1: {proc.poll()}\n{''.join(seen)}"
             seen.append(line)
