@@ -25,9 +25,6 @@ from .store import CHANGES
 
 logger = logging.getLogger(__name__)
 
-#: requests that change the store: each carries a token, so a retry after a lost connection
-#: returns the first attempt's answer instead of applying it twice
-
 
 # --------------------------------------------------------------------- clients
 class StoreClient:
