@@ -366,6 +366,16 @@ class Settings:
         "one-hop sizes)",
         tuning=True,
     )
+    # A busy machine's cores go to threads that sleep in the kernel: docs/defaults.md#the-planes-send-thread.
+    ring_send_thread: int = _var(
+        "PSRING_RING_SEND_THREAD",
+        16 << 20,
+        parse_bytes,
+        "ring: the data plane's jobs in C from this size send from a thread of their own while the calling "
+        "thread receives and folds, each sleeping in the kernel when it waits (0: never; a rank's own choice, "
+        "the frames are the same)",
+        tuning=True,
+    )
     # Two hops wait on peers twice a call, not 2(N-1) times, for the same bytes: the sizes where that won
     # are in docs/defaults.md#two-hops.
     ring_two_hop_min: int = _var(

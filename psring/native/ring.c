@@ -1,5 +1,11 @@
 /* The data plane's ring over TCP in one thread (psring.topology.ring.plane.dataplane). */
 #include "fold.h"
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------------------------------------------
  * The data plane's ring over TCP in one thread (psring.topology.ring.plane.dataplane): one all_reduce job's
@@ -33,12 +39,15 @@ typedef struct {
     Py_ssize_t recv_n;
     Py_ssize_t send_i; /* next frame to the right: 0 the call, 1..nown own pieces, then forwards */
     Py_ssize_t send_off;
-    Py_ssize_t fwd_ready; /* forwards whose payload is ready */
+    Py_ssize_t fwd_ready; /* forwards whose payload is ready (written by the receiving side, read by the sending) */
+    uint32_t fwd_word;    /* counts fwd_ready's steps: the futex a sender thread waits on for the next forward */
     char hdr[PLANE_HEADER];
     char theirs[PLANE_MAX_CALL];
     Py_ssize_t theirs_n;
+    int sender_sleeps;   /* a sender thread sleeps (or is about to) on fwd_word */
     long long sent;      /* bytes sent by this ring (those received go to the reader's count) */
     int err;             /* errno of a failed send or receive */
+    int send_err;        /* errno of a failed send (the sending side's own: it may be another thread) */
     char why[160];       /* what was wrong with a bad frame */
 } NRing;
 
@@ -110,7 +119,7 @@ static int nr_init(NRing *r, PyObject *args, PyObject *Py_UNUSED(kwds)) {
         }
     }
     r->recv_i = 0, r->recv_got = -1, r->send_i = 0, r->send_off = 0, r->fwd_ready = 0;
-    r->sent = 0, r->err = 0, r->theirs_n = 0, r->why[0] = 0;
+    r->sent = 0, r->err = r->send_err = 0, r->theirs_n = 0, r->why[0] = 0, r->fwd_word = 0, r->sender_sleeps = 0;
     return 0;
 }
 
@@ -294,8 +303,12 @@ static int ring_recv(NRing *r, PlaneReader *rd) {
             if (s[2] <= R_FINAL)
                 fold_into(r, dest, (const char *)r->x.buf + s[0] * r->item, (Py_ssize_t)(s[1] - s[0]),
                           s[2] == R_FINAL);
-            if (s[2] != R_STORE)
-                r->fwd_ready++;
+            if (s[2] != R_STORE) { /* published whole to a sender thread, which may sleep on fwd_word */
+                __atomic_store_n(&r->fwd_ready, r->fwd_ready + 1, __ATOMIC_RELEASE);
+                __atomic_add_fetch(&r->fwd_word, 1, __ATOMIC_SEQ_CST);
+                if (__atomic_load_n(&r->sender_sleeps, __ATOMIC_SEQ_CST))
+                    syscall(SYS_futex, &r->fwd_word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+            }
         }
         r->recv_i++, r->recv_got = -1;
     }
@@ -323,7 +336,7 @@ static int ring_send(NRing *r, int *blocked) {
             pay = (const char *)r->x.buf + s[0] * r->item, n = (Py_ssize_t)((s[1] - s[0]) * r->item);
         } else {
             Py_ssize_t k = i - 1 - r->nown;
-            if (k >= r->fwd_ready)
+            if (k >= __atomic_load_n(&r->fwd_ready, __ATOMIC_ACQUIRE))
                 return moved;
             long long *s = r->steps + 3 * r->fwd[k];
             pay = (const char *)r->out.buf + s[0] * r->item, n = (Py_ssize_t)((s[1] - s[0]) * r->item);
@@ -353,10 +366,11 @@ static int ring_send(NRing *r, int *blocked) {
                 *blocked = 1;
                 return moved;
             }
-            r->err = errno;
+            r->send_err = errno;
             return -RING_SEND_ERR;
         }
-        r->send_off += w, r->sent += w, moved = 1;
+        r->send_off += w, moved = 1;
+        __atomic_store_n(&r->sent, r->sent + w, __ATOMIC_RELAXED);
         if (r->send_off == PLANE_HEADER + n)
             r->send_i++, r->send_off = 0;
     }
@@ -385,17 +399,78 @@ static int attr_reader(PyObject *reader, PlaneReader *rd, Py_buffer *view) {
     return 0;
 }
 
-/* run(reader, hot, wait_s) -> code: send and receive until the job is done (RING_DONE), or for up to
- * wait_s with nothing moving (RING_WAIT: look whether the job was abandoned, and run again), or what
- * stops it: RING_MISMATCH (the left neighbour's call: `theirs`), RING_AHEAD (the left neighbour is
+/* The sending side on a thread of its own (run's `helper`): the receiving side folds a piece and
+ * publishes it (fwd_ready, fwd_word), this thread sends it, each sleeping in the kernel when it has
+ * nothing to do -- in poll on its socket, or on the futex -- as gloo's device loop and caller do. On a
+ * busy machine two threads a rank that hand work over a futex earned more of the cores than one thread
+ * that does both (benchmarks/ringsim.c; docs/performance.md, "Where the cores go, third look"). */
+typedef struct {
+    NRing *r;
+    int hot;
+    int stop;  /* the receiving side asks it to end (atomic) */
+    int ended; /* it ended (atomic): code says how */
+    int code;  /* RING_DONE, RING_SEND_ERR, or RING_WAIT (stopped) */
+    int efd;   /* an eventfd it writes when it ends: the receiving side's poll wakes */
+} Sender;
+
+static void *sender_main(void *arg) {
+    Sender *sd = arg;
+    NRing *r = sd->r;
+    int idle = 0;
+    sd->code = RING_WAIT;
+    while (!__atomic_load_n(&sd->stop, __ATOMIC_ACQUIRE)) {
+        uint32_t word = __atomic_load_n(&r->fwd_word, __ATOMIC_SEQ_CST);
+        int blocked = 0;
+        int a = ring_send(r, &blocked);
+        if (a < 0) {
+            sd->code = RING_SEND_ERR;
+            break;
+        }
+        if (r->send_i >= ring_sends(r)) {
+            sd->code = RING_DONE;
+            break;
+        }
+        if (a) {
+            idle = 0;
+            continue;
+        }
+        if (idle++ < sd->hot) {
+            sched_yield();
+            continue;
+        }
+        if (blocked) { /* the kernel's buffer is full: until the right neighbour reads (or a stop) */
+            struct pollfd p = {r->send_fd, POLLOUT, 0};
+            poll(&p, 1, 20);
+            continue;
+        }
+        /* the next forward is not folded yet: sleep on the word, unless it moved since it was read */
+        __atomic_store_n(&r->sender_sleeps, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(&r->fwd_word, __ATOMIC_SEQ_CST) == word && !__atomic_load_n(&sd->stop, __ATOMIC_ACQUIRE)) {
+            struct timespec ts = {0, 20 * 1000 * 1000};
+            syscall(SYS_futex, &r->fwd_word, FUTEX_WAIT_PRIVATE, word, &ts, NULL, 0);
+        }
+        __atomic_store_n(&r->sender_sleeps, 0, __ATOMIC_SEQ_CST);
+    }
+    __atomic_store_n(&sd->ended, 1, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    ssize_t w = write(sd->efd, &one, sizeof one);
+    (void)w;
+    return NULL;
+}
+
+/* run(reader, hot, wait_s[, helper]) -> code: send and receive until the job is done (RING_DONE), or for
+ * up to wait_s with nothing moving (RING_WAIT: look whether the job was abandoned, and run again), or
+ * what stops it: RING_MISMATCH (the left neighbour's call: `theirs`), RING_AHEAD (the left neighbour is
  * past this collective), RING_BAD (a frame out of place: `why`), RING_RECV_ERR / RING_SEND_ERR (a link
  * failed: `err`, 0 for an orderly end). `reader`: the plane's _Reader, whose state is used and written
- * back. With nothing to do it yields the core `hot` times, then sleeps in poll. The GIL is released. */
+ * back. With nothing to do it yields the core `hot` times, then sleeps in poll. `helper`: the frames to
+ * the right go out from a thread of its own for the length of this call (Sender), this one receives and
+ * folds; the same frames, and the job's state carries on across calls either way. The GIL is released. */
 static PyObject *nr_run(NRing *r, PyObject *args) {
     PyObject *reader;
-    int hot;
+    int hot, helper = 0;
     double wait_s;
-    if (!PyArg_ParseTuple(args, "Oid", &reader, &hot, &wait_s))
+    if (!PyArg_ParseTuple(args, "Oid|p", &reader, &hot, &wait_s, &helper))
         return NULL;
     if (!r->held) {
         PyErr_SetString(PyExc_ValueError, "NRing: not set up");
@@ -405,23 +480,47 @@ static PyObject *nr_run(NRing *r, PyObject *args) {
     Py_buffer view;
     if (attr_reader(reader, &rd, &view) < 0)
         return NULL;
-    int code;
+    int code, threaded = 0;
+    Sender sd = {r, hot, 0, 0, RING_WAIT, -1};
+    pthread_t th;
     Py_BEGIN_ALLOW_THREADS
+    if (helper && r->send_i < ring_sends(r)) {
+        sd.efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        sigset_t all, before; /* the thread takes no signal: the process's go to the threads that handle them */
+        sigfillset(&all);
+        pthread_sigmask(SIG_SETMASK, &all, &before);
+        threaded = sd.efd >= 0 && pthread_create(&th, NULL, sender_main, &sd) == 0;
+        pthread_sigmask(SIG_SETMASK, &before, NULL);
+        if (!threaded && sd.efd >= 0)
+            close(sd.efd), sd.efd = -1; /* (no thread: this one does both, as without helper) */
+    }
     double end = now_s() + wait_s;
     int idle = 0;
+    long long sent_seen = r->sent;
     for (;;) {
-        int blocked = 0;
-        int a = ring_send(r, &blocked);
-        if (a < 0) {
-            code = -a;
-            break;
+        int blocked = 0, a = 0, send_done;
+        if (threaded) {
+            if (__atomic_load_n(&sd.ended, __ATOMIC_ACQUIRE) && sd.code == RING_SEND_ERR) {
+                code = RING_SEND_ERR;
+                break;
+            }
+            long long sent = __atomic_load_n(&r->sent, __ATOMIC_RELAXED);
+            a = sent != sent_seen, sent_seen = sent;
+            send_done = __atomic_load_n(&sd.ended, __ATOMIC_ACQUIRE) && sd.code == RING_DONE;
+        } else {
+            a = ring_send(r, &blocked);
+            if (a < 0) {
+                code = -a;
+                break;
+            }
+            send_done = r->send_i >= ring_sends(r);
         }
         int b = ring_recv(r, &rd);
         if (b < 0) {
             code = -b;
             break;
         }
-        if (r->recv_i > r->nsteps && r->send_i >= ring_sends(r)) {
+        if (r->recv_i > r->nsteps && send_done) {
             code = RING_DONE;
             break;
         }
@@ -439,14 +538,29 @@ static PyObject *nr_run(NRing *r, PyObject *args) {
             code = RING_WAIT;
             break;
         }
-        struct pollfd fds[2];
+        struct pollfd fds[3];
         int nfds = 0;
         if (blocked)
             fds[nfds].fd = r->send_fd, fds[nfds].events = POLLOUT, fds[nfds].revents = 0, nfds++;
         if (r->recv_i <= r->nsteps)
             fds[nfds].fd = r->recv_fd, fds[nfds].events = POLLIN, fds[nfds].revents = 0, nfds++;
-        poll(fds, (nfds_t)nfds, (int)((end - now) * 1000.0) + 1);
+        if (threaded && !__atomic_load_n(&sd.ended, __ATOMIC_ACQUIRE))
+            fds[nfds].fd = sd.efd, fds[nfds].events = POLLIN, fds[nfds].revents = 0, nfds++;
+        int ms = (int)((end - now) * 1000.0) + 1;
+        if (threaded && r->recv_i > r->nsteps && ms > 20)
+            ms = 20; /* only the sender's progress to look at (sent): look again soon */
+        poll(fds, (nfds_t)nfds, ms);
     }
+    if (threaded) {
+        __atomic_store_n(&sd.stop, 1, __ATOMIC_RELEASE);
+        syscall(SYS_futex, &r->fwd_word, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+        pthread_join(th, NULL);
+        close(sd.efd);
+        if (code == RING_WAIT && r->recv_i > r->nsteps && r->send_i >= ring_sends(r))
+            code = RING_DONE; /* (it ended between the last look and the stop) */
+    }
+    if (code == RING_SEND_ERR)
+        r->err = r->send_err;
     Py_END_ALLOW_THREADS
     PyObject *result = PyLong_FromLong(code);
     Py_ssize_t total;
@@ -474,6 +588,7 @@ static PyObject *nr_finish(NRing *r, PyObject *args) {
     while (r->send_i == i && r->send_off != 0) {
         int blocked = 0;
         if (ring_send(r, &blocked) < 0) {
+            r->err = r->send_err;
             ok = 0;
             break;
         }
@@ -513,7 +628,7 @@ static PyGetSetDef nr_getset[] = {
 };
 
 static PyMethodDef nr_methods[] = {
-    {"run", (PyCFunction)nr_run, METH_VARARGS, "run(reader, hot, wait_s) -> code"},
+    {"run", (PyCFunction)nr_run, METH_VARARGS, "run(reader, hot, wait_s[, helper]) -> code"},
     {"finish", (PyCFunction)nr_finish, METH_VARARGS, "finish(wait_s) -> no frame is left half sent"},
     {NULL, NULL, 0, NULL},
 };

@@ -394,20 +394,26 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     await _mismatch_timeout_recovery(groups)
 
 
-@pytest.mark.parametrize("native", ["all", "mixed"])
+@pytest.mark.parametrize("native", ["all", "mixed", "send-thread"])
 async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_groups, monkeypatch, native: str) -> None:
     """Over TCP links a job whose fold the C extension takes runs in C on the receive thread alone
     (psring._native.NRing): the threaded plane's frames, so native ranks and threaded ones (``mixed``:
     ranks 1 and 3 without it) share a ring. Bits for every op and dtype, byte counts, calls in flight
-    at once beside threaded jobs (max), a mismatch and a timeout mid-call, and recovery after each."""
+    at once beside threaded jobs (max), a mismatch and a timeout mid-call, and recovery after each.
+    ``send-thread``: every native job but rank 2's sends from a thread of its own (PSRING_RING_SEND_THREAD)."""
     _needs_native()
     monkeypatch.setenv("PSRING_SAME_HOST", "off")
+    if native == "send-thread":
+        monkeypatch.setenv("PSRING_RING_SEND_THREAD", "1")
     world = 4
     groups = await make_groups(world, timeout=2.0)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
     assert all(p.shm_out is None and p.native for p in planes)
     if native == "mixed":
         planes[1].native = planes[3].native = False
+    if native == "send-thread":
+        assert all(p.send_thread == 1 for p in planes)
+        planes[2].send_thread = 0  # one rank on one thread: the same frames
     rng = np.random.default_rng(7)
     for dtype in (np.float32, np.float64, np.int32, np.int64):
         xs = [(rng.standard_normal(BIG) * 100).astype(dtype) for _ in range(world)]
@@ -424,6 +430,9 @@ async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_grou
         assert all(s < calls * 2 * (world - 1) / world * xs[0].nbytes + 8192 for s in sent), sent  # headers only
     native_jobs = [p.native_jobs for p in planes]
     assert all((n >= 9) == p.native and (n == 0) != p.native for n, p in zip(native_jobs, planes, strict=True))
+    runs = [p.send_thread_runs for p in planes]
+    assert all((n >= 9) == (p.native and 0 < p.send_thread <= BIG) for n, p in zip(runs, planes, strict=True)), runs
+    assert native != "send-thread" or runs[2] == 0 < runs[0], runs
     inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
 
     async def rank(g: psring.Group) -> list[np.ndarray]:

@@ -95,7 +95,9 @@ class PeerNet(PlaneLinks):
         self.plane_tcp_offer = max(min(self.config.ring_tcp_plane_min, self.plane_offer), 1)  # 4+ ranks over TCP
         self.plane_native_offer = 0  # the same, over TCP at any number of ranks, where this rank's jobs run in C
         if world_size > 1 and plane_possible(self.config):
-            self.plane = DataPlane(rank, world_size, native=self.config.native)
+            self.plane = DataPlane(
+                rank, world_size, native=self.config.native, send_thread=self.config.ring_send_thread
+            )
             self.plane.recv_ready = asyncio.Event()
             if self.plane.native:
                 self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)

@@ -188,9 +188,12 @@ class _Reader:
 class DataPlane:
     """Two data links (to the right, from the left), a thread on each, and a FIFO of jobs."""
 
-    def __init__(self, rank: int, world_size: int, native: bool = True) -> None:
+    def __init__(self, rank: int, world_size: int, native: bool = True, send_thread: int = 0) -> None:
         self.rank = rank
         self.world_size = world_size
+        #: native jobs from this many bytes send from a thread of their own (0: never; see _engine)
+        self.send_thread = send_thread
+        self.send_thread_runs = 0  # native runs (a job's one or more) that sent from a thread of their own
         #: whether a job over TCP may run in C on the receive thread alone (psring._native.NRing; jobs whose
         #: dtype and op its fold takes, neither link in shared memory -- there the two threads were faster,
         #: docs/defaults.md#the-planes-job-in-c -- no device staging)
@@ -377,7 +380,8 @@ class DataPlane:
         ring, ticket, _out = here
         assert self._reader is not None
         try:
-            code = ring.run(self._reader, NATIVE_HOT, wait)
+            hot, helper = self._engine(here[2].nbytes)
+            code = ring.run(self._reader, hot, wait, helper)
         except BaseException:
             self.turns.over(ticket)  # (run raises only setting up or writing back: the job goes no further)
             raise
@@ -387,6 +391,18 @@ class DataPlane:
         self.native_jobs += 1
         self.turns.over(ticket)
         return True
+
+    def _engine(self, nbytes: int) -> tuple[int, bool]:
+        """How this rank runs a native job of ``nbytes``: (how often it yields the core before it sleeps,
+        whether its frames to the right go out from a thread of their own). The frames are the same
+        either way, so each rank decides alone. From :attr:`send_thread` bytes the calling thread
+        receives and folds while a second sends, each sleeping in the kernel at once when it has
+        nothing to do: on a busy machine that holds its share of the cores (docs/performance.md,
+        "Where the cores go, fourth look"); below it, one thread does both and yields a while first."""
+        if 0 < self.send_thread <= nbytes:
+            self.send_thread_runs += 1
+            return 0, True
+        return NATIVE_HOT, False
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
         """The native fold's letter for a job the native ring takes, else None."""
@@ -515,8 +531,9 @@ class DataPlane:
         try:
             if not self.turns.wait(job) or job.gone():
                 raise _Abandoned
+            hot, helper = self._engine(job.x.nbytes)
             while True:
-                code = ring.run(reader, NATIVE_HOT, POLL)
+                code = ring.run(reader, hot, POLL, helper)
                 if code == _RING_DONE:
                     return
                 if code == _RING_WAIT:
