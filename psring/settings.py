@@ -376,6 +376,15 @@ class Settings:
         "the frames are the same)",
         tuning=True,
     )
+    ring_send_thread_buf: int = _var(
+        "PSRING_RING_SEND_THREAD_BUF",
+        256 << 10,
+        parse_bytes,
+        "ring: the kernel buffers (SO_SNDBUF, SO_RCVBUF; the kernel doubles them) of the data plane's TCP links "
+        "while a job with a send thread runs (0: the kernel's own sizing; links whose rate x round trip is "
+        "larger want more)",
+        tuning=True,
+    )
     # Two hops wait on peers twice a call, not 2(N-1) times, for the same bytes: the sizes where that won
     # are in docs/defaults.md#two-hops.
     ring_two_hop_min: int = _var(

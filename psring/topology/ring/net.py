@@ -96,7 +96,11 @@ class PeerNet(PlaneLinks):
         self.plane_native_offer = 0  # the same, over TCP at any number of ranks, where this rank's jobs run in C
         if world_size > 1 and plane_possible(self.config):
             self.plane = DataPlane(
-                rank, world_size, native=self.config.native, send_thread=self.config.ring_send_thread
+                rank,
+                world_size,
+                native=self.config.native,
+                send_thread=self.config.ring_send_thread,
+                send_thread_buf=self.config.ring_send_thread_buf,
             )
             self.plane.recv_ready = asyncio.Event()
             if self.plane.native:

@@ -85,6 +85,15 @@ NATIVE_HOT = 64
 NATIVE_FINISH = 5.0
 
 
+def _sysctl_max(name: str, default: int = 4 << 20) -> int:
+    """net.core.{name}: the largest socket buffer a process may ask for."""
+    try:
+        with open(f"/proc/sys/net/core/{name}") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return default
+
+
 class _Reader:
     """Buffered frame reader on the receiving socket; survives abandoned jobs mid-frame."""
 
@@ -188,11 +197,16 @@ class _Reader:
 class DataPlane:
     """Two data links (to the right, from the left), a thread on each, and a FIFO of jobs."""
 
-    def __init__(self, rank: int, world_size: int, native: bool = True, send_thread: int = 0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, native: bool = True, send_thread: int = 0, send_thread_buf: int = 0
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         #: native jobs from this many bytes send from a thread of their own (0: never; see _engine)
         self.send_thread = send_thread
+        #: the kernel buffers of the links while a send thread runs (0: as the kernel sizes them; see _buffers)
+        self.send_thread_buf = send_thread_buf
+        self._buffer_size = 0  # what _buffers last set (0: nothing, or the largest)
         self.send_thread_runs = 0  # native runs (a job's one or more) that sent from a thread of their own
         #: whether a job over TCP may run in C on the receive thread alone (psring._native.NRing; jobs whose
         #: dtype and op its fold takes, neither link in shared memory -- there the two threads were faster,
@@ -401,8 +415,23 @@ class DataPlane:
         "Where the cores go, fourth look"); below it, one thread does both and yields a while first."""
         if 0 < self.send_thread <= nbytes:
             self.send_thread_runs += 1
+            self._buffers(self.send_thread_buf)
             return 0, True
+        self._buffers(0)
         return NATIVE_HOT, False
+
+    def _buffers(self, size: int) -> None:
+        """The links' kernel buffers (SO_SNDBUF to the right, SO_RCVBUF from the left) for the next job: ``size``
+        bytes for a job with a send thread -- a few pieces in flight, not the megabytes the kernel grows them
+        to, which two threads outran (docs/defaults.md#the-planes-send-thread) -- and back to the largest the
+        kernel allows for a job on one thread (0). Left alone where no job ever asks for a size."""
+        if size == self._buffer_size or self.send_sock is None or self.recv_sock is None:
+            return
+        send, recv = (size, size) if size else (_sysctl_max("wmem_max"), _sysctl_max("rmem_max"))
+        with contextlib.suppress(OSError):
+            self.send_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send)
+            self.recv_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, recv)
+        self._buffer_size = size
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
         """The native fold's letter for a job the native ring takes, else None."""
