@@ -414,11 +414,13 @@ done:
  * chunk c from its start, fewer at its end); it goes through sub-slot g % depth of every rank's slot
  * k % 2: each rank copies its pieces in (but its own chunk's), folds ring chunk `me`'s piece of every
  * rank's sub-slot -- its own from x -- in the canonical order into its own sub-slot (no other rank reads
- * it before it is folded), and copies every rank's folded piece out. A block's data is touched while it is in the caches, so a rank reads its input once
- * and writes its result once from memory, where a copy in, a fold and a copy out of the whole tensor
- * would each go to memory. Three counters at the start of the slot's payload (a cache line each) say
- * how far its owner is: blocks posted, folded and done (copied out); a rank reuses a sub-slot once every
- * peer is done with the block it held. The counters are zeroed before the post that begins the call
+ * it before it is folded), and copies every rank's folded piece out. A block's data is touched while it
+ * is in the caches, so a rank reads its input once and writes its result once from memory, where a copy
+ * in, a fold and a copy out of the whole tensor would each go to memory. Three counters at the start of
+ * the slot's payload (a cache line each) say how far its owner is: blocks posted, folded and done (copied
+ * out); a rank reuses a sub-slot once every peer is done with the block it held. Each rank takes
+ * whichever step its peers' counters allow (st_step), so it runs up to `depth` blocks ahead of a late
+ * peer rather than waiting at every block. The counters are zeroed before the post that begins the call
  * (Board.stream_post), so a reader that sees post k reads this call's. */
 #define ST_POSTED 0
 #define ST_FOLDED 64
@@ -433,6 +435,7 @@ typedef struct {
     const char *x;
     char *out;
     Py_ssize_t count, item, piece, depth;
+    int64_t blocks; /* the call's blocks: pieces of its longest chunk */
     int n, me, kind, op, hot, nt;
     int yield_us, nap_us; /* a wait yields the core for yield_us, then naps nap_us between polls (-1: never) */
     int crowded;          /* a yield took a time slice: the rest of the call naps (st_wait) */
@@ -443,21 +446,49 @@ typedef struct {
  * in its place -- more runnable threads than cores */
 #define ST_CROWDED_S 1e-3
 
-/* wait until every peer's counter `at` is v or past: hot polls, then the core yielded between polls for
+/* every peer's counter `at` (of slot k's streamed call) is v or past */
+static inline int st_all_at(NBoard *b, long long k, Py_ssize_t at, int64_t v) {
+    for (int i = 0; i < b->npeers; i++)
+        if (load(peer_slot(b, i, k) + b->head + at) < v)
+            return 0;
+    return 1;
+}
+
+enum { ST_NONE, ST_OUT, ST_FOLD, ST_POST, ST_END };
+
+/* the step this rank can take now (its own counters say where it stands, its peers' what it may do):
+ * copy its oldest folded block out, fold its oldest block every rank posted, post its next block into a
+ * sub-slot every rank is done with -- in that order -- or ST_NONE: it waits; ST_END: the call is done.
+ * So a rank runs ahead of a late peer by up to `depth` blocks where a rank in lockstep (post, fold, copy
+ * out a block, then the next) waits at every block: where the ranks take turns on the cores (a busy
+ * machine, more ranks than cores) each turn does up to `depth` blocks' work, not one. */
+static int st_step(NBoard *b, const Stream *st, long long k) {
+    int64_t posted = *st_own(b, k, ST_POSTED), folded = *st_own(b, k, ST_FOLDED), done = *st_own(b, k, ST_DONE);
+    if (done == st->blocks)
+        return ST_END;
+    if (done < folded && st_all_at(b, k, ST_FOLDED, done + 1))
+        return ST_OUT;
+    if (folded < posted && st_all_at(b, k, ST_POSTED, folded + 1))
+        return ST_FOLD;
+    if (posted < st->blocks && posted - done < st->depth &&
+        (posted < st->depth || st_all_at(b, k, ST_DONE, posted - st->depth + 1)))
+        return ST_POST;
+    return ST_NONE;
+}
+
+/* wait until this rank can take a step (st_step): hot polls, then the core yielded between polls for
  * yield_us (-1: for the whole wait), then a nap of nap_us between polls. A yield leaves the thread
  * runnable: where there are more runnable threads than cores (a busy machine: a data loader, another job)
  * each yield can cost a whole time slice, taken from the very peer it waits for, so once one yield took
- * longer than ST_CROWDED_S the call naps at every wait from then on (st->crowded). 1 it came, 0 not within
- * budget_s, -1 the call was cancelled (GIL released by the caller) */
-static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, Stream *st) {
+ * longer than ST_CROWDED_S the call naps at every wait from then on (st->crowded). The step; ST_NONE
+ * where none came within budget_s; -1 the call was cancelled (GIL released by the caller) */
+static int st_wait(NBoard *b, long long k, Stream *st) {
     double end = -1.0, nap_from = 0.0;
     int hot = st->crowded ? 0 : st->hot;
     for (int polls = 0;; polls++) {
-        int i = 0;
-        while (i < b->npeers && load(peer_slot(b, i, k) + b->head + at) >= v)
-            i++;
-        if (i == b->npeers)
-            return 1;
+        int step = st_step(b, st, k);
+        if (step != ST_NONE)
+            return step;
         if (__atomic_load_n(&b->cancel, __ATOMIC_RELAXED))
             return -1;
         if (polls < hot)
@@ -467,7 +498,7 @@ static int st_wait(NBoard *b, long long k, Py_ssize_t at, int64_t v, Stream *st)
             end = t + st->budget;
             nap_from = t + st->yield_us * 1e-6;
         } else if (t >= end)
-            return 0;
+            return ST_NONE;
         if (!st->crowded && (st->yield_us < 0 || t < nap_from)) {
             sched_yield();
             if (st->yield_us >= 0 && now_s() - t > ST_CROWDED_S)
@@ -509,25 +540,22 @@ static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_s
     return slot + b->head + ST_DATA + s * st->n * st->piece * st->item;
 }
 
-/* on from where this rank's counters say it is; 0 done, 1 a peer was not there within the budget, 2
- * cancelled. The caller holds no GIL. */
+/* on from where this rank's counters say it is, a step at a time (st_step); 0 done, 1 a peer was not
+ * there within the budget, 2 cancelled. The caller holds no GIL. */
 static int do_stream(NBoard *b, Stream *st, long long k) {
     int n = st->n, me = st->me;
-    Py_ssize_t item = st->item, piece = st->piece, longest = (st->count + n - 1) / n;
-    Py_ssize_t blocks = (longest + piece - 1) / piece;
+    Py_ssize_t item = st->item, piece = st->piece;
     int64_t *posted = st_own(b, k, ST_POSTED), *folded = st_own(b, k, ST_FOLDED), *done = st_own(b, k, ST_DONE);
-    int w;
-#define ST_WAIT(at, v)                                                                                             \
-    if ((w = st_wait(b, k, at, v, st)) != 1)                            \
-        return w == 0 ? 1 : 2;
-    for (int64_t g = *done; g < blocks; g++) {
-        Py_ssize_t s = g % st->depth;
-        if (*posted == g) {
-            if (g >= st->depth) {
-                ST_WAIT(ST_DONE, g - st->depth + 1) /* every peer is done with the block this sub-slot held */
-            }
-            char *mine = st_sub(b, st, k, me, s);
-            for (int c = 0; c < n; c++) { /* (its own chunk's piece the fold reads from x) */
+    for (;;) {
+        int step = st_step(b, st, k);
+        if (step == ST_NONE && (step = st_wait(b, k, st)) <= ST_NONE)
+            return step == ST_NONE ? 1 : 2;
+        if (step == ST_END)
+            break;
+        if (step == ST_POST) { /* block g's pieces in (but its own chunk's: the fold reads that from x) */
+            int64_t g = *posted;
+            char *mine = st_sub(b, st, k, me, g % st->depth);
+            for (int c = 0; c < n; c++) {
                 if (c == me)
                     continue;
                 Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
@@ -536,9 +564,9 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
                     memcpy(mine + c * piece * item, st->x + a * item, (size_t)((z - a < piece ? z - a : piece) * item));
             }
             __atomic_store_n(posted, g + 1, __ATOMIC_RELEASE);
-        }
-        ST_WAIT(ST_POSTED, g + 1)
-        if (*folded == g) {
+        } else if (step == ST_FOLD) { /* chunk me's piece of block g, every rank's, into its own sub-slot */
+            int64_t g = *folded;
+            Py_ssize_t s = g % st->depth;
             Py_ssize_t a = (Py_ssize_t)((long long)me * st->count / n) + g * piece;
             Py_ssize_t z = (Py_ssize_t)((long long)(me + 1) * st->count / n);
             if (a < z) {
@@ -549,18 +577,19 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
                           st->kind, st->op);
             }
             __atomic_store_n(folded, g + 1, __ATOMIC_RELEASE);
+        } else { /* ST_OUT: every rank's folded piece of block g out */
+            int64_t g = *done;
+            Py_ssize_t s = g % st->depth;
+            for (int c = 0; c < n; c++) {
+                Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
+                Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
+                if (a < z)
+                    copy_out(st->out + a * item, st_sub(b, st, k, c, s) + c * piece * item,
+                             (size_t)((z - a < piece ? z - a : piece) * item), st->nt);
+            }
+            __atomic_store_n(done, g + 1, __ATOMIC_RELEASE);
         }
-        ST_WAIT(ST_FOLDED, g + 1)
-        for (int c = 0; c < n; c++) {
-            Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
-            Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
-            if (a < z)
-                copy_out(st->out + a * item, st_sub(b, st, k, c, s) + c * piece * item,
-                         (size_t)((z - a < piece ? z - a : piece) * item), st->nt);
-        }
-        __atomic_store_n(done, g + 1, __ATOMIC_RELEASE);
     }
-#undef ST_WAIT
 #if defined(__x86_64__) || defined(__i386__)
     _mm_sfence(); /* the streaming stores are out before another thread reads the result */
 #endif
@@ -602,6 +631,7 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
     st.x = (const char *)x.buf;
     st.out = (char *)outb.buf;
     st.count = x.len / st.item;
+    st.blocks = ((st.count + st.n - 1) / st.n + st.piece - 1) / st.piece;
     int code;
     Py_BEGIN_ALLOW_THREADS
     code = do_stream(b, &st, k);
