@@ -410,7 +410,8 @@ class Group(CollectiveRuntime, abc.ABC):
         return []
 
     def link_stats(self) -> dict[str, list[int]]:
-        """Bytes [sent, received] per link of this rank ("rank 2", "shard 0", "shared memory")."""
+        """Bytes [sent, received] per link of this rank ("rank 2", "shard 0", "shared memory",
+        "data plane (TCP)")."""
         layer = self._layer()
         return layer.link_stats() if layer is not None and hasattr(layer, "link_stats") else {}
 

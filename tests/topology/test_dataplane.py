@@ -482,6 +482,12 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
                 assert p.slots_filled_here > 0  # partial sums folded straight into the next slot
             else:
                 assert shm == 0 and sent >= payload, (sent, shm)
+        # link_stats names the plane's link by what carries it
+        for g, p in zip(groups, planes, strict=True):
+            links = g.link_stats()
+            name = "shared memory" if mode == "auto" else "data plane (TCP)"
+            assert links[name] == [p.bytes_sent, p.bytes_received], (mode, links)
+            assert ("data plane (TCP)" if mode == "auto" else "shared memory") not in links
         for g in groups:
             await g.close()
     assert bits["auto"] == bits["off"]

@@ -469,8 +469,9 @@ class PeerNet(PlaneLinks):
                 pair = out.setdefault(f"rank {rank}", [0, 0])
                 pair[0] += link.bytes_sent
                 pair[1] += link.bytes_received
-        if self.plane is not None:
-            out["shared memory"] = [self.plane.bytes_sent, self.plane.bytes_received]
+        if self.plane is not None:  # its pieces through shared memory where it has a pool, else over its TCP pair
+            shm = self.plane.shm_out is not None or self.plane.shm_in is not None
+            out["shared memory" if shm else "data plane (TCP)"] = [self.plane.bytes_sent, self.plane.bytes_received]
         if self.mesh is not None:
             out["unix mesh"] = list(self.mesh.stats())
         if self.board is not None:
