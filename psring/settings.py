@@ -380,7 +380,7 @@ class Settings:
         "PSRING_RING_SEND_THREAD_BUF",
         256 << 10,
         parse_bytes,
-        "ring: the kernel buffers (SO_SNDBUF, SO_RCVBUF; the kernel doubles them) of the data plane's TCP links "
+        "ring: the send buffer (SO_SNDBUF; the kernel doubles it) of the data plane's TCP link to the right "
         "while a job with a send thread runs (0: the kernel's own sizing; links whose rate x round trip is "
         "larger want more)",
         tuning=True,
