@@ -45,6 +45,25 @@ def reset(transport: asyncio.Transport) -> None:
     transport.abort()
 
 
+def set_send_buffer(sock: socket.socket, nbytes: int) -> bool:
+    """SO_SNDBUF of ``sock`` (Linux doubles it; setting it turns off the kernel's own sizing); 0: the
+    largest the kernel allows (net.core.wmem_max). False where the socket is closed."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes or _wmem_max())
+    except (OSError, ValueError):  # a socket closed under us
+        return False
+    return True
+
+
+def _wmem_max(default: int = 4 << 20) -> int:
+    """net.core.wmem_max: the largest send buffer a process may ask for."""
+    try:
+        with open("/proc/sys/net/core/wmem_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return default
+
+
 def limit_send_buffer(conn: Any, nbytes: int) -> bool:
     """Bound the kernel's send buffer of this TCP connection to ``nbytes`` (SO_SNDBUF, which also
     turns off the kernel's sizing of it; Linux doubles it for its own bookkeeping): the bytes in
@@ -52,13 +71,7 @@ def limit_send_buffer(conn: Any, nbytes: int) -> bool:
     shares of it -- at the price of at most ``nbytes`` / the round trip each. False where this is
     no TCP socket (or not open)."""
     sock = tcp_socket(conn) if nbytes > 0 else None
-    if sock is None:
-        return False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-    except (OSError, ValueError):  # a socket closed under us
-        return False
-    return True
+    return sock is not None and set_send_buffer(sock, nbytes)
 
 
 def kernel_round_trip(conn: Any) -> float | None:

@@ -51,6 +51,7 @@ import numpy as np
 from ....core.arrays import byte_view
 from ....transport.shmboard import fold_kind
 from ....transport.shmpool import PeerPool, ShmPool
+from ....transport.tcpsocket import set_send_buffer
 from .job import (
     _FINAL,
     _REDUCE,
@@ -83,15 +84,6 @@ _RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, 
 NATIVE_HOT = 64
 #: seconds an abandoned native job waits to send the rest of a frame it began (then the link is shut)
 NATIVE_FINISH = 5.0
-
-
-def _sysctl_max(name: str, default: int = 4 << 20) -> int:
-    """net.core.{name}: the largest socket buffer a process may ask for."""
-    try:
-        with open(f"/proc/sys/net/core/{name}") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return default
 
 
 class _Reader:
@@ -204,7 +196,7 @@ class DataPlane:
         self.world_size = world_size
         #: native jobs from this many bytes send from a thread of their own (0: never; see _engine)
         self.send_thread = send_thread
-        #: the kernel buffers of the links while a send thread runs (0: as the kernel sizes them; see _buffers)
+        #: the send buffer of the link to the right while a send thread runs (0: as the kernel sizes it; _buffers)
         self.send_thread_buf = send_thread_buf
         self._buffer_size = 0  # what _buffers last set (0: nothing, or the largest)
         self.send_thread_runs = 0  # native runs (a job's one or more) that sent from a thread of their own
@@ -430,8 +422,7 @@ class DataPlane:
         230 ms, not 26, when both ends were bounded."""
         if size == self._buffer_size or self.send_sock is None:
             return
-        with contextlib.suppress(OSError):
-            self.send_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size or _sysctl_max("wmem_max"))
+        set_send_buffer(self.send_sock, size)
         self._buffer_size = size
 
     def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
