@@ -27,6 +27,11 @@ typedef struct {
     Py_ssize_t peer_slot[MAX_PEERS];
     int peers_held;
     int cancel; /* a streamed call (nb_stream) is abandoned: it returns at its next wait */
+    /* how a streamed call stores into the slots (st_stores_next): 1 streaming stores, 0 plain; and the
+     * last adaptive call's cheapest post of each kind, seconds a byte (0: none timed), for stream_stores */
+    int st_nt;
+    long long st_k;
+    double st_plain, st_stream;
 } NBoard;
 
 static inline char *slot_at(char *base, Py_ssize_t page, Py_ssize_t slot_bytes, long long k) {
@@ -434,9 +439,12 @@ static inline int64_t *st_own(NBoard *b, long long k, Py_ssize_t at) {
 typedef struct {
     const char *x;
     char *out;
+    char *folded; /* a block's fold before it goes to the slot with streaming stores (st->slot_nt) */
     Py_ssize_t count, item, piece, depth;
     int64_t blocks; /* the call's blocks: pieces of its longest chunk */
     int n, me, kind, op, hot, nt;
+    int slot_nt;    /* posts and folds go into the slots with streaming stores */
+    int probe;      /* adaptive: every ST_PROBE_EVERY-th post is timed with the other kind of stores */
     int yield_us, nap_us; /* a wait yields the core for yield_us, then naps nap_us between polls (-1: never) */
     int crowded;          /* a yield took a time slice: the rest of the call naps (st_wait) */
     double budget;
@@ -510,6 +518,16 @@ static int st_wait(NBoard *b, long long k, Stream *st) {
     }
 }
 
+/* the streaming stores before it are seen by every core before the stores after it (nt: there were some) */
+static inline void st_fence(int nt) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (nt)
+        _mm_sfence();
+#else
+    (void)nt;
+#endif
+}
+
 /* a copy of a result out of the caches: streaming stores where x86 has them (the result is not read
  * again soon, and a plain store first reads each line from memory) */
 static void copy_out(char *dst, const char *src, size_t len, int nt) {
@@ -534,6 +552,42 @@ static void copy_out(char *dst, const char *src, size_t len, int nt) {
 }
 
 
+/* Plain stores into a slot line a peer has read first take the line back from the peer's cache; where
+ * the cores' caches are far apart (a VM whose virtual cores the host spreads out: seen on the 2-core VMs
+ * with every core busy) that made a streamed call's posts and folds 4-5x slower while its copies out, which
+ * only read the slots, kept their speed. Streaming stores do not read the line first. But where the caches
+ * are near, the peer then reads the block from memory rather than from a cache: ~15% more time a call.
+ * So an adaptive call (stores -1) times each post, every ST_PROBE_EVERY-th with the other kind of stores,
+ * and the next call takes streaming stores once the cheapest plain post cost ST_TO_STREAM times the
+ * cheapest streaming one, plain again below ST_TO_PLAIN (st_stores_next). A rank's own choice: the
+ * same frames, counters and bits either way. */
+#define ST_PROBE_EVERY 16
+#define ST_TO_STREAM 1.5
+#define ST_TO_PLAIN 1.15
+
+/* a post of this call (block g) takes streaming stores */
+static inline int st_post_nt(const Stream *st, int64_t g) {
+    return st->slot_nt ^ (st->probe && g % ST_PROBE_EVERY == ST_PROBE_EVERY - 1);
+}
+
+/* an adaptive call's post of `bytes` took `secs`, with streaming stores or plain */
+static inline void st_timed(NBoard *b, int nt, double secs, Py_ssize_t bytes) {
+    double per = secs / (double)bytes;
+    double *best = nt ? &b->st_stream : &b->st_plain;
+    if (*best == 0.0 || per < *best)
+        *best = per;
+}
+
+/* the stores of the calls after an adaptive one that ended (see ST_PROBE_EVERY) */
+static void st_stores_next(NBoard *b) {
+    if (b->st_plain == 0.0 || b->st_stream == 0.0)
+        return;
+    if (b->st_plain > ST_TO_STREAM * b->st_stream)
+        b->st_nt = 1;
+    else if (b->st_plain < ST_TO_PLAIN * b->st_stream)
+        b->st_nt = 0;
+}
+
 /* a rank's sub-slot s (this rank's own: r == me) */
 static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_ssize_t s) {
     char *slot = r == st->me ? own_slot(b, k) : peer_slot(b, r < st->me ? r : r - 1, k);
@@ -555,14 +609,23 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
         if (step == ST_POST) { /* block g's pieces in (but its own chunk's: the fold reads that from x) */
             int64_t g = *posted;
             char *mine = st_sub(b, st, k, me, g % st->depth);
+            int nt = st_post_nt(st, g);
+            Py_ssize_t bytes = 0;
+            double t0 = st->probe ? now_s() : 0.0;
             for (int c = 0; c < n; c++) {
                 if (c == me)
                     continue;
                 Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
                 Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
-                if (a < z)
-                    memcpy(mine + c * piece * item, st->x + a * item, (size_t)((z - a < piece ? z - a : piece) * item));
+                if (a < z) {
+                    size_t len = (size_t)((z - a < piece ? z - a : piece) * item);
+                    copy_out(mine + c * piece * item, st->x + a * item, len, nt);
+                    bytes += (Py_ssize_t)len;
+                }
             }
+            st_fence(nt); /* the block is out before its count says so */
+            if (st->probe && bytes >= piece * item)
+                st_timed(b, nt, now_s() - t0, bytes);
             __atomic_store_n(posted, g + 1, __ATOMIC_RELEASE);
         } else if (step == ST_FOLD) { /* chunk me's piece of block g, every rank's, into its own sub-slot */
             int64_t g = *folded;
@@ -571,11 +634,15 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
             Py_ssize_t z = (Py_ssize_t)((long long)(me + 1) * st->count / n);
             if (a < z) {
                 const char *rows[MAX_PEERS + 1];
+                Py_ssize_t m = z - a < piece ? z - a : piece;
+                char *to = st_sub(b, st, k, me, s) + me * piece * item;
                 for (int r = 0; r < n; r++)
                     rows[r] = r == me ? st->x + a * item : st_sub(b, st, k, r, s) + me * piece * item;
-                fold_from(rows, n, me, st_sub(b, st, k, me, s) + me * piece * item, z - a < piece ? z - a : piece,
-                          st->kind, st->op);
+                fold_from(rows, n, me, st->slot_nt ? st->folded : to, m, st->kind, st->op);
+                if (st->slot_nt) /* folded in the caches, then to the slot without reading its lines */
+                    copy_out(to, st->folded, (size_t)(m * item), 1);
             }
+            st_fence(st->slot_nt);
             __atomic_store_n(folded, g + 1, __ATOMIC_RELEASE);
         } else { /* ST_OUT: every rank's folded piece of block g out */
             int64_t g = *done;
@@ -596,21 +663,24 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
     return 0;
 }
 
-/* stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us]) -> 0: done (out holds the fold); 1: a
- * peer was not there within budget_s at one of the waits (call again: it goes on where it stands); 2:
- * cancelled (cancel_stream). Post k must be this call's on every board (stream_post, then differs); x
- * and out contiguous, alike, of a (kind, op) the fold takes; piece: elements of a chunk per block; nt:
- * streaming stores for the result. The GIL is released throughout. */
+/* stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us, stores]) -> 0: done
+ * (out holds the fold); 1: a peer was not there within budget_s at one of the waits (call again: it goes on
+ * where it stands); 2: cancelled (cancel_stream). Post k must be this call's on every board (stream_post,
+ * then differs); x and out contiguous, alike, of a (kind, op) the fold takes; piece: elements of a chunk per
+ * block; nt: streaming stores for the result; stores: how posts and folds go into the slots (-1 adaptive:
+ * see ST_PROBE_EVERY; 0 plain; 1 streaming stores). The GIL is released throughout. */
 static PyObject *nb_stream(NBoard *b, PyObject *args) {
     long long k;
     Py_buffer x, outb;
     Stream st;
     const char *op;
+    int stores = -1;
     st.yield_us = -1;
     st.crowded = 0;
     st.nap_us = 50;
-    if (!PyArg_ParseTuple(args, "Liy*w*Csnnidi|ii", &k, &st.me, &x, &outb, &st.kind, &op, &st.piece, &st.depth,
-                          &st.hot, &st.budget, &st.nt, &st.yield_us, &st.nap_us))
+    st.folded = NULL;
+    if (!PyArg_ParseTuple(args, "Liy*w*Csnnidi|iii", &k, &st.me, &x, &outb, &st.kind, &op, &st.piece, &st.depth,
+                          &st.hot, &st.budget, &st.nt, &st.yield_us, &st.nap_us, &stores))
         return NULL;
     PyObject *result = NULL;
     st.op = op_code(op);
@@ -624,7 +694,8 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
         room = room && need <= b->peer_slot[i] - b->head;
     if (x.len != outb.len || st.op < 0 || st.item == 0 || (st.op == 1 && st.kind != 'f' && st.kind != 'd') ||
         x.len % st.item || (uintptr_t)x.buf % (uintptr_t)st.item || (uintptr_t)outb.buf % (uintptr_t)st.item ||
-        st.me < 0 || st.me >= st.n || st.piece < 1 || st.depth < 1 || st.nap_us < 0 || st.nap_us > 1000000 || !room) {
+        st.me < 0 || st.me >= st.n || st.piece < 1 || st.depth < 1 || st.nap_us < 0 || st.nap_us > 1000000 || !room ||
+        stores < -1 || stores > 1) {
         PyErr_SetString(PyExc_ValueError, "stream: a call the native fold does not take, or one the slots do not hold");
         goto done;
     }
@@ -632,15 +703,39 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
     st.out = (char *)outb.buf;
     st.count = x.len / st.item;
     st.blocks = ((st.count + st.n - 1) / st.n + st.piece - 1) / st.piece;
+#if defined(__x86_64__) || defined(__i386__)
+    st.slot_nt = stores < 0 ? b->st_nt : stores;
+    st.probe = stores < 0 && st.blocks >= 2 * ST_PROBE_EVERY; /* a few timed posts of each kind */
+#else
+    st.slot_nt = st.probe = 0; /* copy_out's stores are plain: nothing to choose */
+#endif
+    if (st.probe && b->st_k != k) { /* the call's first go (a call that waited too long goes on: k again) */
+        b->st_k = k;
+        b->st_plain = b->st_stream = 0.0;
+    }
+    if (st.slot_nt && (st.folded = PyMem_RawMalloc((size_t)(st.piece * st.item))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     int code;
     Py_BEGIN_ALLOW_THREADS
     code = do_stream(b, &st, k);
     Py_END_ALLOW_THREADS
+    if (code == 0 && st.probe)
+        st_stores_next(b);
     result = PyLong_FromLong(code);
 done:
+    PyMem_RawFree(st.folded);
     PyBuffer_Release(&x);
     PyBuffer_Release(&outb);
     return result;
+}
+
+/* stream_stores() -> (streaming, plain_s, streaming_s): whether the next adaptive streamed call stores into
+ * the slots with streaming stores, and the last adaptive call's cheapest post of each kind, seconds a byte
+ * (0.0: none was timed) */
+static PyObject *nb_stream_stores(NBoard *b, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("(Odd)", b->st_nt ? Py_True : Py_False, b->st_plain, b->st_stream);
 }
 
 /* cancel_stream(flag): 1: a streamed call running or to run returns 2 at its next wait; 0: no more */
@@ -665,8 +760,10 @@ static PyMethodDef nb_methods[] = {
     {"fold", (PyCFunction)nb_fold, METH_VARARGS, "fold(k, me, own, out, kind, op) -> folded (False: not here)"},
     {"exchange", (PyCFunction)nb_exchange, METH_VARARGS, "exchange(k, tag, x, out, kind, op, me, hot, budget_s)"},
     {"stream", (PyCFunction)nb_stream, METH_VARARGS,
-     "stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us]) -> 0 done, 1 wait, "
+     "stream(k, me, x, out, kind, op, piece, depth, hot, budget_s, nt[, yield_us, nap_us, stores]) -> 0 done, 1 wait, "
      "2 cancelled"},
+    {"stream_stores", (PyCFunction)nb_stream_stores, METH_NOARGS,
+     "stream_stores() -> (streaming, plain_s, streaming_s): the next adaptive call's stores; the last one's posts"},
     {"cancel_stream", (PyCFunction)nb_cancel_stream, METH_VARARGS, "cancel_stream(flag): see stream"},
     {"close", (PyCFunction)nb_close, METH_NOARGS, "release the buffers (the board's maps may close)"},
     {NULL, NULL, 0, NULL},

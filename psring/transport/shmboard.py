@@ -375,23 +375,33 @@ class Board:
 
     def stream(
         self, k: int, me: int, x: np.ndarray, out: np.ndarray, kind: str, op: str, piece: int, depth: int,
-        hot: int, budget: float, nt: bool, yield_us: int = -1, nap_us: int = 50,
+        hot: int, budget: float, nt: bool, yield_us: int = -1, nap_us: int = 50, stores: int = -1,
     ) -> int:
         """Run streamed call k (posted by every rank: :meth:`stream_post`, checked with :meth:`differs`)
         on from where this rank stands: 0 done, ``out`` holds the fold; 1 a peer was not there within
         ``budget`` seconds at some wait (call again); 2 cancelled (:meth:`cancel_stream`) or the board
         closed. ``piece``: elements of each ring chunk per block; x and out flat, contiguous, of a native
         fold's kind. ``yield_us``: a wait yields the core for that long, then naps ``nap_us`` between polls
-        (-1: it only yields)."""
+        (-1: it only yields). ``stores``: how the blocks go into the slots: -1 this rank chooses from how
+        its last calls' posts went (:meth:`stream_stores`), 0 plain stores, 1 streaming stores."""
         with self._streaming:
             nat = self._nat
             if nat is None:
                 return 2
-            code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt), yield_us, nap_us)
+            code = nat.stream(k, me, x, out, kind, op, piece, depth, hot, budget, int(nt), yield_us, nap_us, stores)
         if code == 0:
             self.bytes_posted += x.nbytes
             self.bytes_read += x.nbytes * len(self._peers) // (len(self._peers) + 1) * 2
         return code
+
+    def stream_stores(self) -> tuple[bool, float, float]:
+        """How this rank's next streamed call stores its blocks into the slots (True: streaming stores,
+        which do not first take each line back from a peer's cache), and the last call's cheapest post of
+        each kind, seconds a byte (0.0: not timed): board.c's ST_PROBE_EVERY says how it chooses."""
+        if self._nat is None:
+            return (False, 0.0, 0.0)
+        streaming, plain, stream = self._nat.stream_stores()
+        return (bool(streaming), float(plain), float(stream))
 
     def stream_thread(self) -> ThreadPoolExecutor:
         """The thread this board's streamed calls run on (one, its own: not an event loop's default executor,

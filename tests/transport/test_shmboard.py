@@ -641,10 +641,17 @@ def test_the_native_split_exchange_gives_the_canonical_folds_bits(n: int) -> Non
 
 
 def _streamed(
-    boards: list[Board], k: int, xs: list[np.ndarray], op: str, piece: int, depth: int, wait: tuple[int, int] = (-1, 50)
+    boards: list[Board],
+    k: int,
+    xs: list[np.ndarray],
+    op: str,
+    piece: int,
+    depth: int,
+    wait: tuple[int, int] = (-1, 50),
+    stores: int = -1,
 ) -> list[np.ndarray]:
     """Streamed call k on every board, each rank on a thread of its own; the results. ``wait``: (yield_us,
-    nap_us) of Board.stream."""
+    nap_us) of Board.stream; ``stores``: its stores."""
     n = len(boards)
     tag = f"stream-{k}".encode()
     for r, board in enumerate(boards):
@@ -658,7 +665,7 @@ def _streamed(
         assert boards[r].differs(k, tag, xs[r].nbytes) is None
         code = 1
         while code == 1:  # a rank the scheduler left behind: go on where it stands
-            code = boards[r].stream(k, r, xs[r], outs[r], kind, op, piece, depth, 0, 0.05, r % 2 == 0, *wait)
+            code = boards[r].stream(k, r, xs[r], outs[r], kind, op, piece, depth, 0, 0.05, r % 2 == 0, *wait, stores)
         codes[r] = code
 
     threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
@@ -695,6 +702,43 @@ def test_a_streamed_call_gives_the_canonical_folds_bits(n: int, wait: tuple[int,
                     outs = _streamed(boards, k, xs, op, piece, depth, wait)
                     for r in range(n):
                         assert outs[r].tobytes() == want.tobytes(), (dtype, op, size, piece, depth, r)
+                    k += 1
+    finally:
+        for board in boards:
+            board.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_streamed_call_stores_into_the_slots_plainly_or_streaming_with_the_same_bits(n: int) -> None:
+    """Posts and folds go into the slots with plain stores, with streaming stores (which do not first take
+    each line back from a peer's cache), or as each rank chooses (-1): the canonical bits every way, pieces
+    whose copies begin off a 16-byte line; an adaptive call of enough blocks times posts of both kinds and
+    the next call's stores follow board.c's rule (streaming once plain posts cost 1.5x)."""
+    _needs_native()
+    boards = _boards(n)
+    rng = np.random.default_rng(10 + n)
+    k = 0
+    try:
+        for dtype in (np.float32, np.float64, np.int64):
+            for op in ("sum", "avg") if np.dtype(dtype).kind == "f" else ("sum", "prod"):
+                xs = _inputs(rng, np.dtype(dtype), 20000 + n, n)
+                want = canonical_fold(xs, op, np.empty_like(xs[0]))
+                for stores in (0, 1, -1):
+                    fresh = _boards(n) if stores == -1 else boards
+                    try:
+                        outs = _streamed(fresh, k, xs, op, 125, 2, stores=stores)
+                        for r in range(n):
+                            assert outs[r].tobytes() == want.tobytes(), (dtype, op, stores, r)
+                        if stores == -1:  # 20000 / n / 125 blocks: a probe in each 16 -- both kinds timed
+                            for board in fresh:
+                                streaming, plain, stream = board.stream_stores()
+                                assert plain > 0.0 and stream > 0.0, (plain, stream)
+                                assert streaming == (plain > 1.5 * stream), (streaming, plain, stream)
+                    finally:
+                        if stores == -1:
+                            for board in fresh:
+                                board.close()
                     k += 1
     finally:
         for board in boards:
