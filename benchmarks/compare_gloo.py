@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", default="2,4", help="comma-separated world sizes (default 2,4)")
     parser.add_argument("--sizes", default="4,1M,16M,64M")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per size (small sizes: at least 200)")
+    parser.add_argument(
+        "--iters", type=int, default=5, help="timed calls per size (up to 64 KiB: at least 200; to 4 MiB: 50)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="alternating psring/gloo rounds; medians reported")
     parser.add_argument("--topology", default="ring", choices=["ring", "ps"])
     parser.add_argument("--servers", type=int, default=None, help="server shards for --topology ps")

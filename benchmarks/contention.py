@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="host,tcp", help="host (same-host paths allowed), tcp (TCP only), or both")
     p.add_argument("--workers", default="2,4")
     p.add_argument("--sizes", default="4,1M,64M")
-    p.add_argument("--iters", type=int, default=5, help="timed calls per size (small sizes: at least 200)")
+    p.add_argument(
+        "--iters", type=int, default=5, help="timed calls per size (up to 64 KiB: at least 200; to 4 MiB: 50)"
+    )
     p.add_argument("--rounds", type=int, default=2, help="alternating psring/gloo rounds; medians reported")
     p.add_argument("--mpich", action="store_true", help="MPICH too (mpi4py and MPICH's mpiexec)")
     p.add_argument("--ddp", action="store_true", help="a DDP step (gloo, psring's ring), torch on every core")

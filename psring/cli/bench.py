@@ -77,6 +77,7 @@ def run_allreduce(
             "backend": backend,
             "gloo_init": "file://" + os.path.join(tmp, "gloo-rendezvous"),
             "small_iters": max(iters, 200),
+            "mid_iters": max(iters, 50),
             "scale": scale,
         }
         env = settings_mod.child_env(settings_mod.process_env(), servers=servers, ps_colocate=colocate or None)
@@ -378,6 +379,6 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
         default="ring,ps,gloo",
         help="among ring, ps, gloo, mpich (gloo needs torch; mpich needs mpi4py and MPICH: the bench extra)",
     )
-    b.add_argument("--iters", type=int, default=20, help="timed 1 MiB all_reduces (4 B: at least 200)")
+    b.add_argument("--iters", type=int, default=20, help="timed 1 MiB all_reduces (at least 50; 4 B: 200)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cli_scale)
