@@ -528,9 +528,10 @@ static inline void st_fence(int nt) {
 #endif
 }
 
-/* a copy of a result out of the caches: streaming stores where x86 has them (the result is not read
- * again soon, and a plain store first reads each line from memory) */
-static void copy_out(char *dst, const char *src, size_t len, int nt) {
+/* a copy; nt: with streaming stores where x86 has them, which do not read each line of dst first (from
+ * memory, or from a peer's cache) and leave it out of the caches: for a result not read again soon, or a
+ * slot line a peer read (see ST_PROBE_EVERY) */
+static void copy_nt(char *dst, const char *src, size_t len, int nt) {
 #if defined(__x86_64__) || defined(__i386__)
     if (nt && len >= 256) {
         size_t head = (size_t)(-(uintptr_t)dst & 15);
@@ -588,6 +589,13 @@ static void st_stores_next(NBoard *b) {
         b->st_nt = 0;
 }
 
+/* ring chunk c's piece of block g: its first element (*a) and its elements (0: the chunk ended before) */
+static inline Py_ssize_t st_span(const Stream *st, int c, int64_t g, Py_ssize_t *a) {
+    *a = (Py_ssize_t)((long long)c * st->count / st->n) + g * st->piece;
+    Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / st->n);
+    return *a < z ? (z - *a < st->piece ? z - *a : st->piece) : 0;
+}
+
 /* a rank's sub-slot s (this rank's own: r == me) */
 static inline char *st_sub(NBoard *b, const Stream *st, long long k, int r, Py_ssize_t s) {
     char *slot = r == st->me ? own_slot(b, k) : peer_slot(b, r < st->me ? r : r - 1, k);
@@ -613,14 +621,10 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
             Py_ssize_t bytes = 0;
             double t0 = st->probe ? now_s() : 0.0;
             for (int c = 0; c < n; c++) {
-                if (c == me)
-                    continue;
-                Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
-                Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
-                if (a < z) {
-                    size_t len = (size_t)((z - a < piece ? z - a : piece) * item);
-                    copy_out(mine + c * piece * item, st->x + a * item, len, nt);
-                    bytes += (Py_ssize_t)len;
+                Py_ssize_t a, m = c == me ? 0 : st_span(st, c, g, &a);
+                if (m > 0) {
+                    copy_nt(mine + c * piece * item, st->x + a * item, (size_t)(m * item), nt);
+                    bytes += m * item;
                 }
             }
             st_fence(nt); /* the block is out before its count says so */
@@ -629,18 +633,15 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
             __atomic_store_n(posted, g + 1, __ATOMIC_RELEASE);
         } else if (step == ST_FOLD) { /* chunk me's piece of block g, every rank's, into its own sub-slot */
             int64_t g = *folded;
-            Py_ssize_t s = g % st->depth;
-            Py_ssize_t a = (Py_ssize_t)((long long)me * st->count / n) + g * piece;
-            Py_ssize_t z = (Py_ssize_t)((long long)(me + 1) * st->count / n);
-            if (a < z) {
+            Py_ssize_t s = g % st->depth, a, m = st_span(st, me, g, &a);
+            if (m > 0) {
                 const char *rows[MAX_PEERS + 1];
-                Py_ssize_t m = z - a < piece ? z - a : piece;
                 char *to = st_sub(b, st, k, me, s) + me * piece * item;
                 for (int r = 0; r < n; r++)
                     rows[r] = r == me ? st->x + a * item : st_sub(b, st, k, r, s) + me * piece * item;
                 fold_from(rows, n, me, st->slot_nt ? st->folded : to, m, st->kind, st->op);
                 if (st->slot_nt) /* folded in the caches, then to the slot without reading its lines */
-                    copy_out(to, st->folded, (size_t)(m * item), 1);
+                    copy_nt(to, st->folded, (size_t)(m * item), 1);
             }
             st_fence(st->slot_nt);
             __atomic_store_n(folded, g + 1, __ATOMIC_RELEASE);
@@ -648,18 +649,14 @@ static int do_stream(NBoard *b, Stream *st, long long k) {
             int64_t g = *done;
             Py_ssize_t s = g % st->depth;
             for (int c = 0; c < n; c++) {
-                Py_ssize_t a = (Py_ssize_t)((long long)c * st->count / n) + g * piece;
-                Py_ssize_t z = (Py_ssize_t)((long long)(c + 1) * st->count / n);
-                if (a < z)
-                    copy_out(st->out + a * item, st_sub(b, st, k, c, s) + c * piece * item,
-                             (size_t)((z - a < piece ? z - a : piece) * item), st->nt);
+                Py_ssize_t a, m = st_span(st, c, g, &a);
+                if (m > 0)
+                    copy_nt(st->out + a * item, st_sub(b, st, k, c, s) + c * piece * item, (size_t)(m * item), st->nt);
             }
             __atomic_store_n(done, g + 1, __ATOMIC_RELEASE);
         }
     }
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_sfence(); /* the streaming stores are out before another thread reads the result */
-#endif
+    st_fence(st->nt); /* the result's streaming stores are out before another thread reads it */
     return 0;
 }
 
@@ -707,7 +704,7 @@ static PyObject *nb_stream(NBoard *b, PyObject *args) {
     st.slot_nt = stores < 0 ? b->st_nt : stores;
     st.probe = stores < 0 && st.blocks >= 2 * ST_PROBE_EVERY; /* a few timed posts of each kind */
 #else
-    st.slot_nt = st.probe = 0; /* copy_out's stores are plain: nothing to choose */
+    st.slot_nt = st.probe = 0; /* copy_nt's stores are plain: nothing to choose */
 #endif
     if (st.probe && b->st_k != k) { /* the call's first go (a call that waited too long goes on: k again) */
         b->st_k = k;
