@@ -40,8 +40,13 @@ def env(**extra: str) -> dict[str, str]:
 
 
 def records(tmp: Path, name: str, cmd: list[str], **extra: str) -> list[dict[str, Any]]:
-    """Run ``cmd`` (it writes NAME.RANK.json per rank) and read both ranks' records."""
+    """Run ``cmd`` (it writes NAME.RANK.json per rank) and read both ranks' records. The gloo reference
+    runs once more where gloo's own teardown aborted a rank ("terminate called without an active
+    exception": its worker threads outliving the group, pytorch/pytorch#190489; one CI run in ~30 after
+    the example's wait_for_everyone): that run is the yardstick here, not what is under test."""
     res = run_tree(cmd, timeout=240, env=env(**extra), cwd=str(tmp))
+    if res.returncode != 0 and name == "gloo" and "terminate called without an active exception" in res.stderr:
+        res = run_tree(cmd, timeout=240, env=env(**extra), cwd=str(tmp))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     return [json.loads((tmp / f"{name}.{r}.json").read_text()) for r in range(2)]
 
