@@ -1,6 +1,6 @@
 /* psring._native: the same-host board's hot loop in C, the TCP small-message links' exchanges, and the
  * data plane's ring over TCP on one thread (optional; psring/transport/shmboard.py, transport/tcpmesh.py and
- * topology/ring/dataplane.py keep the pure-Python paths and use this only where it imports and
+ * topology/ring/plane/ keep the pure-Python paths and use this only where it imports and
  * PSRING_NATIVE is not off). This file is the module table; native.h says where each engine is. */
 #include "native.h"
 

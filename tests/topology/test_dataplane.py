@@ -365,7 +365,7 @@ async def test_over_tcp_the_receive_thread_sends_at_once_what_the_kernel_takes(
     world = 4
     groups = await make_groups(world, timeout=2.0)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
-    assert all(p.shm_out is None and not p.native for p in planes)
+    assert all(p.shm_out is None and p.native is None for p in planes)
     if sndbuf:
         for p in planes:
             p.send_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
@@ -408,12 +408,12 @@ async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_grou
     world = 4
     groups = await make_groups(world, timeout=2.0)
     planes = [g.net.plane for g in groups]  # type: ignore[attr-defined]
-    assert all(p.shm_out is None and p.native for p in planes)
+    assert all(p.shm_out is None and p.native is not None for p in planes)
     if native == "mixed":
-        planes[1].native = planes[3].native = False
+        planes[1].native = planes[3].native = None
     if native == "send-thread":
-        assert all(p.send_thread == 1 for p in planes)
-        planes[2].send_thread = 0  # one rank on one thread: the same frames
+        assert all(p.native.send_thread == 1 for p in planes)
+        planes[2].native.send_thread = 0  # one rank on one thread: the same frames
     rng = np.random.default_rng(7)
     for dtype in (np.float32, np.float64, np.int32, np.int64):
         xs = [(rng.standard_normal(BIG) * 100).astype(dtype) for _ in range(world)]
@@ -428,19 +428,21 @@ async def test_over_tcp_the_native_ring_gives_the_same_frames_and_bits(make_grou
         calls = 3 if np.dtype(dtype).kind == "i" else 4
         assert all(s >= calls * 2 * (world - 1) / world * xs[0].nbytes for s in sent), sent
         assert all(s < calls * 2 * (world - 1) / world * xs[0].nbytes + 8192 for s in sent), sent  # headers only
-    native_jobs = [p.native_jobs for p in planes]
-    assert all((n >= 9) == p.native and (n == 0) != p.native for n, p in zip(native_jobs, planes, strict=True))
-    runs = [p.send_thread_runs for p in planes]
-    assert all((n >= 9) == (p.native and 0 < p.send_thread <= BIG) for n, p in zip(runs, planes, strict=True)), runs
+    engines = [p.native for p in planes]
+    native_jobs = [0 if e is None else e.jobs for e in engines]
+    assert all((n >= 9) == (e is not None) == (n != 0) for n, e in zip(native_jobs, engines, strict=True))
+    runs = [0 if e is None else e.send_thread_runs for e in engines]
+    sends = [e is not None and 0 < e.send_thread <= BIG for e in engines]
+    assert all((n >= 9) == s for n, s in zip(runs, sends, strict=True)), runs
     assert native != "send-thread" or runs[2] == 0 < runs[0], runs
     if native == "send-thread":  # its send buffer: bounded while a send thread runs, then the largest; the
         p = planes[0]  # receive buffer never set (a shrink under a granted window drops data: a 200 ms stall)
         assert p.send_sock is not None and p.recv_sock is not None
         rcvbuf = p.recv_sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-        p._buffers(p.send_thread_buf)
-        assert p.send_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * p.send_thread_buf
-        p._buffers(0)
-        assert p.send_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > 4 * p.send_thread_buf
+        p.native.buffers(p.native.send_thread_buf)
+        assert p.send_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * p.native.send_thread_buf
+        p.native.buffers(0)
+        assert p.send_sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > 4 * p.native.send_thread_buf
         assert p.recv_sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) == rcvbuf
     inputs = {(g.rank, k): np.full(BIG + k, g.rank * 10.0 + k, np.float32) for g in groups for k in range(4)}
 

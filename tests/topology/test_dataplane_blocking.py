@@ -1,5 +1,5 @@
 """The data plane's all_reduce over TCP from the blocking API: run whole in C on the caller's thread
-(psring.topology.ring.plane.allreduce.PlaneAllReduce.soon, DataPlane.run_here), one rank a process as users run it."""
+(psring.topology.ring.plane.allreduce.PlaneAllReduce.soon, NativeJobs.run_here), one rank a process as users run it."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from ..transport.test_shmboard import _needs_native
 pytestmark = [pytest.mark.slow]
 
 
-
 BLOCKING_JOB = """
 import os, time, numpy as np, psring
 from psring.core.fold import canonical_fold
 g = psring.init()
 n, grp = g.world_size, g.group
 plane = grp.net.plane
-assert plane is not None and plane.shm_out is None and plane.native
+assert plane is not None and plane.shm_out is None and plane.native is not None
 for i in range(80):
     dtype = np.float64 if i % 3 == 1 else np.float32
     xs = [np.random.default_rng(1000 * i + r).standard_normal(200_000 + i).astype(dtype) for r in range(n)]
@@ -34,16 +33,17 @@ for i in range(80):
     if g.rank == 1 and i % 20 == 19:
         time.sleep(0.5)  # a late rank: the others' calls are handed to the plane's receive thread
 done = (grp.plane.ran_now, grp.plane.adopted)
-assert plane.native_jobs >= sum(done), (plane.native_jobs, done)
+assert plane.native.jobs >= sum(done), (plane.native.jobs, done)
 """ + blocking_job_end("grp.plane.ran_now, grp.plane.adopted").replace(
-    "np.ones(2, np.float32)", "np.ones(300_000, np.float32)"  # rank 1 gone: a plane call, on this thread, names it
+    "np.ones(2, np.float32)",
+    "np.ones(300_000, np.float32)",  # rank 1 gone: a plane call, on this thread, names it
 )
 
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 def test_blocking_plane_calls_over_tcp_run_in_c_on_the_callers_thread(tmp_path, world: int) -> None:
-    """The blocking API's plane all_reduces over TCP run whole on the caller's thread (DataPlane.run_here)
+    """The blocking API's plane all_reduces over TCP run whole on the caller's thread (NativeJobs.run_here)
     when nothing is in flight; a late peer hands the job, where it stands, to the plane's receive thread;
     a lost rank is named to the others. Bits against canonical_fold every call."""
     _needs_native()

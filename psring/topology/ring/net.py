@@ -103,7 +103,7 @@ class PeerNet(PlaneLinks):
                 send_thread_buf=self.config.ring_send_thread_buf,
             )
             self.plane.recv_ready = asyncio.Event()
-            if self.plane.native:
+            if self.plane.native is not None:
                 self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)
         #: same-host Unix links for small messages (psring.transport.unixmesh), when every rank can use them
         self.mesh: UnixMesh | None = None

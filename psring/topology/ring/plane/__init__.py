@@ -3,5 +3,6 @@
 ``allreduce`` (``PlaneAllReduce``: the algorithm the chooser picks, and ``PlaneLinks``, the data links
 a rank dials and accepts), ``dataplane`` (``DataPlane``: the receive thread, which also folds, and the
 schedule of jobs), ``rightlink`` (``RightLink``: the link to the right neighbour and the send thread),
-``job`` (what both threads share: the frame format, a ``Job``, the jobs' ``Turns``).
+``native`` (``NativeJobs``: the jobs that run in C, on the receive thread or a caller's), ``job`` (what
+both threads share: the frame format, a ``Job``, the jobs' ``Turns``).
 """

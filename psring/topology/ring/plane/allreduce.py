@@ -25,6 +25,7 @@ from ..chooser import Algorithm, Call
 from ..constants import PLANE_GRACE
 from ..paths import Path
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
+from .native import Here
 
 if TYPE_CHECKING:
     from ..group import RingGroup
@@ -76,8 +77,8 @@ class PlaneAllReduce(Algorithm):
 
     def soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """A plane all_reduce on the caller's thread (the blocking API), where the job would run in C
-        (DataPlane.native_kind) and nothing of the group or the plane is in flight: the caller sends and
-        receives every frame itself (DataPlane.run_here), with no hop to the event loop and the plane's
+        (NativeJobs.kind) and nothing of the group or the plane is in flight: the caller sends and
+        receives every frame itself (NativeJobs.run_here), with no hop to the event loop and the plane's
         threads and back. (True, the result); (False, a coroutine for the loop) when its peers were
         late or something is out of the ordinary: the plane's receive thread carries the job on from
         where it stands, a collective like any other; None: not this call."""
@@ -85,7 +86,7 @@ class PlaneAllReduce(Algorithm):
         if (
             plane is None
             or on_loop  # (the loop runs a plane job in C itself, within its spin: run_job)
-            or not plane.native
+            or plane.native is None
             or type(x) is not np.ndarray
             or self.gid != "0"
             or self.g.chooser.loop_path(x.nbytes) is not Path.PLANE
@@ -93,16 +94,17 @@ class PlaneAllReduce(Algorithm):
             or not plane.idle()
         ):
             return None
-        kind = plane.native_kind(x, op)
+        native = plane.native
+        kind = native.kind(x, op)
         if kind is None:
             return None
         x, seq, desc, started = self.g.caller.number(x, op)
         flat = x.reshape(-1)
         try:
-            here = plane.begin_here(
+            here = native.begin_here(
                 seq, msgpack.packb(desc), flat, result_empty(flat), self._parts(flat), kind, op, op == "avg"
             )
-            done = plane.run_here(here, PLANE_ADOPT_AFTER)
+            done = native.run_here(here, PLANE_ADOPT_AFTER)
         except BaseException as exc:
             self.g.caller.books(seq, desc, started, exc)
             raise
@@ -113,7 +115,7 @@ class PlaneAllReduce(Algorithm):
         self.adopted += 1
         return False, self._adopt(seq, x, op, started, here)
 
-    async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: tuple[Any, int, Any]) -> Any:
+    async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: Here) -> Any:
         plane = self.net.plane
         assert plane is not None
         coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
@@ -121,19 +123,26 @@ class PlaneAllReduce(Algorithm):
         return out.reshape(x.shape)
 
     async def run_job(
-        self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane, here: tuple[Any, int, Any] | None = None
+        self, coll: Collective, x: np.ndarray, op: str, plane: DataPlane, here: Here | None = None
     ) -> np.ndarray:
         """all_reduce on the threaded data plane (plane.dataplane). Queued before the first
         await, so concurrent calls reach the plane in call order, the same on every rank.
         ``here``: a job the caller's thread began (soon), carried on."""
         n_ranks, me = self.world_size, self.rank
         parts = self._parts(x)
-        if here is None and coll.input_wait is None and x.nbytes <= PLANE_ON_LOOP_MAX and plane.idle():
-            kind = plane.native_kind(x, op)
+        native = plane.native
+        if (
+            here is None
+            and native is not None
+            and coll.input_wait is None
+            and x.nbytes <= PLANE_ON_LOOP_MAX
+            and plane.idle()
+        ):
+            kind = native.kind(x, op)
             if kind is not None:  # the job in C on the loop's own thread while it moves (as soon)
                 call = msgpack.packb(coll.desc)
-                here = plane.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, op == "avg")
-                if plane.run_here(here, self.g.caller.spin_budget(x.nbytes)):
+                here = native.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, op == "avg")
+                if native.run_here(here, self.g.caller.spin_budget(x.nbytes)):
                     self.ran_now += 1
                     return here[2]
                 self.adopted += 1

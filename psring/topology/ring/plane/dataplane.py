@@ -38,20 +38,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 import numpy as np
 
 from ....core.arrays import byte_view
-from ....transport.shmboard import fold_kind
 from ....transport.shmpool import PeerPool, ShmPool
-from ....transport.tcpsocket import set_send_buffer
 from .job import (
     _FINAL,
     _REDUCE,
@@ -67,23 +63,12 @@ from .job import (
     PlaneMismatch,
     Turns,
     _Abandoned,
+    ring_steps,
 )
+from .native import Here, NativeJobs, available
 from .rightlink import RightLink
 
-try:  # the C extension's one-thread ring (psring/native/ring.c, a leaf: it imports nothing of psring)
-    from ...._native import NRing as _NRing
-except ImportError:  # not built here: the two threads
-    _NRing = None  # type: ignore[assignment,misc]
-
 logger = logging.getLogger(__name__)
-
-#: NRing.run's codes (psring/native/ring.c)
-_RING_DONE, _RING_WAIT, _RING_MISMATCH, _RING_AHEAD, _RING_BAD, _RING_RECV_ERR, _RING_SEND_ERR = range(7)
-#: a native job with nothing to do gives its core up this many times before it sleeps in poll: with more
-#: ranks than cores the neighbour it waits for runs sooner
-NATIVE_HOT = 64
-#: seconds an abandoned native job waits to send the rest of a frame it began (then the link is shut)
-NATIVE_FINISH = 5.0
 
 
 class _Reader:
@@ -194,22 +179,18 @@ class DataPlane:
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        #: native jobs from this many bytes send from a thread of their own (0: never; see _engine)
-        self.send_thread = send_thread
-        #: the send buffer of the link to the right while a send thread runs (0: as the kernel sizes it; _buffers)
-        self.send_thread_buf = send_thread_buf
-        self._buffer_size = 0  # what _buffers last set (0: nothing, or the largest)
-        self.send_thread_runs = 0  # native runs (a job's one or more) that sent from a thread of their own
-        #: whether a job over TCP may run in C on the receive thread alone (psring._native.NRing; jobs whose
-        #: dtype and op its fold takes, neither link in shared memory -- there the two threads were faster,
-        #: docs/defaults.md#the-planes-job-in-c -- no device staging)
-        self.native = native and _NRing is not None
-        self.native_jobs = 0
         self.stop = threading.Event()
         #: jobs' tickets: a job's frames go out after those of the job before it
         self.turns = Turns(self.stop)
         #: the link to the right (its socket, its shared-memory slots) and the send thread's work
         self.right = RightLink(self.turns, self.stop)
+        #: jobs over TCP that run in C, on one thread (psring._native.NRing: jobs whose dtype and op its fold
+        #: takes, neither link in shared memory, no device staging); None where not built or not wanted
+        self.native = (
+            NativeJobs(rank, world_size, self.turns, self.right, send_thread, send_thread_buf)
+            if native and available()
+            else None
+        )
         self.recv_sock: socket.socket | None = None
         self.recv_ready: asyncio.Event | None = None
         self._recv_q: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -264,10 +245,14 @@ class DataPlane:
         (either may be None: that link carries its payloads on the socket). Before ``start``."""
         self.right.use(out)
         self.shm_in = into
+        if self.native is not None:
+            self.native.shm_links = out is not None or into is not None
 
     def start(self) -> None:
         assert self.send_sock is not None and self.recv_sock is not None
         self._reader = _Reader(self.recv_sock, self.shm_in)
+        if self.native is not None:
+            self.native.reader = self._reader
         for target, name in ((self.right.run, "send"), (self._recv_loop, "recv")):
             t = threading.Thread(target=target, name=f"psring-rank{self.rank}-{name}", daemon=True)
             t.start()
@@ -285,7 +270,7 @@ class DataPlane:
         on_error: Callable[[BaseException], None],
         ready: Callable[[int, int], None] | None = None,
         op: str = "",
-        here: tuple[Any, int, np.ndarray] | None = None,
+        here: Here | None = None,
     ) -> Job:
         """Queue a pipelined ring reduce-scatter + all-gather of flat x; ``parts[c]`` are the
         pieces (element ranges) of ring chunk c. The job's ``out`` holds the result once
@@ -293,11 +278,11 @@ class DataPlane:
         plane's threads) before x[a:b] is read: x may still be arriving from a device.
         ``op`` (ufunc's name, "avg" for avg): where the native ring folds it (:attr:`native`), the
         receive thread sends and receives every frame of the job in C, with no hand-off to the send
-        thread -- the same frames, so a native rank and a threaded one share a ring. ``here``: (the
-        NRing, its ticket) of a job the caller's thread began (:meth:`run_here`): the receive thread
-        carries it on where it stands."""
+        thread -- the same frames, so a native rank and a threaded one share a ring. ``here``: a job
+        the caller's thread began (NativeJobs.run_here): the receive thread carries it on where it
+        stands."""
         n, me = self.world_size, self.rank
-        steps = self._steps(parts)
+        steps = ring_steps(parts, me, n)
         n_own = len(parts[me])
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
         avg_n = n if avg else 0
@@ -306,12 +291,14 @@ class DataPlane:
             job.native, job.ticket, job.out = here
         else:
             job.ticket = self.turns.take()
-            kind = self._native_kind(x, op, ready)
+            kind = self.native.kind(x, op) if self.native is not None and ready is None else None
             if kind is not None:  # the receive thread alone, in C: no frame goes through the send thread
-                job.native = self._ring(seq, call, x, job.out, steps, parts[me], kind, op, avg_n)
+                assert self.native is not None
+                job.native = self.native.ring(seq, call, x, job.out, parts, kind, op, avg)
         if job.native is not None:
+            assert self.native is not None
             job._pending = 1
-            self.native_jobs += 1
+            self.native.jobs += 1
             self._recv_q.put(job)
             return job
         job.queued = 1 + len(parts[me])  # (before any thread sees the job)
@@ -324,114 +311,10 @@ class DataPlane:
         self._recv_q.put(job)
         return job
 
-    def _steps(self, parts: list[list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
-        """The receive steps of a job, in order: (a, b, what) for every piece this rank receives."""
-        n, me = self.world_size, self.rank
-        steps: list[tuple[int, int, int]] = []
-        for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
-            c = (me - k) % n
-            steps.extend((a, b, _REDUCE if k < n - 1 else _FINAL) for a, b in parts[c])
-        for k in range(n - 1):  # all-gather: chunks me, me-1, ..., me+2 (not forwarded: it is done)
-            c = (me - k) % n
-            steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
-        return steps
-
-    def _ring(
-        self,
-        seq: int,
-        call: bytes,
-        x: np.ndarray,
-        out: np.ndarray,
-        steps: list[tuple[int, int, int]],
-        own: list[tuple[int, int]],
-        kind: str,
-        op: str,
-        avg_n: int,
-    ) -> Any:
-        """A native job (psring._native.NRing) over the plane's two sockets: ``steps`` as _steps makes
-        them, ``own`` this rank's own pieces."""
-        assert self.send_sock is not None and self.recv_sock is not None
-        return _NRing(self.send_sock.fileno(), self.recv_sock.fileno(), seq, call, x, out, steps, own, kind, op, avg_n)
-
     def idle(self) -> bool:
-        """Whether every job queued so far ended on both threads (the caller's thread may run one: run_here)."""
+        """Whether every job queued so far ended on both threads (a caller's thread may run one:
+        NativeJobs.run_here)."""
         return self.ready and self.turns.idle()
-
-    def native_kind(self, x: np.ndarray, op: str) -> str | None:
-        """The native fold's letter where a job of x and op would run in C (see all_reduce), else None."""
-        return self._native_kind(x, op, None)
-
-    def begin_here(
-        self,
-        seq: int,
-        call: bytes,
-        x: np.ndarray,
-        out: np.ndarray,
-        parts: list[list[tuple[int, int]]],
-        kind: str,
-        op: str,
-        avg: bool,
-    ) -> tuple[Any, int, np.ndarray]:
-        """On the caller's thread, the plane :meth:`idle`: a native job of its own, numbered among the
-        plane's jobs; run it with :meth:`run_here`. (The ring, its ticket, ``out``.)"""
-        avg_n = self.world_size if avg else 0
-        ring = self._ring(seq, call, x, out, self._steps(parts), parts[self.rank], kind, op, avg_n)
-        return ring, self.turns.take(), out
-
-    def run_here(self, here: tuple[Any, int, np.ndarray], wait: float) -> bool:
-        """Run a job :meth:`begin_here` began, on the caller's thread, until it is done (True) or nothing
-        moved for ``wait`` seconds or something is out of the ordinary (False: hand it to
-        :meth:`all_reduce`, whose receive thread carries it on from where it stands and names what
-        went wrong). The threads are idle meanwhile: the job's turn is theirs to wait for."""
-        ring, ticket, _out = here
-        assert self._reader is not None
-        try:
-            hot, helper = self._engine(here[2].nbytes)
-            code = ring.run(self._reader, hot, wait, helper)
-        except BaseException:
-            self.turns.over(ticket)  # (run raises only setting up or writing back: the job goes no further)
-            raise
-        if code != _RING_DONE:
-            return False
-        self.right.bytes_sent_here += ring.sent
-        self.native_jobs += 1
-        self.turns.over(ticket)
-        return True
-
-    def _engine(self, nbytes: int) -> tuple[int, bool]:
-        """How this rank runs a native job of ``nbytes``: (how often it yields the core before it sleeps,
-        whether its frames to the right go out from a thread of their own). The frames are the same
-        either way, so each rank decides alone. From :attr:`send_thread` bytes the calling thread
-        receives and folds while a second sends, each sleeping in the kernel at once when it has
-        nothing to do: on a busy machine that holds its share of the cores (docs/performance.md,
-        "Where the cores go, fourth look"); below it, one thread does both and yields a while first."""
-        if 0 < self.send_thread <= nbytes:
-            self.send_thread_runs += 1
-            self._buffers(self.send_thread_buf)
-            return 0, True
-        self._buffers(0)
-        return NATIVE_HOT, False
-
-    def _buffers(self, size: int) -> None:
-        """The send buffer (SO_SNDBUF) of the link to the right for the next job: ``size`` bytes for a job
-        with a send thread -- a few pieces in flight, not the megabytes the kernel grows it to, which two
-        threads outran (docs/defaults.md#the-planes-send-thread) -- and back to the largest the kernel allows
-        for a job on one thread (0). Left alone where no job ever asks for a size. The receive buffer is
-        never set: shrunk under a window its peer was already given, the kernel drops what no longer fits
-        and the sender waits out a retransmission timeout -- 16 MiB jobs between 8 MiB ones at 4 ranks took
-        230 ms, not 26, when both ends were bounded."""
-        if size == self._buffer_size or self.send_sock is None:
-            return
-        set_send_buffer(self.send_sock, size)
-        self._buffer_size = size
-
-    def _native_kind(self, x: np.ndarray, op: str, ready: Callable[[int, int], None] | None) -> str | None:
-        """The native fold's letter for a job the native ring takes, else None."""
-        if not self.native or ready is not None or self.shm_out is not None or self.shm_in is not None:
-            return None
-        if type(x) is not np.ndarray or not x.flags.c_contiguous or not x.flags.aligned:
-            return None
-        return fold_kind(x.dtype, op)
 
     # -------------------------------------------------------------- threads
     # Each job is handled in a method of its own, so that no local keeps its arrays (the
@@ -456,7 +339,8 @@ class DataPlane:
         try:
             try:
                 if job.native is not None:
-                    self._receive_native(job, reader)
+                    assert self.native is not None
+                    self.native.receive(job, reader, self.stop)
                 else:
                     self._receive(job, reader)
             finally:  # before the caller hears of it: its next call finds the plane idle (run_here)
@@ -544,55 +428,6 @@ class DataPlane:
                     np.divide(dest, dest.dtype.type(job.avg), out=dest)
             if what != _STORE:
                 self.right.forward(job, view)
-
-    def _receive_native(self, job: Job, reader: _Reader) -> None:
-        """One job's every frame, sent and received in C on this thread (psring._native.NRing), after the
-        frames of the jobs before it; its frames all out (or the link shut) before the next job's."""
-        ring = job.native
-        try:
-            if not self.turns.wait(job) or job.gone():
-                raise _Abandoned
-            hot, helper = self._engine(job.x.nbytes)
-            while True:
-                code = ring.run(reader, hot, POLL, helper)
-                if code == _RING_DONE:
-                    return
-                if code == _RING_WAIT:
-                    if job.gone():
-                        raise _Abandoned
-                elif code == _RING_AHEAD:  # the left neighbour abandoned it: wait for ours to be failed
-                    if job.cancelled.wait(POLL) or job.stop.is_set():
-                        raise _Abandoned
-                elif code == _RING_MISMATCH:
-                    try:
-                        theirs = msgpack.unpackb(ring.theirs, use_list=False)
-                    except Exception:  # a peer's bytes: only for the message
-                        theirs = None
-                    raise PlaneMismatch(theirs)
-                elif code == _RING_BAD:
-                    raise PlaneLinkError(ring.why, "recv")
-                elif code == _RING_RECV_ERR:
-                    raise PlaneLinkError(
-                        f"receiving from the left neighbour failed: {os.strerror(ring.err)}"
-                        if ring.err
-                        else "the left neighbour closed its data link",
-                        "recv",
-                    )
-                else:
-                    raise PlaneLinkError(
-                        f"sending to the right neighbour failed: {os.strerror(ring.err)}"
-                        if ring.err
-                        else "the right neighbour closed its data link",
-                        "send",
-                    )
-        finally:
-            if not self.closed and not ring.finish(NATIVE_FINISH) and self.send_sock is not None:
-                # a frame left half sent: no whole frame can follow it, so the right neighbour sees the end
-                with contextlib.suppress(OSError):
-                    self.send_sock.shutdown(socket.SHUT_WR)
-            self.right.bytes_sent_here += ring.sent
-            job.native = None  # (its buffers: the input and the result)
-            self.turns.done(job)
 
     @staticmethod
     def _next(job: Job, reader: _Reader) -> tuple[int, int, int]:

@@ -31,6 +31,20 @@ MAX_CALL = 4096  # bytes of a call descriptor
 _REDUCE, _FINAL, _STORE_FWD, _STORE = range(4)
 
 
+def ring_steps(parts: list[list[tuple[int, int]]], rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    """The receive steps of a job, in order: (a, b, what) for every piece rank receives; ``parts[c]`` are
+    the pieces (element ranges) of ring chunk c."""
+    n, me = world_size, rank
+    steps: list[tuple[int, int, int]] = []
+    for k in range(1, n):  # reduce-scatter: chunks me-1, me-2, ..., me+1 (final here)
+        c = (me - k) % n
+        steps.extend((a, b, _REDUCE if k < n - 1 else _FINAL) for a, b in parts[c])
+    for k in range(n - 1):  # all-gather: chunks me, me-1, ..., me+2 (not forwarded: it is done)
+        c = (me - k) % n
+        steps.extend((a, b, _STORE_FWD if k < n - 2 else _STORE) for a, b in parts[c])
+    return steps
+
+
 #: put in a job's queue when the receive thread sent its last frame itself: the send thread wakes and ends it
 _ALL_OUT: tuple[bytes, None, None] = (b"", None, None)
 
