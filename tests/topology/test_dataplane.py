@@ -497,7 +497,7 @@ async def test_same_host_links_carry_payloads_in_shared_memory(make_groups, monk
 
 
 async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
-    from psring.topology.ring.plane import allreduce as plane
+    from psring.topology.ring.plane import links as plane
     from psring.transport.shmpool import PeerPool
 
     real = PeerPool.open
@@ -529,7 +529,7 @@ async def test_a_rank_that_cannot_map_keeps_that_link_on_tcp(make_groups, monkey
 
 async def test_a_rank_that_cannot_make_a_segment_keeps_that_link_on_tcp(make_groups, monkeypatch) -> None:
     """/dev/shm full (a container's 64 MB default) or missing: that link carries its payloads on TCP."""
-    from psring.topology.ring.plane import allreduce as plane
+    from psring.topology.ring.plane import links as plane
     from psring.transport.shmpool import ShmPool
 
     calls = iter(range(100))

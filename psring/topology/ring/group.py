@@ -122,7 +122,7 @@ class RingGroup(Group):
             if world > 1:
                 await net.link((rank + 1) % world, settings.timeout)
             if net.plane is not None:
-                await net.open_plane(settings.timeout)
+                await net.plane_links.open(settings.timeout)
             if net.mesh is not None:
                 await net.open_mesh(settings.timeout)
             if net.tcp_mesh is not None:

@@ -28,8 +28,8 @@ from ..stall import StallInspector
 from . import agree
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
 from .paths import NEVER, RingPaths
-from .plane.allreduce import PlaneLinks
 from .plane.dataplane import DataPlane
+from .plane.links import PlaneLinks
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def mesh_possible(settings: Settings) -> bool:
     return same_host_paths(settings) and settings.checksum is None
 
 
-class PeerNet(PlaneLinks):
+class PeerNet:
     """This process's rank endpoint: one listening port, links to other ranks, one mailbox."""
 
     #: ranks open in this process (tests run several in one event loop)
@@ -105,6 +105,8 @@ class PeerNet(PlaneLinks):
             self.plane.recv_ready = asyncio.Event()
             if self.plane.native is not None:
                 self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)
+        #: the plane's two data links and their shared memory (set up in open, with the group)
+        self.plane_links = PlaneLinks(self)
         #: same-host Unix links for small messages (psring.transport.unixmesh), when every rank can use them
         self.mesh: UnixMesh | None = None
         self.mesh_peers: dict[int, dict[str, Any]] = {}
@@ -265,7 +267,7 @@ class PeerNet(PlaneLinks):
             self._accept_mesh_link(conn, peer_rank)
             return
         if conn.peer.get("data"):
-            self._accept_data_link(conn, peer_rank)
+            self.plane_links.accept(conn, peer_rank)
             return
         self._register(conn, peer_rank)
 

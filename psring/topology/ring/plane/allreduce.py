@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
 from typing import TYPE_CHECKING, Any
@@ -15,14 +13,8 @@ import numpy as np
 
 from ....core.arrays import result_empty
 from ....core.fold import pieces, reduce_op, ring_chunk_bounds
-from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
-from ....settings import Settings
-from ....transport.connection import Connection
-from ....transport.shmpool import PeerPool, ShmPool
-from ....transport.unixmesh import UnixMesh
 from ...collective import Collective
 from ..chooser import Algorithm, Call
-from ..constants import PLANE_GRACE
 from ..paths import Path
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .native import Here
@@ -177,123 +169,6 @@ class PlaneAllReduce(Algorithm):
         if isinstance(exc, PlaneMismatch):
             self.g._abort_everywhere(coll, self.g._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
         elif isinstance(exc, PlaneLinkError):
-            self.net.plane_broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
+            self.net.plane_links.broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
         else:
             coll.fail(exc)
-
-
-class PlaneLinks:
-    """Part of :class:`~psring.topology.ring.net.PeerNet`: the data plane's links and segments."""
-
-    # what this part uses of PeerNet (net.py)
-    rank: int
-    world_size: int
-    config: Settings
-    store: Any
-    prefix: str
-    plane: DataPlane | None
-    mesh: UnixMesh | None
-    addresses: dict[int, tuple[str, int]]
-    lost: dict[int, PeerLostError]
-    _closing: bool
-
-    if TYPE_CHECKING:
-
-        async def dial(self, rank: int, timeout: float, *, data: bool = False) -> Connection: ...
-
-        def _peer_lost(self, peer_rank: int, err: PeerLostError) -> None: ...
-
-    async def open_plane(self, timeout: float) -> None:
-        """Dial the data link to the right neighbour, wait for the left's, start the threads.
-        Between same-host ranks (the mesh was agreed) each link also gets the sender's shared-memory pool."""
-        plane = self.plane
-        assert plane is not None and plane.recv_ready is not None
-        right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
-        shm_out: ShmPool | None = None
-        if self.mesh is not None:
-            try:
-                shm_out = ShmPool(self.config.ring_shm_slots, self.config.ring_plane_piece)
-            except OSError as exc:
-                logger.info("rank %d: no shared memory for the data link to rank %d (%s)", self.rank, right, exc)
-            plane.shm_out = shm_out  # closed with the plane, whatever happens next
-            offer = shm_out.describe() if shm_out is not None else None
-            await self.store.set(f"{self.prefix}/shm/{self.rank}", msgpack.packb(offer))
-        conn = await self.dial(right, timeout, data=True)
-        plane.set_send(conn.detach())
-        try:
-            async with asyncio.timeout(timeout):
-                await plane.recv_ready.wait()
-        except TimeoutError:
-            raise CollectiveTimeoutError(
-                f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
-            ) from None
-        if self.mesh is not None:
-            shm_in = await self._map_left_segment(left, timeout)
-            mapped = shm_out is not None and await self._right_mapped(right, shm_out, timeout)
-            plane.use_shm(shm_out if mapped else None, shm_in)
-            if shm_out is not None and plane.shm_out is None:
-                shm_out.close()
-        plane.start()
-
-    async def _map_left_segment(self, left: int, timeout: float) -> PeerPool | None:
-        """Map the pool the left neighbour offered for its link to this rank, and say whether."""
-        key = f"{self.prefix}/shm/{left}"
-        await self._wait_key(key, left, timeout)
-        pool = offer = None
-        try:
-            offer = msgpack.unpackb(await self.store.get(key) or b"\xc0")
-            if offer is not None:
-                pool = PeerPool.open(offer)
-        except (OSError, ValueError, TypeError) as exc:
-            logger.info("rank %d: cannot map rank %d's shared memory (%s): its link stays on TCP", self.rank, left, exc)
-        token = offer["token"] if pool is not None and isinstance(offer, dict) else None
-        await self.store.set(f"{self.prefix}/shm-ok/{self.rank}", msgpack.packb(token))
-        return pool
-
-    async def _right_mapped(self, right: int, pool: ShmPool, timeout: float) -> bool:
-        """Whether the right neighbour mapped this very pool (its answer names the pool's token)."""
-        key = f"{self.prefix}/shm-ok/{right}"
-        await self._wait_key(key, right, timeout)
-        with contextlib.suppress(Exception):  # a peer's bytes, or a store gone: not mapped
-            return bool(msgpack.unpackb(await self.store.get(key) or b"\xc0") == pool.token)
-        return False
-
-    async def _wait_key(self, key: str, rank: int, timeout: float) -> None:
-        try:
-            await self.store.wait([key], timeout)
-        except StoreError:
-            raise CollectiveTimeoutError(
-                f"rank {rank} did not set up its data link within {timeout:g}s", missing=(rank,)
-            ) from None
-
-    def _accept_data_link(self, conn: Connection, peer_rank: int) -> None:
-        left = (self.rank - 1) % self.world_size
-        plane = self.plane
-        if plane is None or peer_rank != left:
-            raise ProtocolError(
-                f"rank {peer_rank} offered a data link to rank {self.rank}: only its left neighbour "
-                f"(rank {left}) may, and only when every rank runs the data plane"
-            )
-        if plane.recv_sock is not None:
-            raise ProtocolError(f"rank {self.rank} already has a data link from rank {left}")
-        plane.set_recv(conn.detach())
-
-    def plane_broken(self, peer_rank: int, exc: PlaneLinkError, coll: Collective) -> None:
-        """A data link failed mid-collective. The control plane usually reports the same loss with
-        its reason (a crash, a goodbye) at once; if it has not after PLANE_GRACE, report this."""
-
-        def check() -> None:
-            if self._closing or coll.done.done():
-                return
-            err = PeerLostError(
-                f"the data link {'to' if exc.side == 'send' else 'from'} rank {peer_rank} at "
-                f"{self.addresses.get(peer_rank)} broke: {exc}",
-                rank=peer_rank,
-            )
-            if peer_rank in self.lost:  # it left cleanly earlier; this collective needed it
-                coll.fail(err)
-            else:
-                self._peer_lost(peer_rank, err)
-
-        # a peer that said goodbye has no more to say: fail now; else give the control plane time
-        asyncio.get_running_loop().call_later(0 if peer_rank in self.lost else PLANE_GRACE, check)
