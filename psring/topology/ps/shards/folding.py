@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,34 +16,33 @@ from ....core.arrays import pooled_empty
 from ....core.compress import fold_fp16
 from ....core.fold import Layout, canonical_fold
 from ....errors import PeerLostError, ProtocolError, PsringError
-from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
 from .relay import release_held, send_once, shared_pool
 
+if TYPE_CHECKING:
+    from .shard import Shard
+
 logger = logging.getLogger(__name__)
 
 
 class Folding:
-    """Part of :class:`~psring.topology.ps.shards.shard.Shard`: what it does with the pieces of a collective."""
+    """A shard's work on the pieces of its collectives (held by :class:`~psring.topology.ps.shards.shard.Shard`):
+    folds them in the canonical order, forwards relayed ones, paces the workers that push them."""
 
-    # what this part uses of Shard (shard.py)
-    settings: Settings
-    index: int
-    shards: int
-    bytes_folded: int
-    buffered: dict[Connection, int]
-    _handing: set[asyncio.Task[None]]
-
-    if TYPE_CHECKING:
-
-        def layout_of(self, ranks: Sequence[int]) -> Layout | None: ...
-
-        def _finish(self, key: tuple[str, int], outcome: str) -> None: ...
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+        self.settings = shard.settings
+        self.index = shard.index
+        self.shards = shard.shards
+        #: a worker's pushed-but-unreduced bytes (its reading pauses past PSRING_SERVER_BUFFER)
+        self.buffered: dict[Connection, int] = {}
+        self.bytes_folded = 0
+        self._handing: set[asyncio.Task[None]] = set()  # in-place results waiting for their sockets to drain
 
     # ---------------------------------------------------------------- work
-    def _fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
+    def fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
         pa, pb = pending.pieces[j]
         parts = [box[r] for r in range(pending.size)]
         dtype = np.dtype(np.float16) if pending.codec else pending.dtype
@@ -69,12 +67,12 @@ class Folding:
             if pending.kind == "all_reduce" and pending.ordered:  # one "host" of them all: rank order
                 hosts = (tuple(range(pending.size)),)
             elif pending.kind == "all_reduce" and pending.gid == "0":
-                hosts = self.layout_of(range(pending.size))
+                hosts = self.shard.layout_of(range(pending.size))
             canonical_fold(parts, pending.op, out, pa, pending.n, hosts)
         del pending.inbox[j]
         release_held(pending.held.pop(j, ()))  # handed back with the result frames below
         for src, conn in pending.conns.items():
-            self._account(conn, -box[src].nbytes)
+            self.account(conn, -box[src].nbytes)
         self.bytes_folded += out.nbytes * pending.size
         others = [c for c in targets if c is not local]
         try:
@@ -84,7 +82,7 @@ class Folding:
                     with contextlib.suppress(PsringError):  # its loss is reported through detach
                         conn.shm.send_slot(header, pool, slot, out)
                 else:
-                    self._send(conn, header, out)
+                    self.send(conn, header, out)
         finally:
             if slot is not None:
                 assert pool is not None
@@ -92,7 +90,7 @@ class Folding:
         if local is not None:
             self._hand_over_in_place(local, header, out, others)
         pending.done_pieces += 1
-        self._maybe_finish(pending)
+        self.maybe_finish(pending)
 
     def _hand_over_in_place(
         self, local: LocalConnection, header: dict[str, Any], out: np.ndarray, sent: list[Connection]
@@ -101,20 +99,20 @@ class Folding:
         it to the others no longer read that memory (the worker may hand the result to its caller)."""
         unsent = [c for c in sent if c.transport is not None and c.transport.get_write_buffer_size()]
         if not unsent:
-            self._send(local, header, out)
+            self.send(local, header, out)
             return
 
         async def later() -> None:
             for conn in unsent:
                 with contextlib.suppress(PsringError):
                     await conn.flush()
-            self._send(local, header, out)
+            self.send(local, header, out)
 
         task = asyncio.get_running_loop().create_task(later())
         self._handing.add(task)
         task.add_done_callback(self._handing.discard)
 
-    def _forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
+    def forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
         out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}
         if pending.kind == "gather":
             targets = [pending.root] if src != pending.root else []
@@ -125,13 +123,13 @@ class Folding:
             out,
             data,
             stable="pool" not in header,
-            send=self._send,
+            send=self.send,
             shm_min=self.settings.ps_shm_min,
         )
         pending.done_pieces += 1
-        self._maybe_finish(pending)
+        self.maybe_finish(pending)
 
-    def _scatter_row(self, pending: _Pending, conn: Connection, header: dict[str, Any], payload: Any) -> None:
+    def scatter_row(self, pending: _Pending, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         row = header["tag"][3]
         src = header.get("src")
         if src != pending.root:
@@ -146,16 +144,16 @@ class Folding:
         if len(pending.conns) < pending.size:
             pending.waiting.append((row, -1, data, fwd))
             return
-        self._send_row(pending, row, data, fwd)
+        self.send_row(pending, row, data, fwd)
 
-    def _send_row(self, pending: _Pending, row: int, data: np.ndarray, fwd: dict[str, Any]) -> None:
+    def send_row(self, pending: _Pending, row: int, data: np.ndarray, fwd: dict[str, Any]) -> None:
         conn = pending.conns[row]
         with contextlib.suppress(PsringError):
             conn.send_tensor(dict(fwd), data)
         pending.done_pieces += 1
-        self._maybe_finish(pending)
+        self.maybe_finish(pending)
 
-    def _send(self, conn: Connection, header: dict[str, Any], data: np.ndarray) -> None:
+    def send(self, conn: Connection, header: dict[str, Any], data: np.ndarray) -> None:
         try:
             conn.send_tensor(dict(header), data)
         except PsringError:
@@ -168,7 +166,7 @@ class Folding:
                 )
             )
 
-    def _account(self, conn: Connection, nbytes: int) -> None:
+    def account(self, conn: Connection, nbytes: int) -> None:
         """Track a worker's pushed-but-unreduced bytes; pause reading from it past PSRING_SERVER_BUFFER."""
         total = self.buffered.get(conn, 0) + nbytes
         self.buffered[conn] = total
@@ -181,7 +179,7 @@ class Folding:
             with contextlib.suppress(RuntimeError):
                 transport.resume_reading()
 
-    def _maybe_finish(self, pending: _Pending) -> None:
+    def maybe_finish(self, pending: _Pending) -> None:
         if len(pending.conns) < pending.size:
             return
         if pending.done_pieces >= pending.expected_frames(self.index, self.shards):
@@ -190,7 +188,7 @@ class Folding:
                 for conn in pending.conns.values():
                     with contextlib.suppress(PsringError):
                         conn.send_frame(dict(header))
-            self._finish((pending.gid, pending.seq), "done")
+            self.shard._finish((pending.gid, pending.seq), "done")
 
 
 def _in_place(

@@ -61,7 +61,7 @@ MAX_SNDBUF = 256 << 20
 logger = logging.getLogger(__name__)
 
 
-class Shard(Folding):
+class Shard:
     """One parameter-server shard (several may share a process and its port)."""
 
     def __init__(self, index: int, shards: int, job: str, settings: Settings | None = None) -> None:
@@ -74,17 +74,16 @@ class Shard(Folding):
         self.lost_in: dict[tuple[str, int], int] = {}  # finished "lost": the worker whose loss ended it
         self.by_rank: dict[int, Connection] = {}  # global worker rank -> its connection to this shard
         self.conns: set[Connection] = set()
-        self.buffered: dict[Connection, int] = {}
         self.gone: dict[int, str] = {}  # ranks of the main group that left or were lost
         self.gone_at: dict[int, int | None] = {}  # ... and the first main-group seq they did not finish
         self.frames_in = 0
-        self.bytes_folded = 0
         self.params: Any = None  # ParamStore, created on first use
         self.tables: Any = None  # Tables (sparse rows), created on first use
         self.idle = asyncio.Event()
         self.idle.set()
         self._layouts: dict[tuple[int, ...], Layout | None] = {}
-        self._handing: set[asyncio.Task[None]] = set()  # in-place results waiting for their sockets to drain
+        #: what it does with the pieces of a collective: folds, forwards, paces the workers
+        self.folding = Folding(self)
 
     def __repr__(self) -> str:
         return f"Shard({self.index}/{self.shards}, job={self.job})"
@@ -138,7 +137,7 @@ class Shard(Folding):
 
     def detach(self, conn: Connection, error: PeerLostError | None) -> None:
         self.conns.discard(conn)
-        self.buffered.pop(conn, None)
+        self.folding.buffered.pop(conn, None)
         rank: Any = conn.peer.get("rank")
         attached = type(rank) is int and self.by_rank.get(rank) is conn
         member = attached and rank < conn.peer["world_size"]
@@ -334,12 +333,12 @@ class Shard(Folding):
             held, pending.waiting = pending.waiting, []
             for src_, j, data, hdr in held:
                 if pending.kind == "scatter":
-                    self._send_row(pending, src_, data, hdr)
+                    self.folding.send_row(pending, src_, data, hdr)
                 else:
-                    self._account(pending.conns[src_], -data.nbytes)
-                    self._forward(pending, src_, j, data, hdr)
+                    self.folding.account(pending.conns[src_], -data.nbytes)
+                    self.folding.forward(pending, src_, j, data, hdr)
                     release_held(pending.held.pop(("w", src_, j), ()))
-            self._maybe_finish(pending)
+            self.folding.maybe_finish(pending)
 
     def _on_data(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
         tag: Any = header["tag"]  # wire values, checked below
@@ -359,7 +358,7 @@ class Shard(Folding):
             return
         j = tag[3]
         if pending.kind == "scatter":
-            self._scatter_row(pending, conn, header, payload)
+            self.folding.scatter_row(pending, conn, header, payload)
             return
         if not 0 <= j < len(pending.pieces):
             raise ProtocolError(
@@ -383,9 +382,9 @@ class Shard(Folding):
             box[src] = data
             if "pool" in header:  # it stays in the worker's shared memory until folded
                 pending.held.setdefault(j, []).append((conn, conn.hold_slot()))
-            self._account(conn, data.nbytes)
+            self.folding.account(conn, data.nbytes)
             if len(box) == pending.size:
-                self._fold(pending, j, box)
+                self.folding.fold(pending, j, box)
         else:
             if pending.kind == "broadcast" and src != pending.root:
                 raise ProtocolError(f"rank {src} pushed data for a broadcast from rank {pending.root}")
@@ -393,9 +392,9 @@ class Shard(Folding):
                 pending.waiting.append((src, j, data, header))
                 if "pool" in header:  # it stays in the worker's shared memory until forwarded
                     pending.held.setdefault(("w", src, j), []).append((conn, conn.hold_slot()))
-                self._account(conn, data.nbytes)
+                self.folding.account(conn, data.nbytes)
                 return
-            self._forward(pending, src, j, data, header)
+            self.folding.forward(pending, src, j, data, header)
 
     def _finish(self, key: tuple[str, int], outcome: str, lost: int | None = None) -> None:
         pending = self.pending.pop(key, None)
@@ -406,7 +405,7 @@ class Shard(Folding):
             for conn in pending.conns.values():
                 unfolded = sum(b[r].nbytes for b in pending.inbox.values() for r in b if pending.conns.get(r) is conn)
                 if unfolded:
-                    self._account(conn, -unfolded)
+                    self.folding.account(conn, -unfolded)
         self.finished[key] = outcome
         if lost is not None:
             self.lost_in[key] = lost
@@ -484,7 +483,7 @@ class Shard(Folding):
             raise ProtocolError("relayed send carries no array")
         data = wire.decode_tensor(header, payload)
         fwd = {k: v for k, v in header.items() if k not in ("to", "nbytes", "dtype", "shape")}
-        self._send(target, fwd, data)
+        self.folding.send(target, fwd, data)
 
 
 #: pieces from this size are received into (and folded into) pooled buffers
