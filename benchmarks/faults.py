@@ -882,7 +882,8 @@ class Hosts:
     the submitter. A cut is two iptables rules in the victim's namespace (to and from the peer)."""
 
     def __init__(self, seed: int) -> None:
-        self.cluster = NetnsCluster(f"f{os.getpid() % 1000}{seed % 100}{time.monotonic_ns() % 1000}")
+        # "x": no other bed's tag (a uuid's hex) starts so, and the campaign's tests tell its namespaces by it
+        self.cluster = NetnsCluster(f"x{os.getpid() % 1000}{seed % 100}{time.monotonic_ns() % 1000}")
 
     @staticmethod
     def lacks() -> str | None:

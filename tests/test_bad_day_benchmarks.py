@@ -62,14 +62,14 @@ def test_the_fault_campaign_cuts_a_process_off_and_fills_a_disk(case: str) -> No
 
 
 def _left() -> set[str]:
-    """What a fault case makes and must undo: iptables rules and network namespaces of a partition,
-    a full disk's mount."""
+    """What a fault case makes and must undo: iptables rules and network namespaces of a partition
+    (benchmarks/faults.py's Hosts: "psr-x..."; other beds' tags are hex), a full disk's mount."""
     rules = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, timeout=30).stdout
     spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     mounts = Path("/proc/mounts").read_text()
     return (
         {line for line in rules.splitlines() if "psring-fault-" in line}
-        | {line.split()[0] for line in spaces.splitlines() if line.startswith("psr-f")}
+        | {line.split()[0] for line in spaces.splitlines() if line.startswith("psr-x")}
         | {line for line in mounts.splitlines() if "psring-faults-" in line}
     )
 

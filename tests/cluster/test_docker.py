@@ -13,12 +13,14 @@ process SIGKILLed restarts the job (--max-restarts). Where no engine answers, it
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,6 +33,18 @@ from ..rendezvous.test_start import free_port
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 WORKERS = 4
+
+
+@contextlib.contextmanager
+def _engine_lock() -> Iterator[None]:
+    """Held while images are built (the stand-in base images, the compose file's): a file lock every test
+    process on this machine takes."""
+    with open(os.path.join(tempfile.gettempdir(), "psring-test-docker-build.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _why_not() -> str | None:
@@ -67,7 +81,10 @@ class Compose:
             self.base += ["--profile", profile]
 
     def __call__(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        # one build at a time on this engine (the suite runs in two processes: test_docker_etcd.py builds the
+        # same images): the second finds the first's layers
+        with _engine_lock() if args[:1] == ("build",) else contextlib.nullcontext():
+            proc = subprocess.run([*self.base, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(
                 f"docker-compose {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}\n"
@@ -125,12 +142,13 @@ def engine_ready() -> None:
     why = _why_not()
     if why is not None:
         pytest.skip(why)
-    base = subprocess.run(
-        ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    with _engine_lock():  # built once: a second process finds the images
+        base = subprocess.run(
+            ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     if base.returncode != 0:
         pytest.skip(f"the stand-in base images cannot be built here: {base.stderr.strip()[-300:]}")
 

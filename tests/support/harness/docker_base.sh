@@ -4,6 +4,9 @@
 # CA bundle so that pip inside image builds reaches the package index. Cached: does nothing when
 # the image exists. Needs root, a Docker engine and debootstrap (shared/DOCKER.md).
 set -euo pipefail
+# one at a time on this machine (the test suite runs in two processes): the second finds the images built
+exec 9>"${TMPDIR:-/tmp}/psring-docker-base.lock"
+flock 9
 tag="${1:-python:3.11-slim}"
 slim="debian:bookworm-slim"  # the etcd profile's base (deploy/etcd.Dockerfile): the same root file system
 if docker image inspect "$tag" >/dev/null 2>&1; then
