@@ -37,8 +37,8 @@ WORKERS = 4
 
 @contextlib.contextmanager
 def _engine_lock() -> Iterator[None]:
-    """Held while images are built (the stand-in base images, the compose file's): a file lock every test
-    process on this machine takes."""
+    """Held while the compose file's images are built: a file lock every test process on this machine takes
+    (the stand-in base images: docker_base.sh takes one of its own)."""
     with open(os.path.join(tempfile.gettempdir(), "psring-test-docker-build.lock"), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -142,13 +142,12 @@ def engine_ready() -> None:
     why = _why_not()
     if why is not None:
         pytest.skip(why)
-    with _engine_lock():  # built once: a second process finds the images
-        base = subprocess.run(
-            ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+    base = subprocess.run(  # (one at a time on the machine: the script takes a lock)
+        ["bash", str(ROOT / "tests" / "support" / "harness" / "docker_base.sh")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if base.returncode != 0:
         pytest.skip(f"the stand-in base images cannot be built here: {base.stderr.strip()[-300:]}")
 

@@ -38,7 +38,6 @@ class Folding:
         self.shards = shard.shards
         #: a worker's pushed-but-unreduced bytes (its reading pauses past PSRING_SERVER_BUFFER)
         self.buffered: dict[Connection, int] = {}
-        self.bytes_folded = 0
         self._handing: set[asyncio.Task[None]] = set()  # in-place results waiting for their sockets to drain
 
     # ---------------------------------------------------------------- work
@@ -73,7 +72,6 @@ class Folding:
         release_held(pending.held.pop(j, ()))  # handed back with the result frames below
         for src, conn in pending.conns.items():
             self.account(conn, -box[src].nbytes)
-        self.bytes_folded += out.nbytes * pending.size
         others = [c for c in targets if c is not local]
         try:
             for conn in others:

@@ -287,18 +287,19 @@ class DataPlane:
         n_fwd = sum(1 for s in steps if s[2] != _STORE)
         avg_n = n if avg else 0
         job = Job(seq, call, x, steps, 1 + n_own + n_fwd, 1 + n_own, ufunc, avg_n, on_error, self.stop, ready)
+        native = self.native
         if here is not None:
             job.native, job.ticket, job.out = here
         else:
             job.ticket = self.turns.take()
-            kind = self.native.kind(x, op) if self.native is not None and ready is None else None
-            if kind is not None:  # the receive thread alone, in C: no frame goes through the send thread
-                assert self.native is not None
-                job.native = self.native.ring(seq, call, x, job.out, parts, kind, op, avg)
+            kind = native.kind(x, op) if native is not None and ready is None else None
+            if native is not None and kind is not None:
+                # the receive thread alone, in C: no frame goes through the send thread
+                job.native = native.ring(seq, call, x, job.out, steps, parts[me], kind, op, avg)
         if job.native is not None:
-            assert self.native is not None
+            assert native is not None  # (a job in C is one of its)
             job._pending = 1
-            self.native.jobs += 1
+            native.jobs += 1
             self._recv_q.put(job)
             return job
         job.queued = 1 + len(parts[me])  # (before any thread sees the job)

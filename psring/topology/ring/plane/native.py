@@ -91,20 +91,18 @@ class NativeJobs:
         call: bytes,
         x: np.ndarray,
         out: np.ndarray,
-        parts: list[list[tuple[int, int]]],
+        steps: list[tuple[int, int, int]],
+        own: list[tuple[int, int]],
         kind: str,
         op: str,
         avg: bool,
     ) -> Any:
-        """A job over the plane's two sockets: flat x's ring chunks in ``parts`` (as DataPlane.all_reduce
-        takes them), the result into ``out``."""
+        """A job over the plane's two sockets: ``steps`` as job.ring_steps makes them, ``own`` this rank's
+        own pieces, the result into ``out``."""
         assert self.right.sock is not None and self.reader is not None
-        steps = ring_steps(parts, self.rank, self.world_size)
         avg_n = self.world_size if avg else 0
-        return _NRing(
-            self.right.sock.fileno(), self.reader.sock.fileno(), seq, call, x, out, steps, parts[self.rank], kind, op,
-            avg_n,
-        )  # fmt: skip
+        send, recv = self.right.sock.fileno(), self.reader.sock.fileno()
+        return _NRing(send, recv, seq, call, x, out, steps, own, kind, op, avg_n)
 
     # ---------------------------------------------------------------- on a caller's thread
     def begin_here(
@@ -120,7 +118,8 @@ class NativeJobs:
     ) -> Here:
         """On the caller's thread, the plane idle: a job of its own, numbered among the plane's jobs;
         run it with :meth:`run_here`."""
-        return self.ring(seq, call, x, out, parts, kind, op, avg), self.turns.take(), out
+        steps = ring_steps(parts, self.rank, self.world_size)
+        return self.ring(seq, call, x, out, steps, parts[self.rank], kind, op, avg), self.turns.take(), out
 
     def run_here(self, here: Here, wait: float) -> bool:
         """Run a job :meth:`begin_here` began, on the caller's thread, until it is done (True) or nothing
