@@ -29,7 +29,6 @@ from ..core.fold import check_op
 from ..core.sparse import SparseRows
 from ..errors import (
     GroupClosedError,
-    MismatchError,
     PeerLostError,
     PsringError,
 )
@@ -38,7 +37,7 @@ from ..settings import Settings
 from ..transport.mailbox import Mailbox
 from .collective import Collective
 from .p2p import PointToPoint
-from .runtime import RECENT, CollectiveRuntime
+from .runtime import CollectiveRuntime
 from .sparsecall import sparse_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -57,10 +56,9 @@ def farewell(groups: dict[str, Group], stopped_at: dict[str, int]) -> dict[str, 
     return {"seqs": stopped_at}
 
 
-class Group(CollectiveRuntime, abc.ABC):
+class Group(CollectiveRuntime):
     """A set of ranks running collectives together; ``ring`` and ``ps`` implement it."""
 
-    topology: ClassVar[str] = ""
     registry: ClassVar[dict[str, type[Group]]] = {}
     #: the topology's own home for the parameters (the parameter server's shards: a ParameterClient) and
     #: for sparse tables (SparseTables); None where every rank keeps them (training.placement reads these)
@@ -77,28 +75,8 @@ class Group(CollectiveRuntime, abc.ABC):
     def __init__(
         self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, config: Settings
     ) -> None:
-        #: this process's PSRING_* settings (psring.settings), as the group was made with them
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-        self.timeout = timeout
-        self.gid = gid
-        self.mailbox = mailbox
-        self._seq = 0
-        self._active: dict[int, Collective] = {}
-        self._reserved: set[int] = set()  # numbers taken for collectives not begun yet
-        self._aborted: dict[int, PsringError] = {}
-        self._broken: PsringError | None = None
-        self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
-        self._departed_at: dict[int, int | None] = {}  # ... and the first seq they did not finish
-        self._closed = False
+        super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=mailbox, config=config)
         self._subgroups = 0
-        #: the flight recorder: the last RECENT calls that ended, at seq % RECENT (see runtime)
-        self._recent: list[tuple[int, tuple[Any, ...], bool, float] | None] = [None] * RECENT  # Recent's fields
-        self._late_error: MismatchError | None = None  # raised by the next collective (runtime._found_late)
-        self._after: int | None = None  # the next call's descriptor's last field (collective.after_of)
-        self._reserved_after: dict[int, int] = {}  # numbers a short way took, and the after each named
-        self._mismatched_at = -1  # the last call that failed here as a mismatch (runtime._found_late)
         self.p2p = PointToPoint(self)  # send, recv, recv_any
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
         self.bytes_sent = 0
@@ -377,10 +355,6 @@ class Group(CollectiveRuntime, abc.ABC):
 
     @abc.abstractmethod
     def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
-
-    @abc.abstractmethod
-    def _layer(self) -> Any:
-        """The connection layer under this group (ring: PeerNet; ps: ServerLinks)."""
 
     async def close(self) -> None:
         """Leave the group: pending calls fail here; peers learn which collectives this rank finished."""

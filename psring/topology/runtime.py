@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -48,38 +48,46 @@ class RecvWait:
         self.error: PsringError | None = None
 
 
-class CollectiveRuntime:
-    """Part of :class:`~psring.topology.group.Group`: sequence numbers, deadlines, aborts and losses.
+class CollectiveRuntime(abc.ABC):
+    """The base of :class:`~psring.topology.group.Group`: sequence numbers, deadlines, aborts and losses.
 
-    The topologies call ``_begin``/``_run``, report what their connection layer sees
-    (``on_abort``, ``on_peer_lost``, ``on_peer_departed``) and send aborts (``_send_abort``).
+    It keeps the state of this rank's calls in the group (set up here, read and written only here
+    and by the group's own collectives). The topologies call ``_begin``/``_run``, report what their
+    connection layer sees (``on_abort``, ``on_peer_lost``, ``on_peer_departed``) and fill in the two
+    hooks: ``_send_abort`` (tell every peer) and ``_layer`` (the connection layer: its stall inspector).
     """
 
-    # the state it keeps, set up by Group.__init__
-    topology: ClassVar[str]
-    config: Settings
-    rank: int
-    world_size: int
-    timeout: float
-    gid: str
-    mailbox: Mailbox
-    _seq: int
-    _active: dict[int, Collective]
-    _reserved: set[int]
-    _aborted: dict[int, PsringError]
-    _broken: PsringError | None
-    _departed: dict[int, PeerLostError]
-    _departed_at: dict[int, int | None]
-    _closed: bool
-    _recent: list[tuple[int, tuple[Any, ...], bool, float] | None]
-    _late_error: MismatchError | None
-    _after: int | None
-    _reserved_after: dict[int, int]
-    _mismatched_at: int
+    #: the topology's registered name (settings.TOPOLOGY_NAMES), as the flight recorder's records carry it
+    topology: ClassVar[str] = ""
 
-    if TYPE_CHECKING:
+    def __init__(
+        self, rank: int, world_size: int, *, timeout: float, gid: str, mailbox: Mailbox, config: Settings
+    ) -> None:
+        #: this process's PSRING_* settings (psring.settings), as the group was made with them
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.gid = gid
+        self.mailbox = mailbox
+        self._seq = 0
+        self._active: dict[int, Collective] = {}
+        self._reserved: set[int] = set()  # numbers taken for collectives not begun yet
+        self._aborted: dict[int, PsringError] = {}
+        self._broken: PsringError | None = None
+        self._departed: dict[int, PeerLostError] = {}  # ranks that closed cleanly
+        self._departed_at: dict[int, int | None] = {}  # ... and the first seq they did not finish
+        self._closed = False
+        #: the flight recorder: the last RECENT calls that ended, at seq % RECENT
+        self._recent: list[tuple[int, tuple[Any, ...], bool, float] | None] = [None] * RECENT  # Recent's fields
+        self._late_error: MismatchError | None = None  # raised by the next collective (_found_late)
+        self._after: int | None = None  # the next call's descriptor's last field (collective.after_of)
+        self._reserved_after: dict[int, int] = {}  # numbers a short way took, and the after each named
+        self._mismatched_at = -1  # the last call that failed here as a mismatch (_found_late)
 
-        def _layer(self) -> Any: ...
+    @abc.abstractmethod
+    def _layer(self) -> Any:
+        """The connection layer under this group (ring: PeerNet; ps: ServerLinks)."""
 
     # ------------------------------------------------------------------ state
     def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
