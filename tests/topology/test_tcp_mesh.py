@@ -36,12 +36,12 @@ async def test_small_collectives_between_hosts_take_the_tcp_links_and_give_the_c
 ) -> None:
     groups = await make_groups(3)
     nets = [g.net for g in groups]  # type: ignore[attr-defined]
-    assert all(n.mesh is None and n.board is None and n.tcp_mesh is not None for n in nets)
-    assert all(sorted(n.tcp_mesh.links) == sorted(set(range(3)) - {n.rank}) for n in nets)
+    assert all(n.small.unix is None and n.board is None and n.small.tcp is not None for n in nets)
+    assert all(sorted(n.small.tcp.links) == sorted(set(range(3)) - {n.rank}) for n in nets)
     assert all(g.net.paths.one_hop(3).value == "direct" for g in groups)  # type: ignore[attr-defined]
     await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # warm-up
     conns = [_conn_bytes(n) for n in nets]
-    meshed = [n.tcp_mesh.stats()[0] for n in nets]
+    meshed = [n.small.tcp.stats()[0] for n in nets]
     rng = np.random.default_rng(5)
     for size, dtype, op in [
         (1, np.float32, "sum"),
@@ -58,7 +58,7 @@ async def test_small_collectives_between_hosts_take_the_tcp_links_and_give_the_c
     ys = await asyncio.gather(*(g.broadcast(np.full(3, g.rank + 7.0), src=2) for g in groups))
     assert all(np.array_equal(y, np.full(3, 9.0)) for y in ys)
     assert [_conn_bytes(n) for n in nets] == conns  # not one byte on the connections
-    assert all(n.tcp_mesh.stats()[0] > m for n, m in zip(nets, meshed, strict=True))
+    assert all(n.small.tcp.stats()[0] > m for n, m in zip(nets, meshed, strict=True))
     # a large all_reduce still takes the ring's own links, and the small ones after it the TCP links
     xs = [rng.standard_normal(300_000).astype(np.float32) for _ in groups]
     ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
@@ -112,7 +112,7 @@ async def test_psring_ring_tcp_mesh_0_keeps_small_messages_on_the_connections(
 ) -> None:
     monkeypatch.setenv("PSRING_RING_TCP_MESH", "0")
     groups = await make_groups(2)
-    assert all(g.net.tcp_mesh is None for g in groups)  # type: ignore[attr-defined]
+    assert all(g.net.small.tcp is None for g in groups)  # type: ignore[attr-defined]
     ys = await asyncio.gather(*(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups))
     assert all(np.array_equal(y, np.full(3, 3.0)) for y in ys)
 
@@ -143,7 +143,7 @@ async def test_a_slow_small_message_link_dial_leaves_no_heartbeat_on_the_links_a
         xs = [np.full(1 + i, g.rank + i, np.float32) for g in groups]
         ys = await asyncio.gather(*(g.all_reduce(x) for g, x in zip(groups, xs, strict=True)))
         assert all(y.tobytes() == canonical_fold(xs, "sum", np.empty_like(xs[0])).tobytes() for y in ys), i
-    assert all(not link.closed for g in groups for link in g.net.tcp_mesh.links.values())  # type: ignore[attr-defined]
+    assert all(not link.closed for g in groups for link in g.net.small.tcp.links.values())  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------------ the blocking API, one rank a process
@@ -154,7 +154,7 @@ if os.environ.get("MIXED") == "1" and int(os.environ["RANK"]) % 2:
     os.environ["PSRING_NATIVE"] = "off"  # every other rank without the C loop: the same messages, the same bits
 g = psring.init()
 n, grp = g.world_size, g.group
-assert grp.net.tcp_mesh is not None and grp.net.mesh is None
+assert grp.net.small.tcp is not None and grp.net.small.unix is None
 for i in range(400):
     dtype = np.float64 if i % 4 == 2 else np.float32
     xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 37).astype(dtype) for r in range(n)]
@@ -176,7 +176,7 @@ for i in range(400):
     assert y.tobytes() == ref.tobytes(), i
     if g.rank == 1 and i % 100 == 99:
         import time; time.sleep(0.5)  # a late rank: the others' calls are handed to the loop
-native = grp.net.tcp_mesh.native
+native = grp.net.small.tcp.native
 assert native == (os.environ.get("PSRING_NATIVE") != "off"), native
 # the sums and averages in one C call each (psring._native.tcp_exchange) where the rank is native
 assert (grp.tcp.ran_native >= 100) if native else (grp.tcp.ran_native == 0), grp.tcp.ran_native

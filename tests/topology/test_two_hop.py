@@ -282,7 +282,7 @@ def test_fold_chunk_gives_the_canonical_bits_of_its_chunk(dtype: Any, op: str, n
 @pytest.mark.timeout(120)
 async def test_two_hop_all_reduce_on_the_loop_gives_the_canonical_bits(make_groups, tcp_only) -> None:
     groups = await make_groups(4)
-    assert all(g.net.paths.two_hop_max > 0 and g.net.tcp_mesh is not None for g in groups)  # type: ignore[attr-defined]
+    assert all(g.net.paths.two_hop_max > 0 and g.net.small.tcp is not None for g in groups)  # type: ignore[attr-defined]
     planes = [g.net.plane.bytes_sent if g.net.plane else 0 for g in groups]  # type: ignore[attr-defined]
     rng = np.random.default_rng(7)
     for size, dtype, op in [
@@ -389,7 +389,7 @@ if os.environ.get("MIXED") == "1" and int(os.environ["RANK"]) % 2:
     os.environ["PSRING_NATIVE"] = "off"  # every other rank without the C exchange: the same messages, the same bits
 g = psring.init()
 n, grp = g.world_size, g.group
-assert grp.net.tcp_mesh is not None and grp.net.mesh is None and grp.net.paths.two_hop_max > 0
+assert grp.net.small.tcp is not None and grp.net.small.unix is None and grp.net.paths.two_hop_max > 0
 sizes = (70_000, 262_144, 300_001)
 for i in range(150):
     size = sizes[i % 3]
@@ -413,7 +413,7 @@ for i in range(150):
     assert y.tobytes() == ref.tobytes(), i
     if g.rank == 1 and i % 50 == 40:
         import time; time.sleep(0.5)  # a late rank: the others' calls are handed to the loop
-native = grp.net.tcp_mesh.native
+native = grp.net.small.tcp.native
 assert native == (os.environ.get("PSRING_NATIVE") != "off"), native
 assert (grp.two_hop.ran_now >= 50) if native else (grp.two_hop.ran_now == 0), grp.two_hop.ran_now
 """ + blocking_job_end("grp.two_hop.ran_now, grp.two_hop.adopted")

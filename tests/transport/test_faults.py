@@ -341,7 +341,7 @@ async def test_a_connection_to_a_server_names_its_shards_as_the_handshake_decode
 def _frames_sent(g: psring.Group) -> int:
     """Frames on TCP links plus messages on same-host Unix links."""
     net = g.net  # type: ignore[attr-defined]
-    unix = sum(link.frames_sent for link in net.mesh.links.values()) if net.mesh is not None else 0
+    unix = sum(link.frames_sent for link in net.small.unix.links.values()) if net.small.unix is not None else 0
     return sum(c.frames_sent for c in net._all_conns()) + unix
 
 
@@ -361,7 +361,7 @@ async def test_small_ring_all_reduce_goes_through_a_rotating_root(
     # the connections' frames, not the TCP small-message links, which send to every rank (test_tcp_mesh.py)
     monkeypatch.setenv("PSRING_RING_TCP_MESH", "0")
     groups = await make_groups(world)
-    assert all((g.net.mesh is not None) == (same_host == "auto") for g in groups)  # type: ignore[attr-defined]
+    assert all((g.net.small.unix is not None) == (same_host == "auto") for g in groups)  # type: ignore[attr-defined]
     rng = np.random.default_rng(world)
     for _ in range(world):  # every link is up (its handshake frames are not the collective's)
         await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))

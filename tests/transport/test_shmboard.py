@@ -242,7 +242,7 @@ async def test_small_all_reduces_cross_no_socket_and_give_the_canonical_bits(mak
     monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat bytes meanwhile
     groups = await make_groups(3)
     nets = [g.net for g in groups]  # type: ignore[attr-defined]
-    assert all(n.board is not None and n.mesh is not None for n in nets)
+    assert all(n.board is not None and n.small.unix is not None for n in nets)
     await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # warm-up
     sockets = [n.stats()["bytes_sent"] - n.board.bytes_posted for n in nets]
     rng = np.random.default_rng(7)

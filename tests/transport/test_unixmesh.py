@@ -38,14 +38,14 @@ def _tcp_sent(g: psring.Group) -> int:
 
 
 def _unix_sent(g: psring.Group) -> int:
-    return g.net.mesh.stats()[0]  # type: ignore[attr-defined]
+    return g.net.small.unix.stats()[0]  # type: ignore[attr-defined]
 
 
 async def test_small_collectives_take_the_unix_links(make_groups, monkeypatch) -> None:
     monkeypatch.setenv("PSRING_HEARTBEAT_INTERVAL", "60")  # no heartbeat bytes on TCP meanwhile
     groups = await make_groups(3)
     for g in groups:
-        mesh = g.net.mesh  # type: ignore[attr-defined]
+        mesh = g.net.small.unix  # type: ignore[attr-defined]
         assert mesh is not None and sorted(mesh.links) == [r for r in range(3) if r != g.rank]
         assert mesh.listener is None  # closed once every link was up: nobody else may join
     await asyncio.gather(*(g.all_reduce(np.ones(1)) for g in groups))  # warm-up
@@ -94,7 +94,7 @@ async def test_unix_links_and_tcp_give_the_same_bits(make_groups, monkeypatch, w
         monkeypatch.setenv("PSRING_SAME_HOST", mode)
         monkeypatch.setenv("PSRING_RING_BOARD", board)
         groups = await make_groups(world)
-        assert all((g.net.mesh is not None) == (mode == "auto") for g in groups)  # type: ignore[attr-defined]
+        assert all((g.net.small.unix is not None) == (mode == "auto") for g in groups)  # type: ignore[attr-defined]
         boards = (mode, board) == ("auto", "16M")
         assert all((g.net.board is not None) == boards for g in groups)  # type: ignore[attr-defined]
         results[mode, board] = await _battery(groups, world)
@@ -139,14 +139,14 @@ async def test_many_concurrent_calls_overflow_the_kernel_buffer_and_all_arrive(m
     for i in range(calls):
         ref = canonical_fold([xs[0][i], xs[1][i]], "sum", np.empty(16384, np.float32))
         assert ys[0][i].tobytes() == ref.tobytes() == ys[1][i].tobytes()
-    links = [g.net.mesh.links for g in groups]  # type: ignore[attr-defined]
+    links = [g.net.small.unix.links for g in groups]  # type: ignore[attr-defined]
     assert sum(link.deferred for ls in links for link in ls.values()) > 0  # the queue was used
     assert all(link.frames_sent >= calls and not link.pending for ls in links for link in ls.values())
 
 
 async def test_a_bad_message_breaks_the_link_and_names_the_rank(make_groups) -> None:
     groups = await make_groups(2)
-    groups[1].net.mesh.links[0].sock.send(b"\x40\x00not msgpack at all")  # type: ignore[attr-defined]
+    groups[1].net.small.unix.links[0].sock.send(b"\x40\x00not msgpack at all")  # type: ignore[attr-defined]
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -168,7 +168,7 @@ async def test_one_rank_without_unix_links_keeps_every_rank_on_tcp(make_groups, 
 
     monkeypatch.setattr(UnixMesh, "bind", bind)
     groups = await make_groups(3)
-    assert all(g.net.mesh is None for g in groups)  # type: ignore[attr-defined]
+    assert all(g.net.small.unix is None for g in groups)  # type: ignore[attr-defined]
     ys = await asyncio.gather(*(g.all_reduce(np.full(5, g.rank + 1.0)) for g in groups))
     assert all(np.array_equal(y, np.full(5, 6.0)) for y in ys)
 
@@ -239,7 +239,7 @@ from psring.core.fold import canonical_fold
 from psring.topology.ring.net import PeerNet
 g = psring.init()
 n, net = g.world_size, g._group.net
-assert PeerNet.live == 1 and net.mesh is not None, (PeerNet.live, net.mesh)
+assert PeerNet.live == 1 and net.small.unix is not None, (PeerNet.live, net.small.unix)
 for i in range(300):
     xs = [np.random.default_rng(1000 * i + r).standard_normal(1 + i % 50).astype(np.float32) for r in range(n)]
     if i % 4 == 3:  # two collectives, the second's number taken before the first runs
@@ -250,7 +250,7 @@ for i in range(300):
     ref = canonical_fold(xs, "max" if i % 3 == 0 else "sum", np.empty_like(xs[0]))
     assert y.tobytes() == ref.tobytes(), i
 g.barrier()
-print("ok", net.mesh.stats()[0] > 0, flush=True)
+print("ok", net.small.unix.stats()[0] > 0, flush=True)
 g.close()
 """
 

@@ -12,7 +12,8 @@ on the threaded data plane), ``hier`` (two levels
 across hosts) and ``fp16`` (float16 on the wire). What they share: ``caller`` (numbering a call
 off the loop and closing its books), ``exchange`` (the small-message exchange every one-hop phase
 goes through). ``net`` (``PeerNet``) is the rank's endpoint under them: the listening port, the
-links, losses; ``agree`` what its ranks agree at set-up; ``constants`` the phases and bounds they share.
+links, losses; ``smalllinks`` (``SmallLinks``) its links for small messages, same-host Unix or TCP;
+``agree`` what its ranks agree at set-up; ``constants`` the phases and bounds they share.
 ``quorum`` (``Quorum``) is an elastic ring's membership: the survivors' rounds after a loss (a group of
 them over the same endpoint) and new workers' admission (a ring re-formed with them).
 """

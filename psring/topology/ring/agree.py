@@ -32,7 +32,7 @@ def path_settings(net: PeerNet) -> dict[str, int]:
         "PSRING_RING_ROOTED_MIN": net.config.ring_rooted_min,
         "PSRING_RING_PIECE": net.config.ring_piece,
         "PSRING_RING_PLANE_PIECE": net.config.ring_plane_piece,
-        "PSRING_RING_TCP_MESH": net.tcp_mesh_max,
+        "PSRING_RING_TCP_MESH": net.small.tcp_max,
         "PSRING_RING_TWO_HOP": net.two_hop_max,
         "PSRING_RING_TWO_HOP_MIN": net.two_hop_min,
     }
@@ -53,13 +53,13 @@ async def agree_paths(net: PeerNet) -> None:
     rooted = [o.get("PSRING_RING_ROOTED_MIN") or NEVER for o in offers.values()]
     net.rooted_min = max([*rooted, net.rooted_min])
     tcp_mesh = [o.get("PSRING_RING_TCP_MESH") for o in offers.values()]  # a rank that has none: never
-    net.tcp_mesh_max = min(v if type(v) is int else 0 for v in [*tcp_mesh, net.tcp_mesh_max])
+    net.small.tcp_max = min(v if type(v) is int else 0 for v in [*tcp_mesh, net.small.tcp_max])
     two_hop = [o.get("PSRING_RING_TWO_HOP") for o in offers.values()]  # a rank that has none: never
     net.two_hop_max = min(v if type(v) is int and v > 0 else 0 for v in [*two_hop, net.two_hop_max])
     two_hop_min = [o.get("PSRING_RING_TWO_HOP_MIN") for o in offers.values()]
     net.two_hop_min = max(v if type(v) is int and v > 0 else NEVER for v in [*two_hop_min, net.two_hop_min])
     if len(offers) < net.world_size:
-        net.tcp_mesh_max = net.two_hop_max = 0
+        net.small.tcp_max = net.two_hop_max = 0
     for name in ("PSRING_RING_PIECE", "PSRING_RING_PLANE_PIECE"):
         values = {r: o.get(name) for r, o in offers.items()}
         if len(set(values.values())) > 1:
@@ -75,11 +75,11 @@ def freeze_paths(net: PeerNet) -> None:
     """Fix the thresholds the ranks agreed (resolve) and the links they opened as this job's RingPaths."""
     net.paths = RingPaths(
         # with the TCP small-message links every rank sends to every other (ring.tcpdirect): one hop, not two
-        rooted_min=net.rooted_min if net.tcp_mesh is None else NEVER,
+        rooted_min=net.rooted_min if net.small.tcp is None else NEVER,
         plane_min=net.plane_min if net.plane is not None else NEVER,
         hierarchical=net.hosts is not None,
         two_hop_min=net.two_hop_min,
-        two_hop_max=net.two_hop_max if net.tcp_mesh is not None else 0,
+        two_hop_max=net.two_hop_max if net.small.tcp is not None else 0,
     )
 
 
@@ -128,7 +128,7 @@ async def resolve(net: PeerNet, timeout: float) -> None:
             shm_min = max(o[1] for o in offers)
             tcp_min = max(o[2] for o in offers)
     await agree_hierarchy(net)
-    if net.mesh is not None:  # likewise: Unix links only if every rank is on this host and offers them
+    if net.small.unix is not None:  # likewise: Unix links only if every rank is on this host and offers them
         peers: dict[int, dict[str, Any]] = {}
         mine = host_key()
         for r in range(net.world_size):
@@ -140,22 +140,20 @@ async def resolve(net: PeerNet, timeout: float) -> None:
             if isinstance(info, dict) and info.get("key") == mine:
                 peers[r] = info
         if len(peers) == net.world_size:
-            net.mesh_peers = {r: info for r, info in peers.items() if r != net.rank}
+            net.small.peers = {r: info for r, info in peers.items() if r != net.rank}
             if net.world_size >= 3:  # the plane's links will be shared memory (see PSRING_RING_SHM_MIN)
                 net.plane_min = min(net.plane_min, shm_min)
         else:
             others = sorted(set(range(net.world_size)) - set(peers))
             logger.info("rank(s) %s are on another host or run without Unix links: small messages use TCP", others)
-            net.mesh.close()
-            net.mesh = None
-    if net.mesh is None and net.plane is not None:  # TCP links (see the settings)
+            net.small.drop_unix()
+    if net.small.unix is None and net.plane is not None:  # TCP links (see the settings)
         if net.world_size >= 4:
             net.plane_min = min(net.plane_min, tcp_min)
         net.plane_min = min(net.plane_min, native_min)
     await agree_board(net, timeout)
-    if net.tcp_mesh is not None and (net.mesh is not None or net.world_size > net.tcp_mesh_max):
-        net.tcp_mesh.close()  # the same answer on every rank: one host (Unix links), or a rank said no
-        net.tcp_mesh = None
+    if net.small.tcp is not None and (net.small.unix is not None or net.world_size > net.small.tcp_max):
+        net.small.drop_tcp()  # the same answer on every rank: one host (Unix links), or a rank said no
 
 
 async def agree_board(net: PeerNet, timeout: float) -> None:
@@ -164,9 +162,9 @@ async def agree_board(net: PeerNet, timeout: float) -> None:
     smallest board's room (each rank's limit is that already, from the boards it mapped)."""
     board = net.board
     ok = False
-    if board is not None and net.mesh is not None:
+    if board is not None and net.small.unix is not None:
         try:
-            board.attach({r: info.get("board") for r, info in net.mesh_peers.items()})
+            board.attach({r: info.get("board") for r, info in net.small.peers.items()})
             ok = True
         except (OSError, ValueError) as exc:
             logger.info("rank %d: cannot map a peer's same-host board (%s)", net.rank, exc)

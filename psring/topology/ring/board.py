@@ -201,11 +201,12 @@ class BoardAllReduce(Algorithm):
             if coll is not None:
                 missing = board.unmarked(k) if marked else board.missing(k)
                 coll.waiting_on = {self.g._local[p] for p in missing}
-                if not told and not marked and self.net.mesh is not None:  # a peer in another call there says so now
+                # a peer in another call there says so now
+                if not told and not marked and self.net.small.unix is not None:
                     told = True
                     here = wire.encode_message((self.gid, k, BOARD_HERE, coll.desc), None)
                     for peer in missing:
-                        self.net.mesh.poke(peer, here)
+                        self.net.small.unix.poke(peer, here)
             fut = loop.create_future()
             self.wake_futs.add(fut)
             if k >= 0:
@@ -368,9 +369,9 @@ class BoardAllReduce(Algorithm):
 
     def poke(self, sleepers: list[int]) -> None:
         """Wake the peers asleep on what this rank just posted or marked."""
-        if sleepers and self.net.mesh is not None:
+        if sleepers and self.net.small.unix is not None:
             for peer in sleepers:
-                self.net.mesh.poke(peer, self._wake_msg)
+                self.net.small.unix.poke(peer, self._wake_msg)
 
     def _rows(self, board: Board, k: int, x: np.ndarray) -> list[np.ndarray]:
         """Every rank's post k as flat arrays in rank order, this rank's own (writable) among them."""

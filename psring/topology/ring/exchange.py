@@ -3,8 +3,8 @@ what arrives before its receive is posted.
 
 Every one-hop path (ring.onehop), the pipelined ring's small phases, the float16 ring's and the two-hop
 call's loop side send and receive through here: over the same-host Unix links or the TCP small-message
-links between hosts (``PeerNet.small_links``: one message per receiver, read by the loop into the posted
-receive), else over the ranks' ordinary connections (the mailbox). A message for a call this rank has not
+links between hosts (ring.smalllinks, ``net.small.active``: one message per receiver, read by the loop into
+the posted receive), else over the ranks' ordinary connections (the mailbox). A message for a call this rank has not
 begun is kept (``early``), and a message naming another call than the one it is for is a mismatch,
 named on every rank.
 """
@@ -156,7 +156,7 @@ class Exchange(GroupPart):
 
         ``out`` is None (no payloads), an array with one row per rank, or {src: array}; with ``spans``
         ({src: (byte offset, bytes)}) a flat array, each sender's payload at its span."""
-        me, seq, mesh = self.rank, coll.seq, self.net.small_links
+        me, seq, mesh = self.rank, coll.seq, self.net.small.active
         assert mesh is not None
         slot: _MeshSlot | None = None
         if len(senders) > (me in senders):
@@ -205,7 +205,7 @@ class Exchange(GroupPart):
 
     def _spin(self, slot: _MeshSlot) -> None:
         """Poll the links slot waits on for up to PSRING_SPIN_US (the messages are usually close)."""
-        mesh, members = self.net.mesh, self.members
+        mesh, members = self.net.small.unix, self.members
         assert mesh is not None
         peers = [members[s] for s in slot.expect]
         end = time.perf_counter() + self.net.config.spin_s
@@ -232,7 +232,7 @@ class Exchange(GroupPart):
         """
         me, gid, seq = self.rank, self.gid, coll.seq
         recv_phase = phase if recv_phase is None else recv_phase
-        if self.net.small_links is not None and _call_bytes(coll.desc) <= MESH_MAX_BYTES:  # alike on every rank
+        if self.net.small.active is not None and _call_bytes(coll.desc) <= MESH_MAX_BYTES:  # alike on every rank
             return await self.mesh_exchange(coll, x, phase, out, senders, receivers, recv_phase)
         expect = [s for s in senders if s != me]
         left = len(expect)

@@ -98,7 +98,7 @@ class RingGroup(Group):
         }
         self.chooser = Chooser(self, [self.streamed, self.board], by_route)
         net.groups[gid] = self
-        for peer, head, payload in net._mesh_orphans.pop(gid, ()):
+        for peer, head, payload in net.small.orphans.pop(gid, ()):
             self.exchange.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
 
     @classmethod
@@ -123,10 +123,7 @@ class RingGroup(Group):
                 await net.link((rank + 1) % world, settings.timeout)
             if net.plane is not None:
                 await net.plane_links.open(settings.timeout)
-            if net.mesh is not None:
-                await net.open_mesh(settings.timeout)
-            if net.tcp_mesh is not None:
-                await net.open_tcp_mesh(settings.timeout)
+            await net.small.open(settings.timeout)
             agree.freeze_paths(net)
             await store.barrier(f"{prefix}/ready", world, settings.timeout)
             logger.info("%r ready (store %s)", group, store.address)

@@ -12,24 +12,22 @@ from typing import Any, ClassVar
 import msgpack
 
 from ...core.fold import Layout
-from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from ...errors import PeerLostError, ProtocolError, PsringError
 from ...rendezvous.scheduler import GroupSettings
 from ...rendezvous.store import StoreServer
 from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.listener import Listener, open_connection
 from ...transport.mailbox import Mailbox
-from ...transport.samehost import host_key, same_host_paths
+from ...transport.samehost import host_key
 from ...transport.shmboard import Board, board_possible
-from ...transport.tcpmesh import TcpMesh
-from ...transport.unixmesh import UnixMesh
 from ..group import farewell
 from ..stall import StallInspector
 from . import agree
-from .constants import MESH_EARLY_MAX, PLANE_GRACE
 from .paths import NEVER, RingPaths
 from .plane.dataplane import DataPlane
 from .plane.links import PlaneLinks
+from .smalllinks import SmallLinks
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +36,6 @@ def plane_possible(settings: Settings) -> bool:
     """Whether this process can run the threaded data plane (plain TCP, no per-frame checksums)."""
     # a TLS stream cannot leave its transport
     return settings.ring_threads and not settings.tls and settings.checksum is None
-
-
-def tcp_mesh_possible(settings: Settings) -> bool:
-    """Whether this process offers TCP small-message links (a detached socket: plain TCP, no per-frame
-    checksums, as the data plane's)."""
-    return settings.ring_tcp_mesh > 0 and not settings.tls and settings.checksum is None
-
-
-def mesh_possible(settings: Settings) -> bool:
-    """Whether this process offers same-host Unix links (PSRING_SAME_HOST, no per-frame checksums:
-    a user who asked for them gets them on every byte)."""
-    return same_host_paths(settings) and settings.checksum is None
 
 
 class PeerNet:
@@ -85,7 +71,7 @@ class PeerNet:
         self.lost: dict[int, PeerLostError] = {}
         self._dialing: dict[int, asyncio.Future[Connection]] = {}
         self._seen_controls: set[tuple[Any, ...]] = set()
-        self._closing = False
+        self.closing = False
         self.listener: Listener | None = None
         self.embedded_store: StoreServer | None = None
         self.plane: DataPlane | None = None
@@ -107,36 +93,19 @@ class PeerNet:
                 self.plane_native_offer = max(min(self.config.ring_native_plane_min, self.plane_offer), 1)
         #: the plane's two data links and their shared memory (set up in open, with the group)
         self.plane_links = PlaneLinks(self)
-        #: same-host Unix links for small messages (psring.transport.unixmesh), when every rank can use them
-        self.mesh: UnixMesh | None = None
-        self.mesh_peers: dict[int, dict[str, Any]] = {}
-        self._mesh_orphans: dict[str, list[tuple[int, tuple[Any, ...], bytes]]] = {}
-        if world_size > 1 and mesh_possible(self.config):
-            self.mesh = UnixMesh(rank, settings.job, self._on_mesh_message, self._on_mesh_closed)
+        #: links for small messages, one to each other rank (same-host Unix, or TCP between hosts)
+        self.small = SmallLinks(self)
         #: the same-host posting board for small all_reduces (psring.transport.shmboard), when every rank has one
         self.board: Board | None = None
-        #: TCP links of their own for small messages (psring.transport.tcpmesh): jobs on several hosts
-        #: (no Unix links), up to PSRING_RING_TCP_MESH ranks, when every rank offers them (agreed in resolve)
-        self.tcp_mesh_max = self.config.ring_tcp_mesh if tcp_mesh_possible(self.config) else 0
         #: this rank's PSRING_RING_TWO_HOP, then the one every rank agreed (ring.agree.agree_paths: the smallest)
         self.two_hop_max = self.config.ring_two_hop
         self.two_hop_min = max(self.config.ring_two_hop_min, 1)
-        self.tcp_mesh: TcpMesh | None = None
-        if 2 <= world_size <= self.tcp_mesh_max:  # made now: a lower rank may dial before this one agreed
-            self.tcp_mesh = TcpMesh(
-                rank, world_size - 1, self._on_mesh_message, self._on_mesh_closed, native=self.config.native
-            )
         #: the hosts, when all_reduce goes hierarchical (agreed in resolve; see core.fold.host_layout)
         self.hosts: Layout | None = None
         self.mailbox.on_stray = self._on_stray
         self.stalls = StallInspector(self, self._stall_send)
         PeerNet.live += 1
         self._counted = True
-
-    @property
-    def small_links(self) -> UnixMesh | TcpMesh | None:
-        """The links one-hop messages take: the same-host Unix links, or the TCP ones between hosts."""
-        return self.mesh if self.mesh is not None else self.tcp_mesh
 
     def hello(self) -> dict[str, Any]:
         return {"role": "rank", "rank": self.rank, "job": self.settings.job}
@@ -158,12 +127,12 @@ class PeerNet:
         )
         await self.store.set(f"{self.prefix}/plane/{self.rank}", offer.encode())
         unix = b"-"
-        if self.mesh is not None:
+        if self.small.unix is not None:
             try:
-                record = self.mesh.bind()
+                record = self.small.unix.bind()
             except OSError as exc:
                 logger.info("rank %d: no same-host Unix links (%s): small messages go over TCP", self.rank, exc)
-                self.mesh = None
+                self.small.drop_unix()
             else:
                 if board_possible() and self.config.ring_board > 0:
                     try:
@@ -181,76 +150,6 @@ class PeerNet:
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
 
-    async def open_tcp_mesh(self, timeout: float) -> None:
-        """Dial the small-message link to every higher rank, wait for the lower ranks' (each
-        authenticated as any connection, then taken out of the event loop)."""
-        mesh = self.tcp_mesh
-        assert mesh is not None
-
-        async def dial(r: int) -> None:
-            # out of the event loop as soon as it is open: a connection left there while another dial
-            # takes longer (a lost SYN is retried after 1 s) pings, and the peer, which took its end
-            # out at once, would read the ping as a message
-            conn = await self.dial(r, timeout, data="mesh")
-            mesh.add(r, conn.detach())
-
-        await asyncio.gather(*(dial(r) for r in range(self.rank + 1, self.world_size)))
-        try:
-            async with asyncio.timeout(timeout):
-                await mesh.all_in.wait()
-        except TimeoutError:
-            missing = sorted(set(range(self.rank)) - set(mesh.links))
-            raise CollectiveTimeoutError(
-                f"rank(s) {missing} did not open their small-message links to rank {self.rank} within {timeout:g}s",
-                missing=tuple(missing),
-            ) from None
-
-    def _accept_mesh_link(self, conn: Connection, peer_rank: int) -> None:
-        mesh = self.tcp_mesh
-        if mesh is None or peer_rank >= self.rank:
-            raise ProtocolError(
-                f"rank {peer_rank} offered a small-message link to rank {self.rank}: only lower ranks may, "
-                "and only when every rank agreed to them"
-            )
-        mesh.add(peer_rank, conn.detach())
-
-    async def open_mesh(self, timeout: float) -> None:
-        """Open the same-host links to every other rank (each checked by its pid)."""
-        assert self.mesh is not None
-        await self.mesh.connect(self.mesh_peers, timeout)
-
-    def _on_mesh_message(self, peer: int, head: tuple[Any, ...], payload: memoryview) -> None:
-        gid = head[0]
-        group = self.groups.get(gid)
-        if group is not None:
-            group.on_mesh(peer, head[1], head[2], head[3], payload)
-            return
-        orphans = self._mesh_orphans.setdefault(gid, [])  # its subgroup is not made here yet
-        if len(orphans) >= MESH_EARLY_MAX:
-            raise ProtocolError(f"over {MESH_EARLY_MAX} messages for subgroup {gid!r}, which this rank never made")
-        orphans.append((peer, head, bytes(payload)))
-
-    def _on_mesh_closed(self, peer: int, error: BaseException | None) -> None:
-        """A same-host link ended. Everything the peer sent before it has been read, so a
-        collective still waiting on the peer will not get its data. The control link usually
-        says why (a goodbye, a crash) at once; if it has not after PLANE_GRACE, report this."""
-
-        def check() -> None:
-            if self._closing:
-                return
-            gone = self.lost.get(peer)
-            if gone is None:
-                how = f"broke: {error}" if error is not None else "closed"
-                kind = "same-host" if self.mesh is not None else "small-message"
-                self._peer_lost(peer, PeerLostError(f"the {kind} link from rank {peer} {how}", rank=peer))
-                return
-            for group in list(self.groups.values()):
-                if peer in group.members:
-                    group.on_mesh_closed(group.members.index(peer), gone)
-
-        if not self._closing:
-            asyncio.get_running_loop().call_later(0 if peer in self.lost else PLANE_GRACE, check)
-
     def _register(self, conn: Connection, peer_rank: int) -> None:
         self.conns.add(conn)
         current = self.links.get(peer_rank)
@@ -264,7 +163,7 @@ class PeerNet:
         if type(peer_rank) is not int or not 0 <= peer_rank < self.world_size:
             raise ProtocolError(f"peer claims rank {peer_rank!r}, outside 0..{self.world_size - 1}")
         if conn.peer.get("data") == "mesh":
-            self._accept_mesh_link(conn, peer_rank)
+            self.small.accept(conn, peer_rank)
             return
         if conn.peer.get("data"):
             self.plane_links.accept(conn, peer_rank)
@@ -322,7 +221,7 @@ class PeerNet:
             return  # never accepted (wrong job, impossible rank): it was no link to anyone
         self.conns.discard(conn)
         peer_rank = conn.peer.get("rank")
-        if self._closing or type(peer_rank) is not int:
+        if self.closing or type(peer_rank) is not int:
             return
         if self.links.get(peer_rank) is conn:
             del self.links[peer_rank]
@@ -340,7 +239,7 @@ class PeerNet:
                     at = at if type(at) is int else None
                     hurt |= group.on_peer_departed(group.members.index(peer_rank), err, at)
             if hurt:  # it left in the middle of a collective: everyone must give up on it
-                self._peer_lost(peer_rank, err)
+                self.peer_lost(peer_rank, err)
             else:
                 self.lost.setdefault(peer_rank, err)
             return
@@ -348,13 +247,13 @@ class PeerNet:
             f"rank {peer_rank} at {conn.peername} was lost (last heard {ago:.1f}s ago): {error}", rank=peer_rank
         )
         err.__cause__ = error
-        self._peer_lost(peer_rank, err)
+        self.peer_lost(peer_rank, err)
 
-    def _peer_lost(self, peer_rank: int, err: PeerLostError) -> None:
+    def peer_lost(self, peer_rank: int, err: PeerLostError) -> None:
         if peer_rank in self.lost:
             return
         self.lost[peer_rank] = err
-        mesh = self.small_links
+        mesh = self.small.active
         if mesh is not None:  # what it sent on its small-message link before it went is in the kernel
             with contextlib.suppress(PsringError):
                 mesh.catch_up(peer_rank)
@@ -407,7 +306,7 @@ class PeerNet:
         if reason == "lost":
             lost = header.get("lost")
             if type(lost) is int and lost != self.rank:
-                self._peer_lost(lost, PeerLostError(message, rank=lost))
+                self.peer_lost(lost, PeerLostError(message, rank=lost))
             return True
         self.flood(dict(header))
         group = self.groups.get(tag[0])
@@ -416,7 +315,7 @@ class PeerNet:
         return True
 
     async def close(self) -> None:
-        self._closing = True
+        self.closing = True
         await self.stalls.close()
         if self._counted:
             self._counted = False
@@ -426,10 +325,7 @@ class PeerNet:
         await asyncio.gather(*(c.close(farewell=goodbye) for c in conns), return_exceptions=True)
         if self.plane is not None:
             self.plane.close()
-        if self.mesh is not None:
-            self.mesh.close()
-        if self.tcp_mesh is not None:
-            self.tcp_mesh.close()
+        self.small.close()
         if self.board is not None:
             self.board.close()
         if self.listener is not None:
@@ -441,11 +337,7 @@ class PeerNet:
 
     def stats(self) -> dict[str, int]:
         plane = self.plane
-        mesh_sent, mesh_received = self.mesh.stats() if self.mesh is not None else (0, 0)
-        if self.tcp_mesh is not None:
-            tcp_sent, tcp_received = self.tcp_mesh.stats()
-            mesh_sent += tcp_sent
-            mesh_received += tcp_received
+        mesh_sent, mesh_received = self.small.stats()
         if self.board is not None:  # a post is sent once; every peer reads it
             mesh_sent += self.board.bytes_posted
             mesh_received += self.board.bytes_read
@@ -466,16 +358,10 @@ class PeerNet:
             pair = out.setdefault(name, [0, 0])
             pair[0] += c.bytes_sent
             pair[1] += c.bytes_received
-        if self.tcp_mesh is not None:  # TCP to that rank too: counted with its connections
-            for rank, link in self.tcp_mesh.links.items():
-                pair = out.setdefault(f"rank {rank}", [0, 0])
-                pair[0] += link.bytes_sent
-                pair[1] += link.bytes_received
+        self.small.link_stats(out)
         if self.plane is not None:  # its pieces through shared memory where it has a pool, else over its TCP pair
             shm = self.plane.shm_out is not None or self.plane.shm_in is not None
             out["shared memory" if shm else "data plane (TCP)"] = [self.plane.bytes_sent, self.plane.bytes_received]
-        if self.mesh is not None:
-            out["unix mesh"] = list(self.mesh.stats())
         if self.board is not None:
             out["shared-memory board"] = [self.board.bytes_posted, self.board.bytes_read]
         return out

@@ -35,7 +35,7 @@ class OneHop(Algorithm):
 
     def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """Between hosts, a DIRECT call on the caller's thread over the TCP small-message links."""
-        if self.route is Path.DIRECT and self.net.tcp_mesh is not None:
+        if self.route is Path.DIRECT and self.net.small.tcp is not None:
             return self.g.tcp.soon(x, op, on_loop)
         return None
 
@@ -43,7 +43,7 @@ class OneHop(Algorithm):
         """The latency path: a contiguous array whose (op, dtype) passed the checks once goes straight
         to the exchange, past the generic staging and dispatch (the same checks hold; the same bits)."""
         g = self.g
-        if self.net.small_links is not None and x.flags.c_contiguous and (op, x.dtype) in _VALID_OPS:
+        if self.net.small.active is not None and x.flags.c_contiguous and (op, x.dtype) in _VALID_OPS:
             coll = g._begin("all_reduce", x, op)
             out = await g._run(coll, self.run(coll, x, op))
             return out.reshape(x.shape)

@@ -81,7 +81,7 @@ class TcpDirect(GroupPart):
         ``on_loop``: the caller is the event loop itself (the asyncio API), which must not sit in
         ``poll`` for long: it waits for its peers' messages only within its spin budget
         (PSRING_SPIN_US) and then goes on as a collective like any other."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         if (
             mesh is None
             or type(x) is not np.ndarray
@@ -139,7 +139,7 @@ class TcpDirect(GroupPart):
         mesh is native, the C fold takes the call's dtype and op, and the call is not two-level; else
         None, and nothing was done. A call whose peers are late (past the spin; on the loop, past
         _read's wait), or whose messages are not all there or not all sent, goes on as soon's."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         if mesh is None or not mesh.native or type(x) is not np.ndarray:
             return None
         key = (x.dtype, x.shape, op)
@@ -232,7 +232,7 @@ class TcpDirect(GroupPart):
         """Read the peers' messages for this call (each begins with the bytes ``expect``) off their
         links into ``bufs``; the local ranks still missing when something is out of the ordinary or
         ADOPT_AFTER passed (the spin budget on the loop: left for the loop to read)."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         links = [mesh.links[self.members[r]] for r in missing]
         row = bufs.shape[1] * bufs.itemsize
@@ -293,7 +293,7 @@ class TcpDirect(GroupPart):
     ) -> np.ndarray:
         """A call soon numbered and sent, whose peers' messages did not all come its way: from here
         on a collective like any other (deadline, stall reports, aborts, mismatches named)."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         if not flushed:
             mesh.flush()
@@ -303,7 +303,7 @@ class TcpDirect(GroupPart):
     async def _rest(self, coll: Any, x: np.ndarray, op: str, bufs: np.ndarray, missing: list[int]) -> np.ndarray:
         if missing:
             await self.g.exchange.direct(coll, None, DIRECT, bufs, [self.rank, *missing], [])
-        elif self.net.tcp_mesh is not None and self.net.tcp_mesh.backlog:
-            await self.net.tcp_mesh.drain()
+        elif self.net.small.tcp is not None and self.net.small.tcp.backlog:
+            await self.net.small.tcp.drain()
         out = canonical_fold(bufs, op, np.empty(x.size, x.dtype), hosts=self.g.hier.hosts())
         return out.reshape(x.shape)

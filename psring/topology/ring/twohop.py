@@ -86,7 +86,7 @@ class _Plan:
         #: for that call (TcpMesh.two_hop): the links in peer_order, the ranks they go to and every rank's
         #: chunk in bytes, as int64 bytes; the room a link's buffer needs for the largest message, made by
         #: the first such call (where nothing else reads the links: not here, on whichever thread)
-        mesh = group.net.tcp_mesh
+        mesh = group.net.small.tcp
         self.links = [mesh.links[group.members[p]] for p in group.g.peer_order] if self.takes and mesh else []
         self.order = np.array(group.g.peer_order, np.int64).tobytes()
         self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
@@ -188,7 +188,7 @@ class TwoHop(Algorithm):
         ``on_loop``: the caller is the event loop itself (the asyncio API), as in TcpDirect.soon: it waits for
         its peers only within its spin budget (not at all for ranks in this process), then goes on as a
         collective (the Collective machinery before a call was most of the asyncio API's cost at 64 KiB)."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         if (
             mesh is None
             or not mesh.native
@@ -231,7 +231,7 @@ class TwoHop(Algorithm):
         plan = self.plans.get((x.dtype, x.shape, op))
         if plan is None or not plan.fast:
             return None
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         if (
             mesh is None
             or mesh.holds
@@ -323,7 +323,7 @@ class TwoHop(Algorithm):
         self.ran_on_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
         call = _Call(self, coll.seq, x, op, plan, alone=len(self.g._active) == 1 and not self.g._reserved)
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         if (
             mesh is not None
             and mesh.native
@@ -347,7 +347,7 @@ class TwoHop(Algorithm):
     async def _rest(self, coll: Collective, call: _Call) -> np.ndarray:
         """The call on from where it stands, on the loop: what was not sent queued on the links, the
         messages not read yet read there."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         self._queue(call, mesh)
         if call.phase == TWO_SCATTER:
@@ -374,7 +374,7 @@ class TwoHop(Algorithm):
     # ------------------------------------------------------------------ both
     def _start(self, call: _Call) -> None:
         """The first phase's messages: chunk d of the tensor to each rank d."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         item, flat = call.flat.itemsize, call.flat
         header = call.makers[TWO_SCATTER](call.seq)
@@ -427,7 +427,7 @@ class TwoHop(Algorithm):
         and going on to the second phase when the first is in (in the same native call where the C fold
         takes the call); 0 when the call is done, else the code that stopped it (1: time; 2: another
         message; 3: a link ended)."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         end = time.monotonic() + max(wait, 0.0)
         while True:
@@ -515,7 +515,7 @@ class TwoHop(Algorithm):
 
     def _gather(self, call: _Call) -> None:
         """The second phase's messages: this rank's folded chunk to every rank."""
-        mesh = self.net.tcp_mesh
+        mesh = self.net.small.tcp
         assert mesh is not None
         a, b = call.bounds[self.rank]
         call.phase = TWO_GATHER

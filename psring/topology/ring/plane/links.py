@@ -42,7 +42,7 @@ class PlaneLinks:
         assert plane is not None and plane.recv_ready is not None
         right, left = (self.rank + 1) % self.world_size, (self.rank - 1) % self.world_size
         shm_out: ShmPool | None = None
-        if net.mesh is not None:
+        if net.small.unix is not None:
             try:
                 shm_out = ShmPool(net.config.ring_shm_slots, net.config.ring_plane_piece)
             except OSError as exc:
@@ -59,7 +59,7 @@ class PlaneLinks:
             raise CollectiveTimeoutError(
                 f"rank {left} did not open its data link to rank {self.rank} within {timeout:g}s", missing=(left,)
             ) from None
-        if net.mesh is not None:
+        if net.small.unix is not None:
             shm_in = await self._map_left_segment(left, timeout)
             mapped = shm_out is not None and await self._right_mapped(right, shm_out, timeout)
             plane.use_shm(shm_out if mapped else None, shm_in)
@@ -119,7 +119,7 @@ class PlaneLinks:
         net = self.net
 
         def check() -> None:
-            if net._closing or coll.done.done():
+            if net.closing or coll.done.done():
                 return
             err = PeerLostError(
                 f"the data link {'to' if exc.side == 'send' else 'from'} rank {peer_rank} at "
@@ -129,7 +129,7 @@ class PlaneLinks:
             if peer_rank in net.lost:  # it left cleanly earlier; this collective needed it
                 coll.fail(err)
             else:
-                net._peer_lost(peer_rank, err)
+                net.peer_lost(peer_rank, err)
 
         # a peer that said goodbye has no more to say: fail now; else give the control plane time
         asyncio.get_running_loop().call_later(0 if peer_rank in net.lost else PLANE_GRACE, check)
