@@ -268,7 +268,7 @@ class _Run:
         group = self.opt.live_group() if self.opt.elastic else self.group
         host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
         for name in self.opt.sparse:  # the tables too (over ps, pulled from the shards)
-            host[name] = await self.opt.pull_rows(name, np.arange(self.opt._table_shape[name][0]))
+            host[name] = await self.opt.pull_rows(name, np.arange(self.opt.model.table_shape[name][0]))
         data = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
         digest = int((data * (np.arange(data.size) % 251 + 1)).sum())
         digests = await group.all_gather(np.array([digest], np.int64))

@@ -19,21 +19,10 @@ import numpy as np
 
 from ..core.sparse import SparseRows
 from ..errors import CollectiveTimeoutError, PeerLostError
+from .local import like, to_host
 
 if TYPE_CHECKING:
     from .sgd import SyncSGD
-
-
-def _to_host(x: Any) -> np.ndarray:
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "get"):
-        return x.get()  # cupy
-    return np.asarray(x)
-
-
-def _like(xp: Any, host: np.ndarray) -> Any:
-    return host if xp is np else xp.asarray(host)
 
 
 class Replicated:
@@ -43,10 +32,10 @@ class Replicated:
     holds_model = False
 
     async def start(self, sgd: SyncSGD, loaded: dict[str, Any] | None) -> None:
-        sgd._flat = [await sgd.group.broadcast(f, src=0) for f in sgd._flat]
-        sgd._state = [sgd.optimizer.init_state(f) for f in sgd._flat]
+        sgd.model.flat = [await sgd.group.broadcast(f, src=0) for f in sgd.model.flat]
+        sgd.model.state = [sgd.optimizer.init_state(f) for f in sgd.model.flat]
         if loaded is not None:  # every rank loaded the same checkpoint (rank 0's params won anyway)
-            for state, saved in zip(sgd._state, loaded["state"], strict=True):
+            for state, saved in zip(sgd.model.state, loaded["state"], strict=True):
                 for k, v in saved.items():
                     state[k][...] = sgd.xp.asarray(v)
                 state["step"] = loaded["step"]
@@ -55,18 +44,18 @@ class Replicated:
     async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
         """Every rank takes a copy of rank 0's table (and a checkpoint's optimizer state: every rank
         loaded the same one)."""
-        sgd._tables[name] = await sgd.group.broadcast(sgd._tables[name], src=0)
-        sgd._table_state[name] = state = sgd.optimizer.init_state(sgd._tables[name])
-        for key, saved in sgd._loaded_tables.pop(name, {}).items():
+        sgd.model.tables[name] = await sgd.group.broadcast(sgd.model.tables[name], src=0)
+        sgd.model.table_state[name] = state = sgd.optimizer.init_state(sgd.model.tables[name])
+        for key, saved in sgd.model.loaded_tables.pop(name, {}).items():
             state[key][...] = sgd.xp.asarray(saved)
 
     async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A table's rows and their optimizer state, as host arrays (a checkpoint's)."""
-        state = sgd.optimizer.state_arrays(sgd._table_state[name])
-        return _to_host(sgd._tables[name]).copy(), {k: _to_host(v).copy() for k, v in state.items()}
+        state = sgd.optimizer.state_arrays(sgd.model.table_state[name])
+        return to_host(sgd.model.tables[name]).copy(), {k: to_host(v).copy() for k, v in state.items()}
 
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
-        return sgd.xp.take(sgd._tables[name], sgd.xp.asarray(idx), axis=0)
+        return sgd.xp.take(sgd.model.tables[name], sgd.xp.asarray(idx), axis=0)
 
     async def step(
         self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
@@ -91,7 +80,7 @@ class Replicated:
         return got
 
     def update(self, sgd: SyncSGD, avgs: list[Any]) -> None:
-        for flat, avg, state in zip(sgd._flat, avgs, sgd._state, strict=True):
+        for flat, avg, state in zip(sgd.model.flat, avgs, sgd.model.state, strict=True):
             sgd.optimizer.update(flat, avg, state)
 
     async def table_exchange(self, sgd: SyncSGD, g: SparseRows) -> SparseRows:
@@ -104,7 +93,8 @@ class Replicated:
         if summed.indices.size == 0:
             return
         grad = summed.values / summed.values.dtype.type(sgd.group.world_size)
-        sgd.optimizer.update_rows(sgd._tables[name], sgd._table_state[name], summed.indices, grad, sgd.step_count)
+        model = sgd.model
+        sgd.optimizer.update_rows(model.tables[name], model.table_state[name], summed.indices, grad, sgd.step_count)
 
     def live_group(self, sgd: SyncSGD) -> Any:
         return sgd.group
@@ -123,7 +113,7 @@ class Replicated:
 
     async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state by bucket, and the step."""
-        return [{k: _to_host(s[k]) for k in keys} for s in sgd._state], sgd.step_count
+        return [{k: to_host(s[k]) for k in keys} for s in sgd.model.state], sgd.step_count
 
 
 class Sharded:
@@ -137,27 +127,27 @@ class Sharded:
         self.tables = tables
 
     async def start(self, sgd: SyncSGD, loaded: dict[str, Any] | None) -> None:
-        host = [_to_host(f) for f in sgd._flat]
+        host = [to_host(f) for f in sgd.model.flat]
         step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
         outs, step = await self.params.init(host, sgd.optimizer.config(), step, state)
-        sgd._flat = [_like(sgd.xp, o) for o in outs]
+        sgd.model.flat = [like(sgd.xp, o) for o in outs]
         sgd.step_count = step
 
     async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
         """The shards take their row ranges of rank 0's table (and of a checkpoint's optimizer state,
         at its step); the workers drop theirs."""
-        rows, width, dtype = sgd._table_shape[name]
-        table = _to_host(sgd._tables[name]) if sgd.group.rank == 0 else None
-        loaded = sgd._loaded_tables.pop(name, None)
+        rows, width, dtype = sgd.model.table_shape[name]
+        table = to_host(sgd.model.tables[name]) if sgd.group.rank == 0 else None
+        loaded = sgd.model.loaded_tables.pop(name, None)
         await self.tables.init(
             k, table, rows, width, dtype, sgd.optimizer.config(), step=sgd.step_count,
             state=loaded if sgd.group.rank == 0 else None,
         )  # fmt: skip
-        sgd._tables[name] = None  # the shards hold it now: workers never do
+        sgd.model.tables[name] = None  # the shards hold it now: workers never do
 
     async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A table's rows and their optimizer state, read from the shards (a checkpoint's)."""
-        k, (rows, width, dtype) = sgd.sparse.index(name), sgd._table_shape[name]
+        k, (rows, width, dtype) = sgd.sparse.index(name), sgd.model.table_shape[name]
         every = np.arange(rows, dtype=np.int64)
         values = await self.tables.pull(k, every, rows, width, np.dtype(dtype))
         state = {}
@@ -166,12 +156,12 @@ class Sharded:
         return values, state
 
     async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
-        got = sgd._prefetched.pop(name, None)
+        got = sgd.model.prefetched.pop(name, None)
         if got is not None and np.array_equal(got[0], idx):  # they came back with the last step
-            return _like(sgd.xp, got[1])
-        rows, width, dtype = sgd._table_shape[name]
+            return like(sgd.xp, got[1])
+        rows, width, dtype = sgd.model.table_shape[name]
         out = await self.tables.pull(sgd.sparse.index(name), idx.astype(np.int64), rows, width, np.dtype(dtype))
-        return _like(sgd.xp, out)
+        return like(sgd.xp, out)
 
     async def step(
         self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
@@ -183,32 +173,32 @@ class Sharded:
         return t1, t2
 
     async def dense_step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
-        host = [_to_host(f) for f in flats]
+        host = [to_host(f) for f in flats]
         outs = [np.empty_like(h) for h in host]
         taken = await self.params.step(sgd.step_count, host, outs, compression=sgd.compression)
         sgd.skipped += taken - 1
         sgd.step_count += taken - 1  # backup workers: a worker that was behind skips ahead
-        sgd._flat = [_like(sgd.xp, o) for o in outs]
+        sgd.model.flat = [like(sgd.xp, o) for o in outs]
         t1 = time.perf_counter()
         return t1, t1  # the update ran on the servers, inside the exchange
 
     async def table_step(self, sgd: SyncSGD, k: int, name: str, g: SparseRows, pull: np.ndarray | None) -> None:
         """Each rank's word on its rows goes with its push; the shards apply none if one is bad."""
-        rows = sgd._table_shape[name][0]
+        rows = sgd.model.table_shape[name][0]
         problem = g.problem()
         bad, pulled = await self.tables.step(
-            k, sgd.step_count, _to_host(g.indices), _to_host(g.values), rows, bad=problem is not None,
+            k, sgd.step_count, to_host(g.indices), to_host(g.values), rows, bad=problem is not None,
             pull=None if pull is None else pull.astype(np.int64, copy=False),
         )  # fmt: skip
         if pulled is not None and pull is not None:
-            sgd._prefetched[name] = (pull, pulled)
+            sgd.model.prefetched[name] = (pull, pulled)
         if bad:
             mine = f" (this rank: {problem})" if problem is not None else ""
             raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
                              f"the table's rows{mine}; nothing was applied")  # fmt: skip
 
     async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
-        return await self.params.state([_to_host(f) for f in sgd._flat], keys)
+        return await self.params.state([to_host(f) for f in sgd.model.flat], keys)
 
     def live_group(self, sgd: SyncSGD) -> Any:
         """Elastic: a group of the workers the shards averaged over last (the group itself otherwise)."""
@@ -220,16 +210,17 @@ class Sharded:
 
     async def join(self, sgd: SyncSGD) -> None:
         """A new worker: the shards' parameters (and tables) of the step a boundary admitted it at."""
-        outs, sgd.joined_at, step, sgd.joined_with = await self.params.admission.join([_to_host(f) for f in sgd._flat])
-        sgd._flat = [_like(sgd.xp, o) for o in outs]
+        host = [to_host(f) for f in sgd.model.flat]
+        outs, sgd.joined_at, step, sgd.joined_with = await self.params.admission.join(host)
+        sgd.model.flat = [like(sgd.xp, o) for o in outs]
         for k, name in enumerate(sgd.sparse):  # the shards hold the tables, at the step it joins at
-            sgd._tables[name] = None
+            sgd.model.tables[name] = None
             self.tables.joined(k, sgd.joined_at)
         sgd.skipped += step - sgd.joined_at
         sgd.step_count = step
 
     async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
-        return list(await self.params.admission.admit(sgd.step_count, [_to_host(f) for f in sgd._flat], extra))
+        return list(await self.params.admission.admit(sgd.step_count, [to_host(f) for f in sgd.model.flat], extra))
 
     async def close_joins(self, sgd: SyncSGD) -> None:
         await self.params.admission.close_joins(sgd.step_count)
@@ -282,16 +273,16 @@ class Reformed(Replicated):
         """Parameters, optimizer state and sparse tables (with theirs) from rank ``src`` of the
         (new) group to all."""
         g = sgd.group
-        for flat in sgd._flat:  # in place: the views the loop holds (opt.params) stay the parameters
+        for flat in sgd.model.flat:  # in place: the views the loop holds (opt.params) stay the parameters
             flat[...] = await g.broadcast(flat, src=src)
-        for state in [*sgd._state, *(sgd._table_state[n] for n in sgd.sparse)]:
+        for state in [*sgd.model.state, *(sgd.model.table_state[n] for n in sgd.sparse)]:
             for key in sorted(state):
                 if key == "step":
                     state[key] = int((await g.broadcast(np.array([state[key]], np.int64), src=src))[0])
                 else:
                     state[key][...] = await g.broadcast(state[key], src=src)
         for name in sgd.sparse:
-            sgd._tables[name][...] = await g.broadcast(sgd._tables[name], src=src)
+            sgd.model.tables[name][...] = await g.broadcast(sgd.model.tables[name], src=src)
 
     def live_group(self, sgd: SyncSGD) -> Any:
         return sgd.group  # the survivors' group since the last loss or join
@@ -316,9 +307,9 @@ class Reformed(Replicated):
         """A new worker: the step, parameters, optimizer state and tables from the ring's rank 0, at
         the boundary that admitted it."""
         g = sgd.group
-        sgd._state = [sgd.optimizer.init_state(f) for f in sgd._flat]
+        sgd.model.state = [sgd.optimizer.init_state(f) for f in sgd.model.flat]
         for name in sgd.sparse:
-            sgd._table_state[name] = sgd.optimizer.init_state(sgd._tables[name])
+            sgd.model.table_state[name] = sgd.optimizer.init_state(sgd.model.tables[name])
         sgd.step_count = sgd.joined_at = int((await g.broadcast(np.array([0], np.int64), src=0))[0])
         await self._hand_over(sgd, 0)
         sgd.joined_with, g.joining = g.joined_with, False

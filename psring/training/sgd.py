@@ -21,50 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from ..core.arrays import array_module, check_array, dtype_name
+from ..core.arrays import check_array
 from ..core.compress import check_codec
 from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
-from .placement import Placement, _like, _to_host, placement_for
-
-#: default bucket size (torch DDP's default is 25 MiB)
-BUCKET_BYTES = 25 << 20
-
-
-class _Bucket:
-    __slots__ = ("dtype", "names", "nbytes", "offsets", "shapes", "size")
-
-    def __init__(self, dtype: Any) -> None:
-        self.dtype = dtype
-        self.names: list[str] = []
-        self.shapes: list[tuple[int, ...]] = []
-        self.offsets: list[int] = []
-        self.size = 0
-        self.nbytes = 0
-
-    def add(self, name: str, shape: tuple[int, ...], count: int) -> None:
-        self.names.append(name)
-        self.shapes.append(shape)
-        self.offsets.append(self.size)
-        self.size += count
-        self.nbytes = self.size * np.dtype(self.dtype).itemsize
-
-
-def make_buckets(params: Mapping[str, Any], bucket_bytes: int = BUCKET_BYTES) -> list[_Bucket]:
-    """Group tensors, in the dict's order, into flat buckets of one dtype and at most bucket_bytes."""
-    buckets: list[_Bucket] = []
-    open_by_dtype: dict[str, _Bucket] = {}
-    for name, p in params.items():
-        key = dtype_name(p.dtype)
-        bucket = open_by_dtype.get(key)
-        if bucket is None or (bucket.size and bucket.nbytes + p.nbytes > bucket_bytes):
-            bucket = _Bucket(p.dtype)
-            buckets.append(bucket)
-            open_by_dtype[key] = bucket
-        bucket.add(name, tuple(p.shape), int(p.size))
-    return buckets
+from .local import BUCKET_BYTES, LocalModel, like, make_buckets, to_host
+from .placement import Placement, placement_for
 
 
 class SyncSGD:
@@ -134,25 +98,12 @@ class SyncSGD:
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
         #: sparse tables (SyncSGD(..., sparse=[name])): not in the buckets; over the ring every rank
-        #: holds the table here, over ps the shards do (and this is None after start)
+        #: holds the table here, over ps the shards do (and the model's is None after start)
         self.sparse = sparse
-        self._tables: dict[str, Any] = {k: check_array(params[k], f"params[{k!r}]") for k in sparse}
-        self._table_state: dict[str, dict[str, Any]] = {}
-        #: rows that came back with the last step (step(..., prefetch=...)): name -> (indices, rows)
-        self._prefetched: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._table_shape = {
-            k: (int(v.shape[0]), int(v.shape[1]), dtype_name(v.dtype)) for k, v in self._tables.items()
-        }
-        params = {k: v for k, v in params.items() if k not in self._tables}
-        self._names = list(params)
-        checked = {k: check_array(v, f"params[{k!r}]") for k, v in params.items()}
-        xps = {array_module(v) for v in [*checked.values(), *self._tables.values()]}
-        if len(xps) > 1:
-            raise TypeError("SyncSGD: params mix numpy and cupy arrays; keep them on one device")
-        self.xp = xps.pop()
-        self.buckets = make_buckets(checked, bucket_bytes)
-        self._flat = [self._concat(b, checked) for b in self.buckets]
-        self._state: list[dict[str, Any]] = []
+        #: the parameters, optimizer state and tables as this rank holds them
+        self.model = LocalModel(params, sparse, bucket_bytes)
+        self.xp = self.model.xp
+        self.buckets = self.model.buckets
         self._acc: list[Any] | None = None
         #: sparse tables' rows of the micro-batches so far (accumulate=k), in their order, by table
         self._acc_rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -162,34 +113,8 @@ class SyncSGD:
         self.skipped = 0
         self.started = False
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
-        self.params = self._views()
+        self.params = self.model.views()
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
-        #: the sparse tables' optimizer state from that checkpoint, by table (taken by start)
-        self._loaded_tables: dict[str, dict[str, np.ndarray]] = {}
-
-    # ------------------------------------------------------------ layout
-    def _concat(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> Any:
-        xp = self.xp
-        flat = xp.empty(bucket.size, dtype=bucket.dtype)
-        for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
-            a = arrays[name]
-            if tuple(a.shape) != shape or a.dtype != bucket.dtype:
-                raise ValueError(
-                    f"grads[{name!r}] has shape {tuple(a.shape)} dtype {a.dtype}, "
-                    f"the parameter has {shape} {bucket.dtype}"
-                )
-            if array_module(a) is not xp:
-                raise TypeError(f"grads[{name!r}] is on another device than the parameters")
-            flat[off : off + a.size] = a.reshape(-1)
-        return flat
-
-    def _views(self) -> dict[str, Any]:
-        out = {}
-        for bucket, flat in zip(self.buckets, self._flat, strict=True):
-            for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
-                count = int(np.prod(shape)) if shape else 1
-                out[name] = flat[off : off + count].reshape(shape)
-        return {name: out[name] for name in self._names}
 
     # ---------------------------------------------------------- the work
     @property
@@ -249,14 +174,14 @@ class SyncSGD:
                 raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
             await self.placement.join(self)
             self.started = True
-            self.params = self._views()
+            self.params = self.model.views()
             return self.params
         await self._check_setup()
         loaded, self._loaded = self._loaded, None
         await self._start_tables()
         await self.placement.start(self, loaded)
         self.started = True
-        self.params = self._views()
+        self.params = self.model.views()
         return self.params
 
     async def _start_tables(self) -> None:
@@ -269,54 +194,25 @@ class SyncSGD:
         """The current rows ``indices`` (any order, duplicates allowed) of sparse table ``name``:
         what the next batch needs. Over ps from the shards that hold them; over the ring a copy of
         this rank's. An index out of range: IndexError, naming it (nothing is sent)."""
-        idx = self._row_ids(name, indices, "pull_rows")
+        idx = self.model.row_ids(name, indices, "pull_rows")
         if not self.started:
             await self.start()
         return await self.placement.pull_rows(self, name, idx)
-
-    def _row_ids(self, name: str, indices: Any, what: str) -> np.ndarray:
-        """Row indices of sparse table ``name`` as a flat host array; KeyError, TypeError or IndexError
-        (naming the index) for what does not fit it."""
-        if name not in self._table_shape:
-            raise KeyError(f"{name!r} is not a sparse table of this SyncSGD (sparse={self.sparse})")
-        idx = _to_host(check_array(indices, "indices")).reshape(-1)
-        rows = self._table_shape[name][0]
-        if idx.dtype.kind not in "iu":
-            raise TypeError(f"{what}({name!r}): indices must be integers, got {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-            bad = int(idx.min()) if int(idx.min()) < 0 else int(idx.max())
-            raise IndexError(f"{what}({name!r}): index {bad} is outside the table's rows 0..{rows - 1}")
-        return idx
-
-    def _rows_of(self, grads: Mapping[str, Any]) -> dict[str, SparseRows]:
-        """Every sparse table's gradient rows, checked to be SparseRows of the table's shape."""
-        out = {}
-        for name in self.sparse:
-            rows, width, dtype = self._table_shape[name]
-            g = grads[name]
-            if not isinstance(g, SparseRows):
-                raise TypeError(f"grads[{name!r}] must be a psring.SparseRows (it is a sparse table), got "
-                                f"{type(g).__name__}")  # fmt: skip
-            if (g.num_rows, g.width, dtype_name(g.values.dtype)) != (rows, width, dtype):
-                raise ValueError(f"grads[{name!r}] has rows of {g.num_rows} x {g.width} {g.values.dtype}; "
-                                 f"the table is {rows} x {width} {dtype}")  # fmt: skip
-            out[name] = g
-        return out
 
     def _accumulate_rows(self, rows: Mapping[str, SparseRows]) -> dict[str, SparseRows] | None:
         """accumulate=k: keep this micro-batch's rows; at the k-th, every micro-batch's rows summed in
         their order (merge_rows: the same bits on every topology) and divided by k, as the dense
         gradients are. None while the accumulation goes on."""
         for name, g in rows.items():
-            self._acc_rows.setdefault(name, []).append((_to_host(g.indices), _to_host(g.values).copy()))
+            self._acc_rows.setdefault(name, []).append((to_host(g.indices), to_host(g.values).copy()))
         if self._micro + 1 < self.accumulate:
             return None
         out = {}
         for name, parts in self._acc_rows.items():
-            num_rows, width, dtype = self._table_shape[name]
+            num_rows, width, dtype = self.model.table_shape[name]
             summed = merge_rows(parts, num_rows, width, np.dtype(dtype))
             values = summed.values / summed.values.dtype.type(self.accumulate)
-            out[name] = SparseRows(_like(self.xp, summed.indices), _like(self.xp, values), num_rows)
+            out[name] = SparseRows(like(self.xp, summed.indices), like(self.xp, values), num_rows)
         self._acc_rows = {}
         return out
 
@@ -330,12 +226,12 @@ class SyncSGD:
             raise RuntimeError("state_dict in the middle of an accumulation: call it after a step that exchanged")
         keys = self.optimizer.state_keys()
         per_bucket, step = await self.placement.state(self, keys)
-        state = {k: self._by_name([b[k] for b in per_bucket]) for k in keys}
+        state = {k: self.model.by_name([b[k] for b in per_bucket]) for k in keys}
         out: dict[str, Any] = {
             "format": "psring.SyncSGD/1",
             "step": step,
             "setup": self.setup(),
-            "params": self._by_name([_to_host(f) for f in self._flat]),
+            "params": self.model.by_name([to_host(f) for f in self.model.flat]),
             "optimizer_state": state,
         }
         if self.sparse:  # each table whole, and its rows' optimizer state (over ps, read from the shards)
@@ -363,55 +259,18 @@ class SyncSGD:
         tables = state.get("tables") or {}
         if sorted(tables) != sorted(self.sparse):
             raise ValueError(f"the checkpoint has sparse tables {sorted(tables)}, this SyncSGD {sorted(self.sparse)}")
-        loaded_tables = {name: self._table_from(name, tables[name]) for name in self.sparse}
+        keys = self.optimizer.state_keys()
+        loaded_tables = {name: self.model.table_from(name, tables[name], keys) for name in self.sparse}
         params = state["params"]
-        self._flat = [_like(self.xp, np.asarray(f)) for f in self._flat_from(params)]
-        per_key = {k: self._flat_from(v) for k, v in state["optimizer_state"].items()}
+        self.model.flat = [like(self.xp, np.asarray(f)) for f in self.model.host_flats(params)]
+        per_key = {k: self.model.host_flats(v) for k, v in state["optimizer_state"].items()}
         buckets = [{k: per_key[k][b] for k in per_key} for b in range(len(self.buckets))]
         self._loaded = {"step": int(state["step"]), "state": buckets}
         self.step_count = int(state["step"])
         for name, (rows, table_state) in loaded_tables.items():
-            self._tables[name] = _like(self.xp, rows)
-            self._loaded_tables[name] = table_state
-        self.params = self._views()
-
-    def _table_from(self, name: str, saved: Mapping[str, Any]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """A sparse table's rows and optimizer state from a checkpoint, checked against the table."""
-        num_rows, width, dtype = self._table_shape[name]
-        rows = np.array(saved["rows"])
-        if rows.shape != (num_rows, width) or dtype_name(rows.dtype) != dtype:
-            raise ValueError(f"the checkpoint's sparse table {name!r} is {rows.dtype}{list(rows.shape)}, "
-                             f"the table is {dtype}[{num_rows}, {width}]")  # fmt: skip
-        want = self.optimizer.state_keys()
-        table_state = {k: np.array(v) for k, v in dict(saved.get("state") or {}).items()}
-        if sorted(table_state) != want or any(v.shape != rows.shape for v in table_state.values()):
-            raise ValueError(f"the checkpoint's sparse table {name!r} has optimizer state "
-                             f"{ {k: list(v.shape) for k, v in table_state.items()} }, the optimizer keeps {want} "
-                             "of the table's shape")  # fmt: skip
-        return rows, table_state
-
-    def _by_name(self, flats: list[Any]) -> dict[str, np.ndarray]:
-        out = {}
-        for bucket, flat in zip(self.buckets, flats, strict=True):
-            for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
-                count = int(np.prod(shape)) if shape else 1
-                out[name] = np.array(flat[off : off + count]).reshape(shape)
-        return out
-
-    def _flat_from(self, arrays: Mapping[str, Any]) -> list[np.ndarray]:
-        missing = [n for n in self._names if n not in arrays]
-        if missing:
-            raise ValueError(f"the checkpoint lacks {missing}")
-        return [self._concat_host(b, arrays) for b in self.buckets]
-
-    def _concat_host(self, bucket: _Bucket, arrays: Mapping[str, Any]) -> np.ndarray:
-        flat = np.empty(bucket.size, dtype=bucket.dtype)
-        for name, off, shape in zip(bucket.names, bucket.offsets, bucket.shapes, strict=True):
-            a = _to_host(arrays[name])
-            if tuple(a.shape) != shape:
-                raise ValueError(f"the checkpoint's {name!r} has shape {tuple(a.shape)}, the parameter has {shape}")
-            flat[off : off + a.size] = a.reshape(-1)
-        return flat
+            self.model.tables[name] = like(self.xp, rows)
+            self.model.loaded_tables[name] = table_state
+        self.params = self.model.views()
 
     def setup(self) -> dict[str, Any]:
         """What every rank must agree on: optimizer, compression, accumulation, parameter layout."""
@@ -419,14 +278,14 @@ class SyncSGD:
             "optimizer": self.optimizer.config(),
             "compression": self.compression,
             "accumulate": self.accumulate,
-            "buckets": [[dtype_name(b.dtype), b.names, [list(s) for s in b.shapes]] for b in self.buckets],
+            "buckets": self.model.layout(),
         }
 
     async def _check_setup(self) -> None:
         """One small all_gather: a rank set up differently fails at once on every rank, named."""
         # backup workers too (not in a checkpoint's setup: a run may resume with other backups)
         mine = json.dumps(
-            {**self.setup(), "backup": self.backup, "sparse": self._table_shape}, sort_keys=True, default=str
+            {**self.setup(), "backup": self.backup, "sparse": self.model.table_shape}, sort_keys=True, default=str
         )
         digest = int.from_bytes(hashlib.sha256(mine.encode()).digest()[:8], "little", signed=True)
         digests = await self.group.all_gather(np.array([digest], np.int64))
@@ -452,16 +311,17 @@ class SyncSGD:
         learning rate needs no change); the k-1 calls in between return the unchanged
         parameters.
         """
-        wanted = {name: self._row_ids(name, ids, "step(prefetch)") for name, ids in (prefetch or {}).items()}
-        self._prefetched.clear()  # rows from before this step are no longer current
+        wanted = {name: self.model.row_ids(name, ids, "step(prefetch)") for name, ids in (prefetch or {}).items()}
+        self.model.prefetched.clear()  # rows from before this step are no longer current
         if not self.started:
             await self.start()
-        missing = [n for n in [*self._names, *self.sparse] if n not in grads]
-        extra = [n for n in grads if n not in self._names and n not in self._table_shape]
+        names = self.model.names
+        missing = [n for n in [*names, *self.sparse] if n not in grads]
+        extra = [n for n in grads if n not in names and n not in self.model.table_shape]
         if missing or extra:
             raise KeyError(f"grads must have exactly the parameters' names: missing {missing}, unexpected {extra}")
-        flats = [self._concat(b, grads) for b in self.buckets]
-        rows = self._rows_of(grads) if self.sparse else {}
+        flats = self.model.flats(grads)
+        rows = self.model.rows_of(grads) if self.sparse else {}
         if self.accumulate > 1 and self.sparse:
             summed = self._accumulate_rows(rows)
             rows = summed if summed is not None else rows
@@ -482,7 +342,7 @@ class SyncSGD:
         t1, t2 = await self.placement.step(self, flats, rows, wanted)
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
-        self.params = self._views()
+        self.params = self.model.views()
         return self.params
 
 

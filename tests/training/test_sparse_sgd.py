@@ -69,7 +69,7 @@ async def test_ring_and_ps_tables_are_bit_identical_and_follow_the_rule(make_gro
             assert np.array_equal(t, want), topology  # every worker, bit for bit with the rule
         tables[topology] = pulled[0]
         if topology == "ps":  # the workers never hold the table
-            assert all(o._tables["emb"] is None for o in opts)
+            assert all(o.model.tables["emb"] is None for o in opts)
         # the dense parameter went the usual way beside it: moved, the same everywhere
         assert all(np.array_equal(o.params["w"], opts[0].params["w"]) for o in opts)
         assert not np.array_equal(opts[0].params["w"], np.ones(3, np.float32)) and "emb" not in opts[0].params
@@ -186,7 +186,7 @@ async def test_what_a_sparse_table_refuses(make_groups) -> None:
         psring.SyncSGD(g, _params(), backup=1, sparse=["emb"])
     opt = psring.SyncSGD(g, _params(), SGD(lr=0.1), sparse=["emb"])
     opt.started = True  # no other rank here: step checks the rows before any exchange
-    opt._tables["emb"] = _params()["emb"]
+    opt.model.tables["emb"] = _params()["emb"]
     with pytest.raises(TypeError, match=r"grads\['emb'\] must be a psring.SparseRows"):
         await opt.step({"emb": np.zeros((ROWS, WIDTH), np.float32), "w": np.ones(3, np.float32)})
     narrow = psring.SparseRows(np.array([1]), np.ones((1, 3), np.float32), ROWS)
