@@ -26,119 +26,24 @@ then get an error naming both steps.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
-from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
 
 from ....core.arrays import DTYPES, dtype_name
 from ....core.compress import dequantize, fold_fp16, parse_codec_op
-from ....core.fold import canonical_fold, pieces
+from ....core.fold import canonical_fold
 from ....core.optim import Optimizer
 from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
-from ..plan import per_piece, plan
+from .bucket import Bucket, enough_pushed
+from .checkpoint import ShardCheckpoint
 from .relay import release_held, send_once
 
 logger = logging.getLogger(__name__)
-
-
-def enough_pushed(pushed: AbstractSet[int], members: set[int], backup: int) -> bool:
-    """Whether a piece (or a sparse table's step) can be applied: every member pushed it, or with
-    backup workers all but ``backup`` of them (at least one)."""
-    return bool(members) and len(members & pushed) >= max(len(members) - backup, 1)
-
-
-class Bucket:
-    """One shard's slice of one parameter bucket, with its optimizer state."""
-
-    def __init__(
-        self,
-        b: int,
-        n: int,
-        dtype: str,
-        size: int,
-        config: dict[str, Any],
-        shard: int,
-        shards: int,
-        piece_bytes: int,
-        weights: tuple[int, ...] | None = None,
-    ):
-        self.b, self.n, self.dtype_name, self.size, self.config = b, n, dtype, size, config
-        self.dtype = DTYPES[dtype]
-        self.weights = weights  # the shards' shares of the bucket (PSRING_PS_WEIGHTS; None: equal)
-        mine = [(a, z) for s, a, z in plan("all_reduce", n, self.dtype.itemsize, shards, b, weights) if s == shard]
-        self.slice = mine[0] if mine else (0, 0)
-        self.pieces = pieces(*self.slice, per_piece(self.dtype.itemsize, piece_bytes))
-        self.param = np.empty(self.slice[1] - self.slice[0], self.dtype)
-        self.optimizer = Optimizer.from_config(config)
-        self.state: dict[str, Any] = {}
-        self.step = 0
-        self.ready = False
-        self.init_seen: set[int] = set()
-        #: optimizer state rank 0 sent with its parameters (a worker-side checkpoint): key -> pieces seen
-        self.given_state: dict[str, np.ndarray] = {}
-        self.given_seen: set[tuple[str, int]] = set()
-        self.given_step: int | None = None
-        self.inbox: dict[int, dict[int, np.ndarray]] = {}
-        self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
-        self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
-        self.applied: set[int] = set()  # pieces of the current step already updated
-        self.conns: dict[int, Connection] = {}
-        self.held: list[tuple[int, list[int] | None]] = []  # results waiting for the checkpoint (piece, folded)
-        self.waiting_pulls: list[Connection] = []
-        #: elastic (SyncSGD(elastic=True)): a lost worker leaves ``members``; steps go on without it
-        self.elastic = False
-        self.members: set[int] = set(range(size))
-        #: backup workers (SyncSGD(backup=b)): a piece is applied once all but b members pushed it;
-        #: later pushes of it are dropped (counted in ``late``)
-        self.backup = 0
-        self.late = 0
-        #: elastic admissions taken: (step, ranks); every live worker sends its word, the first counts
-        self.admits: set[tuple[int, tuple[int, ...]]] = set()
-
-    def piece_view(self, j: int) -> tuple[int, int, np.ndarray]:
-        pa, pb = self.pieces[j]
-        a = self.slice[0]
-        return pa, pb, self.param[pa - a : pb - a]
-
-    def start(self) -> None:
-        self.state = self.optimizer.init_state(self.param)
-        if self.given_step is not None:  # rank 0 resumes from its checkpoint: its state, its step
-            for k, v in self.given_state.items():
-                self.state[k][...] = v
-            self.step = self.state["step"] = self.given_step
-        self.ready = True
-
-    def complete(self) -> bool:
-        """Every piece of rank 0's initial parameters (and optimizer state, if it sent any) is in."""
-        want = len(self.pieces) * len(self.given_state)
-        return len(self.init_seen) == len(self.pieces) and len(self.given_seen) == want
-
-    def state_view(self, key: str, j: int) -> np.ndarray:
-        pa, pb = self.pieces[j]
-        a = self.slice[0]
-        return self.state[key][pa - a : pb - a]
-
-    def to_arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        meta = {
-            "b": self.b,
-            "n": self.n,
-            "dtype": self.dtype_name,
-            "size": self.size,
-            "config": self.config,
-            "step": self.step,
-            "slice": list(self.slice),
-            "weights": list(self.weights) if self.weights else None,
-        }
-        out = {f"{prefix}meta": np.array(json.dumps(meta)), f"{prefix}param": self.param}
-        for k, v in Optimizer.state_arrays(self.state).items():
-            out[f"{prefix}state.{k}"] = np.asarray(v)
-        return out
 
 
 class ParamStore:
@@ -147,75 +52,21 @@ class ParamStore:
     def __init__(self, shard: Any) -> None:
         self.shard = shard
         self.buckets: dict[int, Bucket] = {}
-        self.checkpoint_dir: str | None = None
-        self.checkpoint_name: str | None = None  # default: the job's name
-        self.checkpoint_every = 1
-        self.checkpoints_written = 0
+        #: where and how often its buckets are checkpointed (--checkpoint-dir; off by default)
+        self.checkpoint = ShardCheckpoint(shard)
         self.updates_applied = 0
         self.late_pushes = 0  # backup workers: pushes that came after their piece was applied
         self.early_pulls: dict[int, list[Connection]] = {}
 
     # ------------------------------------------------------------ checkpoints
-    def path(self) -> str:
-        assert self.checkpoint_dir is not None
-        s = self.shard
-        return os.path.join(
-            self.checkpoint_dir, f"psring-{self.checkpoint_name or s.job}-shard{s.index}-of{s.shards}.npz"
-        )
-
     def save(self) -> None:
-        if self.checkpoint_dir is None or not self.buckets:
-            return
-        arrays: dict[str, np.ndarray] = {}
-        for b, bucket in self.buckets.items():
-            if bucket.ready:
-                arrays.update(bucket.to_arrays(f"b{b}."))
-        path = self.path()
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)  # type: ignore[arg-type]
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        self.checkpoints_written += 1
+        self.checkpoint.save(self.buckets)
 
     def restore(self) -> int:
         """Load this shard's checkpoint, if there is one; return the number of buckets restored."""
-        if self.checkpoint_dir is None or not os.path.exists(self.path()):
-            return 0
-        with np.load(self.path(), allow_pickle=False) as data:
-            metas = [k for k in data.files if k.endswith(".meta")]
-            for key in metas:
-                prefix = key[: -len("meta")]
-                meta = json.loads(str(data[key]))
-                bucket = Bucket(
-                    meta["b"],
-                    meta["n"],
-                    meta["dtype"],
-                    meta["size"],
-                    meta["config"],
-                    self.shard.index,
-                    self.shard.shards,
-                    self.shard.settings.ps_piece,
-                    tuple(meta["weights"]) if meta.get("weights") else None,
-                )
-                if list(bucket.slice) != meta["slice"]:
-                    raise ValueError(f"checkpoint {self.path()} was written for another shard layout")
-                bucket.param[...] = data[f"{prefix}param"]
-                bucket.start()
-                for k in list(bucket.state):
-                    if k != "step" and f"{prefix}state.{k}" in data.files:
-                        bucket.state[k][...] = data[f"{prefix}state.{k}"]
-                bucket.step = int(meta["step"])
-                self.buckets[bucket.b] = bucket
-        logger.info("%r restored %d bucket(s) from %s", self.shard, len(metas), self.path())
-        return len(metas)
+        restored = self.checkpoint.restore()
+        self.buckets.update(restored)
+        return len(restored)
 
     # ----------------------------------------------------------------- frames
     def handle(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
@@ -458,7 +309,7 @@ class ParamStore:
         bucket.optimizer.update(view, grad, state)
         self.updates_applied += 1
         bucket.applied.add(j)
-        if self.checkpoint_dir is not None:
+        if self.checkpoint.on:
             bucket.held.append((j, folded if bucket.backup else None))
         else:
             self._send_result(bucket, t, j, folded=folded if bucket.backup else None)
@@ -510,8 +361,8 @@ class ParamStore:
         bucket.step = t + 1
         bucket.state["step"] = bucket.step
         bucket.applied = set()
-        if self.checkpoint_dir is not None:
-            if bucket.step % self.checkpoint_every == 0:
+        if self.checkpoint.on:
+            if bucket.step % self.checkpoint.every == 0:
                 t0 = time.perf_counter()
                 self.save()
                 logger.debug("%r checkpoint after step %d in %.1f ms", self.shard, t, (time.perf_counter() - t0) * 1e3)
@@ -589,9 +440,9 @@ def configure_checkpoints(
         os.makedirs(directory, exist_ok=True)
     for shard in server.shards.values():
         store = param_store(shard)
-        store.checkpoint_dir = directory
-        store.checkpoint_name = name
-        store.checkpoint_every = every
+        store.checkpoint.directory = directory
+        store.checkpoint.name = name
+        store.checkpoint.every = every
         if restore:
             store.restore()
 

@@ -28,7 +28,7 @@ from ....core.sparse import merge_rows
 from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
 from ..rows import row_range, unpack_rows
-from .paramstore import enough_pushed
+from .bucket import enough_pushed
 
 logger = logging.getLogger(__name__)
 
