@@ -41,6 +41,7 @@ from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
 from .bucket import Bucket, enough_pushed
 from .checkpoint import ShardCheckpoint
+from .pending import weights_in
 from .relay import release_held, send_once
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class ParamStore:
         )
         if not (type(n) is int and n >= 0 and dtype in DTYPES and type(size) is int and size >= 1):
             raise ProtocolError(f"init of bucket {b} with n={n!r} dtype={dtype!r} size={size!r}")
-        weights = self.shard.weights_in(header)
+        weights = weights_in(header, self.shard.shards)
         bucket = self.buckets.get(b)
         if bucket is None:
             try:

@@ -1,9 +1,10 @@
-"""One collective on one shard (who joined, what arrived, what is left), and the checks of a join's call."""
+"""One collective on one shard (who joined, what arrived, what is left), and a join frame: read, checked,
+and told apart from the join that began the collective (``join_mismatch``)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -12,7 +13,8 @@ from ....core.compress import parse_codec_op
 from ....core.fold import pieces, ring_chunk_bounds
 from ....errors import ProtocolError
 from ....transport.connection import Connection
-from ..plan import FOLD_KINDS, KINDS, per_piece, plan
+from ...collective import mismatch_message
+from ..plan import FOLD_KINDS, KINDS, check_weights, per_piece, plan
 
 #: the most pieces one collective's slice may have on a shard (the piece size is the workers' word)
 MAX_PIECES = 1 << 16
@@ -143,3 +145,83 @@ def _result_ranks(pending: _Pending, pa: int, pb: int) -> list[int]:
         return [pending.root]
     # reduce_scatter: the ranks whose ring chunk overlaps the piece
     return [r for r, (a, b) in enumerate(ring_chunk_bounds(pending.n, pending.size)) if a < pb and pa < b and a < b]
+
+
+class Join(NamedTuple):
+    """A worker's join frame, checked: the collective (``key``: group, seq), its call, the worker's
+    place in the group, and how it cuts the call (pieces, the shards' weights, the fold's order)."""
+
+    key: tuple[str, int]
+    desc: tuple[Any, ...]
+    src: int
+    size: int
+    piece: int
+    weights: tuple[int, ...] | None
+    ordered: bool
+
+
+def weights_in(header: dict[str, Any], shards: int) -> tuple[int, ...] | None:
+    """The shard weights a join or parameter init names (None: equal slices), checked."""
+    raw = header.get("weights")
+    if raw is None:
+        return None
+    try:
+        return check_weights(raw, shards)
+    except ValueError as exc:
+        raise ProtocolError(f"{header.get('kind')} frame: {exc}") from None
+
+
+def read_join(header: dict[str, Any], shards: int, piece_default: int, max_frame: int, max_tensor: int) -> Join:
+    """A join frame's fields, each checked (a ProtocolError naming the first that is wrong)."""
+    tag: Any = header.get("tag")  # wire values, checked below
+    desc: Any = header.get("call")
+    src: Any = header.get("src")
+    size: Any = header.get("size")
+    piece: Any = header.get("piece", piece_default)  # a worker that does not say: the setting
+    if not (isinstance(tag, tuple) and len(tag) == 3 and isinstance(tag[0], str) and type(tag[1]) is int):
+        raise ProtocolError(f"join frame with a malformed tag {tag!r}")
+    if not (type(size) is int and 1 <= size <= 1 << 16 and type(src) is int and 0 <= src < size):
+        raise ProtocolError(f"join frame with src={src!r} size={size!r}")
+    if not (type(piece) is int and 1 <= piece <= max_frame):
+        raise ProtocolError(f"join frame with piece={piece!r}")
+    _check_desc(desc, max_tensor)
+    weights = weights_in(header, shards)
+    ordered: Any = header.get("ordered", False)
+    if type(ordered) is not bool:
+        raise ProtocolError(f"join frame with ordered={ordered!r}")
+    return Join((tag[0], tag[1]), desc, src, size, piece, weights, ordered)
+
+
+def join_mismatch(join: Join, pending: _Pending) -> str | None:
+    """What differs between a join and the collective the first worker's join began (None: nothing)."""
+    if (join.desc, join.size, join.piece, join.weights, join.ordered) == (
+        pending.desc,
+        pending.size,
+        pending.piece_bytes,
+        pending.weights,
+        pending.ordered,
+    ):
+        return None
+    (group, seq), src, kind = join.key, join.src, join.desc[0]
+    if join.ordered != pending.ordered:
+        return (
+            f"rank {src} joined {kind} #{seq} of group {group} folding in rank order={join.ordered}, "
+            f"rank {pending.first} with {pending.ordered}: a host-reduced all_reduce met a plain one"
+        )
+    if join.weights != pending.weights:
+        return (
+            f"rank {src} cuts {kind} #{seq} over the shards by weights {join.weights}, rank {pending.first} "
+            f"by {pending.weights}: every worker must take PSRING_PS_WEIGHTS from the same job"
+        )
+    if join.piece != pending.piece_bytes:
+        return (
+            f"rank {src} splits {kind} #{seq} into pieces of {join.piece} bytes, rank {pending.first} "
+            f"into {pending.piece_bytes}: PSRING_PS_PIECE, PSRING_PS_WIRE_PIECE and PSRING_PS_WIRE_PIECES "
+            f"must be the same on every worker"
+        )
+    if join.size != pending.size:
+        return (
+            f"rank {src} joined {kind} #{seq} in a group of {join.size}, "
+            f"rank {pending.first} in a group of {pending.size}"
+        )
+    return mismatch_message(seq, src, join.desc, pending.first, pending.desc)

@@ -48,10 +48,10 @@ from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
 from ....transport.tcpsocket import limit_send_buffer
 from ...collective import mismatch_message
-from ..plan import FOLD_KINDS, check_weights, may_need
+from ..plan import FOLD_KINDS, may_need
 from .folding import Folding
 from .paramstore import handle_param
-from .pending import _check_desc, _Pending
+from .pending import _Pending, join_mismatch, read_join
 from .relay import release_held
 from .tables import tables_of
 
@@ -240,43 +240,19 @@ class Shard:
             conn.send_frame({"kind": "reject", "reason": f"server shard {self.index}: {message}"})
         asyncio.get_running_loop().call_later(0.05, conn.abort, ProtocolError(message))
 
-    def weights_in(self, header: dict[str, Any]) -> tuple[int, ...] | None:
-        """The shard weights a join or parameter init names (None: equal slices), checked."""
-        raw = header.get("weights")
-        if raw is None:
-            return None
-        try:
-            return check_weights(raw, self.shards)
-        except ValueError as exc:
-            raise ProtocolError(f"{header.get('kind')} frame: {exc}") from None
-
     def _on_join(self, conn: Connection, header: dict[str, Any]) -> None:
-        tag: Any = header.get("tag")  # wire values, checked below
-        desc: Any = header.get("call")
-        src: Any = header.get("src")
-        size: Any = header.get("size")
-        piece: Any = header.get("piece", self.settings.ps_piece)  # a worker that does not say: the setting
-        if not (isinstance(tag, tuple) and len(tag) == 3 and isinstance(tag[0], str) and type(tag[1]) is int):
-            raise ProtocolError(f"join frame with a malformed tag {tag!r}")
-        if not (type(size) is int and 1 <= size <= 1 << 16 and type(src) is int and 0 <= src < size):
-            raise ProtocolError(f"join frame with src={src!r} size={size!r}")
-        if not (type(piece) is int and 1 <= piece <= self.settings.max_frame):
-            raise ProtocolError(f"join frame with piece={piece!r}")
-        _check_desc(desc, self.settings.max_tensor)
-        weights = self.weights_in(header)
-        ordered: Any = header.get("ordered", False)
-        if type(ordered) is not bool:
-            raise ProtocolError(f"join frame with ordered={ordered!r}")
-        key = (tag[0], tag[1])
+        settings = self.settings
+        join = read_join(header, self.shards, settings.ps_piece, settings.max_frame, settings.max_tensor)
+        key, desc, src = join.key, join.desc, join.src
         if key in self.finished:
             if self.finished[key] != "done":  # abandoned: tell the latecomer at once
                 lost = self.lost_in.get(key)
                 why = f": {self.gone[lost]}" if lost in self.gone else ""
-                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{tag[1]} was abandoned{why}", lost=lost)
+                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{key[1]} was abandoned{why}", lost=lost)
             return
         pending = self.pending.get(key)
         if pending is None:
-            gone = [r for r in self.gone if r < size and self._left_before(r, key[1])] if key[0] == "0" else []
+            gone = [r for r in self.gone if r < join.size and self._left_before(r, key[1])] if key[0] == "0" else []
             if gone:  # it can never complete: say so now rather than at the deadline
                 conn.send_frame(
                     {
@@ -291,41 +267,14 @@ class Shard:
                 # join): they and any later join must meet an abandoned collective, not a stranger
                 self._finish(key, "lost", lost=gone[0])
                 return
-            pending = _Pending(key[0], key[1], desc, size, src, self.index, self.shards, piece, weights)
-            pending.ordered = ordered
+            pending = _Pending(key[0], key[1], desc, join.size, src, self.index, self.shards, join.piece, join.weights)
+            pending.ordered = join.ordered
             self.pending[key] = pending
-        elif (desc, size, piece, weights, ordered) != (
-            pending.desc,
-            pending.size,
-            pending.piece_bytes,
-            pending.weights,
-            pending.ordered,
-        ):
-            if ordered != pending.ordered:
-                message = (
-                    f"rank {src} joined {desc[0]} #{key[1]} of group {key[0]} folding in rank order={ordered}, "
-                    f"rank {pending.first} with {pending.ordered}: a host-reduced all_reduce met a plain one"
-                )
-            elif weights != pending.weights:
-                message = (
-                    f"rank {src} cuts {desc[0]} #{key[1]} over the shards by weights {weights}, rank {pending.first} "
-                    f"by {pending.weights}: every worker must take PSRING_PS_WEIGHTS from the same job"
-                )
-            elif piece != pending.piece_bytes:
-                message = (
-                    f"rank {src} splits {desc[0]} #{key[1]} into pieces of {piece} bytes, rank {pending.first} "
-                    f"into {pending.piece_bytes}: PSRING_PS_PIECE, PSRING_PS_WIRE_PIECE and PSRING_PS_WIRE_PIECES "
-                    f"must be the same on every worker"
-                )
-            elif size != pending.size:
-                message = (
-                    f"rank {src} joined {desc[0]} #{key[1]} in a group of {size}, "
-                    f"rank {pending.first} in a group of {pending.size}"
-                )
-            else:
-                message = mismatch_message(key[1], src, desc, pending.first, pending.desc)
-            self._abort_all(key, "mismatch", message)
-            return
+        else:
+            message = join_mismatch(join, pending)
+            if message is not None:
+                self._abort_all(key, "mismatch", message)
+                return
         if src in pending.conns and pending.conns[src] is not conn:
             raise ProtocolError(f"two workers claim rank {src} of group {key[0]}")
         pending.conns[src] = conn
