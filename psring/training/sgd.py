@@ -27,7 +27,7 @@ from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
-from .local import BUCKET_BYTES, LocalModel, like, make_buckets, to_host
+from .local import BUCKET_BYTES, Bucket, LocalModel, like, make_buckets, to_host
 from .placement import Placement, placement_for
 
 
@@ -97,13 +97,8 @@ class SyncSGD:
         self.group = group
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
-        #: sparse tables (SyncSGD(..., sparse=[name])): not in the buckets; over the ring every rank
-        #: holds the table here, over ps the shards do (and the model's is None after start)
-        self.sparse = sparse
         #: the parameters, optimizer state and tables as this rank holds them
         self.model = LocalModel(params, sparse, bucket_bytes)
-        self.xp = self.model.xp
-        self.buckets = self.model.buckets
         self._acc: list[Any] | None = None
         #: sparse tables' rows of the micro-batches so far (accumulate=k), in their order, by table
         self._acc_rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -115,6 +110,22 @@ class SyncSGD:
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self.model.views()
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
+
+    @property
+    def sparse(self) -> list[str]:
+        """The sparse tables (SyncSGD(..., sparse=[name])): not in the buckets; over the ring every rank
+        holds the table (``model.tables``), over ps the shards do (the model's is None after start)."""
+        return self.model.sparse
+
+    @property
+    def xp(self) -> Any:
+        """The array module of the parameters (numpy, or cupy for a GPU's)."""
+        return self.model.xp
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The dense parameters' flat buckets, in the order they are exchanged."""
+        return self.model.buckets
 
     # ---------------------------------------------------------- the work
     @property
