@@ -233,34 +233,66 @@ def _unwrap(done: torch.futures.Future) -> Any:
 
 
 class _Completer:
-    """One thread per process that finishes Works: copies results into tensors, completes futures.
+    """The threads that finish Works: copy results into tensors, complete futures.
 
     psring completes its calls on the event-loop thread; the copying, and the callbacks torch
-    chains on a Work's future (DDP's gradient division and bucket rebuilding), run here instead.
+    chains on a Work's future (DDP's gradient division, a comm hook's next step), run here instead.
+    A callback is the user's code and may block: torch's PowerSGD hook waits, inside its ``then``,
+    on an all_reduce it has just started, and that all_reduce is completed here too. So every
+    completion is handed to a thread that is free: one that waits on the queue, or a new one when
+    all are busy -- a blocked callback keeps its own thread and holds up nothing else. One thread
+    serves while callbacks return promptly (completions then run in the order the calls ended);
+    the extra threads end after ``IDLE`` seconds without work.
     """
+
+    IDLE = 10.0
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._free = 0  # threads waiting on the queue that no queued item has claimed
+        self._threads = 0
+        self._started = 0  # threads started so far (names them)
 
     def put(self, item: Any) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="psring-torch-done", daemon=True)
-                    self._thread.start()
-        self._queue.put(item)
+        with self._lock:
+            # each item claims a free thread or starts one: the queue never holds an item that
+            # only a busy thread could take
+            self._queue.put(item)
+            if self._free:
+                self._free -= 1
+                return
+            self._threads += 1
+            self._started += 1
+            first = self._threads == 1
+            name = f"psring-torch-done-{self._started}"
+        threading.Thread(target=self._run, args=(first,), name=name, daemon=True).start()
 
-    def _run(self) -> None:
+    @property
+    def threads(self) -> int:
+        """How many completion threads there are now (one, unless a callback blocked one)."""
+        return self._threads
+
+    def _run(self, first: bool) -> None:
         while True:
-            cf, finish, future = self._queue.get()
+            try:
+                cf, finish, future = self._queue.get(timeout=None if first else self.IDLE)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty() and self._free > 0:  # unclaimed: this thread may go
+                        self._free -= 1
+                        self._threads -= 1
+                        return
+                continue
             try:
                 value = finish(cf.result())
             except BaseException as exc:  # torch's Future carries any failure
                 future.set_exception(_as_torch_error(exc))
             else:
-                future.set_result(value)
+                future.set_result(value)  # the callbacks chained on it run here
+            del cf, finish, future
+            with self._lock:
+                self._free += 1
 
 
 _completer = _Completer()
@@ -278,6 +310,11 @@ class ProcessGroupPsring(dist.ProcessGroup):
         #: calls submitted to the loop and not ended there: while there are any, every call takes the loop
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        # the device types this group serves, as torch reads them (``pg._device_types``: DCP's
+        # async_save and broadcast-from-rank-0 loading ask for cpu). A Python group has no C++
+        # backend to register: torch keeps the device type, and every call still comes here.
+        for device in _devices():
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, None)
 
     # ------------------------------------------------------------ plumbing
     def getBackendName(self) -> str:
@@ -489,6 +526,41 @@ class ProcessGroupPsring(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        """all_gather_into_tensor of several tensors at once (torch's functional collectives,
+        DTensor and FSDP2 call it): one all_gather of the inputs' bytes, each output rank-major."""
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"psring: all_gather_into_tensor_coalesced has {len(outputs)} outputs for {len(inputs)} inputs"
+            )
+        for i, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
+            if o.numel() != t.numel() * self.size() or o.dtype != t.dtype or not o.is_contiguous():
+                raise ValueError(
+                    f"psring: all_gather_into_tensor_coalesced's output {i} needs {self.size()} x {t.numel()} "
+                    f"{t.dtype} elements, contiguous; got {o.numel()} {o.dtype}"
+                    + ("" if o.is_contiguous() else ", not contiguous")
+                )
+        raw = [_wire(t).reshape(-1).view(torch.uint8) for t in inputs]
+        flat = torch.cat(raw) if raw else torch.empty(0, dtype=torch.uint8)
+
+        def finish(parts: list[Any]) -> list[torch.Tensor]:
+            for r, part in enumerate(parts):
+                got, off = _from(part).reshape(-1), 0
+                for o, b in zip(outputs, raw, strict=True):
+                    piece, off = got[off : off + b.numel()], off + b.numel()
+                    wire = _wire(o).dtype
+                    if piece.storage_offset() % wire.itemsize:
+                        piece = piece.clone()  # an earlier input's odd size: align before the view
+                    k = o.numel() // self.size()
+                    _store_into(o.view(-1)[r * k : (r + 1) * k], piece.view(wire))
+            return outputs
+
+        return self._start(self._g.all_gather(_view(flat)), finish)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         opts = opts if opts is not None else dist.GatherOptions()
         t, root = _one(inputs, "gather"), int(opts.rootRank)
@@ -554,6 +626,48 @@ class ProcessGroupPsring(dist.ProcessGroup):
         return self._start(self._g.reduce_scatter(_view(x.reshape(-1)), op), finish)
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Work:
+        """reduce_scatter_tensor of several tensors at once (torch's functional collectives): one
+        reduce_scatter whose rank-r block holds every input's r-th part, so each output is what
+        reduce_scatter_tensor of its input alone gives."""
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        n = self.size()
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"psring: reduce_scatter_tensor_coalesced has {len(outputs)} outputs for {len(inputs)} inputs"
+            )
+        dtypes = {t.dtype for t in inputs}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"psring: reduce_scatter_tensor_coalesced needs inputs of one dtype, got {sorted(map(str, dtypes))}"
+            )
+        for i, (o, t) in enumerate(zip(outputs, inputs, strict=True)):
+            if t.numel() != o.numel() * n or o.dtype != t.dtype:
+                raise ValueError(
+                    f"psring: reduce_scatter_tensor_coalesced's input {i} needs {n} x {o.numel()} {o.dtype} "
+                    f"elements, got {t.numel()} {t.dtype}"
+                )
+        if not inputs:
+            return self.barrier()
+        op, post = _integer_avg(_reduce_op(opts), inputs[0].dtype, n)
+        blocks = [_reducible(t, op)[0].reshape(n, -1) for t in inputs]
+        flat = torch.cat(blocks, dim=1).reshape(-1)
+
+        def finish(out: Any) -> list[torch.Tensor]:
+            got, off = _from(post(out)).reshape(-1), 0
+            for o in outputs:
+                view = torch.view_as_real(o) if o.is_complex() else o
+                k = view.numel()
+                _store_into(view, got[off : off + k])
+                off += k
+            return outputs
+
+        return self._start(self._g.reduce_scatter(_view(flat), op), finish)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def all_to_all_single(
         self,
@@ -748,12 +862,16 @@ def create(backend_opts: Any, pg_options: Any = None) -> ProcessGroupPsring:
     return pg
 
 
+def _devices() -> list[str]:
+    """The device types psring serves: cpu, and cuda where cupy is (CUDA tensors go through it)."""
+    return ["cpu", "cuda"] if cupy_module() is not None else ["cpu"]
+
+
 def register() -> None:
     """Register the backend "psring" with torch.distributed (done by ``import psring.torch``)."""
     if NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
-    devices = ["cpu", "cuda"] if cupy_module() is not None else ["cpu"]
-    dist.Backend.register_backend(NAME, create, extended_api=True, devices=devices)
+    dist.Backend.register_backend(NAME, create, extended_api=True, devices=_devices())
 
 
 __all__ = ["BackendError", "ProcessGroupPsring", "Work", "create", "register"]
