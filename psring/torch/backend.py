@@ -9,7 +9,7 @@ the parameter server (``PSRING_TOPOLOGY=ring|ps``, or ``pg_options={"topology": 
 How it fits torch: the backend is a Python ``dist.ProcessGroup`` whose methods (``allreduce``,
 ``broadcast``, ``all_gather_single``, ``send``, ...) start the psring collective on the group's
 event-loop thread and return a :class:`Work` at once. torch's collectives work in place, psring's
-return new arrays: when the call finishes, one completion thread per process copies the result
+return new arrays: when the call finishes, a completion thread (a free one: see _Completer) copies the result
 into the caller's tensors and completes the Work's future (so DDP's hooks never run on the event
 loop). The world group meets through the c10d store torch hands the backend (torchrun's, a
 ``tcp://`` or ``file://`` init method's) unless ``PSRING_STORE`` names a psring store (where

@@ -6,6 +6,7 @@ ring and ps in real processes, psring's results against gloo's."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,24 @@ from .test_torch_backend import JOBS, run_ranks  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.torch, pytest.mark.timeout(300)]
 
-CLIENTS = ["powersgd", "fsdp2", "dtensor", "tensor_parallel", "async_save", "broadcast_load", "blocking_callback"]
+CLIENTS = ["powersgd", "fsdp2", "dtensor", "tensor_parallel", "async_save", "broadcast_load", "blocking_callback",
+           "compress_hooks", "post_local_sgd", "fsdp2_mixed", "functional"]  # fmt: skip
+GLOO_TEARDOWN = "terminate called without an active exception"
+#: what gloo gets wrong, which psring's run checks against known values instead
+GLOO_WRONG = {"functional": ["mixed_dtypes_gathered_right"]}
 
 
 def results(tmp: Path, backend: str, topology: str, world: int = 2, clients: list[str] = CLIENTS,
             **extra: str) -> list[dict[str, Any]]:  # fmt: skip
     folder = tmp / f"{backend}-{topology}-{world}"
-    out = run_ranks([str(JOBS / "torch_clients.py"), backend, str(folder), *clients], world, timeout=150,
-                    PSRING_TOPOLOGY=topology, CKPT_DIR=str(folder / "ckpt"), GLOO_SOCKET_IFNAME="lo", **extra)  # fmt: skip
+    args = [str(JOBS / "torch_clients.py"), backend, str(folder), *clients]
+    env = dict(PSRING_TOPOLOGY=topology, CKPT_DIR=str(folder / "ckpt"), GLOO_SOCKET_IFNAME="lo", **extra)
+    out = run_ranks(args, world, timeout=150, **env)
+    if backend == "gloo" and any(GLOO_TEARDOWN in text for code, text in out if code):
+        # gloo's own teardown aborted a rank after its results were written (pytorch/pytorch#190489; the
+        # frameworks' tests meet it too): the reference runs once more. psring's runs get no retry.
+        shutil.rmtree(folder, ignore_errors=True)
+        out = run_ranks(args, world, timeout=150, **env)
     for code, text in out:
         assert code == 0, text[-4000:]  # a hang ends here too: run_ranks' timeout, then the rank's output
     return [torch.load(folder / f"{r}.pt", weights_only=False) for r in range(world)]
@@ -36,12 +47,14 @@ def gloo(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     for rank, res in enumerate(got):
         for name in CLIENTS:
             assert not isinstance(res[name], tuple), f"gloo's own run of {name} failed on rank {rank}: {res[name]}"
+            for key in GLOO_WRONG.get(name, []):
+                res[name].pop(key)
     return got
 
 
 def same_values(mine: dict[str, Any], theirs: dict[str, Any], what: str) -> None:
     assert not isinstance(mine, tuple), f"{what} failed on psring: {mine}"
-    assert set(mine) == set(theirs), what
+    assert set(mine) == set(theirs), what + f": {sorted(set(mine) ^ set(theirs))}"
     for key, want in theirs.items():
         got = mine[key]
         assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {key}"
@@ -57,7 +70,10 @@ def test_torchs_clients_give_gloos_values(tmp_path: Path, gloo: list[dict[str, A
         for name in CLIENTS:
             if name == "blocking_callback":
                 continue  # below: its flags say which thread ran the callback, not only values
-            same_values(ours[rank][name], gloo[rank][name], f"{name} on rank {rank} ({topology})")
+            mine = ours[rank][name]
+            for key in GLOO_WRONG.get(name, []):
+                assert bool(mine.pop(key)), f"{name} on rank {rank} ({topology}): {key} is False"
+            same_values(mine, gloo[rank][name], f"{name} on rank {rank} ({topology})")
         # the loads did load: the async save's checkpoint is the model saved, rank 0's dict replaced each init
         assert bool(ours[rank]["async_save"]["loaded_equal"])
         assert bool(ours[rank]["broadcast_load"]["is_rank0s"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -231,6 +230,110 @@ def blocking_callback() -> dict[str, Any]:
     gate.set()
     return {"first": first, "broadcast": t, "summed": summed, "gathered": torch.stack(gathered),
             "ended_with_gate_shut": torch.tensor(in_time), "callback_saw_gate_open": torch.tensor(chained.wait())}
+
+
+@client
+def compress_hooks() -> dict[str, Any]:
+    """DDP with torch's fp16 compression hook, and its wrapper around the PowerSGD hook (bf16's
+    needs CUDA and NCCL, on gloo too)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    got: dict[str, Any] = {}
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd_hook
+
+    for name in ("fp16", "fp16_wrapper"):
+        model = nn.parallel.DistributedDataParallel(mlp())
+        if name == "fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            state = powersgd_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+            model.register_comm_hook(state, default_hooks.fp16_compress_wrapper(powersgd_hook.powerSGD_hook))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(4):
+            x, y = data(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        got.update({f"{name}.{k}": v.detach().clone() for k, v in model.state_dict().items()})
+    return got
+
+
+@client
+def post_local_sgd() -> dict[str, Any]:
+    """torch's local SGD: post_localSGD_hook plus PostLocalSGDOptimizer (model averaging every 2 steps)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_local
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    model = nn.parallel.DistributedDataParallel(mlp())
+    state = post_local.PostLocalSGDState(process_group=None, subgroup=dist.group.WORLD, start_localSGD_iter=2)
+    model.register_comm_hook(state, post_local.post_localSGD_hook)
+    opt = PostLocalSGDOptimizer(optim=torch.optim.SGD(model.parameters(), lr=0.05),
+                                averager=PeriodicModelAverager(period=2, warmup_steps=2))  # fmt: skip
+    for step in range(8):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@client
+def fsdp2_mixed() -> dict[str, Any]:
+    """FSDP2 with a bf16 parameter / fp32 reduce mixed-precision policy and reshard_after_forward=False."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = mlp()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(3):
+        x, y = data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+    return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+
+@client
+def functional() -> dict[str, Any]:
+    """torch's functional collectives called directly (what torch.compile'd code runs)."""
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+
+    def w(t: Any) -> Any:
+        return t.wait() if hasattr(t, "wait") else t
+
+    x = torch.arange(2 * world * 3, dtype=torch.float32).reshape(2 * world, 3) + 10 * rank
+    got: dict[str, Any] = {
+        "all_reduce": w(funcol.all_reduce(x, "sum", group)),
+        "all_reduce_avg": w(funcol.all_reduce(x, "avg", group)),
+        "all_reduce_max": w(funcol.all_reduce(x, "max", group)),
+        "all_gather": w(funcol.all_gather_tensor(x, 0, group)),
+        "all_gather_dim1": w(funcol.all_gather_tensor(x, 1, group)),
+        "reduce_scatter": w(funcol.reduce_scatter_tensor(x, "sum", 0, group)),
+        "all_to_all": w(funcol.all_to_all_single(x, None, None, group)),
+        "broadcast": w(funcol.broadcast(x, 1, group)),
+        "bf16_all_reduce": w(funcol.all_reduce(x.bfloat16(), "sum", group)),
+        "int_all_reduce": w(funcol.all_reduce(x.long(), "sum", group)),
+    }
+    many = funcol.all_reduce_coalesced([x, x * 2, x[:1]], "sum", group)
+    got.update({f"coalesced{i}": w(t) for i, t in enumerate(many)})
+    gathered = funcol.all_gather_into_tensor_coalesced([x, x[:1], x * 2], group)
+    got.update({f"gather_coalesced{i}": w(t) for i, t in enumerate(gathered)})
+    # of several dtypes at once: gloo's gives garbage here (its one buffer read as the first dtype),
+    # so each rank checks against what every rank's inputs are known to be
+    mixed = [w(t) for t in funcol.all_gather_into_tensor_coalesced([x, x[:1].double(), x.bfloat16()], group)]
+    theirs = [torch.arange(2 * world * 3, dtype=torch.float32).reshape(2 * world, 3) + 10 * r for r in range(world)]
+    want = [torch.cat(theirs), torch.cat([t[:1].double() for t in theirs]), torch.cat([t.bfloat16() for t in theirs])]
+    got["mixed_dtypes_gathered_right"] = torch.tensor(all(torch.equal(a, b) for a, b in zip(mixed, want, strict=True)))
+    scattered = funcol.reduce_scatter_tensor_coalesced([x, x * 3], "sum", [0, 0], group)
+    got.update({f"scatter_coalesced{i}": w(t) for i, t in enumerate(scattered)})
+    return {k: torch.as_tensor(v).clone() for k, v in got.items()}
 
 
 for name in wanted or list(CLIENTS):
