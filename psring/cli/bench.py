@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings as settings_mod
+from ..core.codec import CODECS
 from ..rendezvous.launch import launch
 from ..settings import TOPOLOGY_NAMES, Settings
 from ..transport.loop import new_event_loop
@@ -364,7 +365,7 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     b.add_argument("--workers", type=int, default=2)
     b.add_argument("--servers", type=int, default=env.servers, help="parameter-server shards (ps; PSRING_SERVERS)")
     b.add_argument("--steps", type=int, default=5)
-    b.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients as float16")
+    b.add_argument("--compression", choices=("none", *CODECS), default="none", help="a codec on the wire")
     b.add_argument("--warmup", type=int, default=1)
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cli_sgd)

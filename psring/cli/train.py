@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import settings as settings_mod
 from ..core import gpu
+from ..core.codec import CODECS
 from ..rendezvous.launch import launch
 from ..settings import TOPOLOGY_NAMES, Settings
 from ..training.job import PROGRESS, TRAIN_DEFAULTS, train_spec
@@ -78,7 +79,8 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         "--optimizer", choices=("sgd", "adam"), default=d["optimizer"], help="sgd (with --momentum) or adam"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=d["device"])
-    p.add_argument("--compression", choices=("none", "fp16"), default="none", help="fp16: gradients travel as float16")
+    p.add_argument("--compression", choices=("none", *CODECS), default="none",
+                   help="a codec the gradients travel with (fp16: float16)")  # fmt: skip
     p.add_argument("--accumulate", type=int, default=d["accumulate"], help="micro-batches per optimizer step")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument(

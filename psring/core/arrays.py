@@ -42,7 +42,6 @@ DTYPES: dict[str, np.dtype] = {name: np.dtype(name) for name in _DTYPE_NAMES}
 if _BFLOAT16 is not None:
     DTYPES["bfloat16"] = _BFLOAT16
 
-REDUCE_OPS = ("sum", "avg", "min", "max", "prod")
 
 _cupy: Any = None
 _cupy_checked = False

@@ -1,5 +1,8 @@
 """fp16 compression for all_reduce: float16 on the wire, float32 arithmetic, one canonical result.
 
+The arithmetic of :class:`psring.core.codec.Fp16` (what the ring, the shards and SyncSGD are
+handed); the rules:
+
 Every rank first agrees on one power-of-two scale 2**e (from the largest magnitude
 on any rank, so that a sum over all ranks stays below 2**15 and no partial sum can
 overflow float16). Then:
@@ -24,25 +27,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ProtocolError
-from .fold import finish_avg, ring_chunk_bounds
+from .fold import ring_chunk_bounds
+from .reduceop import OPS
 
-#: the codecs all_reduce and SyncSGD accept
-CODECS = ("fp16",)
 #: partial sums are kept below this (float16's largest finite value is 65504)
 _CEILING = 2.0**15
 #: scale exponents outside +-this are refused (2**100 keeps float32 products finite)
 MAX_EXP = 100
-
-
-def check_codec(compression: str | None, dtype: np.dtype, op: str) -> None:
-    if compression is None:
-        return
-    if compression not in CODECS:
-        raise ValueError(f"compression={compression!r} is not one of: None, {', '.join(map(repr, CODECS))}")
-    if dtype != np.float32:
-        raise TypeError(f"compression={compression!r} needs float32 arrays, got {dtype}")
-    if op not in ("sum", "avg"):
-        raise ValueError(f"compression={compression!r} works with op='sum' or op='avg', not op={op!r}")
 
 
 def scale_exponent(amax: float, n_ranks: int) -> int:
@@ -53,13 +44,9 @@ def scale_exponent(amax: float, n_ranks: int) -> int:
     return max(-MAX_EXP, min(MAX_EXP, e))
 
 
-def codec_op(op: str, compression: str, e: int) -> str:
-    """The op field of a compressed all_reduce's call descriptor: it carries the scale in every header."""
-    return f"{op}:{compression}@{e}"
-
-
 def parse_codec_op(op: object) -> tuple[str, int] | None:
-    """(base op, scale exponent) of a compressed op field, None for a plain op; ProtocolError if malformed."""
+    """(base op, scale exponent) of an fp16 call's op field, None for a plain op; ProtocolError if
+    malformed. (psring.core.codec.parse_descriptor reads any codec's.)"""
     if not isinstance(op, str) or ":" not in op:
         return None
     base, _, rest = op.partition(":")
@@ -68,7 +55,7 @@ def parse_codec_op(op: object) -> tuple[str, int] | None:
         e = int(exp)
     except ValueError:
         e = None
-    if base not in ("sum", "avg") or codec not in CODECS or e is None or not -MAX_EXP <= e <= MAX_EXP:
+    if base not in ("sum", "avg") or codec != "fp16" or e is None or not -MAX_EXP <= e <= MAX_EXP:
         raise ProtocolError(f"op {op!r} is not a valid compressed reduction (like 'avg:fp16@12')")
     return base, e
 
@@ -114,7 +101,6 @@ def fold_fp16(
             np.add(acc, dequantize(parts[(c + k) % n_ranks][a:b], e), out=acc)
             if k < n_ranks - 1:
                 dequantize(quantize(acc, e), e, out=acc)  # what the next ring hop receives
-        if op == "avg":
-            finish_avg(acc, n_ranks)
+        OPS[op].finish(acc, n_ranks)
         quantize(acc, e, out=out[a:b])
     return out

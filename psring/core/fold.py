@@ -22,9 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .arrays import REDUCE_OPS, dtype_name
-
-_UFUNCS = {"sum": np.add, "avg": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
+from .reduceop import OPS, op_named
 
 
 def ring_chunk_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
@@ -65,8 +63,7 @@ def two_level_fold(parts: Sequence[np.ndarray] | np.ndarray, op: str, out: np.nd
         fold_rows([parts[r] for r in host], ufunc, acc)
         if k:
             ufunc(out, acc, out=out)
-    if op == "avg":
-        finish_avg(out, sum(len(h) for h in hosts))
+    OPS[op].finish(out, sum(len(h) for h in hosts))
     return out
 
 
@@ -82,7 +79,7 @@ def fold_rows(rows: Sequence[np.ndarray], ufunc: np.ufunc, out: np.ndarray) -> n
 
 
 def reduce_op(op: str) -> np.ufunc:
-    return _UFUNCS[op]
+    return OPS[op].ufunc
 
 
 def canonical_fold(
@@ -111,8 +108,7 @@ def canonical_fold(
         ufunc(parts[n_ranks - 1], parts[0], out=out)
         for k in range(1, n_ranks - 1):
             ufunc(out, parts[k], out=out)
-        if op == "avg":
-            finish_avg(out, n_ranks)
+        OPS[op].finish(out, n_ranks)
         return out
     if (
         not isinstance(parts, np.ndarray)
@@ -137,8 +133,7 @@ def canonical_fold(
             ufunc(flat[index[0]], flat[index[1]], out=out)
             for k in range(2, n_ranks):
                 ufunc(out, flat[index[k]], out=out)
-        if op == "avg":
-            finish_avg(out, n_ranks)
+        OPS[op].finish(out, n_ranks)
         return out
     size = out.size
     for c, a, b in _chunks_in(size if total is None else total, n_ranks, offset, offset + size):
@@ -147,8 +142,7 @@ def canonical_fold(
         else:
             acc, rows = out[a:b], [parts[(c + k) % n_ranks][a:b] for k in range(n_ranks)]
         fold_rows(rows, ufunc, acc)  # no copy of the first operand first
-    if op == "avg":
-        finish_avg(out, n_ranks)
+    OPS[op].finish(out, n_ranks)
     return out
 
 
@@ -187,14 +181,13 @@ def _fold_index(n: int, n_ranks: int) -> np.ndarray:
 
 
 def finish_avg(acc: np.ndarray, n_ranks: int) -> None:
-    np.divide(acc, acc.dtype.type(n_ranks), out=acc)
+    """avg's last step (ReduceOp.finish of AVG)."""
+    OPS["avg"].finish(acc, n_ranks)
 
 
 def check_op(op: str, dtype: np.dtype) -> None:
-    if op not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not one of {', '.join(REDUCE_OPS)}")
-    if op == "avg" and dtype.kind not in "fV" and dtype_name(dtype) != "bfloat16":
-        raise TypeError(f"op='avg' needs a floating dtype, got {dtype}; use op='sum' and divide")
+    """Refuse an op that is not one (ValueError) or a dtype it is not defined on (TypeError)."""
+    op_named(op).check(dtype)
 
 
 def pieces(a: int, b: int, per_piece: int) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..core import gpu
 from ..core.arrays import array_module, check_array, cupy_module, is_cupy
-from ..core.compress import check_codec, codec_op, scale_exponent
+from ..core.codec import Codec, codec_named
 from ..core.fold import check_op
 from ..core.sparse import SparseRows
 from ..errors import (
@@ -121,12 +121,13 @@ class Group(CollectiveRuntime):
         return stage_to_device(y, xp)
 
     # -------------------------------------------------------- public collectives
-    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | Codec | None = None) -> Any:
         """Reduce x over all ranks with op; every rank gets the result (a new array).
 
-        ``compression="fp16"`` (float32 x, op sum or avg) moves float16 on the wire:
-        the ranks first agree on a power-of-two scale (a one-element max all_reduce),
-        then fold in float32 in the canonical order; see :mod:`psring.core.compress`.
+        ``compression``: a codec's name (``"fp16"``: float32 x, op sum or avg, float16 on the
+        wire) or a :class:`psring.core.codec.Codec`. The ranks first agree on the codec's scale
+        (a one-element max all_reduce), then fold in float32 in the canonical order, rounding every
+        partial sum as the codec says; see :mod:`psring.core.codec`.
         """
         if compression is None and is_cupy(x) and self.config.gpu_overlap:
             x = check_array(x)
@@ -135,8 +136,9 @@ class Group(CollectiveRuntime):
                 return await self._all_reduce_streamed(x, op, order)
         host, xp = self._host(x)
         check_op(op, host.dtype)
-        if compression is not None:
-            check_codec(compression, host.dtype, op)
+        codec = codec_named(compression)
+        if codec is not None:
+            codec.check(host.dtype, op)
             amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
             agree = self._begin("all_reduce", amax, "max")
             (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
@@ -145,9 +147,9 @@ class Group(CollectiveRuntime):
             except BaseException:
                 self._give_back([seq])
                 raise
-            e = scale_exponent(float(amax[0]), self.world_size)
-            coll = self._begin("all_reduce", host, codec_op(op, compression, e), seq=seq)
-            out = await self._run(coll, self._all_reduce_fp16(coll, host.reshape(-1), op, e))
+            e = codec.scale(float(amax[0]), self.world_size)
+            coll = self._begin("all_reduce", host, codec.descriptor(op, e), seq=seq)
+            out = await self._run(coll, self._all_reduce_coded(coll, host.reshape(-1), op, codec, e))
             return self._back(out.reshape(host.shape), xp)
         coll = self._begin("all_reduce", host, op)
         out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
@@ -324,8 +326,8 @@ class Group(CollectiveRuntime):
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
 
     @abc.abstractmethod
-    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
-        """all_reduce of float32 x with float16 on the wire at scale 2**e (see psring.core.compress)."""
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+        """all_reduce of float32 x as ``codec`` carries it, at scale exponent e (psring.core.codec)."""
 
     @abc.abstractmethod
     async def _reduce_scatter(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...

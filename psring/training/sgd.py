@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..core.arrays import check_array
-from ..core.compress import check_codec
+from ..core.codec import Codec, codec_named
 from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
@@ -48,7 +48,7 @@ class SyncSGD:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         accumulate: int = 1,
-        compression: str | None = None,
+        compression: str | Codec | None = None,
         elastic: bool = False,
         backup: int = 0,
         sparse: Sequence[str] = (),
@@ -87,13 +87,15 @@ class SyncSGD:
         self.joined_at: int | None = None
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
-        if compression is not None:
+        codec = codec_named(compression)
+        if codec is not None:
             for name, v in params.items():
                 try:
-                    check_codec(compression, check_array(v, f"params[{name!r}]").dtype, "avg")
+                    codec.check(check_array(v, f"params[{name!r}]").dtype, "avg")
                 except TypeError as exc:
                     raise TypeError(f"SyncSGD: params[{name!r}]: {exc}") from None
-        self.compression = compression
+        #: the codec's name (what the ranks agree on and a checkpoint records), or None
+        self.compression = codec.name if codec is not None else None
         self.group = group
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate

@@ -21,8 +21,8 @@ DEFAULT = RingPaths(rooted_min=3, plane_min=8 * MIB)
         (8 * MIB, 4, DEFAULT, {}, Path.PLANE),
         (8 * MIB, 4, DEFAULT, {"world": False}, Path.RING),  # subgroups have no plane
         (8 * MIB, 4, DEFAULT, {"plane_up": False}, Path.RING),
-        (8 * MIB, 4, DEFAULT, {"fp16": True}, Path.RING),  # float16 never takes the plane
-        (4, 4, DEFAULT, {"fp16": True}, Path.ROOTED),
+        (8 * MIB, 4, DEFAULT, {"coded": True}, Path.RING),  # a codec never takes the plane
+        (4, 4, DEFAULT, {"coded": True}, Path.ROOTED),
         (64 * MIB, 1, DEFAULT, {}, Path.DIRECT),  # one rank: nothing to pipeline
         (64 * MIB, 4, RingPaths(rooted_min=3, hierarchical=True), {}, Path.HIERARCHICAL),
         (4, 4, RingPaths(rooted_min=3, hierarchical=True), {}, Path.ROOTED),  # small: one hop, two-level fold

@@ -41,7 +41,7 @@ def test_two_hop_takes_the_job_group_of_4_ranks_or_more_between_its_bounds() -> 
     assert choose_all_reduce(4 * MIB + 4, 4, paths) is Path.PLANE  # above the maximum
     assert choose_all_reduce(MIB, 3, paths) is Path.PLANE  # 3 ranks: the ring
     assert choose_all_reduce(MIB, 4, paths, world=False) is not Path.TWO_HOP  # a subgroup
-    assert choose_all_reduce(MIB, 4, paths, fp16=True) is Path.RING
+    assert choose_all_reduce(MIB, 4, paths, coded=True) is Path.RING
     # a chunk over what one message carries: the plane
     wide = RingPaths(plane_min=128 << 10, two_hop_min=MIB, two_hop_max=64 * MIB)
     assert choose_all_reduce(4 * TWO_HOP_CHUNK_MAX, 4, wide) is Path.TWO_HOP

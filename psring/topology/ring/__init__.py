@@ -9,7 +9,7 @@ one-hop calls for small tensors; between hosts ``tcpdirect`` runs the DIRECT one
 thread over the TCP small-message links), ``twohop`` (medium calls between hosts in two hops over
 the same links), ``pipeline`` (the pipelined ring on the event loop), ``plane`` (a package: large calls
 on the threaded data plane), ``hier`` (two levels
-across hosts) and ``fp16`` (float16 on the wire). What they share: ``caller`` (numbering a call
+across hosts) and ``coded`` (a codec on the wire: psring.core.codec). What they share: ``caller`` (numbering a call
 off the loop and closing its books), ``exchange`` (the small-message exchange every one-hop phase
 goes through). ``net`` (``PeerNet``) is the rank's endpoint under them: the listening port, the
 links, losses; ``smalllinks`` (``SmallLinks``) its links for small messages, same-host Unix or TCP;

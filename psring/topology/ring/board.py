@@ -33,7 +33,8 @@ import numpy as np
 
 from ...core import wire
 from ...core.arrays import byte_view, dtype_name
-from ...core.fold import canonical_fold, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
+from ...core.fold import canonical_fold, fold_rows, reduce_op, ring_chunk_bounds
+from ...core.reduceop import OPS
 from ...errors import MismatchError
 from ...transport.shmboard import Board
 from ..collective import Collective, mismatch_message
@@ -413,8 +414,7 @@ class BoardAllReduce(Algorithm):
         # this rank's own chunk read from x: a native post leaves it out of the board (Board.exchange, split)
         own = x.reshape(-1)[a:b]
         fold_rows([own, *(parts[(me + j) % n][a:b] for j in range(1, n))], reduce_op(op), mine)
-        if op == "avg":
-            finish_avg(mine, n)
+        OPS[op].finish(mine, n)
         board.bytes_read += (b - a) * x.itemsize * (n - 1)
         board.mark(k)
         self.poke(board.sleepers(k, marked=True))

@@ -142,7 +142,7 @@ class Chooser:
         """The route of a call (what a trace or ``psring advise`` names)."""
         return self.choose(call).route
 
-    def loop_path(self, nbytes: int, fp16: bool = False) -> Path:
+    def loop_path(self, nbytes: int, coded: bool = False) -> Path:
         """The route of a call that did not take the boards: ring.paths decides, from what every rank agreed."""
         g = self.g
         plane = g.net.plane
@@ -151,7 +151,7 @@ class Chooser:
             g.world_size,
             g.net.paths,
             world=g.gid == "0",
-            fp16=fp16,
+            coded=coded,
             plane_up=plane is not None and plane.ready,
         )
 

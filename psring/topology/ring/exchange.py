@@ -68,7 +68,7 @@ class Exchange(GroupPart):
         if coll is None:
             if not self.g.on_stray(seq, call, src):
                 return  # a collective this rank ended: a leftover (or a mismatch, now reported)
-            # else one not begun yet (its number may be reserved already: fp16's scale agreement)
+            # else one not begun yet (its number may be reserved already: a codec's scale agreement)
         elif call != coll.desc:  # a different call (whose messages this one will never ask for)
             if not coll.done.done():
                 self.g._abort_everywhere(coll, self.g._mismatch_error(coll, src, call), "mismatch")

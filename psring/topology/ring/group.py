@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ...core import wire
+from ...core.codec import Codec
 from ...core.fold import ring_chunk_bounds
 from ...errors import PeerLostError, ProtocolError, PsringError
 from ...rendezvous.join import assign_rank, connect_store_of, group_set_up
@@ -34,9 +35,9 @@ from . import agree, quorum
 from .board import BoardAllReduce
 from .caller import CallerThread
 from .chooser import Algorithm, Chooser
+from .coded import CodedRing
 from .constants import SCATTER
 from .exchange import Exchange
-from .fp16 import Fp16Ring
 from .hier import Hierarchical
 from .net import PeerNet
 from .onehop import OneHop
@@ -87,7 +88,7 @@ class RingGroup(Group):
         self.two_hop = TwoHop(self)
         self.ring = PipelinedRing(self)
         self.plane = PlaneAllReduce(self)
-        self.fp16 = Fp16Ring(self)
+        self.coded = CodedRing(self)
         by_route: dict[Path, Algorithm] = {
             Path.HIERARCHICAL: self.hier,
             Path.TWO_HOP: self.two_hop,
@@ -213,7 +214,7 @@ class RingGroup(Group):
             await conn.flush()
 
     # ---------------------------------------------------------------- all_reduce: the chooser's
-    async def all_reduce(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
+    async def all_reduce(self, x: Any, op: str = "sum", compression: str | Codec | None = None) -> Any:
         if compression is None and type(x) is np.ndarray:
             algo = self.chooser.algorithm(x, op)
             soon = algo.soon(x, op, on_loop=True)
@@ -267,8 +268,8 @@ class RingGroup(Group):
             coll.input_wait(0, x.size)  # the input is still coming off the device: the others need all of it
         return await algo.run(coll, x, op)
 
-    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
-        return await self.fp16.all_reduce(coll, x, op, e)
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+        return await self.coded.all_reduce(coll, x, op, codec, e)
 
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         return self.plane.input_order(count, nbytes)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...core.arrays import byte_view, pooled_empty, result_empty
-from ...core.fold import Layout, finish_avg, fold_rows, reduce_op, ring_chunk_bounds
+from ...core.fold import Layout, fold_rows, reduce_op, ring_chunk_bounds
+from ...core.reduceop import OPS
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -120,8 +121,7 @@ class Hierarchical(Algorithm):
         )
         await step2
         mine = fold_rows([host_sum[cs - s : ce - s] if r == me else partials[r] for r in cross], ufunc, out[cs:ce])
-        if op == "avg":
-            finish_avg(mine, len(home) * n_hosts)
+        OPS[op].finish(mine, len(home) * n_hosts)
         # 3: the finished sub-chunk to the other hosts; 4: the finished slice to this host's ranks
         await self._send(coll, phase + 2, conns, {r: mine for r in cross if r != me})
         await step3

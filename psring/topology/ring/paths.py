@@ -94,16 +94,16 @@ class RingPaths:
 
 
 def choose_all_reduce(
-    nbytes: int, n_ranks: int, paths: RingPaths, *, world: bool = True, fp16: bool = False, plane_up: bool = True
+    nbytes: int, n_ranks: int, paths: RingPaths, *, world: bool = True, coded: bool = False, plane_up: bool = True
 ) -> Path:
     """The path of an all_reduce of ``nbytes`` over ``n_ranks`` ranks.
 
     ``world``: the call is on the job's whole group (subgroups have no plane and no host layout).
-    ``fp16``: float16 on the wire (the compressed ring: never the plane or the two levels).
+    ``coded``: a codec on the wire (the compressed ring: never the plane or the two levels).
     ``plane_up``: this rank's data plane is running (it is on every rank once set up; a closed one
     means the group is broken anyway).
     """
-    if fp16:
+    if coded:
         return paths.one_hop(n_ranks) if paths.small(nbytes, n_ranks) else Path.RING
     if world and paths.hierarchical and n_ranks > 1:
         return paths.one_hop(n_ranks) if nbytes <= paths.small_bytes else Path.HIERARCHICAL
@@ -136,5 +136,5 @@ def describe(paths: RingPaths) -> list[str]:
             else "two hops over the TCP small-message links: off"
         ),
         f"all_reduce of the job's group on the threaded data plane {plane}",
-        "every other all_reduce: the pipelined ring on the event loop; float16 on the wire: never the plane",
+        "every other all_reduce: the pipelined ring on the event loop; a codec on the wire: never the plane",
     ]

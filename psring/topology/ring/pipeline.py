@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ...core.arrays import byte_view, result_empty
-from ...core.fold import finish_avg, pieces, reduce_op, ring_chunk_bounds
+from ...core.fold import pieces, reduce_op, ring_chunk_bounds
+from ...core.reduceop import OPS
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
@@ -138,8 +139,7 @@ class PipelinedRing(Algorithm):
                 if c != final_chunk:
                     right.send_tensor(header(coll, RS, c, j), seg)
                 else:
-                    if op == "avg":
-                        finish_avg(seg, n_ranks)
+                    OPS[op].finish(seg, n_ranks)
                     if mode in ("all", "scatter"):  # to the next rank (in scatter mode: c's owner)
                         right.send_tensor(header(coll, AG, c, j), seg)
                     elif to_dst is not None:

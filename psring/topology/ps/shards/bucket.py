@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ....core.arrays import DTYPES
+from ....core.codec import Codec
 from ....core.fold import pieces
 from ....core.optim import Optimizer
 from ....transport.connection import Connection
@@ -56,7 +57,8 @@ class Bucket:
         self.given_step: int | None = None
         self.inbox: dict[int, dict[int, np.ndarray]] = {}
         self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
-        self.inbox_scale: dict[int, int | None] = {}  # piece -> the fp16 scale of its pushes (None: plain)
+        #: piece -> the codec and scale of its pushes (None: plain float32)
+        self.inbox_scale: dict[int, tuple[Codec, int] | None] = {}
         self.applied: set[int] = set()  # pieces of the current step already updated
         self.conns: dict[int, Connection] = {}
         self.held: list[tuple[int, list[int] | None]] = []  # results waiting for the checkpoint (piece, folded)

@@ -13,7 +13,6 @@ import numpy as np
 
 from ....core import wire
 from ....core.arrays import pooled_empty
-from ....core.compress import fold_fp16
 from ....core.fold import Layout, canonical_fold
 from ....errors import PeerLostError, ProtocolError, PsringError
 from ....transport.connection import Connection
@@ -44,7 +43,7 @@ class Folding:
     def fold(self, pending: _Pending, j: int, box: dict[int, np.ndarray]) -> None:
         pa, pb = pending.pieces[j]
         parts = [box[r] for r in range(pending.size)]
-        dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        dtype = pending.codec.wire if pending.codec else pending.dtype
         assert dtype is not None
         targets = [pending.conns[r] for r in _result_ranks(pending, pa, pb)]
         # the result goes into a slot of this process's pool when the workers map it: written once, read by all
@@ -60,7 +59,7 @@ class Folding:
         if out is None:
             out = np.empty(pb - pa, dtype) if pending.codec else pooled_empty(pb - pa, dtype)
         if pending.codec:
-            fold_fp16(parts, pending.op, pending.codec[1], out, pa, pending.n)
+            pending.codec.fold(parts, pending.op, pending.scale, out, pa, pending.n)
         else:
             hosts: Layout | None = None
             if pending.kind == "all_reduce" and pending.ordered:  # one "host" of them all: rank order

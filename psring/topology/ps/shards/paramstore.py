@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ....core.arrays import DTYPES, dtype_name
-from ....core.compress import dequantize, fold_fp16, parse_codec_op
+from ....core.codec import CODECS, Codec, parse_descriptor
 from ....core.fold import canonical_fold
 from ....core.optim import Optimizer
 from ....errors import ProtocolError, PsringError
@@ -259,12 +259,8 @@ class ParamStore:
                 f"(restored from an older checkpoint: steps {bucket.step}..{t - 1} were lost)"
             )
         pa, pb, _view = bucket.piece_view(j)
-        scale = header.get("scale")  # set: float16 gradients at scale 2**scale (psring.core.compress)
-        if scale is not None:
-            if bucket.dtype != np.float32:
-                raise ProtocolError(f"fp16 push to bucket {b} of {bucket.dtype_name}: compression needs float32")
-            parse_codec_op(f"avg:fp16@{scale}")  # validates the exponent
-        wire_dtype = np.dtype(np.float16) if scale is not None else bucket.dtype
+        coded = self._push_codec(header, b, bucket)  # (codec, scale) of encoded gradients, None: plain
+        wire_dtype = coded[0].wire if coded is not None else bucket.dtype
         want = (pb - pa) * wire_dtype.itemsize
         if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
             raise ProtocolError(
@@ -275,11 +271,11 @@ class ParamStore:
         box = bucket.inbox.setdefault(j, {})
         if src in box:
             return  # a duplicate of a push still waiting for the others
-        first = bucket.inbox_scale.setdefault(j, scale)
-        if first != scale:
+        first = bucket.inbox_scale.setdefault(j, coded)
+        if first != coded:
             raise ProtocolError(
-                f"rank {src} pushed piece {j} of bucket {b} at fp16 scale {scale}, another rank at {first} "
-                "(None: uncompressed); every worker must use the same compression"
+                f"rank {src} pushed piece {j} of bucket {b} {_coded_name(coded)}, another rank "
+                f"{_coded_name(first)}; every worker must use the same compression"
             )
         box[src] = np.frombuffer(payload, wire_dtype, count=pb - pa)
         if "pool" in header:  # it stays in the worker's shared memory until folded
@@ -288,16 +284,33 @@ class ParamStore:
             return
         self._apply(bucket, t, j)
 
+    @staticmethod
+    def _push_codec(header: dict[str, Any], b: int, bucket: Bucket) -> tuple[Codec, int] | None:
+        """The codec and scale a push's gradients travel with (``codec`` and ``scale`` in its header:
+        psring.core.codec), None for plain ones; a ProtocolError naming what is wrong."""
+        scale = header.get("scale")
+        if scale is None:
+            return None
+        name = header.get("codec", "fp16")  # a push that names no codec is fp16's (as before codecs had names)
+        if name not in CODECS:
+            raise ProtocolError(f"push to bucket {b}: codec {name!r} is not one of {sorted(CODECS)}")
+        if bucket.dtype != np.float32:
+            raise ProtocolError(f"{name} push to bucket {b} of {bucket.dtype_name}: compression needs float32")
+        coded = parse_descriptor(CODECS[name].descriptor("avg", scale))  # validates the exponent
+        assert coded is not None
+        return coded[1], coded[2]
+
     def _apply(self, bucket: Bucket, t: int, j: int) -> None:
         """Every member (with backup workers: all but b of them) pushed piece j of step t: average
         what came in the canonical (rank) order, update, answer."""
         pa, pb, view = bucket.piece_view(j)
-        box, scale = bucket.inbox[j], bucket.inbox_scale[j]
+        box, coded = bucket.inbox[j], bucket.inbox_scale[j]
         grad = np.empty(pb - pa, bucket.dtype)
         folded = sorted(r for r in box if r in bucket.members)
         parts = [box[r] for r in folded]
-        if scale is not None:
-            dequantize(fold_fp16(parts, "avg", scale, np.empty(pb - pa, np.float16), pa, bucket.n), scale, out=grad)
+        if coded is not None:
+            codec, e = coded
+            codec.decode(codec.fold(parts, "avg", e, np.empty(pb - pa, codec.wire), pa, bucket.n), e, out=grad)
         else:
             hosts = self.shard.layout_of(folded)
             canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n, hosts=hosts)
@@ -452,6 +465,10 @@ def configure_checkpoints(
             param_store(s).save()
 
     server.on_stop = save_all
+
+
+def _coded_name(coded: tuple[Codec, int] | None) -> str:
+    return "uncompressed" if coded is None else f"as {coded[0].name} at scale {coded[1]}"
 
 
 __all__ = ["ParamStore", "configure_checkpoints", "handle_param"]

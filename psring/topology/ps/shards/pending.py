@@ -9,8 +9,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ....core.arrays import DTYPES, prod
-from ....core.compress import parse_codec_op
+from ....core.codec import Codec, parse_descriptor
 from ....core.fold import pieces, ring_chunk_bounds
+from ....core.reduceop import OPS
 from ....errors import ProtocolError
 from ....transport.connection import Connection
 from ...collective import mismatch_message
@@ -42,6 +43,7 @@ class _Pending:
         "piece_bytes",
         "pieces",
         "root",
+        "scale",
         "seq",
         "size",
         "slice",
@@ -64,8 +66,10 @@ class _Pending:
     ):
         self.gid, self.seq, self.desc, self.size, self.first = gid, seq, desc, size, first
         kind, dtype, shape, op, root, _after = desc
-        self.codec = parse_codec_op(op)  # (op, scale exponent): float16 pieces, folded as psring.core.compress says
-        self.kind, self.op, self.root = kind, (self.codec[0] if self.codec else op), root
+        coded = parse_descriptor(op)  # (op, codec, scale exponent): encoded pieces, folded by the codec
+        self.codec: Codec | None = coded[1] if coded else None
+        self.scale = coded[2] if coded else 0
+        self.kind, self.op, self.root = kind, (coded[0] if coded else op), root
         self.dtype = DTYPES[dtype] if dtype is not None else None
         self.n = prod(tuple(shape)) if shape is not None else 0
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
@@ -129,10 +133,10 @@ def _check_desc(desc: Any, max_tensor: int) -> None:
         raise ProtocolError(f"shape {shape!r} is not a tuple of sizes")
     if shape is not None and dtype is not None and prod(shape) * DTYPES[dtype].itemsize > max_tensor:
         raise ProtocolError(f"a {list(shape)} {dtype} tensor is larger than this server accepts ({max_tensor} bytes)")
-    if kind in FOLD_KINDS and parse_codec_op(op) is not None:
+    if kind in FOLD_KINDS and parse_descriptor(op) is not None:
         if kind != "all_reduce" or dtype != "float32":
             raise ProtocolError(f"op {op!r} (compressed) needs a float32 all_reduce, not a {dtype} {kind}")
-    elif kind in FOLD_KINDS and op not in ("sum", "avg", "min", "max", "prod"):
+    elif kind in FOLD_KINDS and op not in OPS:
         raise ProtocolError(f"op {op!r} is not a reduction")
     if root is not None and type(root) is not int:
         raise ProtocolError(f"root {root!r} is not a rank")

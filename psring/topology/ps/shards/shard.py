@@ -316,7 +316,7 @@ class Shard:
             )
         pa, pb = pending.pieces[j]
         assert pending.dtype is not None
-        wire_dtype = np.dtype(np.float16) if pending.codec else pending.dtype
+        wire_dtype = pending.codec.wire if pending.codec else pending.dtype
         want = (pb - pa) * wire_dtype.itemsize
         if header["nbytes"] != want or header.get("dtype") != dtype_name(wire_dtype):
             raise ProtocolError(

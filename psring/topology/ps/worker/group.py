@@ -28,7 +28,7 @@ import numpy as np
 
 from ....core import wire
 from ....core.arrays import byte_view, result_empty
-from ....core.compress import dequantize, quantize
+from ....core.codec import Codec
 from ....core.fold import pieces, ring_chunk_bounds
 from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from ....rendezvous.scheduler import GroupSettings
@@ -295,13 +295,13 @@ class PsGroup(Group):
         await self._exchange(coll, x, expects, True, x.size, x.itemsize)
         return out
 
-    async def _all_reduce_fp16(self, coll: Collective, x: np.ndarray, op: str, e: int) -> np.ndarray:
-        # the layout is the float32 tensor's (as the shard computes it from the call); pieces travel as float16
-        q = quantize(x, e)
-        r16 = np.empty_like(q)
-        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, r16)]
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+        # the layout is the float32 tensor's (as the shard computes it from the call); pieces travel encoded
+        q = codec.encode(x, e)
+        got = np.empty_like(q)
+        expects = [(t, d) for t, d, _, _ in self._result_tags(coll, x.size, x.itemsize, got)]
         await self._exchange(coll, q, expects, True, x.size, x.itemsize)
-        return dequantize(r16, e)
+        return codec.decode(got, e)
 
     async def _reduce(self, coll: Collective, x: np.ndarray, op: str, dst: int) -> np.ndarray | None:
         out = np.empty_like(x)

@@ -34,7 +34,8 @@ import msgpack
 import numpy as np
 
 from ....core.arrays import byte_view, pooled_empty, result_empty
-from ....core.fold import Layout, finish_avg, fold_rows, host_layout, reduce_op, ring_chunk_bounds
+from ....core.fold import Layout, fold_rows, host_layout, reduce_op, ring_chunk_bounds
+from ....core.reduceop import OPS
 from ....errors import CollectiveTimeoutError, MismatchError
 from ....transport.samehost import host_key, same_host_paths
 from ....transport.shmboard import Board, board_possible
@@ -176,7 +177,7 @@ class HostReduce:
     ) -> np.ndarray:
         board, home = self.board, self.home
         ufunc = reduce_op(op)
-        cross_op = "sum" if op == "avg" else op
+        cross_op = OPS[op].partial  # avg's partial sums are sums
         inflight: list[tuple[int, int, int, asyncio.Task[np.ndarray]]] = []
         try:
             for b, (a0, a1) in enumerate(blocks):
@@ -211,8 +212,7 @@ class HostReduce:
     ) -> None:
         board, home = self.board, self.home
         y = await task
-        if op == "avg":
-            finish_avg(y, len(home) * len(self.hosts))
+        OPS[op].finish(y, len(home) * len(self.hosts))
         bounds = ring_chunk_bounds(a1 - a0, len(home))
         sa, sb = bounds[self.local]
         own = board.own_array(k, out.dtype, a1 - a0)

@@ -15,7 +15,7 @@ import numpy as np
 
 from ....core import wire
 from ....core.arrays import byte_view
-from ....core.compress import check_codec, quantize, scale_exponent
+from ....core.codec import Codec, codec_named
 from ....core.fold import pieces
 from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
 from ..plan import per_piece, plan
@@ -186,25 +186,26 @@ class ParameterClient:
         return outs, (steps[0] if steps else 0)
 
     async def step(
-        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | None = None
+        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | Codec | None = None
     ) -> int:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
 
-        With ``compression="fp16"`` the gradients travel as float16 at a scale the workers
-        agree on first, exactly as a compressed all_reduce does (psring.core.compress).
+        With ``compression`` (a codec or its name) the gradients travel encoded at a scale the
+        workers agree on first, exactly as a compressed all_reduce does (psring.core.codec).
 
         Returns the steps taken: 1, or with backup workers more when this worker was behind (the
         shards completed later steps without it, and their results are here already: outs holds
         the newest, and this worker skips the steps in between instead of computing them).
         """
         wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
-        if compression is not None:
+        codec = codec_named(compression)
+        if codec is not None:
             for g in grads:
-                check_codec(compression, g.dtype, "avg")
+                codec.check(g.dtype, "avg")
             amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
             amax = await self._agreed_max(amax)
-            exps = [scale_exponent(float(a), self.g.world_size) for a in amax]
-            wire_grads = [(quantize(g, e), e) for g, e in zip(grads, exps, strict=True)]
+            exps = [codec.scale(float(a), self.g.world_size) for a in amax]
+            wire_grads = [(codec.encode(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.g.timeout
         resend = False
@@ -214,7 +215,7 @@ class ParameterClient:
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
                 self.g._check_usable()
-                await self._param_round(t, grads, wire_grads, outs, got, deadline, resend)
+                await self._param_round(t, grads, wire_grads, outs, got, deadline, resend, codec)
                 return 1 + self._catch_up(t, grads, outs) if self.g.backup else 1
             except PeerLostError as exc:
                 if exc.rank is not None or not self.g.links.reconnect_servers:
@@ -281,6 +282,7 @@ class ParameterClient:
         got: set[tuple[Any, ...]],
         deadline: float,
         resend: bool = False,
+        codec: Codec | None = None,
     ) -> None:
         futs = []
         if self.g.links.share_memory_pending() and any(
@@ -291,7 +293,8 @@ class ParameterClient:
             sent, e = wire_grads[b]
             push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.g.rank}
             if e is not None:
-                push["scale"] = e
+                assert codec is not None
+                push["codec"], push["scale"] = codec.name, e
             if resend:  # after a reconnect: a piece applied already is answered, not dropped as late
                 push["resend"] = True
             for shard, _a, parts in self.layout(b, flat):

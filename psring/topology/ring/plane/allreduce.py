@@ -13,6 +13,7 @@ import numpy as np
 
 from ....core.arrays import result_empty
 from ....core.fold import pieces, reduce_op, ring_chunk_bounds
+from ....core.reduceop import OPS
 from ...collective import Collective
 from ..chooser import Algorithm, Call
 from ..paths import Path
@@ -94,7 +95,7 @@ class PlaneAllReduce(Algorithm):
         flat = x.reshape(-1)
         try:
             here = native.begin_here(
-                seq, msgpack.packb(desc), flat, result_empty(flat), self._parts(flat), kind, op, op == "avg"
+                seq, msgpack.packb(desc), flat, result_empty(flat), self._parts(flat), kind, op, OPS[op].mean
             )
             done = native.run_here(here, PLANE_ADOPT_AFTER)
         except BaseException as exc:
@@ -133,7 +134,7 @@ class PlaneAllReduce(Algorithm):
             kind = native.kind(x, op)
             if kind is not None:  # the job in C on the loop's own thread while it moves (as soon)
                 call = msgpack.packb(coll.desc)
-                here = native.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, op == "avg")
+                here = native.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, OPS[op].mean)
                 if native.run_here(here, self.g.caller.spin_budget(x.nbytes)):
                     self.ran_now += 1
                     return here[2]
@@ -145,7 +146,7 @@ class PlaneAllReduce(Algorithm):
             x,
             parts,
             reduce_op(op),
-            op == "avg",
+            OPS[op].mean,
             on_error,
             coll.input_wait,
             op,
