@@ -1,6 +1,6 @@
 """Short forms of the bad-day benchmarks: benchmarks/faults.py (the fault campaign, #59) runs a case and
 checks its invariants; benchmarks/contention.py (psring against gloo under CPU hogs, #60) runs a cell and
-ends its hogs. What they measure is theirs to say (docs/operations.md, docs/performance.md)."""
+ends its hogs. What they measure is theirs to say (docs/operations.md, docs/performance-history.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """benchmarks/compare_mpi.py (psring against MPICH through mpi4py), short form: it runs both
 sides on one host and over TCP only, through psring's blocking and asyncio APIs, and every rank's
-result is right on both. How fast is the benchmark's to say (docs/performance.md)."""
+result is right on both. How fast is the benchmark's to say (docs/performance-history.md)."""
 
 from __future__ import annotations
 

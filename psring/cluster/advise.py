@@ -41,7 +41,7 @@ The model (its assumptions, in the order they matter):
   its link still sends the last piece to each of them (``drain``): each those workers x the piece /
   bandwidth, pieces as psring cuts them across hosts, 8 per shard's slice between
   PSRING_PS_WIRE_PIECE and PSRING_PS_PIECE (both seen on the hosts bed, in the byte counters of a
-  server host's link: docs/performance.md, "psring advise against the hosts bed"). With R > 1 the ps reduces
+  server host's link: docs/performance-history.md, "psring advise against the hosts bed"). With R > 1 the ps reduces
   within each host before pushing, as BytePS does (from PSRING_PS_HOST_REDUCE bytes, in blocks of
   PSRING_PS_HOST_BLOCK): local rank l pushes the host's partial of slice l, so a host's link carries
   what one worker's would, and the ranks pay the hierarchical ring's memory traffic; below that size
@@ -165,7 +165,7 @@ def split_time(layout: Layout, x: float) -> float:
     that reach it. Its k dedicated flows, its pushes to the colocated shards of other hosts and its
     own shards' answers to them run side by side: the colocated ones take their share of the link
     while the dedicated shards' links idle, so the share that evens the links' bytes (BytePS's, the
-    equal-load bound) runs long. The bed's runs against this model: docs/performance.md ("psring advise
+    equal-load bound) runs long. The bed's runs against this model: docs/performance-history.md ("psring advise
     against the hosts bed")."""
     n, r, k = layout.workers, layout.ranks_per_host, layout.server_hosts
     pushers, per_host = _pushers(layout)

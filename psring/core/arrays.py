@@ -211,7 +211,7 @@ def keep_freed_memory(nbytes: int | None = None) -> bool:
     user's: it is process-wide. Arrays of a few MiB whose size changes every step (a sparse step's
     rows: no two steps alike, so :func:`pooled_empty` cannot help) are otherwise served from fresh
     pages each time, because glibc trims its heap and maps large blocks anew, and a fresh page costs
-    a fault: a large share of a shard's time in a sparse step (docs/performance.md, sparse rows).
+    a fault: a large share of a shard's time in a sparse step (docs/performance-history.md, sparse rows).
     Returns whether the setting took (False off glibc or when nbytes is 0)."""
     global _kept_memory
     if nbytes is None:

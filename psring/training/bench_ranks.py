@@ -53,7 +53,7 @@ def _peak_rss_bytes() -> int:
 def _iters_for(spec: dict[str, Any], size: int) -> int:
     """Latency-bound sizes are cheap and noisy: time them more often. So are the sizes of a few
     milliseconds a call on a busy machine, where one call in ten loses its core for a time slice
-    (3-6 ms): a mean over 5 such calls swung 0.5-1.6x gloo's from run to run (docs/performance.md)."""
+    (3-6 ms): a mean over 5 such calls swung 0.5-1.6x gloo's from run to run (docs/performance-history.md)."""
     if size <= (64 << 10):
         return int(spec.get("small_iters", spec["iters"]))
     if size <= (4 << 20):

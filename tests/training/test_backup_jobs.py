@@ -70,5 +70,5 @@ def test_the_main_job_learns_with_a_straggler_and_one_backup_worker(accumulate: 
     assert res.returncode == 0, res.stdout + res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ranks_agree"] is True, summary
-    assert summary["test_accuracy"] >= 0.9, summary  # 0.95 with the default 20 epochs (docs/performance.md)
+    assert summary["test_accuracy"] >= 0.9, summary  # 0.95 with the default 20 epochs (docs/performance-history.md)
     assert summary["history"][-1]["step"] == 6 * summary["history"][0]["step"], summary  # every batch counted once

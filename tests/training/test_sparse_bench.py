@@ -1,5 +1,5 @@
 """benchmarks/sparse.py, short form: the dense ring, the sparse ring and sparse ps all train the
-same small table to the end (how fast is the benchmark's to say: docs/performance.md)."""
+same small table to the end (how fast is the benchmark's to say: docs/performance-history.md)."""
 
 from __future__ import annotations
 

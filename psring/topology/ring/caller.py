@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 #: a rank spins PSRING_SPIN_US plus this per byte the call moves on the host (its size times the ranks)
 #: before it sleeps: a peer is late by the copy and fold of a larger call, and waking an asleep rank
-#: through the loop costs more than that (docs/performance.md, "Waiting on the boards")
+#: through the loop costs more than that (docs/performance-history.md, "Waiting on the boards")
 SPIN_PER_BYTE = 1e-9
 #: and at most this much in all (a spinning rank takes a core its late peers may need)
 SPIN_MAX = 0.02

@@ -1,7 +1,7 @@
 """The ring's small-message exchange: one message from every sender to every receiver of a call, and
 what arrives before its receive is posted.
 
-Every one-hop path (ring.onehop), the pipelined ring's small phases, the float16 ring's and the two-hop
+Every one-hop path (ring.onehop), the pipelined ring's small phases, the coded ring's and the two-hop
 call's loop side send and receive through here: over the same-host Unix links or the TCP small-message
 links between hosts (ring.smalllinks, ``net.small.active``: one message per receiver, read by the loop into
 the posted receive), else over the ranks' ordinary connections (the mailbox). A message for a call this rank has not

@@ -4,7 +4,7 @@ An all_reduce from PSRING_RING_STREAM up (every rank native and offering it: Boa
 posted as a board call is (its post carries no payload), then the split fold runs a block at a time
 through the slots in C (Board.stream), on the board's own thread with the GIL released, so
 each block is copied in, folded and copied out while it is in the caches: at 64 MiB about half the
-data plane's time at 4 ranks (the figures: docs/performance.md).
+data plane's time at 4 ranks (the figures: docs/performance-history.md).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ STREAM_WAIT = 0.05
 #: a rank waiting for its peers within a streamed call yields its core for STREAM_YIELD_US, then naps
 #: STREAM_NAP_US between polls (board.c's st_wait): with more runnable threads than cores (a busy
 #: machine, more ranks than cores) a yielding rank stays runnable and takes the core from the peer it waits
-#: for, where a napping one gives it up (docs/performance.md, "A busy machine")
+#: for, where a napping one gives it up (docs/performance-history.md, "A busy machine")
 STREAM_YIELD_US = 200
 STREAM_NAP_US = 50
 

@@ -291,7 +291,7 @@ class ParamStore:
         scale = header.get("scale")
         if scale is None:
             return None
-        name = header.get("codec", "fp16")  # a push that names no codec is fp16's (as before codecs had names)
+        name = header.get("codec")
         if name not in CODECS:
             raise ProtocolError(f"push to bucket {b}: codec {name!r} is not one of {sorted(CODECS)}")
         if bucket.dtype != np.float32:

@@ -1,7 +1,7 @@
 """The ring's data plane: all_reduce bytes on two blocking sockets, driven by two threads.
 
 Control stays on asyncio (handshakes, heartbeats, aborts, every other collective);
-the bytes of ``all_reduce`` do not. docs/performance.md has why: on loopback 80-86% of
+the bytes of ``all_reduce`` do not. docs/performance-history.md has why: on loopback 80-86% of
 the time is the kernel copying, and one event-loop thread that receives, adds and
 sends in turn leaves that copying idle half the time. Here a send thread and a
 receive thread (which also does the reduction) each block in their own syscalls,

@@ -177,7 +177,7 @@ class NativeJobs:
         whether its frames to the right go out from a thread of their own). The frames are the same
         either way, so each rank decides alone. From :attr:`send_thread` bytes the calling thread
         receives and folds while a second sends, each sleeping in the kernel at once when it has
-        nothing to do: on a busy machine that holds its share of the cores (docs/performance.md,
+        nothing to do: on a busy machine that holds its share of the cores (docs/performance-history.md,
         "Where the cores go, fourth look"); below it, one thread does both and yields a while first."""
         if 0 < self.send_thread <= nbytes:
             self.send_thread_runs += 1
