@@ -146,7 +146,7 @@ async def test_shard_answers_a_link_probe_and_refuses_a_bad_send_buffer(store, m
 
     groups = await make_groups(2, "ps", servers_n=2)
     links = groups[1].links
-    seconds = await linkprobe._round(links, links.shards, 1 << 20, 10.0)  # 512 KiB to each shard
+    seconds = await linkprobe._round(links.probes, links.shards, 1 << 20, 10.0)  # 512 KiB to each shard
     assert 0 < seconds < 10 and not links.probes
     links.shards[0].send_frame({"kind": "ps_link", "sndbuf": -5})
     with pytest.raises(psring.PsringError, match=r"server shard 0: a ps_link frame names send buffer -5"):

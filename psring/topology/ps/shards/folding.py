@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,26 +16,36 @@ from ....core import wire
 from ....core.arrays import pooled_empty
 from ....core.fold import Layout, canonical_fold
 from ....errors import PeerLostError, ProtocolError, PsringError
+from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.local import LocalConnection
 from .pending import _Pending, _result_ranks
 from .relay import release_held, send_once, shared_pool
-
-if TYPE_CHECKING:
-    from .shard import Shard
 
 logger = logging.getLogger(__name__)
 
 
 class Folding:
     """A shard's work on the pieces of its collectives (held by :class:`~psring.topology.ps.shards.shard.Shard`):
-    folds them in the canonical order, forwards relayed ones, paces the workers that push them."""
+    folds them in the canonical order, forwards relayed ones, paces the workers that push them.
 
-    def __init__(self, shard: Shard) -> None:
-        self.shard = shard
-        self.settings = shard.settings
-        self.index = shard.index
-        self.shards = shard.shards
+    Built from what it needs of its shard, not the shard: the settings, the shard's index among
+    ``shards``, ``layout_of`` (the two-level order's hosts for a fold over some ranks) and ``finish``
+    (a collective is done on this shard: it leaves the shard's table)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        index: int,
+        shards: int,
+        layout_of: Callable[[Sequence[int]], Layout | None],
+        finish: Callable[[tuple[str, int], str], None],
+    ) -> None:
+        self.settings = settings
+        self.index = index
+        self.shards = shards
+        self._layout_of = layout_of
+        self._finish = finish
         #: a worker's pushed-but-unreduced bytes (its reading pauses past PSRING_SERVER_BUFFER)
         self.buffered: dict[Connection, int] = {}
         self._handing: set[asyncio.Task[None]] = set()  # in-place results waiting for their sockets to drain
@@ -65,7 +76,7 @@ class Folding:
             if pending.kind == "all_reduce" and pending.ordered:  # one "host" of them all: rank order
                 hosts = (tuple(range(pending.size)),)
             elif pending.kind == "all_reduce" and pending.gid == "0":
-                hosts = self.shard.layout_of(range(pending.size))
+                hosts = self._layout_of(range(pending.size))
             canonical_fold(parts, pending.op, out, pa, pending.n, hosts)
         del pending.inbox[j]
         release_held(pending.held.pop(j, ()))  # handed back with the result frames below
@@ -185,7 +196,7 @@ class Folding:
                 for conn in pending.conns.values():
                     with contextlib.suppress(PsringError):
                         conn.send_frame(dict(header))
-            self.shard._finish((pending.gid, pending.seq), "done")
+            self._finish((pending.gid, pending.seq), "done")
 
 
 def _in_place(

@@ -83,7 +83,7 @@ class Shard:
         self.idle.set()
         self._layouts: dict[tuple[int, ...], Layout | None] = {}
         #: what it does with the pieces of a collective: folds, forwards, paces the workers
-        self.folding = Folding(self)
+        self.folding = Folding(self.settings, self.index, self.shards, self.layout_of, self._finish)
 
     def __repr__(self) -> str:
         return f"Shard({self.index}/{self.shards}, job={self.job})"

@@ -19,17 +19,15 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ....errors import PsringError
 from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
 from ....transport.tcpsocket import kernel_round_trip
 from ..plan import WIRE_PIECES, link_tuning
-
-if TYPE_CHECKING:
-    from .links import ServerLinks
 
 logger = logging.getLogger(__name__)
 
@@ -80,17 +78,21 @@ class Tuning:
         return f"links to other hosts {links}: {self.pieces} pieces a slice, {buffer}"
 
 
-def remote(links: ServerLinks) -> list[Connection]:
-    """This worker's open socket connections to shards on other hosts."""
-    return [c for c in links.shards if c.is_open and not c.is_local and elsewhere(c.peer.get("host"))]
+#: a link probe's answers awaited, by tag (the links' table: their reader completes them)
+Probes = dict[tuple[Any, ...], asyncio.Future[None]]
 
 
-async def _round(links: ServerLinks, conns: list[Connection], nbytes: int, timeout: float) -> float:
+def remote(shards: Sequence[Connection]) -> list[Connection]:
+    """The open socket connections among a worker's links to its shards that reach other hosts."""
+    return [c for c in shards if c.is_open and not c.is_local and elsewhere(c.peer.get("host"))]
+
+
+async def _round(probes: Probes, conns: list[Connection], nbytes: int, timeout: float) -> float:
     """Seconds until every shard in conns has answered its share of nbytes."""
     share = memoryview(bytes(max(nbytes // len(conns), 1)))
     loop = asyncio.get_running_loop()
     tags = [("link", next(_tags)) for _ in conns]
-    waits = [links.probes.setdefault(tag, loop.create_future()) for tag in tags]
+    waits = [probes.setdefault(tag, loop.create_future()) for tag in tags]
     start = time.perf_counter()
     try:
         for conn, tag in zip(conns, tags, strict=True):
@@ -99,24 +101,27 @@ async def _round(links: ServerLinks, conns: list[Connection], nbytes: int, timeo
             await asyncio.gather(*waits)
     finally:
         for tag, fut in zip(tags, waits, strict=True):
-            links.probes.pop(tag, None)
+            probes.pop(tag, None)
             fut.cancel()
     return time.perf_counter() - start
 
 
-async def measure(links: ServerLinks) -> tuple[float, float] | None:
-    """(rate in bytes/s, round trip in seconds) of this worker's links to shards on other hosts, or
-    None where it reaches none, or the shards do not answer within WAIT_S."""
-    conns = remote(links)
+async def measure(
+    shards: Sequence[Connection], probes: Probes, timeout: float, rank: int
+) -> tuple[float, float] | None:
+    """(rate in bytes/s, round trip in seconds) of a worker's links to shards on other hosts (among
+    ``shards``), or None where it reaches none, or the shards do not answer within WAIT_S (or
+    ``timeout``). ``probes``: where the links' reader completes the answers."""
+    conns = remote(shards)
     if not conns:
         return None
-    timeout = min(WAIT_S, links.settings.timeout)
+    timeout = min(WAIT_S, timeout)
     try:
-        first = FIRST / await _round(links, conns, FIRST, timeout)
+        first = FIRST / await _round(probes, conns, FIRST, timeout)
         size = int(min(MOST, max(FIRST, first * ROUND_S)))
-        rate = max(first, size / await _round(links, conns, size, timeout))
+        rate = max(first, size / await _round(probes, conns, size, timeout))
     except (TimeoutError, PsringError) as exc:
-        logger.warning("rank %d: the links to the shards on other hosts were not measured (%s)", links.rank, exc)
+        logger.warning("rank %d: the links to the shards on other hosts were not measured (%s)", rank, exc)
         return None
     trips = [t for t in (kernel_round_trip(c) for c in conns) if t is not None]
     # without the kernel's word the first round's time stands in: far above any round trip small

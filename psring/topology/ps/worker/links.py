@@ -67,7 +67,7 @@ class ServerLinks:
         #: the job's pieces a slice and send buffer between hosts (rank 0's choice: linkprobe); until
         #: learn_piece, this worker's own settings
         self.tuning = linkprobe.Tuning(self.config.ps_wire_pieces or WIRE_PIECES, self.config.ps_sndbuf or 0)
-        self.probes: dict[tuple[Any, ...], asyncio.Future[None]] = {}  # a link probe's answers (linkprobe)
+        self.probes: linkprobe.Probes = {}  # a link probe's answers (linkprobe)
         ServerLinks.live += 1
         self._counted = True
 
@@ -180,7 +180,11 @@ class ServerLinks:
         if self.rank == 0:  # rank 0's shard weights and tuning are the job's
             weights = self.config.ps_weights
             await self.store.set(f"{self.prefix}/weights", ",".join(map(str, weights)).encode() if weights else b"")
-            measured = await linkprobe.measure(self) if linkprobe.needs_measure(self.config) else None
+            measured = (
+                await linkprobe.measure(self.shards, self.probes, self.settings.timeout, self.rank)
+                if linkprobe.needs_measure(self.config)
+                else None
+            )
             await self.store.set(linkprobe.key(self.prefix), linkprobe.choose(self.config, measured).encode())
 
     async def learn_weights(self) -> None:
