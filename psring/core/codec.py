@@ -22,6 +22,8 @@ import numpy as np
 
 from ..errors import ProtocolError
 from . import compress
+from .fold import ring_chunk_bounds
+from .reduceop import OPS
 
 #: the reduce ops a codec carries (sums of what travels; avg divides at the end)
 CODED_OPS = ("sum", "avg")
@@ -34,6 +36,9 @@ class Codec:
     name: str = ""
     #: the dtype of what travels
     wire: np.dtype = np.dtype(np.float32)
+    #: whether the ranks agree on a scale before each call (a one-element max all_reduce); a codec
+    #: with float32's range (bf16) needs none and always runs at e = 0
+    scaled: bool = True
 
     def check(self, dtype: np.dtype, op: str) -> None:
         """Refuse, naming it, an input this codec cannot carry (float32 only; sum or avg)."""
@@ -44,7 +49,7 @@ class Codec:
 
     def scale(self, amax: float, n_ranks: int) -> int:
         """The scale exponent every rank uses, from the largest magnitude on any rank."""
-        raise NotImplementedError
+        return 0
 
     def encode(self, x: np.ndarray, e: int, out: np.ndarray | None = None) -> np.ndarray:
         """A rank's float32 contribution as it travels (dtype ``wire``)."""
@@ -64,8 +69,26 @@ class Codec:
         total: int | None = None,
     ) -> np.ndarray:
         """Fold the ranks' encoded pieces ``parts[0..N-1]`` into ``out`` (encoded) as the ring does;
-        the pieces may be a window ``[offset, offset + out.size)`` of a tensor of ``total`` elements."""
-        raise NotImplementedError
+        the pieces may be a window ``[offset, offset + out.size)`` of a tensor of ``total`` elements.
+
+        Element i of ring chunk c: ``((x'_c + x'_c+1) + ...) + x'_c-1`` in float32 (x' a rank's decoded
+        contribution), every partial sum encoded and decoded again where the ring sends it to the next
+        rank, the last one divided for avg, then encoded once more: what every rank receives."""
+        n_ranks = len(parts)
+        lo, hi = offset, offset + out.size
+        last = OPS[op]
+        for c, (a, b) in enumerate(ring_chunk_bounds(out.size if total is None else total, n_ranks)):
+            a, b = max(a, lo) - lo, min(b, hi) - lo
+            if a >= b:
+                continue
+            acc = self.decode(parts[c][a:b], e)
+            for k in range(1, n_ranks):
+                np.add(acc, self.decode(parts[(c + k) % n_ranks][a:b], e), out=acc)
+                if k < n_ranks - 1:
+                    self.decode(self.encode(acc, e), e, out=acc)  # what the next ring hop receives
+            last.finish(acc, n_ranks)
+            self.encode(acc, e, out=out[a:b])
+        return out
 
     def descriptor(self, op: str, e: int) -> str:
         """The op field of a call that travels with this codec at scale ``e``."""
@@ -102,9 +125,38 @@ class Fp16(Codec):
         return compress.fold_fp16(parts, op, e, out, offset, total)
 
 
+class Bf16(Codec):
+    """bfloat16 on the wire: float32's top 16 bits, rounded to nearest even (float32's exponent range:
+    no scale to agree on, nothing flushed to zero); numpy has no bfloat16, so it travels as uint16."""
+
+    name = "bf16"
+    wire = np.dtype(np.uint16)
+    scaled = False
+
+    def encode(self, x: np.ndarray, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
+        rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))  # to nearest, ties even
+        top = (rounded >> np.uint32(16)).astype(np.uint16)
+        nan = np.isnan(x)
+        if nan.any():
+            top[nan] = 0x7FC0  # a NaN stays a NaN (rounding its mantissa could carry into the sign)
+        if out is None:
+            return top.reshape(np.shape(x))
+        out[...] = top.reshape(out.shape)
+        return out
+
+    def decode(self, q: np.ndarray, e: int, out: np.ndarray | None = None) -> np.ndarray:
+        wide = (np.asarray(q, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+        if out is None:
+            return wide
+        out[...] = wide
+        return out
+
+
 FP16 = Fp16()
+BF16 = Bf16()
 #: the codecs all_reduce, SyncSGD and the shards accept, by name
-CODECS: dict[str, Codec] = {c.name: c for c in (FP16,)}
+CODECS: dict[str, Codec] = {c.name: c for c in (FP16, BF16)}
 
 
 def codec_named(compression: str | Codec | None) -> Codec | None:
@@ -134,4 +186,4 @@ def parse_descriptor(op: object) -> tuple[str, Codec, int] | None:
     return base, codec, e
 
 
-__all__ = ["CODECS", "FP16", "Codec", "Fp16", "codec_named", "parse_descriptor"]
+__all__ = ["BF16", "CODECS", "FP16", "Bf16", "Codec", "Fp16", "codec_named", "parse_descriptor"]

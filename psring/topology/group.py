@@ -139,15 +139,17 @@ class Group(CollectiveRuntime):
         codec = codec_named(compression)
         if codec is not None:
             codec.check(host.dtype, op)
-            amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
-            agree = self._begin("all_reduce", amax, "max")
-            (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
-            try:
-                amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
-            except BaseException:
-                self._give_back([seq])
-                raise
-            e = codec.scale(float(amax[0]), self.world_size)
+            e, seq = 0, None
+            if codec.scaled:  # the ranks agree on the scale first
+                amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
+                agree = self._begin("all_reduce", amax, "max")
+                (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
+                try:
+                    amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+                except BaseException:
+                    self._give_back([seq])
+                    raise
+                e = codec.scale(float(amax[0]), self.world_size)
             coll = self._begin("all_reduce", host, codec.descriptor(op, e), seq=seq)
             out = await self._run(coll, self._all_reduce_coded(coll, host.reshape(-1), op, codec, e))
             return self._back(out.reshape(host.shape), xp)

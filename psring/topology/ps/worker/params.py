@@ -202,9 +202,11 @@ class ParameterClient:
         if codec is not None:
             for g in grads:
                 codec.check(g.dtype, "avg")
-            amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
-            amax = await self._agreed_max(amax)
-            exps = [codec.scale(float(a), self.g.world_size) for a in amax]
+            exps = [0] * len(grads)
+            if codec.scaled:  # the workers agree on each bucket's scale first
+                amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
+                amax = await self._agreed_max(amax)
+                exps = [codec.scale(float(a), self.g.world_size) for a in amax]
             wire_grads = [(codec.encode(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.g.timeout
