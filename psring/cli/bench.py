@@ -63,6 +63,7 @@ def run_allreduce(
     quiet: bool = True,
     colocate: bool = False,
     scale: bool = False,
+    compression: str | None = None,
 ) -> list[dict[str, Any]]:
     """Spawn the ranks, time every size, return one row per size (``scale``: each row also has
     the worst rank's set-up figures under "setup")."""
@@ -80,6 +81,7 @@ def run_allreduce(
             "small_iters": max(iters, 200),
             "mid_iters": max(iters, 50),
             "scale": scale,
+            "compression": compression,
         }
         env = settings_mod.child_env(settings_mod.process_env(), servers=servers, ps_colocate=colocate or None)
         cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
@@ -273,14 +275,20 @@ def cli_sgd(args: argparse.Namespace) -> int:
 def format_table(rows: list[dict[str, Any]], title: str) -> str:
     lines = [
         f"# {title}",
-        f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}",
+        f"{'size':>10} {'count':>12} {'dtype':>8} {'time(us)':>12} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+        f" {'sent/call':>10}",
     ]
     for r in rows:
+        sent = r.get("bytes_sent_per_call")
         lines.append(
             f"{human(r['size']):>10} {r['count']:>12} {r['dtype']:>8} {r['time_s'] * 1e6:>12.1f} "
-            f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f}"
+            f"{r['algbw_GBps']:>12.3f} {r['busbw_GBps']:>12.3f} {_mib(sent):>10}"
         )
     return "\n".join(lines)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / (1 << 20):.2f}M" if nbytes >= 1 << 20 else str(nbytes)
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
@@ -317,8 +325,11 @@ def cli(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         servers=getattr(args, "servers", None),
         colocate=getattr(args, "colocate", False),
+        compression=None if args.compression == "none" else args.compression,
     )
     title = f"psring all_reduce, topology={args.topology}, workers={args.workers}"
+    if args.compression != "none":
+        title += f", compression={args.compression}"
     if getattr(args, "colocate", False):
         title += " (shards colocated with the workers)"
     if args.json:
@@ -349,6 +360,8 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     )
     b.add_argument("--sizes", default="4,1M,16M,64M", help="comma-separated byte sizes (K, M, G suffixes)")
     b.add_argument("--dtype", default="float32")
+    b.add_argument("--compression", choices=("none", *CODECS), default="none",
+                   help="a codec on the wire (float32, op sum); the table's 'sent' column shows its bytes")  # fmt: skip
     b.add_argument("--iters", type=int, default=10)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")

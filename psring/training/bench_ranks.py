@@ -106,6 +106,7 @@ async def _psring_rank(spec: dict[str, Any]) -> dict[str, Any] | None:
 
 async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None:
     dtype = np.dtype(spec["dtype"])
+    compression = spec.get("compression")  # a codec (float32, op sum)
     results = []
     for size in spec["sizes"]:
         count = max(1, size // dtype.itemsize)
@@ -115,14 +116,18 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
         idle = _rss_bytes()
         _reset_peak_rss()
         for _ in range(_warmup_for(spec, size)):
-            await group.all_reduce(x)
+            await group.all_reduce(x, compression=compression)
         times = []
+        sent = 0
         for _ in range(_iters_for(spec, size)):
             await group.barrier()
+            before = group.stats()["bytes_sent"]
             t0 = time.perf_counter()
-            await group.all_reduce(x)
+            await group.all_reduce(x, compression=compression)
             times.append(time.perf_counter() - t0)
+            sent += group.stats()["bytes_sent"] - before
         peak = _peak_rss_bytes()
+        sent_per_call = await group.all_reduce(np.array([sent / max(len(times), 1)]), op="max")
         slowest = await group.all_reduce(np.array(times), op="max")
         peaks = await group.all_gather(np.array([peak - idle], dtype=np.int64))
         shards = group.per_shard()  # the parameter server's shards ([] on the ring)
@@ -132,6 +137,9 @@ async def _time_sizes(group: Any, spec: dict[str, Any]) -> dict[str, Any] | None
                 "count": count,
                 "time_s": float(np.median(slowest)),
                 "peak_rss_over_idle": int(max(int(p[0]) for p in peaks)),
+                "compression": compression,
+                # the most bytes a rank sent per call (its barriers' few bytes included)
+                "bytes_sent_per_call": int(sent_per_call[0]),
                 "topology": group.topology,
                 "ps_piece": group.piece_for(count * dtype.itemsize) if hasattr(group, "piece_for") else None,
                 "ps_shards": len(shards) if shards else None,

@@ -56,6 +56,19 @@ def test_bench_allreduce_table_fields(topology: str) -> None:
 
 
 @pytest.mark.parametrize("topology", ["ring", "ps"])
+def test_bench_allreduce_with_a_codec_reports_its_bytes(topology: str) -> None:
+    def rows(*extra: str) -> list[dict]:
+        args = ["-m", "psring", "bench", "allreduce", "--topology", topology, "--workers", "2", "--sizes", "1M",
+                "--iters", "2", "--json", *extra]  # fmt: skip
+        return _json(args)["rows"]
+
+    (plain,), (coded,) = rows(), rows("--compression", "bf16")
+    assert plain["compression"] is None and coded["compression"] == "bf16"
+    # 2 bytes an element instead of 4 (the barriers' few bytes beside them)
+    assert 0.45 < coded["bytes_sent_per_call"] / plain["bytes_sent_per_call"] < 0.55, (coded, plain)
+
+
+@pytest.mark.parametrize("topology", ["ring", "ps"])
 def test_bench_sgd_splits_step_time(topology: str) -> None:
     r = _json(
         [
