@@ -141,15 +141,15 @@ class Group(CollectiveRuntime):
             codec.check(host.dtype, op)
             e, seq = 0, None
             if codec.scaled:  # the ranks agree on the scale first
-                amax = np.array([np.max(np.abs(host)) if host.size else 0.0], np.float32)
+                amax = codec.amax(host.reshape(-1))
                 agree = self._begin("all_reduce", amax, "max")
                 (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
                 try:
                     amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+                    e = codec.scale(amax, self.world_size)  # may refuse what it cannot carry: every rank alike
                 except BaseException:
                     self._give_back([seq])
                     raise
-                e = codec.scale(float(amax[0]), self.world_size)
             coll = self._begin("all_reduce", host, codec.descriptor(op, e), seq=seq)
             out = await self._run(coll, self._all_reduce_coded(coll, host.reshape(-1), op, codec, e))
             return self._back(out.reshape(host.shape), xp)
@@ -328,7 +328,7 @@ class Group(CollectiveRuntime):
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray: ...
 
     @abc.abstractmethod
-    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         """all_reduce of float32 x as ``codec`` carries it, at scale exponent e (psring.core.codec)."""
 
     @abc.abstractmethod

@@ -10,17 +10,22 @@ import numpy as np
 import pytest
 
 import psring
-from psring.core.codec import BF16, CODECS, FP16, Codec, codec_named, parse_descriptor
+from psring.core.codec import BF16, CODECS, FP16, INT8, INT8_BLOCK, Codec, Int8Scale, codec_named, parse_descriptor
 from psring.errors import ProtocolError
 
 pytestmark = [pytest.mark.timeout(120)]
 
 
+def agreed_scale(codec: Codec, xs: list[np.ndarray]) -> object:
+    """The scale the ranks agree on: from the elementwise max over the ranks of each one's amax."""
+    if not codec.scaled:
+        return 0
+    return codec.scale(np.max(np.stack([codec.amax(x.reshape(-1)) for x in xs]), axis=0), len(xs))
+
+
 def reference(codec: Codec, xs: list[np.ndarray], op: str) -> np.ndarray:
     """The documented rule, from the inputs alone: the agreed scale, every rank's encoding, the fold."""
-    n = len(xs)
-    amax = max(float(np.max(np.abs(x))) if x.size else 0.0 for x in xs)
-    e = codec.scale(amax, n) if codec.scaled else 0
+    e = agreed_scale(codec, xs)
     qs = [codec.encode(x.reshape(-1), e) for x in xs]
     return codec.decode(codec.fold(qs, op, e, np.empty(qs[0].size, codec.wire)), e).reshape(xs[0].shape)
 
@@ -53,7 +58,8 @@ def test_names_and_descriptors() -> None:
     for bad in ("avg:zstd@0", "max:bf16@0", "avg:bf16@x"):
         with pytest.raises(ProtocolError, match="not a valid compressed reduction"):
             parse_descriptor(bad)
-    with pytest.raises(ValueError, match=r"compression='int4' is not one of: None, 'fp16', 'bf16'"):
+    assert parse_descriptor("avg:int8@123456") == ("avg", INT8, 123456)
+    with pytest.raises(ValueError, match=r"compression='int4' is not one of: None, 'fp16', 'bf16', 'int8'"):
         codec_named("int4")
 
 
@@ -92,9 +98,40 @@ async def test_a_codec_gives_the_rules_bits_on_every_rank_of_both_topologies(
             # bfloat16: |err| <= N * 2^-8 * (the sum of |x| over the ranks), elementwise (docs/api.md)
             bound = world * RELATIVE[name] * np.sum(np.abs(np.stack(xs)), axis=0) / (world if op == "avg" else 1)
             assert np.all(np.abs(ys[0] - exact) <= bound + 1e-45)
+        elif name == "int8" and size:
+            # each rank's rounding is at most half a step of its block (2**-e); the sums are exact; avg's
+            # last division rounds once more: sum <= N/2 steps, avg <= 1 step (docs/api.md)
+            step = 1.0 / agreed_scale(codec, xs).factors(0, size).astype(np.float64)
+            bound = step * (world / 2 if op == "sum" else 1.0)
+            assert np.all(np.abs(ys[0] - exact) <= bound * (1 + 1e-6))
         elif size:
             scale = float(np.max(np.abs(np.stack(xs)))) * world
             assert np.max(np.abs(ys[0] - exact)) <= scale * 2.0**-9
+
+
+def test_int8_scales_leave_room_for_every_sum_and_refuse_what_int8_cannot_carry() -> None:
+    rng = np.random.default_rng(5)
+    n = 3 * INT8_BLOCK + 17
+    for world in (1, 2, 4, 7):
+        xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-8, 8, n // INT8_BLOCK + 1).repeat(INT8_BLOCK)[:n])
+              .astype(np.float32) for _ in range(world)]  # fmt: skip
+        e = agreed_scale(INT8, xs)
+        assert isinstance(e, Int8Scale) and len(e.exps) == 4
+        qs = [INT8.encode(x, e).astype(np.int32) for x in xs]
+        assert np.max(np.abs(np.sum(qs, axis=0))) <= 127  # no partial sum leaves int8
+        # decoding is exact, and a decoded value encodes to itself
+        back = INT8.decode(qs[0].astype(np.int8), e)
+        assert np.array_equal(INT8.encode(back, e), qs[0].astype(np.int8))
+        # a window of the scales (a ps push's) decodes its elements alike
+        lo, hi = INT8_BLOCK + 5, 3 * INT8_BLOCK + 9
+        w = INT8.read_scale(INT8.wire_scale(e, lo, hi))
+        assert np.array_equal(INT8.decode(qs[0][lo:hi].astype(np.int8), w, offset=lo), back[lo:hi])
+    with pytest.raises(ValueError, match=r"cannot carry non-finite values: block 1 \(elements 1024..2047\)"):
+        INT8.scale(np.array([1.0, np.inf], np.float32), 2)
+    with pytest.raises(ValueError, match="at most 126 ranks, not 300"):
+        INT8.scale(np.array([1.0], np.float32), 300)
+    with pytest.raises(ProtocolError, match="not \\[first block, exponents\\]"):
+        INT8.read_scale([0, "x"])
 
 
 @pytest.mark.asyncio
@@ -117,7 +154,9 @@ async def test_bf16_halves_the_bytes_and_agrees_on_no_scale(make_groups, topolog
 
 
 @pytest.mark.asyncio
-async def test_syncsgd_bf16_ring_ps_and_one_process_agree_bit_for_bit(make_groups) -> None:
+@pytest.mark.parametrize(("name", "drift"), [("bf16", 0.05), ("int8", 1.0)])
+async def test_syncsgd_with_a_codec_ring_ps_and_one_process_agree_bit_for_bit(make_groups, name: str,
+                                                                             drift: float) -> None:  # fmt: skip
     from psring.core.fold import canonical_fold
     from psring.optim import SGD
 
@@ -131,7 +170,7 @@ async def test_syncsgd_bf16_ring_ps_and_one_process_agree_bit_for_bit(make_group
 
     async def train(groups: list[psring.Group]) -> list[dict[str, np.ndarray]]:
         opts = [psring.SyncSGD(g, {k: v.copy() for k, v in start.items()}, SGD(lr=0.05, momentum=0.9),
-                               compression="bf16") for g in groups]  # fmt: skip
+                               compression=name) for g in groups]  # fmt: skip
         await asyncio.gather(*(o.start() for o in opts))
         outs: list[dict[str, np.ndarray]] = []
         for t in range(steps):
@@ -147,10 +186,10 @@ async def test_syncsgd_bf16_ring_ps_and_one_process_agree_bit_for_bit(make_group
     plain_flat, plain_state = flat.copy(), opt.init_state(flat)
     for t in range(steps):
         parts = [np.concatenate([g.reshape(-1) for g in grads(t, r).values()]) for r in range(world)]
-        opt.update(flat, reference(BF16, parts, "avg"), state)
+        opt.update(flat, reference(CODECS[name], parts, "avg"), state)
         opt.update(plain_flat, canonical_fold(parts, "avg", np.empty_like(flat)), plain_state)
     want = {"w": flat[: 40 * 30].reshape(40, 30), "b": flat[40 * 30 :]}
     for k in start:
         for r in range(world):
             assert np.array_equal(ring[r][k], want[k]) and np.array_equal(ps[r][k], want[k]), (k, r)
-    np.testing.assert_allclose(flat, plain_flat, rtol=0, atol=0.05)  # bfloat16's rounding, no more
+    np.testing.assert_allclose(flat, plain_flat, rtol=0, atol=drift)  # the codec's rounding, no more

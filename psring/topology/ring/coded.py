@@ -26,7 +26,7 @@ class CodedRing(GroupPart):
     """all_reduce with a codec on the wire (``compression=``): one hop when small, else the pipelined
     ring's skeleton with encoded pieces, every partial sum rounded through the codec where it is sent."""
 
-    async def all_reduce(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+    async def all_reduce(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         n_ranks = self.world_size
         q = codec.encode(x, e)
         path = self.g.chooser.loop_path(x.nbytes, coded=True)
@@ -42,7 +42,7 @@ class CodedRing(GroupPart):
             return codec.decode(codec.fold(bufs, op, e, np.empty(x.size, codec.wire)), e)
         return await self._ring(coll, q, op, codec, e)
 
-    async def _ring(self, coll: Collective, q: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+    async def _ring(self, coll: Collective, q: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         """The pipelined ring all_reduce with encoded pieces (the fold's rules are the codec's)."""
         n_ranks, me = self.world_size, self.rank
         right_rank, left_rank = (me + 1) % n_ranks, (me - 1) % n_ranks
@@ -62,13 +62,13 @@ class CodedRing(GroupPart):
                 if hdr["nbytes"] != width * (b - a):
                     raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
                 seg = out[a:b]
-                codec.decode(rs_in[a:b], e, out=seg)
+                codec.decode(rs_in[a:b], e, out=seg, offset=a)
                 np.add(seg, own[a:b], out=seg)
                 if c != final_chunk:
-                    right.send_tensor(header(coll, RS, c, j), codec.encode(seg, e, out=rs_in[a:b]))
+                    right.send_tensor(header(coll, RS, c, j), codec.encode(seg, e, out=rs_in[a:b], offset=a))
                 else:
                     OPS[op].finish(seg, n_ranks)
-                    codec.decode(codec.encode(seg, e, out=ag_io[a:b]), e, out=seg)
+                    codec.decode(codec.encode(seg, e, out=ag_io[a:b], offset=a), e, out=seg, offset=a)
                     right.send_tensor(header(coll, AG, c, j), ag_io[a:b])
 
             return cb
@@ -79,7 +79,7 @@ class CodedRing(GroupPart):
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if hdr["nbytes"] != width * (b - a):
                     raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
-                codec.decode(ag_io[a:b], e, out=out[a:b])
+                codec.decode(ag_io[a:b], e, out=out[a:b], offset=a)
                 if forward:
                     right.send_tensor(header(coll, AG, c, j), ag_io[a:b])
 

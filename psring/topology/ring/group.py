@@ -268,7 +268,7 @@ class RingGroup(Group):
             coll.input_wait(0, x.size)  # the input is still coming off the device: the others need all of it
         return await algo.run(coll, x, op)
 
-    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         return await self.coded.all_reduce(coll, x, op, codec, e)
 
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:

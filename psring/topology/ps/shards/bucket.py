@@ -58,7 +58,7 @@ class Bucket:
         self.inbox: dict[int, dict[int, np.ndarray]] = {}
         self.slots: dict[int, list[tuple[Connection, int]]] = {}  # piece -> pushes held in workers' shared memory
         #: piece -> the codec and scale of its pushes (None: plain float32)
-        self.inbox_scale: dict[int, tuple[Codec, int] | None] = {}
+        self.inbox_scale: dict[int, tuple[Codec, Any] | None] = {}
         self.applied: set[int] = set()  # pieces of the current step already updated
         self.conns: dict[int, Connection] = {}
         self.held: list[tuple[int, list[int] | None]] = []  # results waiting for the checkpoint (piece, folded)

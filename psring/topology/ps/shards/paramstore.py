@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ....core.arrays import DTYPES, dtype_name
-from ....core.codec import CODECS, Codec, parse_descriptor
+from ....core.codec import CODECS, Codec
 from ....core.fold import canonical_fold
 from ....core.optim import Optimizer
 from ....errors import ProtocolError, PsringError
@@ -285,7 +285,7 @@ class ParamStore:
         self._apply(bucket, t, j)
 
     @staticmethod
-    def _push_codec(header: dict[str, Any], b: int, bucket: Bucket) -> tuple[Codec, int] | None:
+    def _push_codec(header: dict[str, Any], b: int, bucket: Bucket) -> tuple[Codec, Any] | None:
         """The codec and scale a push's gradients travel with (``codec`` and ``scale`` in its header:
         psring.core.codec), None for plain ones; a ProtocolError naming what is wrong."""
         scale = header.get("scale")
@@ -296,9 +296,8 @@ class ParamStore:
             raise ProtocolError(f"push to bucket {b}: codec {name!r} is not one of {sorted(CODECS)}")
         if bucket.dtype != np.float32:
             raise ProtocolError(f"{name} push to bucket {b} of {bucket.dtype_name}: compression needs float32")
-        coded = parse_descriptor(CODECS[name].descriptor("avg", scale))  # validates the exponent
-        assert coded is not None
-        return coded[1], coded[2]
+        codec = CODECS[name]
+        return codec, codec.read_scale(scale)
 
     def _apply(self, bucket: Bucket, t: int, j: int) -> None:
         """Every member (with backup workers: all but b of them) pushed piece j of step t: average
@@ -310,7 +309,8 @@ class ParamStore:
         parts = [box[r] for r in folded]
         if coded is not None:
             codec, e = coded
-            codec.decode(codec.fold(parts, "avg", e, np.empty(pb - pa, codec.wire), pa, bucket.n), e, out=grad)
+            summed = codec.fold(parts, "avg", e, np.empty(pb - pa, codec.wire), pa, bucket.n)
+            codec.decode(summed, e, out=grad, offset=pa)
         else:
             hosts = self.shard.layout_of(folded)
             canonical_fold(parts, "avg", grad, offset=pa, total=bucket.n, hosts=hosts)
@@ -467,7 +467,7 @@ def configure_checkpoints(
     server.on_stop = save_all
 
 
-def _coded_name(coded: tuple[Codec, int] | None) -> str:
+def _coded_name(coded: tuple[Codec, Any] | None) -> str:
     return "uncompressed" if coded is None else f"as {coded[0].name} at scale {coded[1]}"
 
 

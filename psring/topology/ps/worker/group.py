@@ -295,7 +295,7 @@ class PsGroup(Group):
         await self._exchange(coll, x, expects, True, x.size, x.itemsize)
         return out
 
-    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: int) -> np.ndarray:
+    async def _all_reduce_coded(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         # the layout is the float32 tensor's (as the shard computes it from the call); pieces travel encoded
         q = codec.encode(x, e)
         got = np.empty_like(q)

@@ -197,16 +197,17 @@ class ParameterClient:
         shards completed later steps without it, and their results are here already: outs holds
         the newest, and this worker skips the steps in between instead of computing them).
         """
-        wire_grads: list[tuple[np.ndarray, int | None]] = [(g, None) for g in grads]
+        wire_grads: list[tuple[np.ndarray, Any]] = [(g, None) for g in grads]
         codec = codec_named(compression)
         if codec is not None:
             for g in grads:
                 codec.check(g.dtype, "avg")
-            exps = [0] * len(grads)
-            if codec.scaled:  # the workers agree on each bucket's scale first
-                amax = np.array([np.max(np.abs(g)) if g.size else 0.0 for g in grads], np.float32)
-                amax = await self._agreed_max(amax)
-                exps = [codec.scale(float(a), self.g.world_size) for a in amax]
+            exps: list[Any] = [0] * len(grads)
+            if codec.scaled:  # the workers agree on each bucket's scale first, in one max all_reduce
+                mine = [codec.amax(g.reshape(-1)) for g in grads]
+                agreed = await self._agreed_max(np.concatenate(mine) if mine else np.zeros(0, np.float32))
+                cuts = np.cumsum([m.size for m in mine])[:-1]
+                exps = [codec.scale(a, self.g.world_size) for a in np.split(agreed, cuts)]
             wire_grads = [(codec.encode(g, e), e) for g, e in zip(grads, exps, strict=True)]
         got: set[tuple[Any, ...]] = set()
         deadline = time.monotonic() + self.g.timeout
@@ -279,7 +280,7 @@ class ParameterClient:
         self,
         t: int,
         grads: list[np.ndarray],
-        wire_grads: list[tuple[np.ndarray, int | None]],
+        wire_grads: list[tuple[np.ndarray, Any]],
         outs: list[np.ndarray],
         got: set[tuple[Any, ...]],
         deadline: float,
@@ -296,7 +297,7 @@ class ParameterClient:
             push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.g.rank}
             if e is not None:
                 assert codec is not None
-                push["codec"], push["scale"] = codec.name, e
+                push["codec"] = codec.name
             if resend:  # after a reconnect: a piece applied already is answered, not dropped as late
                 push["resend"] = True
             for shard, _a, parts in self.layout(b, flat):
@@ -315,7 +316,11 @@ class ParameterClient:
                     shared = piece.nbytes >= self.g.links.config.ps_shm_min and conn.shm.peer_maps_pool
                     if shared:
                         await self.g.links.slot_for(("param", t))
-                    conn.send_tensor({**push, "tag": ("param", b, t, j)}, piece, shared=shared, owner=("param", t))
+                    header = {**push, "tag": ("param", b, t, j)}
+                    if e is not None:
+                        assert codec is not None
+                        header["scale"] = codec.wire_scale(e, pa, pb)  # what the shard decodes the piece's fold with
+                    conn.send_tensor(header, piece, shared=shared, owner=("param", t))
         await self.wait(asyncio.gather(*futs), f"step {t}", deadline)
         # backup workers: a step whose results did not take this worker's pushes (it came late)
         if self.g.backup and any(self.g.rank not in f.result()[1].get("folded", (self.g.rank,)) for f in futs):
