@@ -54,11 +54,18 @@ def _table() -> dict[frozenset[str], set[str]]:
 
 
 TABLE = _table()
-CELLS = [(cell, topology) for cell in TABLE for topology in ("ring", "ps")]
+#: a cell with compression runs with every codec (psring.core.codec)
+CODECS = ["fp16", "bf16", "int8"]
+CELLS = [
+    (cell, topology, codec)
+    for cell in TABLE
+    for topology in ("ring", "ps")
+    for codec in (CODECS if "compression" in cell else [None])
+]
 
 
-def _id(cell: frozenset[str], topology: str) -> str:
-    return "+".join(o for o in OPTIONS if o in cell) + f"-{topology}"
+def _id(cell: frozenset[str], topology: str, codec: str | None = None) -> str:
+    return "+".join(o if o != "compression" or codec is None else codec for o in OPTIONS if o in cell) + f"-{topology}"
 
 
 def _params(sparse: bool) -> dict[str, np.ndarray]:
@@ -81,12 +88,12 @@ def _grads(call: int, rank: int, sparse: bool) -> dict[str, Any]:
     return out
 
 
-def _kwargs(options: frozenset[str]) -> dict[str, Any]:
+def _kwargs(options: frozenset[str], codec: str | None = None) -> dict[str, Any]:
     kw: dict[str, Any] = {}
     if "sparse" in options:
         kw["sparse"] = ["emb"]
     if "compression" in options:
-        kw["compression"] = "fp16"
+        kw["compression"] = codec or "fp16"
     if "accumulate" in options:
         kw["accumulate"] = 2
     if "elastic" in options:
@@ -111,11 +118,13 @@ def _digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-async def _train(make_groups: Any, topology: str, options: frozenset[str]) -> tuple[str, bool]:
+async def _train(
+    make_groups: Any, topology: str, options: frozenset[str], codec: str | None = None
+) -> tuple[str, bool]:
     """Two workers, 4 optimizer steps (a checkpoint: 2, saved, then 2 more on a new job that loads it).
     Returns (the bits every rank agrees on, whether the dense parameters moved)."""
     sparse = "sparse" in options
-    kw = _kwargs(options)
+    kw = _kwargs(options, codec)
     calls = 4 * kw.get("accumulate", 1)
     cut = calls // 2 if "checkpoint" in options else calls
     groups = await make_groups(2, topology)
@@ -139,38 +148,41 @@ async def _train(make_groups: Any, topology: str, options: frozenset[str]) -> tu
     return digests.pop(), moved
 
 
-_bits: dict[tuple[str, frozenset[str]], str] = {}
+_bits: dict[tuple[str, frozenset[str], str | None], str] = {}
 
 
-async def _bits_of(make_groups: Any, topology: str, options: frozenset[str]) -> str:
-    key = (topology, options)
+async def _bits_of(make_groups: Any, topology: str, options: frozenset[str], codec: str | None) -> str:
+    codec = codec if "compression" in options else None
+    key = (topology, options, codec)
     if key not in _bits:
-        _bits[key] = (await _train(make_groups, topology, options))[0]
+        _bits[key] = (await _train(make_groups, topology, options, codec))[0]
     return _bits[key]
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("cell", "topology"), CELLS, ids=[_id(c, t) for c, t in CELLS])
-async def test_every_option_with_every_other(make_groups: Any, cell: frozenset[str], topology: str) -> None:
+@pytest.mark.parametrize(("cell", "topology", "codec"), CELLS, ids=[_id(*c) for c in CELLS])
+async def test_every_option_with_every_other(
+    make_groups: Any, cell: frozenset[str], topology: str, codec: str | None
+) -> None:
     if topology not in TABLE[cell]:
         groups = await make_groups(2, topology)
         with pytest.raises(ValueError) as refused:
-            psring.SyncSGD(groups[0], _params("sparse" in cell), SGD(lr=0.05, momentum=0.9), **_kwargs(cell))
+            psring.SyncSGD(groups[0], _params("sparse" in cell), SGD(lr=0.05, momentum=0.9), **_kwargs(cell, codec))
         message = str(refused.value)
-        assert any(option in message for option in cell), f"{_id(cell, topology)}: {message}"
+        assert any(option in message for option in cell), f"{_id(cell, topology, codec)}: {message}"
         return
-    bits, moved = await _train(make_groups, topology, cell)
-    _bits[(topology, cell)] = bits
-    assert moved, f"{_id(cell, topology)}: the parameters did not move"
+    bits, moved = await _train(make_groups, topology, cell, codec)
+    _bits[(topology, cell, codec)] = bits
+    assert moved, f"{_id(cell, topology, codec)}: the parameters did not move"
     if "backup" in cell:  # which pushes a step takes depends on timing: agreement is the contract
         return
     if "checkpoint" in cell:  # a resume gives the uninterrupted run's bits
-        assert bits == await _bits_of(make_groups, topology, cell - {"checkpoint"} or frozenset({"plain"}))
+        assert bits == await _bits_of(make_groups, topology, cell - {"checkpoint"} or frozenset({"plain"}), codec)
     if "elastic" in cell:  # with no failure: the non-elastic run's bits
-        assert bits == await _bits_of(make_groups, topology, cell - {"elastic"} or frozenset({"plain"}))
+        assert bits == await _bits_of(make_groups, topology, cell - {"elastic"} or frozenset({"plain"}), codec)
     elif "ring" in TABLE[cell] and "ps" in TABLE[cell]:  # one contract, both topologies: the same bits
         other = "ps" if topology == "ring" else "ring"
-        assert bits == await _bits_of(make_groups, other, cell)
+        assert bits == await _bits_of(make_groups, other, cell, codec)
 
 
 def test_the_table_covers_every_option_and_pair() -> None:
