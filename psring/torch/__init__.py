@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..core.arrays import cupy_module
+from ..core.codec import codec_named
 from ..core.sparse import SparseRows
 from ..topology.blocking import BlockingGroup, Handle
 
@@ -224,7 +225,7 @@ class DistributedOptimizer:
     gradients are in; buckets start in one fixed order on every rank. ``step()`` averages the
     rest (a parameter that got no gradient counts as zero), waits, writes the averages into
     ``.grad`` and steps the wrapped optimizer. ``backward_passes_per_step=k`` lets k backward
-    passes accumulate into ``.grad`` before the exchange. ``compression="fp16"`` as in
+    passes accumulate into ``.grad`` before the exchange. ``compression="fp16"`` (or ``"bf16"``, ``"int8"``) as in
     :class:`psring.SyncSGD`. Everything else (``zero_grad``, ``param_groups``, ``state_dict``)
     is the wrapped optimizer's.
 
@@ -270,6 +271,7 @@ class DistributedOptimizer:
         params = [p for p in params if id(p) not in sparse_ids]
         if not params and not self.sparse_params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameters that require grad")
+        codec_named(compression)  # an unknown codec is named here, not at the first step
         if compression is not None and any(p.dtype != torch.float32 for p in params):
             raise TypeError(f"compression={compression!r} needs float32 parameters")
         if type(backup) is not int or backup < 0:
