@@ -308,6 +308,8 @@ def cli_advise(args: Any) -> int:
         print(f"  {name:<16} {t * 1e3:10.2f} ms{mark}")
     print(f"recommended: {result['recommended']}: {result['reason']}")
     print("run it with: " + " ".join(f"{k}={v}" for k, v in result["settings"].items()))
+    comp = result["compression"]
+    print(f"compression: {comp['reason']}" + (f" (compression={comp['recommended']!r})" if comp["recommended"] else ""))
     k, n = lay["server_hosts"], lay["workers"]
     # a shard sets the send buffers of its end itself
     env = "".join(f"{key}={value} " for key, value in result["settings"].items() if key == "PSRING_PS_SNDBUF")

@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
+from ..core.codec import CODECS, INT8_BLOCK
 from ..settings import parse_bytes
 from ..topology.ps.plan import WIRE_PIECES, link_tuning, piece_bytes
 from ..topology.ring.paths import SMALL_BYTES, RingPaths
@@ -390,6 +391,51 @@ MARGIN = 0.05
 MODEL_ONLY: dict[str, str] = {}
 
 
+#: a codec's CPU per float32 element on this kind of machine, in ns: (encode, decode, its scale's
+#: amax), measured in one process on 4M elements (numpy; a 2-core VM). Over the coded ring a rank
+#: takes each rank's amax and encodes once, and for (N-1)/N of the elements decodes twice, adds and
+#: encodes (reduce-scatter), then decodes (all-gather).
+CODEC_NS = {"fp16": (3.8, 2.0, 0.3), "bf16": (1.3, 0.2, 0.0), "int8": (1.1, 0.45, 0.6)}
+
+
+def codec_times(sizes: list[int], layout: Layout, links: Links) -> dict[str, float]:
+    """A step's communication with each codec: the coded ring's (a codec never takes the two levels,
+    the plane or two hops) -- its narrower bytes on the wire, the scale's agreement, and the CPU."""
+    n, h = layout.workers, layout.hosts
+    a, b = (links.latency, links.bandwidth) if h > 1 else (links.local_latency, links.local_bandwidth)
+    c = links.per_message
+    out: dict[str, float] = {}
+    for name, (enc, dec, amax) in CODEC_NS.items():
+        codec = CODECS[name]
+        total = 0.0
+        for size in sizes:
+            elems = size / 4
+            total += 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * elems * codec.wire.itemsize / b
+            if codec.scaled:  # a max all_reduce of the scales' inputs first
+                agreed = 4.0 if name == "fp16" else 4.0 * math.ceil(elems / INT8_BLOCK)
+                total += 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * agreed / b
+            total += elems * (amax + enc + (n - 1) / n * (3 * dec + enc + 0.3)) * 1e-9
+        out[name] = total + layout.straggler  # a straggler holds every ring step alike
+    return out
+
+
+def _codec_advice(sizes: list[int], layout: Layout, links: Links, plain: float) -> dict[str, Any]:
+    """Whether a codec pays here: its predicted step against the best plain topology's ``plain``."""
+    times = codec_times(sizes, layout, links)
+    name = min(times, key=lambda k: times[k])
+    if times[name] < plain * (1 - MARGIN):
+        reason = (
+            f"{name} moves {CODECS[name].wire.itemsize / 4:.0%} of the bytes: the link is the limit here "
+            f"({times[name] * 1e3:.2f} ms against {plain * 1e3:.2f} ms a step, its CPU counted)"
+        )
+        return {"recommended": name, "predicted_s": times, "reason": reason}
+    reason = (
+        f"none: on this link a codec's CPU costs more than its bytes save (the best, {name}, "
+        f"{times[name] * 1e3:.2f} ms against {plain * 1e3:.2f} ms a step)"
+    )
+    return {"recommended": None, "predicted_s": times, "reason": reason}
+
+
 def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
     times = step_times(sizes, layout, links)
     runnable = {name: t for name, t in times.items() if name not in MODEL_ONLY}
@@ -406,6 +452,8 @@ def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
         "reason": _reason(best, times, layout, sizes),
         "settings": settings_for(best, layout, links),
         "model_only": {name: why for name, why in MODEL_ONLY.items() if name in times},
+        # compression= (psring.core.codec): whether a codec pays on these links, against the plain best
+        "compression": _codec_advice(sizes, layout, links, runnable[best]),
     }
 
 

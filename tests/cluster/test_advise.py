@@ -252,3 +252,15 @@ def test_store_mode_probes_the_clusters_workers_with_a_real_job(tmp_path) -> Non
 def test_parse_rate_reads_tc_and_byte_units() -> None:
     assert parse_rate("1gbit") == pytest.approx(GBIT) and parse_rate("125MB") == pytest.approx(125e6)
     assert parse_rate("100mbit") == pytest.approx(12.5e6)
+
+
+def test_a_codec_is_advised_where_the_link_not_the_cpu_is_the_limit() -> None:
+    """int8 on a 100 Mbit/s link (a quarter of the bytes, far more time saved than its CPU costs);
+    none at 10 Gbit/s or on one host, where a codec's CPU costs more than its bytes save."""
+    slow = advise([25 << 20], Layout(4), Links(100e-6, 100e6 / 8))["compression"]
+    assert slow["recommended"] == "int8" and "25% of the bytes" in slow["reason"]
+    plain = min(advise([25 << 20], Layout(4), Links(100e-6, 100e6 / 8))["predicted_s"].values())
+    assert slow["predicted_s"]["int8"] < slow["predicted_s"]["bf16"] < plain
+    for fast in (advise([25 << 20], Layout(4), Links(50e-6, 10 * GBIT))["compression"],
+                 advise([25 << 20], Layout(1, 4), Links(50e-6, GBIT))["compression"]):  # fmt: skip
+        assert fast["recommended"] is None and fast["reason"].startswith("none: on this link a codec's CPU")
