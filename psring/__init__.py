@@ -33,6 +33,7 @@ from .rendezvous.store import StoreServer, start_store
 from .topology.api import init_group
 from .topology.blocking import BlockingGroup, Handle, init
 from .topology.group import Group
+from .training.compressors import PowerSGD, TopK
 from .training.sgd import SyncSGD
 from .version import __version__
 
@@ -49,6 +50,7 @@ __all__ = [
     "JobError",
     "MismatchError",
     "PeerLostError",
+    "PowerSGD",
     "ProtocolError",
     "PsringError",
     "SparseRows",
@@ -57,6 +59,7 @@ __all__ = [
     "StoreError",
     "StoreServer",
     "SyncSGD",
+    "TopK",
     "__version__",
     "init",
     "init_group",

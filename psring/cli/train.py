@@ -15,6 +15,7 @@ from ..core import gpu
 from ..core.codec import CODECS
 from ..rendezvous.launch import launch
 from ..settings import TOPOLOGY_NAMES, Settings
+from ..training.compressors import compression_from
 from ..training.job import PROGRESS, TRAIN_DEFAULTS, train_spec
 from ..transport.loop import new_event_loop
 
@@ -63,6 +64,21 @@ class _Progress:
 EMBED_LR = 0.02  # the embed model's tables take the summed loss's gradient: a smaller step
 
 
+def _compression(text: str) -> str:
+    """--compression's value as given, once it names a codec or a compressor (argparse's error otherwise)."""
+    if text == "none":
+        return text
+    try:
+        made = compression_from(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if isinstance(made, str) and made not in CODECS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not none, a codec ({', '.join(CODECS)}), topk:RATIO or powersgd:RANK"
+        )
+    return text
+
+
 def learning_rate(args: argparse.Namespace) -> float:
     """--lr, or the model's default."""
     return float(args.lr) if args.lr is not None else (EMBED_LR if args.model == "embed" else TRAIN_DEFAULTS["lr"])
@@ -79,8 +95,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
         "--optimizer", choices=("sgd", "adam"), default=d["optimizer"], help="sgd (with --momentum) or adam"
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default=d["device"])
-    p.add_argument("--compression", choices=("none", *CODECS), default="none",
-                   help="a codec the gradients travel with (fp16: float16)")  # fmt: skip
+    p.add_argument("--compression", type=_compression, default="none",
+                   help=f"none, a codec ({', '.join(CODECS)}) or a compressor with error feedback "
+                        "(topk:RATIO, powersgd:RANK)")  # fmt: skip
     p.add_argument("--accumulate", type=int, default=d["accumulate"], help="micro-batches per optimizer step")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument(

@@ -3,7 +3,8 @@
 - ``sgd``: SyncSGD (buckets, either topology, identical parameters); ``placement``: where its parameters
   live and who runs the optimizer (``Replicated``, ``Sharded``, ``Reformed``: elastic over the ring), the
   strategy its group provides; ``local``: the model as a rank holds it (``LocalModel``: flat buckets, their
-  views, optimizer state, sparse tables) and the checks of what goes in and out of it.
+  views, optimizer state, sparse tables) and the checks of what goes in and out of it; ``compressors``:
+  TopK and PowerSGD, SyncSGD's compressors with error feedback (``compression=psring.TopK(0.01)``).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
 - ``embed``: the second main job (``psring train --model embed``): a recommendation model whose two
   embedding tables are sparse tables, on generated data.

@@ -24,6 +24,7 @@ from ..core.optim import SGD, Adam
 from ..errors import PeerLostError
 from ..topology.api import init_group
 from . import embed
+from .compressors import compression_from
 from .data import load_digits_split, shard_indices
 from .model import accuracy, forward_backward, init_params
 from .sgd import SyncSGD
@@ -102,7 +103,7 @@ class _Run:
             self.params,
             make_optimizer(spec),
             accumulate=spec.get("accumulate", 1),
-            compression=spec.get("compression"),
+            compression=compression_from(spec.get("compression")),
             elastic=bool(spec.get("elastic")),
             backup=int(spec.get("backup") or 0),
             sparse=embed.SPARSE if self.embed else (),

@@ -72,6 +72,8 @@ class Replicated:
     async def exchange(self, sgd: SyncSGD, flats: list[Any]) -> list[Any]:
         """Every bucket averaged over the group; the first error once every bucket's call ended (none
         is left running)."""
+        if sgd.compressor is not None:  # error feedback: the compressor's averages
+            return await sgd.compressor.exchange(sgd.group, flats)
         calls = (sgd.group.all_reduce(f, op="avg", compression=sgd.compression) for f in flats)
         got = await asyncio.gather(*calls, return_exceptions=True)
         for g in got:
@@ -321,11 +323,17 @@ class Reformed(Replicated):
 Placement = Replicated | Sharded | Reformed
 
 
-def placement_for(group: Any, elastic: bool = False) -> Placement:
-    """The strategy the group's topology provides: its own parameter home where it has one; else,
-    elastic, its survivors' re-forming (``group.quorum()``); else every rank's own copy."""
+def placement_for(group: Any, elastic: bool = False, replicated: bool = False) -> Placement:
+    """The strategy the group's topology provides: its own parameter home where it has one (unless
+    ``replicated``: a compressor's averages are made of collectives, and every rank applies them);
+    else, elastic, its survivors' re-forming (``group.quorum()``); else every rank's own copy."""
     params = getattr(group, "params", None)
-    if params is not None:
+    if params is not None and replicated and elastic:
+        raise ValueError(
+            "elastic=True with a compressor needs the ring: over ps the shards average each step over the "
+            "workers still there, and a compressor's averages are made of collectives among the workers"
+        )
+    if params is not None and not replicated:
         return Sharded(params, getattr(group, "tables", None))
     if elastic:
         quorum = group.quorum()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,8 +28,11 @@ from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
+from .compressors import Compressor
 from .local import BUCKET_BYTES, Bucket, LocalModel, like, make_buckets, to_host
 from .placement import Placement, placement_for
+
+logger = logging.getLogger(__name__)
 
 
 class SyncSGD:
@@ -48,7 +52,7 @@ class SyncSGD:
         *,
         bucket_bytes: int = BUCKET_BYTES,
         accumulate: int = 1,
-        compression: str | Codec | None = None,
+        compression: str | Codec | Compressor | None = None,
         elastic: bool = False,
         backup: int = 0,
         sparse: Sequence[str] = (),
@@ -62,9 +66,17 @@ class SyncSGD:
                 f"backup={backup!r}: the number of backup workers must be an integer from 0 to "
                 f"{group.world_size - 1} (world size {group.world_size}: at least one worker's push completes a step)"
             )
-        #: where the parameters live and who runs the optimizer: what the group's topology provides
-        self.placement: Placement = placement_for(group, elastic)
+        #: a compressor with error feedback (TopK, PowerSGD), else None (a codec, or nothing)
+        self.compressor: Compressor | None = compression if isinstance(compression, Compressor) else None
+        #: where the parameters live and who runs the optimizer: what the group's topology provides (with a
+        #: compressor every rank holds them: its averages are made of the workers' collectives)
+        self.placement: Placement = placement_for(group, elastic, replicated=self.compressor is not None)
         if backup:
+            if self.compressor is not None:
+                raise ValueError(
+                    f"backup={backup} takes no compression: a compressor's averages are collectives of every "
+                    "worker, which backup workers exist not to wait for"
+                )
             if not self.placement.holds_model:
                 raise ValueError(
                     f"backup={backup} needs the ps topology: there a shard applies each piece once all but "
@@ -87,15 +99,18 @@ class SyncSGD:
         self.joined_at: int | None = None
         if type(accumulate) is not int or accumulate < 1:
             raise ValueError(f"accumulate={accumulate!r} must be a positive integer")
-        codec = codec_named(compression)
+        codec = None if self.compressor is not None else codec_named(compression)  # type: ignore[arg-type]
         if codec is not None:
             for name, v in params.items():
                 try:
                     codec.check(check_array(v, f"params[{name!r}]").dtype, "avg")
                 except TypeError as exc:
                     raise TypeError(f"SyncSGD: params[{name!r}]: {exc}") from None
-        #: the codec's name (what the ranks agree on and a checkpoint records), or None
-        self.compression = codec.name if codec is not None else None
+        #: the codec's name or the compressor's description (what the ranks agree on and a checkpoint
+        #: records), or None
+        self.compression = (
+            self.compressor.describe() if self.compressor is not None else codec.name if codec is not None else None
+        )
         self.group = group
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
@@ -112,6 +127,12 @@ class SyncSGD:
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
         self.params = self.model.views()
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
+        #: every rank's error feedback from a checkpoint (load_state_dict), taken at start
+        self._loaded_feedback: list[list[Any]] | None = None
+        if self.compressor is not None:
+            if self.model.xp is not np:
+                raise TypeError(f"compression={self.compression!r} takes numpy parameters (not yet cupy's)")
+            self.compressor.bind(self.model.buckets)
 
     @property
     def sparse(self) -> list[str]:
@@ -193,6 +214,15 @@ class SyncSGD:
         loaded, self._loaded = self._loaded, None
         await self._start_tables()
         await self.placement.start(self, loaded)
+        feedback, self._loaded_feedback = self._loaded_feedback, None
+        if self.compressor is not None and feedback is not None:
+            if len(feedback) == self.group.world_size:  # every rank's own error, as it was
+                self.compressor.load(feedback[self.group.rank])
+            else:
+                logger.warning(
+                    "%r: the checkpoint's error feedback is of %d ranks, this group has %d: it starts at zero",
+                    self, len(feedback), self.group.world_size,
+                )  # fmt: skip
         self.started = True
         self.params = self.model.views()
         return self.params
@@ -252,6 +282,10 @@ class SyncSGD:
             for name in self.sparse:
                 rows, table_state = await self.placement.table_state(self, name)
                 out["tables"][name] = {"rows": rows, "state": table_state}
+        if self.compressor is not None:  # every rank's error feedback (each rank's own differs), by rank
+            mine = self.compressor.state()
+            gathered = [await self.group.all_gather(a) for a in mine]
+            out["feedback"] = [[np.asarray(g[r]) for g in gathered] for r in range(self.group.world_size)]
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -280,6 +314,7 @@ class SyncSGD:
         buckets = [{k: per_key[k][b] for k in per_key} for b in range(len(self.buckets))]
         self._loaded = {"step": int(state["step"]), "state": buckets}
         self.step_count = int(state["step"])
+        self._loaded_feedback = state.get("feedback") if self.compressor is not None else None
         for name, (rows, table_state) in loaded_tables.items():
             self.model.tables[name] = like(self.xp, rows)
             self.model.loaded_tables[name] = table_state
