@@ -188,8 +188,10 @@ def test_elastic_needs_a_topology_that_keeps_the_model_or_re_forms() -> None:
         ("ps", ["--model", "embed", "--backup", "1"], 7, 0.6),
         ("ring", [], 30, 0.95),
         ("ring", ["--model", "embed"], 7, 0.6),
+        ("ring", ["--compression", "powersgd:2"], 30, 0.95),  # each survivor keeps its own error feedback
     ],
-    ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ps-backup", "ps-embed-backup", "ring-plain", "ring-embed"],
+    ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ps-backup", "ps-embed-backup", "ring-plain", "ring-embed",
+         "ring-powersgd"],
 )
 def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     topology: str, options: list[str], epochs: int, floor: float

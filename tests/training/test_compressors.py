@@ -116,3 +116,21 @@ async def test_a_compressor_refuses_what_it_cannot_take(make_groups) -> None:
         psring.SyncSGD(ps[0], start_params(), compression=psring.TopK(0.01), elastic=True)
     with pytest.raises(ValueError, match="backup=1 takes no compression"):
         psring.SyncSGD(ps[0], start_params(), compression=psring.PowerSGD(2), backup=1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("make", [lambda: psring.TopK(0.05), lambda: psring.PowerSGD(2)], ids=["topk", "powersgd"])
+async def test_an_elastic_ring_with_a_compressor_gives_the_plain_runs_bits_when_nobody_leaves(
+    make_groups, make: Any
+) -> None:
+    world = 3
+    plain = await train(await make_groups(world, "ring"), make, 5)
+    groups = await make_groups(world, "ring")
+    opts = [psring.SyncSGD(g, start_params(), SGD(lr=0.05, momentum=0.9), compression=make(), elastic=True)
+            for g in groups]  # fmt: skip
+    await asyncio.gather(*(o.start() for o in opts))
+    outs: list[dict[str, np.ndarray]] = []
+    for t in range(5):
+        outs = await asyncio.gather(*(o.step(grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    for k in SHAPES:
+        assert all(np.array_equal(o[k], plain[0][k]) for o in outs), k
