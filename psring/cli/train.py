@@ -99,6 +99,11 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
                    help=f"none, a codec ({', '.join(CODECS)}) or a compressor with error feedback "
                         "(topk:RATIO, powersgd:RANK)")  # fmt: skip
     p.add_argument("--accumulate", type=int, default=d["accumulate"], help="micro-batches per optimizer step")
+    p.add_argument("--local-steps", type=int, default=d["local_steps"],
+                   help="local SGD / DiLoCo: inner steps on each worker's own copy between exchanges (1: plain SGD)")
+    p.add_argument("--outer-lr", type=float, default=d["outer_lr"], help="with --local-steps: the outer SGD's lr")
+    p.add_argument("--outer-momentum", type=float, default=d["outer_momentum"],
+                   help="with --local-steps: the outer SGD's (Nesterov) momentum")  # fmt: skip
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument(
         "--model",
@@ -119,6 +124,9 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
             "optimizer": args.optimizer,
             "compression": None if args.compression == "none" else args.compression,
             "accumulate": args.accumulate,
+            "local_steps": args.local_steps,
+            "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum,
             "device": args.device,
             "seed": args.seed,
             "checkpoint_every": args.checkpoint_every,
@@ -271,6 +279,10 @@ def run(args: argparse.Namespace) -> int:
         return bad("--epochs, --batch-size and --lr must be positive")
     if args.accumulate < 1:
         return bad(f"--accumulate must be at least 1, got {args.accumulate}")
+    if args.local_steps < 1:
+        return bad(f"--local-steps must be at least 1, got {args.local_steps}")
+    if args.local_steps > 1 and (args.backup or args.model == "embed"):
+        return bad("--local-steps takes no --backup and no --model embed (not yet)")
     if args.max_restarts < 0 or args.checkpoint_every < 1:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
     if args.elastic and (args.checkpoint_dir or args.max_restarts):
@@ -298,7 +310,9 @@ def run(args: argparse.Namespace) -> int:
             + f" epochs={args.epochs} batch={args.batch_size}/worker optimizer={args.optimizer} lr={args.lr}"
             + f" device={args.device}"
             + (f" compression={args.compression}" if args.compression != "none" else "")
-            + (f" accumulate={args.accumulate}" if args.accumulate > 1 else ""),
+            + (f" accumulate={args.accumulate}" if args.accumulate > 1 else "")
+            + (f" local_steps={args.local_steps} outer_lr={args.outer_lr} outer_momentum={args.outer_momentum}"
+               if args.local_steps > 1 else ""),
             flush=True,
         )
         summary = train_once(args, topology)

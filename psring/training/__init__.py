@@ -4,7 +4,9 @@
   live and who runs the optimizer (``Replicated``, ``Sharded``, ``Reformed``: elastic over the ring), the
   strategy its group provides; ``local``: the model as a rank holds it (``LocalModel``: flat buckets, their
   views, optimizer state, sparse tables) and the checks of what goes in and out of it; ``compressors``:
-  TopK and PowerSGD, SyncSGD's compressors with error feedback (``compression=psring.TopK(0.01)``).
+  TopK and PowerSGD, SyncSGD's compressors with error feedback (``compression=psring.TopK(0.01)``);
+  ``localsgd``: local SGD / DiLoCo's local half (``LocalSteps``: a rank's own copy, the inner optimizer,
+  the pseudo-gradient every ``local_steps``).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
 - ``embed``: the second main job (``psring train --model embed``): a recommendation model whose two
   embedding tables are sparse tables, on generated data.

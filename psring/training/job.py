@@ -41,6 +41,10 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "optimizer": "sgd",
     "compression": None,
     "accumulate": 1,
+    # local SGD / DiLoCo: inner steps a round, and the outer optimizer (Nesterov SGD) on the pseudo-gradients
+    "local_steps": 1,
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
     "device": "cpu",
     "seed": 0,
     "out": None,
@@ -55,6 +59,16 @@ def train_spec(overrides: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unknown train settings {sorted(unknown)} (known: {sorted(TRAIN_DEFAULTS)})")
     return {**TRAIN_DEFAULTS, **overrides}
+
+
+def local_sgd(spec: dict[str, Any]) -> dict[str, Any]:
+    """SyncSGD's local SGD arguments from the spec: none for one local step, else local_steps and the
+    outer optimizer (Nesterov SGD at outer_lr and outer_momentum, DiLoCo's)."""
+    steps = int(spec.get("local_steps") or 1)
+    if steps == 1:
+        return {}
+    lr, momentum = float(spec.get("outer_lr", 0.7)), float(spec.get("outer_momentum", 0.9))
+    return {"local_steps": steps, "outer": SGD(lr=lr, momentum=momentum, nesterov=momentum > 0)}
 
 
 def make_optimizer(spec: dict[str, Any]) -> Any:
@@ -104,6 +118,7 @@ class _Run:
             make_optimizer(spec),
             accumulate=spec.get("accumulate", 1),
             compression=compression_from(spec.get("compression")),
+            **local_sgd(spec),
             elastic=bool(spec.get("elastic")),
             backup=int(spec.get("backup") or 0),
             sparse=embed.SPARSE if self.embed else (),

@@ -119,10 +119,11 @@ class LocalModel:
             out.append(flat)
         return out
 
-    def views(self) -> dict[str, Any]:
-        """One view of ``flat`` per parameter, in the parameters' order (what ``opt.params`` is)."""
+    def views(self, flats: list[Any] | None = None) -> dict[str, Any]:
+        """One view of ``flat`` (or of ``flats``, laid out alike: local SGD's local copies) per
+        parameter, in the parameters' order (what ``opt.params`` is)."""
         out = {}
-        for bucket, flat in zip(self.buckets, self.flat, strict=True):
+        for bucket, flat in zip(self.buckets, self.flat if flats is None else flats, strict=True):
             for name, off, shape, count in bucket.spans():
                 out[name] = flat[off : off + count].reshape(shape)
         return {name: out[name] for name in self.names}

@@ -30,6 +30,7 @@ from ..errors import MismatchError
 from ..topology.blocking import BlockingGroup
 from .compressors import Compressor
 from .local import BUCKET_BYTES, Bucket, LocalModel, like, make_buckets, to_host
+from .localsgd import LocalSteps
 from .placement import Placement, placement_for
 
 logger = logging.getLogger(__name__)
@@ -56,9 +57,21 @@ class SyncSGD:
         elastic: bool = False,
         backup: int = 0,
         sparse: Sequence[str] = (),
+        local_steps: int = 1,
+        outer: Optimizer | None = None,
+        reset_inner: bool = False,
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
+        #: local SGD / DiLoCo (local_steps=H, outer=...): the rank's own copy and inner optimizer, else None
+        self.local: LocalSteps | None = None
+        if local_steps != 1 or outer is not None:
+            self.local = LocalSteps(optimizer or SGD(lr=0.01), local_steps, reset_inner)
+            if sparse:
+                raise ValueError(f"local_steps={local_steps} takes no sparse tables (not yet)")
+            if backup:
+                raise ValueError(f"local_steps={local_steps} takes no backup workers (not yet)")
+            optimizer = outer or SGD(lr=1.0)  # what the placement runs: the outer step
         sparse = [sparse] if isinstance(sparse, str) else list(sparse)
         check_sparse(params, sparse, optimizer)
         if type(backup) is not int or not 0 <= backup < group.world_size:
@@ -129,6 +142,9 @@ class SyncSGD:
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
         #: every rank's error feedback from a checkpoint (load_state_dict), taken at start
         self._loaded_feedback: list[list[Any]] | None = None
+        #: local SGD: every rank's inner optimizer state from a checkpoint, taken at start
+        self._loaded_inner: list[list[dict[str, Any]]] | None = None
+        self._loaded_inner_steps: list[int] = []
         if self.compressor is not None:
             if self.model.xp is not np:
                 raise TypeError(f"compression={self.compression!r} takes numpy parameters (not yet cupy's)")
@@ -223,6 +239,15 @@ class SyncSGD:
                     "%r: the checkpoint's error feedback is of %d ranks, this group has %d: it starts at zero",
                     self, len(feedback), self.group.world_size,
                 )  # fmt: skip
+        if self.local is not None:
+            self.local.begin(self.model.flat)
+            inner, self._loaded_inner = self._loaded_inner, None
+            if inner is not None and len(inner) == self.group.world_size and not self.local.reset_inner:
+                for st, saved in zip(self.local.state, inner[self.group.rank], strict=True):
+                    for k, v in saved.items():
+                        st[k][...] = np.asarray(v)
+                for st, n in zip(self.local.state, self._loaded_inner_steps, strict=False):
+                    st["step"] = n
         self.started = True
         self.params = self.model.views()
         return self.params
@@ -282,6 +307,21 @@ class SyncSGD:
             for name in self.sparse:
                 rows, table_state = await self.placement.table_state(self, name)
                 out["tables"][name] = {"rows": rows, "state": table_state}
+        if self.local is not None:  # at a boundary local == global; every rank's inner state, by rank
+            if self.local.since:
+                raise RuntimeError(
+                    f"state_dict between outer steps ({self.local.since} of {self.local.every} inner steps "
+                    "taken): call it after a step that synchronised"
+                )
+            keys = self.local.inner.state_keys()
+            inner_all = {(b, k): await self.group.all_gather(np.asarray(st[k]))
+                        for b, st in enumerate(self.local.state) for k in keys}  # fmt: skip
+            out["inner"] = [
+                [{k: np.asarray(inner_all[(b, k)][r]) for k in keys} for b in range(len(self.local.state))]
+                for r in range(self.group.world_size)
+            ]
+            out["inner_steps"] = self.local.inner_steps
+            out["inner_state_steps"] = [int(st.get("step", 0)) for st in self.local.state]  # alike on every rank
         if self.compressor is not None:  # every rank's error feedback (each rank's own differs), by rank
             mine = self.compressor.state()
             gathered = [await self.group.all_gather(a) for a in mine]
@@ -315,19 +355,27 @@ class SyncSGD:
         self._loaded = {"step": int(state["step"]), "state": buckets}
         self.step_count = int(state["step"])
         self._loaded_feedback = state.get("feedback") if self.compressor is not None else None
+        if self.local is not None:
+            self._loaded_inner = state.get("inner")
+            self.local.inner_steps = int(state.get("inner_steps", 0))
+            self._loaded_inner_steps = list(state.get("inner_state_steps") or [])
         for name, (rows, table_state) in loaded_tables.items():
             self.model.tables[name] = like(self.xp, rows)
             self.model.loaded_tables[name] = table_state
         self.params = self.model.views()
 
     def setup(self) -> dict[str, Any]:
-        """What every rank must agree on: optimizer, compression, accumulation, parameter layout."""
-        return {
+        """What every rank must agree on: optimizer, compression, accumulation, parameter layout (and
+        local SGD's inner optimizer and steps)."""
+        out = {
             "optimizer": self.optimizer.config(),
             "compression": self.compression,
             "accumulate": self.accumulate,
             "buckets": self.model.layout(),
         }
+        if self.local is not None:
+            out["local"] = self.local.config()
+        return out
 
     async def _check_setup(self) -> None:
         """One small all_gather: a rank set up differently fails at once on every rank, named."""
@@ -384,12 +432,19 @@ class SyncSGD:
                 return self.params
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
+        if self.local is not None:  # an inner step; every H of them the pseudo-gradients' outer step
+            if not self.local.step(flats):
+                self.params = self.model.views(self.local.local)
+                return self.params
+            flats = self.local.pseudo(self.model.flat)
         t0 = time.perf_counter()
         # the exchange and the update, the sparse tables' too (each table's rows summed over the
         # workers in rank order, divided by their number, the optimizer run on those rows only)
         t1, t2 = await self.placement.step(self, flats, rows, wanted)
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
+        if self.local is not None:
+            self.local.synced(self.model.flat)
         self.params = self.model.views()
         return self.params
 
