@@ -225,9 +225,15 @@ class DistributedOptimizer:
     gradients are in; buckets start in one fixed order on every rank. ``step()`` averages the
     rest (a parameter that got no gradient counts as zero), waits, writes the averages into
     ``.grad`` and steps the wrapped optimizer. ``backward_passes_per_step=k`` lets k backward
-    passes accumulate into ``.grad`` before the exchange. ``compression="fp16"`` (or ``"bf16"``, ``"int8"``) as in
-    :class:`psring.SyncSGD`. Everything else (``zero_grad``, ``param_groups``, ``state_dict``)
-    is the wrapped optimizer's.
+    passes accumulate into ``.grad`` before the exchange. ``compression``: a codec (``"fp16"``,
+    ``"bf16"``, ``"int8"``) or a compressor with error feedback (``psring.PowerSGD(rank)``,
+    ``psring.TopK(ratio)``: every bucket at ``step()``, no overlap) as in :class:`psring.SyncSGD`.
+    ``local_steps=H, outer=psring.optim.SGD(...)``: local SGD / DiLoCo -- ``step()`` runs the wrapped
+    optimizer on this rank's copy alone, and every H steps averages the pseudo-gradients (global -
+    local, with ``compression``) and takes the outer step on the global parameters (the model's at
+    the first ``step()``: broadcast them first), which every rank's model then holds, the same bits
+    everywhere. Everything else (``zero_grad``, ``param_groups``, ``state_dict``) is the wrapped
+    optimizer's.
 
     ``backup=b`` (ps only): backup workers, as ``SyncSGD(..., backup=b)``. The parameters then live on
     the shards, which apply each piece once all but b workers pushed it and run the wrapped
@@ -245,14 +251,35 @@ class DistributedOptimizer:
         group: Any,
         *,
         bucket_bytes: int = BUCKET_BYTES,
-        compression: str | None = None,
+        compression: Any = None,
         backward_passes_per_step: int = 1,
         overlap: bool = True,
         sparse_params: Sequence[torch.Tensor] = (),
         backup: int = 0,
+        local_steps: int = 1,
+        outer: Any = None,
     ) -> None:
+        from ..training.compressors import Compressor
+
         self.optimizer = optimizer
         self.group = _blocking(group)
+        #: a compressor with error feedback (psring.TopK, psring.PowerSGD), else None (a codec or nothing)
+        self.compressor = compression if isinstance(compression, Compressor) else None
+        #: local SGD / DiLoCo: every local_steps steps the pseudo-gradients' outer step (else None)
+        self.local_steps = local_steps
+        self.outer = outer
+        if local_steps != 1 or outer is not None:
+            if type(local_steps) is not int or local_steps < 1:
+                raise ValueError(f"local_steps={local_steps!r} must be a positive integer")
+            from ..core.optim import SGD as OuterSGD
+
+            self.outer = outer or OuterSGD(lr=1.0)
+            if backup or sparse_params:
+                raise ValueError(f"DistributedOptimizer: local_steps={local_steps} takes no backup and no "
+                                 "sparse_params (not yet)")  # fmt: skip
+        self._local_since = 0
+        self._global: list[np.ndarray] | None = None  # local SGD: the global parameters, by bucket
+        self._outer_state: list[dict[str, Any]] = []
         self.backup = backup
         self._shards: Any = None  # backup: the BlockingSyncSGD whose shards hold the parameters
         #: parameters whose gradients come sparse (nn.Embedding(sparse=True)): not in the buckets;
@@ -271,7 +298,8 @@ class DistributedOptimizer:
         params = [p for p in params if id(p) not in sparse_ids]
         if not params and not self.sparse_params:
             raise ValueError("DistributedOptimizer: the optimizer has no parameters that require grad")
-        codec_named(compression)  # an unknown codec is named here, not at the first step
+        if self.compressor is None:
+            codec_named(compression)  # an unknown codec is named here, not at the first step
         if compression is not None and any(p.dtype != torch.float32 for p in params):
             raise TypeError(f"compression={compression!r} needs float32 parameters")
         if type(backup) is not int or backup < 0:
@@ -305,6 +333,20 @@ class DistributedOptimizer:
         if backup:
             self._start_on_shards(params, backup)
             overlap = False  # nothing is averaged on the workers
+        if self.compressor is not None or self.outer is not None:
+            overlap = False  # a compressor takes every bucket at once; local SGD exchanges every H steps
+            if any(p.device.type != "cpu" for p in params):
+                raise TypeError("DistributedOptimizer: a compressor or local_steps takes CPU parameters (not yet CUDA)")
+        if self.compressor is not None:
+            from ..training.local import Bucket as FlatBucket
+
+            flat_buckets = []
+            for bucket in self.buckets:
+                fb = FlatBucket(np.float32)
+                for i, p in enumerate(bucket.params):
+                    fb.add(f"p{i}", tuple(p.shape), p.numel())
+                flat_buckets.append(fb)
+            self.compressor.bind(flat_buckets)
         self.overlap = overlap and hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
         if self.overlap:
             for p in params:
@@ -426,6 +468,57 @@ class DistributedOptimizer:
         rows = from_array(out.values) / self.group.world_size
         p.grad = torch.sparse_coo_tensor(from_array(out.indices)[None], rows.to(dtype), (n, width)).coalesce()
 
+    def _flats_of(self, what: str) -> list[np.ndarray]:
+        """Every bucket's gradients ("grad", a missing one as zero) or parameters ("param"), flat, as numpy."""
+        out = []
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
+                    src = p if what == "param" else p.grad
+                    if src is None:
+                        bucket.flat[a:z].zero_()
+                    else:
+                        bucket.flat[a:z].copy_(src.detach().reshape(-1))
+                out.append(np.array(to_array(bucket.flat), np.float32))
+        return out
+
+    def _write(self, flats: list[np.ndarray], what: str) -> None:
+        with torch.no_grad():
+            for bucket, flat in zip(self.buckets, flats, strict=True):
+                got = from_array(np.ascontiguousarray(flat))
+                for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
+                    if what == "param":
+                        p.copy_(got[a:z].view_as(p))
+                    elif p.grad is None:
+                        p.grad = got[a:z].view_as(p).clone()
+                    else:
+                        p.grad.copy_(got[a:z].view_as(p))
+
+    def _average(self, flats: list[np.ndarray]) -> list[np.ndarray]:
+        """The buckets' average over the group: the compressor's (error feedback), or all_reduces."""
+        if self.compressor is not None:
+            return self.group.portal.call(self.compressor.exchange(self.group.group, flats))
+        handles = [self.group.all_reduce(f, op="avg", compression=self.compression, async_op=True) for f in flats]
+        return [np.asarray(h.wait(), np.float32) for h in handles]
+
+    def _local_step(self, closure: Any) -> Any:
+        """Local SGD: the wrapped optimizer on this rank's own copy; every local_steps steps the
+        pseudo-gradients (global - local) averaged and the outer step on the global parameters, which
+        every rank's model then takes (the same bits everywhere)."""
+        if self._global is None:  # the global parameters: the model's at the first step (rank 0's after
+            self._global = self._flats_of("param")  # broadcast_parameters)
+            self._outer_state = [self.outer.init_state(g) for g in self._global]
+        loss = self.optimizer.step(closure)
+        self._local_since += 1
+        if self._local_since >= self.local_steps:
+            local = self._flats_of("param")
+            avgs = self._average([g - loc for g, loc in zip(self._global, local, strict=True)])
+            for g, avg, st in zip(self._global, avgs, self._outer_state, strict=True):
+                self.outer.update(g, avg, st)
+            self._write(self._global, "param")
+            self._local_since = 0
+        return loss
+
     def step(self, closure: Any = None) -> Any:
         if self._shards is not None:
             loss = None
@@ -434,6 +527,13 @@ class DistributedOptimizer:
                     loss = closure()
             self._step_on_shards()
             return loss
+        if self.outer is not None:
+            return self._local_step(closure)
+        if self.compressor is not None:
+            self._write(self._average(self._flats_of("grad")), "grad")
+            for p in self.sparse_params:
+                self._sparse_average(p)
+            return self.optimizer.step(closure)
         self.synchronize()
         return self.optimizer.step(closure)
 

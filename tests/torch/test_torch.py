@@ -304,3 +304,55 @@ def test_cuda_tensors_and_distributed_optimizer_on_the_gpu(tmp_path, topology: s
     proc = launch(2, topology, [sys.executable, str(script)])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum("CUDA OK rank" in line for line in proc.stdout.splitlines()) == 2
+
+
+FEWER_BYTES_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np, torch, psring, psring.torch as pt
+    from psring.optim import SGD as OuterSGD
+    g = psring.init()
+    r = g.rank
+
+    def run(**kw):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        pt.broadcast_parameters(model, g)
+        opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), g, **kw)
+        for step in range(8):
+            torch.manual_seed(1000 * step + r)
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        ranks = g.all_gather(flat)
+        assert all(np.array_equal(x, ranks[0]) for x in ranks), kw  # every rank the same bits
+        return flat
+
+    plain = run()
+    for kw in ({"compression": psring.PowerSGD(2)}, {"compression": psring.TopK(0.1)}, {"compression": "int8"},
+               {"local_steps": 4, "outer": OuterSGD(lr=0.7, momentum=0.9, nesterov=True)},
+               {"local_steps": 4, "outer": OuterSGD(lr=0.7, momentum=0.9, nesterov=True), "compression": "bf16"}):
+        got = run(**kw)
+        assert np.isfinite(got).all() and not np.array_equal(got, plain), kw
+        print("RESULT", sorted(kw), float(np.float64(got).sum()).hex(), flush=True)
+    # local_steps=1, outer SGD(lr=1): plain, to float rounding
+    same = run(local_steps=1, outer=OuterSGD(lr=1.0))
+    assert np.allclose(same, plain, atol=1e-6)
+    print("FEWER OK rank", r, flush=True)
+    g.close()
+    """
+)
+
+
+def test_distributed_optimizer_takes_compressors_and_local_sgd_with_the_same_bits_on_both_topologies(
+    tmp_path,
+) -> None:
+    script = tmp_path / "fewer.py"
+    script.write_text(FEWER_BYTES_SCRIPT)
+    results = {}
+    for topology in ("ring", "ps"):
+        proc = launch(2, topology, [sys.executable, str(script)])
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert sum("FEWER OK rank" in line for line in proc.stdout.splitlines()) == 2
+        results[topology] = sorted(line.split("RESULT", 1)[1] for line in proc.stdout.splitlines() if "RESULT" in line)
+    assert results["ring"] == results["ps"] and len(results["ring"]) == 10  # ring == ps, bit for bit
