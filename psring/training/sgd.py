@@ -145,6 +145,8 @@ class SyncSGD:
         #: local SGD: every rank's inner optimizer state from a checkpoint, taken at start
         self._loaded_inner: list[list[dict[str, Any]]] | None = None
         self._loaded_inner_steps: list[int] = []
+        #: local SGD: ranks repaired after an outer step found their global state differing (see _compare_global)
+        self.repaired = 0
         if self.compressor is not None:
             if self.model.xp is not np:
                 raise TypeError(f"compression={self.compression!r} takes numpy parameters (not yet cupy's)")
@@ -444,9 +446,48 @@ class SyncSGD:
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
         self.step_count += 1
         if self.local is not None:
+            await self._compare_global()
             self.local.synced(self.model.flat)
         self.params = self.model.views()
         return self.params
+
+    async def _compare_global(self) -> None:
+        """Local SGD, after each outer step: the ranks compare a digest of their global parameters and
+        outer state (one 8-byte all_gather). A rank that differs from the majority is named and takes
+        the majority's state from its lowest rank; with no majority the job stops, naming every rank's."""
+        h = hashlib.sha256()
+        for flat in self.model.flat:
+            h.update(np.ascontiguousarray(to_host(flat)).tobytes())
+        if not self.placement.holds_model:  # over ps the shards hold the outer state
+            for state in self.model.state:
+                for key in sorted(state):
+                    h.update(key.encode() + np.ascontiguousarray(to_host(state[key])).tobytes())
+        digest = int.from_bytes(h.digest()[:8], "little", signed=True)
+        group = self.placement.live_group(self)
+        digests = [int(d[0]) for d in await group.all_gather(np.array([digest], np.int64))]
+        if len(set(digests)) == 1:
+            return
+        counts = {d: digests.count(d) for d in digests}
+        best = max(counts.values())
+        if list(counts.values()).count(best) > 1:
+            raise MismatchError(
+                f"SyncSGD: after outer step {self.step_count} the ranks' global parameters differ with no "
+                f"majority (digests by rank: {digests}); the job stops rather than train on forked state"
+            )
+        good = next(d for d, c in counts.items() if c == best)
+        src = digests.index(good)
+        bad = [r for r, d in enumerate(digests) if d != good]
+        logger.warning("%r: after outer step %d rank(s) %s held other global parameters than the others: "
+                       "repaired from rank %d", self, self.step_count, bad, src)  # fmt: skip
+        self.repaired += len(bad)
+        for flat in self.model.flat:
+            flat[...] = await group.broadcast(flat, src=src)
+        if not self.placement.holds_model:
+            for state in self.model.state:
+                for key in sorted(state):
+                    if key == "step":
+                        continue
+                    state[key][...] = await group.broadcast(state[key], src=src)
 
 
 class BlockingSyncSGD:

@@ -162,3 +162,23 @@ async def test_bad_settings_are_refused_naming_them(make_groups) -> None:
     table = {"emb": np.zeros((10, 4), np.float32), **start_params()}
     with pytest.raises(ValueError, match=r"local_steps=4 takes no sparse tables"):
         psring.SyncSGD(g, table, local_steps=4, outer=outer(), sparse=["emb"])
+
+
+@pytest.mark.asyncio
+async def test_a_rank_whose_global_state_forked_is_named_and_repaired(make_groups) -> None:
+    """After each outer step the ranks compare a digest of their global parameters and outer state: one
+    rank whose copy differs (here, corrupted by hand between steps) takes the majority's; with no
+    majority the job stops, naming the digests."""
+    groups = await make_groups(3, "ring")
+    opts, _ = await train(groups, 1, local_steps=2, outer=outer())
+    opts[1].model.flat[0][0] += 1.0  # rank 1's global copy forks
+    outs = await asyncio.gather(*(o.step(grads(1, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    assert all(o.repaired == 1 for o in opts)
+    for k in SHAPES:
+        assert np.array_equal(outs[1][k], outs[0][k]) and np.array_equal(outs[2][k], outs[0][k]), k
+    two = await make_groups(2, "ring")
+    opts, _ = await train(two, 1, local_steps=2, outer=outer())
+    opts[1].model.flat[0][0] += 1.0
+    got = await asyncio.gather(*(o.step(grads(1, g.rank)) for o, g in zip(opts, two, strict=True)),
+                               return_exceptions=True)  # fmt: skip
+    assert all(isinstance(e, psring.MismatchError) and "no majority" in str(e) for e in got), got
