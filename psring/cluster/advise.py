@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from .. import settings
-from ..core.codec import CODECS, INT8_BLOCK
+from ..core.codec import CODECS
 from ..settings import parse_bytes
 from ..topology.ps.plan import WIRE_PIECES, link_tuning, piece_bytes
 from ..topology.ring.paths import SMALL_BYTES, RingPaths
@@ -391,28 +391,25 @@ MARGIN = 0.05
 MODEL_ONLY: dict[str, str] = {}
 
 
-#: a codec's CPU per float32 element on this kind of machine, in ns: (encode, decode, its scale's
-#: amax), measured in one process on 4M elements (numpy; a 2-core VM). Over the coded ring a rank
-#: takes each rank's amax and encodes once, and for (N-1)/N of the elements decodes twice, adds and
-#: encodes (reduce-scatter), then decodes (all-gather).
-CODEC_NS = {"fp16": (3.8, 2.0, 0.3), "bf16": (1.3, 0.2, 0.0), "int8": (1.1, 0.45, 0.6)}
 
 
 def codec_times(sizes: list[int], layout: Layout, links: Links) -> dict[str, float]:
     """A step's communication with each codec: the coded ring's (a codec never takes the two levels,
-    the plane or two hops) -- its narrower bytes on the wire, the scale's agreement, and the CPU."""
+    the plane or two hops) -- its narrower bytes on the wire, the scale's agreement, and the CPU
+    (``Codec.cpu_ns``: a rank takes its amax and encodes once, and for (N-1)/N of the elements decodes
+    twice, adds and encodes in the reduce-scatter, then decodes in the all-gather)."""
     n, h = layout.workers, layout.hosts
     a, b = (links.latency, links.bandwidth) if h > 1 else (links.local_latency, links.local_bandwidth)
     c = links.per_message
     out: dict[str, float] = {}
-    for name, (enc, dec, amax) in CODEC_NS.items():
-        codec = CODECS[name]
+    for name, codec in CODECS.items():
+        enc, dec, amax = codec.cpu_ns
         total = 0.0
         for size in sizes:
             elems = size / 4
             total += 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * elems * codec.wire.itemsize / b
             if codec.scaled:  # a max all_reduce of the scales' inputs first
-                agreed = 4.0 if name == "fp16" else 4.0 * math.ceil(elems / INT8_BLOCK)
+                agreed = 4.0 * codec.amax_size(int(elems))
                 total += 2 * (n - 1) * (a + c) + 2 * (n - 1) / n * agreed / b
             total += elems * (amax + enc + (n - 1) / n * (3 * dec + enc + 0.3)) * 1e-9
         out[name] = total + layout.straggler  # a straggler holds every ring step alike

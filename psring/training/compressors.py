@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.codec import CODECS
 from ..core.sparse import SparseRows
 from .local import Bucket
 
@@ -284,7 +285,7 @@ def compression_from(text: str | None) -> Any:
             return PowerSGD(int(arg))
     except ValueError as exc:
         raise ValueError(f"compression {text!r}: {exc}") from None
-    raise ValueError(f"compression {text!r} is not a codec (fp16, bf16, int8), topk:RATIO or powersgd:RANK")
+    raise ValueError(f"compression {text!r} is not a codec ({', '.join(CODECS)}), topk:RATIO or powersgd:RANK")
 
 
 __all__ = ["Compressor", "PowerSGD", "TopK", "compression_from"]
