@@ -1,0 +1,46 @@
+"""The slow-link bed (benchmarks/slowlink.py), short form: two hosts on 100 Mbit/s links with a 20 ms
+round trip made by its user-space forwarder, real TCP end to end; fp32 and int8 all_reduce of 1 MiB.
+
+Asserts that both ran across the namespaces, that the links carried what the codec says (int8: about a
+quarter of fp32's bytes, as the kernel counts them) and that the delay is there (a call takes at least
+the ring's round trips); how fast is the benchmark's to say (run it long: ``python benchmarks/slowlink.py
+--hosts 4 --rate 100mbit --rtt-ms 20 --sizes 64M --variants fp32,int8``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_tree
+
+pytestmark = [pytest.mark.slow]  # it starts processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_the_slow_link_bed_carries_a_codecs_bytes_over_delayed_links(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from slowlink import available  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    why = available()
+    if why is not None:
+        pytest.skip(f"the slow-link bed {why}")
+    out = tmp_path / "rows.json"
+    bed = ["--hosts", "2", "--rate", "100mbit", "--rtt-ms", "20", "--sizes", "1M", "--variants", "fp32,int8"]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "slowlink.py"), *bed, "--iters", "2", "--json", str(out)]
+    res = run_tree(cmd, timeout=280, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    fp32, int8 = rows["fp32"], rows["int8"]
+    assert 0.15 < int8["wire_bytes_per_call"] / fp32["wire_bytes_per_call"] < 0.4, rows
+    # 1 MiB at 100 Mbit/s: at least the bytes' time on a link (2 ranks: the whole tensor each way) plus a
+    # round trip of 20 ms; a bed without its delay or its rate would be far faster on loopback
+    assert fp32["time_s"] > (1 << 20) * 8 / 100e6 + 0.02, rows
