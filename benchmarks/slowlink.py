@@ -27,6 +27,7 @@ import heapq
 import json
 import os
 import selectors
+import signal
 import statistics
 import struct
 import subprocess
@@ -175,6 +176,15 @@ def _sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (``timeout``, a CI runner) ends the bed as Ctrl-C does: its namespaces and processes go."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(f"slowlink: signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def available() -> str | None:
     """Why the bed cannot run here, or None."""
     if os.geteuid() != 0:
@@ -252,6 +262,7 @@ def main() -> None:
         raise SystemExit(f"slowlink: unknown variants {unknown} (of {', '.join(VARIANTS)})")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     rate = parse_rate(args.rate) * 8  # bits/s
+    exit_on_sigterm()
     bed = SlowBed(args.hosts, rate, args.rtt_ms / 1e3, args.queue_ms / 1e3)
     results: dict[str, list[tuple[list[dict[str, Any]], list[int]]]] = {v: [] for v in variants}
     try:
