@@ -148,6 +148,25 @@ class SlowBed:
         self.procs.append(proc)
         return proc
 
+    def wait(self, procs: list[subprocess.Popen[str]], what: str, timeout: float) -> None:
+        """Wait for the ranks ``procs`` (each killed, by PID, past ``timeout``); a RuntimeError naming
+        every rank that failed or did not finish."""
+        failed = []
+        deadline = time.monotonic() + timeout
+        for r, proc in enumerate(procs):
+            try:
+                said = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                said = proc.communicate(timeout=30)[0] or ""
+                failed.append(f"rank {r} did not finish within {timeout:g}s: {said[-800:]}")
+                continue
+            if proc.returncode != 0:
+                failed.append(f"rank {r} exited {proc.returncode}: {said[-800:]}")
+        self.procs = [p for p in self.procs if p not in procs]
+        if failed:
+            raise RuntimeError(f"{what}: " + "; ".join(failed))
+
     def tx_bytes(self) -> list[int]:
         """Each host's link's transmitted bytes, as the kernel counts them (``ip -s link``)."""
         out = []
@@ -215,21 +234,7 @@ def run_variant(bed: SlowBed, variant: str, topology: str, sizes: list[int], ite
                    "PSRING_JOB": f"slow-{variant}", "OMP_NUM_THREADS": "1", "PSRING_TIMEOUT": str(timeout)}  # fmt: skip
             cmd = [sys.executable, "-m", "psring.training.bench_ranks", json.dumps(spec)]
             procs.append(bed.run(r, cmd, env))
-        failed = []
-        deadline = time.monotonic() + timeout
-        for r, proc in enumerate(procs):
-            try:
-                said = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                said = proc.communicate(timeout=30)[0] or ""
-                failed.append(f"rank {r} did not finish within {timeout:g}s: {said[-800:]}")
-                continue
-            if proc.returncode != 0:
-                failed.append(f"rank {r} exited {proc.returncode}: {said[-800:]}")
-        bed.procs = [p for p in bed.procs if p not in procs]
-        if failed:
-            raise RuntimeError(f"{variant}: " + "; ".join(failed))
+        bed.wait(procs, variant, timeout)
         after = bed.tx_bytes()
         with open(out) as fh:
             rows: list[dict[str, Any]] = json.load(fh)["results"]

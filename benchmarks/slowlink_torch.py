@@ -21,11 +21,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -106,21 +104,7 @@ def run_variant(bed: SlowBed, variant: str, args: argparse.Namespace) -> dict[st
             cmd = [sys.executable, str(script), variant, str(args.width), str(args.steps), str(args.warmup),
                    str(args.rank), os.path.join(tmp, f"{r}.json")]  # fmt: skip
             procs.append(bed.run(r, cmd, env))
-        deadline = time.monotonic() + args.timeout
-        failed = []
-        for r, proc in enumerate(procs):
-            try:
-                said = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] or ""
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                said = proc.communicate(timeout=30)[0] or ""
-                failed.append(f"rank {r} did not finish: {said[-800:]}")
-                continue
-            if proc.returncode != 0:
-                failed.append(f"rank {r} exited {proc.returncode}: {said[-800:]}")
-        bed.procs = [p for p in bed.procs if p not in procs]
-        if failed:
-            raise RuntimeError(f"{variant}: " + "; ".join(failed))
+        bed.wait(procs, variant, args.timeout)
         ranks = [json.loads((Path(tmp) / f"{r}.json").read_text()) for r in range(world)]
     slowest = [max(per) for per in zip(*(r["step_s"] for r in ranks), strict=True)]
     return {"variant": variant, "steps_per_s": 1.0 / statistics.median(slowest), "loss": ranks[0]["loss"]}
