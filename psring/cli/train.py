@@ -104,6 +104,9 @@ def add_train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=d["outer_lr"], help="with --local-steps: the outer SGD's lr")
     p.add_argument("--outer-momentum", type=float, default=d["outer_momentum"],
                    help="with --local-steps: the outer SGD's (Nesterov) momentum")  # fmt: skip
+    p.add_argument("--fragments", type=int, default=d["fragments"],
+                   help="with --local-steps: streaming DiLoCo, the model in K fragments exchanged in turn, each "
+                        "overlapping the next inner steps (1: the whole model at once)")  # fmt: skip
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument(
         "--model",
@@ -127,6 +130,7 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
             "local_steps": args.local_steps,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
+            "fragments": args.fragments,
             "device": args.device,
             "seed": args.seed,
             "checkpoint_every": args.checkpoint_every,
@@ -193,8 +197,12 @@ def print_summary(summary: dict[str, Any]) -> None:
     print(f"  wall time          {summary['wall_s']:.2f} s ({summary['steps']} steps)")
     print(
         f"  time per step      {summary['ms_per_step_compute']:.2f} ms compute + "
-        f"{summary['ms_per_step_comm']:.2f} ms communication (incl. the update)"
+        f"{summary['ms_per_step_comm']:.2f} ms communication (incl. the update); compute use "
+        f"{100 * summary.get('compute_use', 0.0):.1f}%"
     )
+    steps = int(summary.get("steps") or 0)
+    if steps and summary["bytes_per_worker"]:
+        print(f"  bytes per step     {summary['bytes_per_worker'][0][0] / steps / 1e3:.2f} kB sent by worker 0")
     for r, (sent, received) in enumerate(summary["bytes_per_worker"]):
         print(f"  worker {r}           sent {sent / 1e6:.2f} MB, received {received / 1e6:.2f} MB")
     for i, (sent, received) in enumerate(summary.get("bytes_per_server", [])):
@@ -283,6 +291,12 @@ def run(args: argparse.Namespace) -> int:
         return bad(f"--local-steps must be at least 1, got {args.local_steps}")
     if args.local_steps > 1 and (args.backup or args.model == "embed"):
         return bad("--local-steps takes no --backup and no --model embed (not yet)")
+    if args.fragments < 1 or (args.fragments > 1 and args.fragments > args.local_steps):
+        return bad(f"--fragments must be from 1 to --local-steps ({args.local_steps}), got {args.fragments}")
+    if args.fragments > 1 and (args.elastic or args.checkpoint_dir or args.max_restarts):
+        return bad("--fragments takes no --elastic, --checkpoint-dir or --max-restarts (not yet)")
+    if args.fragments > 1 and args.compression.split(":")[0] in ("topk", "powersgd"):
+        return bad(f"--fragments takes a codec, not the compressor {args.compression} (not yet)")
     if args.max_restarts < 0 or args.checkpoint_every < 1:
         return bad("--max-restarts must be 0 or more and --checkpoint-every at least 1")
     if args.elastic and (args.checkpoint_dir or args.max_restarts):
@@ -312,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
             + (f" compression={args.compression}" if args.compression != "none" else "")
             + (f" accumulate={args.accumulate}" if args.accumulate > 1 else "")
             + (f" local_steps={args.local_steps} outer_lr={args.outer_lr} outer_momentum={args.outer_momentum}"
-               if args.local_steps > 1 else ""),
+               if args.local_steps > 1 else "")
+            + (f" fragments={args.fragments}" if args.fragments > 1 else ""),
             flush=True,
         )
         summary = train_once(args, topology)

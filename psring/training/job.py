@@ -45,6 +45,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "local_steps": 1,
     "outer_lr": 0.7,
     "outer_momentum": 0.9,
+    "fragments": 1,  # streaming DiLoCo: the model in K fragments, exchanged in turn (with local_steps > 1)
     "device": "cpu",
     "seed": 0,
     "out": None,
@@ -68,7 +69,9 @@ def local_sgd(spec: dict[str, Any]) -> dict[str, Any]:
     if steps == 1:
         return {}
     lr, momentum = float(spec.get("outer_lr", 0.7)), float(spec.get("outer_momentum", 0.9))
-    return {"local_steps": steps, "outer": SGD(lr=lr, momentum=momentum, nesterov=momentum > 0)}
+    out = {"local_steps": steps, "outer": SGD(lr=lr, momentum=momentum, nesterov=momentum > 0)}
+    fragments = int(spec.get("fragments") or 1)
+    return {**out, "fragments": fragments} if fragments > 1 else out
 
 
 def make_optimizer(spec: dict[str, Any]) -> Any:
@@ -271,9 +274,14 @@ class _Run:
         if every and self.steps % self.opt.accumulate == 0:
             await self.save()
 
+    async def _evaluated(self) -> dict[str, Any]:
+        """The parameters a test measures: local SGD's global ones (the same on every rank; a rank's
+        own copy between outer steps is not the model), else the current ones."""
+        return await self.opt.global_params() if self.opt.local is not None else self.params
+
     async def _accuracy(self) -> float:
         if not self.embed:
-            return accuracy(self.params, self.xte, self.yte)
+            return accuracy(await self._evaluated(), self.xte, self.yte)
         u_rows = await self.opt.pull_rows("users", self.xte[:, 0])
         v_rows = await self.opt.pull_rows("items", self.xte[:, 1])
         return embed.accuracy(u_rows, v_rows, self.params["bias"], self.yte)
@@ -282,7 +290,7 @@ class _Run:
         """Rank 0's summary (None elsewhere). Every rank must hold identical parameters: this
         checks it rather than assumes it."""
         group = self.opt.live_group() if self.opt.elastic else self.group
-        host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in self.params.items()}
+        host = {k: (v if isinstance(v, np.ndarray) else v.get()) for k, v in (await self._evaluated()).items()}
         for name in self.opt.sparse:  # the tables too (over ps, pulled from the shards)
             host[name] = await self.opt.pull_rows(name, np.arange(self.opt.model.table_shape[name][0]))
         data = np.frombuffer(b"".join(host[k].tobytes() for k in sorted(host)), np.uint8).astype(np.int64)
@@ -315,6 +323,10 @@ class _Run:
             "resumed_at": self.resumed_at,
             "ms_per_step_compute": 1e3 * self.compute / steps,
             "ms_per_step_comm": 1e3 * self.comm / steps,
+            # the share of a step's time spent computing (the rest waited on the exchange)
+            "compute_use": self.compute / max(self.compute + self.comm, 1e-12),
+            "local_steps": spec.get("local_steps", 1),
+            "fragments": spec.get("fragments", 1),
             "bytes_per_worker": [[int(s[0]), int(s[1])] for s in all_stats],
             "bytes_per_server": servers,
             "ranks_agree": len({int(d[0]) for d in digests}) == 1,

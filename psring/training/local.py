@@ -14,6 +14,7 @@ import numpy as np
 
 from ..core.arrays import array_module, check_array, dtype_name
 from ..core.sparse import SparseRows
+from .streaming import split_params
 
 #: default bucket size (torch DDP's default is 25 MiB)
 BUCKET_BYTES = 25 << 20
@@ -79,7 +80,9 @@ class LocalModel:
     optimizer state (``state``, a dict a bucket), and the sparse tables (``tables``, with
     ``table_state``; None where the topology's shards hold them). Every array on one device (``xp``)."""
 
-    def __init__(self, params: Mapping[str, Any], sparse: Sequence[str], bucket_bytes: int) -> None:
+    def __init__(
+        self, params: Mapping[str, Any], sparse: Sequence[str], bucket_bytes: int, fragments: int = 1
+    ) -> None:
         self.sparse = list(sparse)
         self.tables: dict[str, Any] = {k: check_array(params[k], f"params[{k!r}]") for k in self.sparse}
         self.table_state: dict[str, dict[str, Any]] = {}
@@ -95,7 +98,16 @@ class LocalModel:
         if len(xps) > 1:
             raise TypeError("SyncSGD: params mix numpy and cupy arrays; keep them on one device")
         self.xp = xps.pop()
-        self.buckets = make_buckets(dense, bucket_bytes)
+        #: the buckets of each fragment (streaming local SGD: whole parameters, in order, about equal in
+        #: bytes; one fragment of every bucket otherwise)
+        self.fragments: list[list[int]] = []
+        self.buckets: list[Bucket] = []
+        names = list(dense)
+        starts = split_params([int(v.nbytes) for v in dense.values()], fragments) if fragments > 1 else [0]
+        for a, z in zip(starts, [*starts[1:], len(names)], strict=True):
+            made = make_buckets({n: dense[n] for n in names[a:z]}, bucket_bytes)
+            self.fragments.append(list(range(len(self.buckets), len(self.buckets) + len(made))))
+            self.buckets += made
         self.flat = self.flats(dense, "params")
         self.state: list[dict[str, Any]] = []
 

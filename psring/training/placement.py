@@ -85,6 +85,13 @@ class Replicated:
         for flat, avg, state in zip(sgd.model.flat, avgs, sgd.model.state, strict=True):
             sgd.optimizer.update(flat, avg, state)
 
+    async def fragment_step(self, sgd: SyncSGD, ids: list[int], pseudo: list[Any], round_: int) -> None:
+        """Streaming local SGD: buckets ``ids`` only -- their pseudo-gradients averaged and the outer
+        step on them (``sgd.model.flat[b]`` in place); ``round_`` is the fragment's outer steps so far."""
+        avgs = await self.exchange(sgd, pseudo)
+        for b, avg in zip(ids, avgs, strict=True):
+            sgd.optimizer.update(sgd.model.flat[b], avg, sgd.model.state[b])
+
     async def table_exchange(self, sgd: SyncSGD, g: SparseRows) -> SparseRows:
         """One sparse table's rows summed over the group: every rank checks every rank's rows (bad
         ones named everywhere, nothing applied) and sums them in rank order."""
@@ -183,6 +190,15 @@ class Sharded:
         sgd.model.flat = [like(sgd.xp, o) for o in outs]
         t1 = time.perf_counter()
         return t1, t1  # the update ran on the servers, inside the exchange
+
+    async def fragment_step(self, sgd: SyncSGD, ids: list[int], pseudo: list[Any], round_: int) -> None:
+        """Streaming local SGD: buckets ``ids`` pushed as the fragment's ``round_``-th step (the step its
+        buckets are at on the shards, which run the outer optimizer); the new global parameters pulled."""
+        host = [to_host(p) for p in pseudo]
+        outs = [np.empty_like(h) for h in host]
+        await self.params.step(round_, host, outs, compression=sgd.compression, buckets=ids)
+        for b, o in zip(ids, outs, strict=True):
+            sgd.model.flat[b] = like(sgd.xp, o)
 
     async def table_step(self, sgd: SyncSGD, k: int, name: str, g: SparseRows, pull: np.ndarray | None) -> None:
         """Each rank's word on its rows goes with its push; the shards apply none if one is bad."""

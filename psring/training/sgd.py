@@ -13,6 +13,7 @@ Knows a Group and an optimizer, not sockets.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -32,6 +33,7 @@ from .compressors import Compressor
 from .local import BUCKET_BYTES, Bucket, LocalModel, like, make_buckets, to_host
 from .localsgd import LocalSteps
 from .placement import Placement, placement_for
+from .streaming import Flight, Streaming
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +62,22 @@ class SyncSGD:
         local_steps: int = 1,
         outer: Optimizer | None = None,
         reset_inner: bool = False,
+        fragments: int = 1,
     ) -> None:
         if not params:
             raise ValueError("SyncSGD needs at least one parameter")
+        if type(fragments) is not int or fragments < 1:
+            raise ValueError(f"fragments={fragments!r} must be a positive integer")
+        if fragments > 1:
+            why = (
+                "needs local_steps > 1 (streaming local SGD)" if local_steps == 1
+                else "takes a codec (int8, bf16, fp16), not a compressor (not yet)"
+                if isinstance(compression, Compressor)
+                else "takes no elastic=True (not yet)" if elastic
+                else None
+            )  # fmt: skip
+            if why:
+                raise ValueError(f"fragments={fragments} {why}")
         #: local SGD / DiLoCo (local_steps=H, outer=...): the rank's own copy and inner optimizer, else None
         self.local: LocalSteps | None = None
         if local_steps != 1 or outer is not None:
@@ -128,7 +143,11 @@ class SyncSGD:
         self.optimizer = optimizer or SGD(lr=0.01)
         self.accumulate = accumulate
         #: the parameters, optimizer state and tables as this rank holds them
-        self.model = LocalModel(params, sparse, bucket_bytes)
+        self.model = LocalModel(params, sparse, bucket_bytes, fragments)
+        #: streaming local SGD (fragments=K > 1): the fragments' schedule and the exchange in flight
+        self.streaming: Streaming | None = None
+        if self.local is not None and fragments > 1:
+            self.streaming = Streaming(fragments, self.local.every, self.model.fragments)
         self._acc: list[Any] | None = None
         #: sparse tables' rows of the micro-batches so far (accumulate=k), in their order, by table
         self._acc_rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
@@ -309,6 +328,11 @@ class SyncSGD:
             for name in self.sparse:
                 rows, table_state = await self.placement.table_state(self, name)
                 out["tables"][name] = {"rows": rows, "state": table_state}
+        if self.streaming is not None:
+            raise RuntimeError(
+                f"state_dict with fragments={self.streaming.count}: not yet (some fragment's exchange is always "
+                "between its start and its step); checkpoint a local SGD run with fragments=1"
+            )
         if self.local is not None:  # at a boundary local == global; every rank's inner state, by rank
             if self.local.since:
                 raise RuntimeError(
@@ -377,6 +401,8 @@ class SyncSGD:
         }
         if self.local is not None:
             out["local"] = self.local.config()
+        if self.streaming is not None:
+            out["streaming"] = self.streaming.config()
         return out
 
     async def _check_setup(self) -> None:
@@ -434,6 +460,11 @@ class SyncSGD:
                 return self.params
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
+        if self.streaming is not None:  # an inner step; a fragment's exchange lands or starts
+            self.local.step(flats)  # type: ignore[union-attr]
+            await self._stream(self.local.inner_steps)  # type: ignore[union-attr]
+            self.params = self.model.views(self.local.local)  # type: ignore[union-attr]
+            return self.params
         if self.local is not None:  # an inner step; every H of them the pseudo-gradients' outer step
             if not self.local.step(flats):
                 self.params = self.model.views(self.local.local)
@@ -450,6 +481,47 @@ class SyncSGD:
             self.local.synced(self.model.flat)
         self.params = self.model.views()
         return self.params
+
+    async def _stream(self, t: int) -> None:
+        """Streaming local SGD after inner step t: the exchange due now is applied (waited for if it has
+        not landed), then the fragment due now starts its exchange, which runs on as a task."""
+        s, local = self.streaming, self.local
+        assert s is not None and local is not None
+        if s.flight is not None and s.flight.due <= t:
+            await s.land(self._apply_fragment)
+        i = s.starting(t)
+        if i is None:
+            return
+        if s.flight is not None:  # (the schedule keeps one in flight at most; were it late, wait)
+            await s.land(self._apply_fragment)
+        ids = s.buckets_of[i]
+        snaps = [local.local[b].copy() for b in ids]
+        pseudo = [self.model.flat[b] - local.local[b] for b in ids]
+        s.launch(i, t, snaps, self.placement.fragment_step(self, ids, pseudo, s.rounds[i]))
+        await asyncio.sleep(0)  # the exchange takes its first step (its collectives start) before compute
+
+    async def _apply_fragment(self, flight: Flight) -> None:
+        """A fragment's outer step landed: the ranks compare their global state, and the local copies of
+        the fragment become the new global parameters plus the inner steps taken meanwhile."""
+        local, s = self.local, self.streaming
+        assert local is not None and s is not None
+        self.step_count += 1
+        await self._compare_global()
+        for b, snap in zip(s.buckets_of[flight.fragment], flight.snaps, strict=True):
+            local.local[b][...] = self.model.flat[b] + (local.local[b] - snap)
+            if local.reset_inner:
+                local.state[b] = local.inner.init_state(local.local[b])
+
+    async def global_params(self) -> dict[str, Any]:
+        """The global parameters (the same bits on every rank), once no exchange is in flight: with local
+        SGD what the last outer steps made (``params`` are this rank's local copy between outer steps);
+        with fragments, waiting for the exchange in flight to land (its step on the local copies still
+        comes at its due step). Without local SGD, ``params``."""
+        if not self.started:
+            await self.start()
+        if self.streaming is not None:
+            await self.streaming.settle()
+        return self.model.views()
 
     async def _compare_global(self) -> None:
         """Local SGD, after each outer step: the ranks compare a digest of their global parameters and
@@ -542,6 +614,9 @@ class BlockingSyncSGD:
 
     def start(self) -> dict[str, Any]:
         return self._portal.call(self._inner.start())
+
+    def global_params(self) -> dict[str, Any]:
+        return self._portal.call(self._inner.global_params())
 
     def step(self, grads: Mapping[str, Any], prefetch: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return self._portal.call(self._inner.step(grads, prefetch))

@@ -186,9 +186,17 @@ class ParameterClient:
         return outs, (steps[0] if steps else 0)
 
     async def step(
-        self, t: int, grads: list[np.ndarray], outs: list[np.ndarray], compression: str | Codec | None = None
+        self,
+        t: int,
+        grads: list[np.ndarray],
+        outs: list[np.ndarray],
+        compression: str | Codec | None = None,
+        buckets: list[int] | None = None,
     ) -> int:
         """Push step t's gradients; the new parameters land in outs. Re-sends after a server restart.
+
+        ``buckets``: the bucket each of ``grads`` is (default: all, in order). Streaming local SGD pushes
+        one fragment's buckets at a time, each bucket at its own step on the shards.
 
         With ``compression`` (a codec or its name) the gradients travel encoded at a scale the
         workers agree on first, exactly as a compressed all_reduce does (psring.core.codec).
@@ -218,7 +226,7 @@ class ParameterClient:
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
                 self.g._check_usable()
-                await self._param_round(t, grads, wire_grads, outs, got, deadline, resend, codec)
+                await self._param_round(t, grads, wire_grads, outs, got, deadline, resend, codec, buckets)
                 return 1 + self._catch_up(t, grads, outs) if self.g.backup else 1
             except PeerLostError as exc:
                 if exc.rank is not None or not self.g.links.reconnect_servers:
@@ -286,14 +294,17 @@ class ParameterClient:
         deadline: float,
         resend: bool = False,
         codec: Codec | None = None,
+        buckets: list[int] | None = None,
     ) -> None:
+        ids = list(range(len(grads))) if buckets is None else buckets
         futs = []
         if self.g.links.share_memory_pending() and any(
             g.nbytes >= self.g.links.config.ps_shm_min for g, _e in wire_grads
         ):
             await self.g.links.share_memory()
-        for b, flat in enumerate(grads):
-            sent, e = wire_grads[b]
+        for i, flat in enumerate(grads):
+            b = ids[i]
+            sent, e = wire_grads[i]
             push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.g.rank}
             if e is not None:
                 assert codec is not None
@@ -307,7 +318,7 @@ class ParameterClient:
                     if tag in got:
                         continue
                     self.g.mailbox.unpost(tag)
-                    fut = self.g.mailbox.expect(tag, byte_view(outs[b][pa:pb]))
+                    fut = self.g.mailbox.expect(tag, byte_view(outs[i][pa:pb]))
                     fut.add_done_callback(functools.partial(_note_arrived, got, tag))
                     if self.g.elastic:
                         fut.add_done_callback(self._note_members)
