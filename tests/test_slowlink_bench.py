@@ -44,3 +44,32 @@ def test_the_slow_link_bed_carries_a_codecs_bytes_over_delayed_links(tmp_path: P
     # 1 MiB at 100 Mbit/s: at least the bytes' time on a link (2 ranks: the whole tensor each way) plus a
     # round trip of 20 ms; a bed without its delay or its rate would be far faster on loopback
     assert fp32["time_s"] > (1 << 20) * 8 / 100e6 + 0.02, rows
+
+
+@pytest.mark.timeout(300)
+def test_local_sgd_on_the_bed_sends_h_times_fewer_bytes_and_streaming_overlaps(tmp_path: Path) -> None:
+    """benchmarks/slowlink_diloco.py, short form: 2 hosts, a 1.3 MB MLP, 16 steps of synchronous SGD, of
+    local SGD with H = 8 and int8, and of the same streamed in 2 fragments: the local runs send far fewer
+    bytes across the links (the kernel's count) and finish far sooner; every run reports its loss."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from slowlink import available  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    why = available()
+    if why is not None:
+        pytest.skip(f"the slow-link bed {why}")
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "slowlink_diloco.py"), "--hosts", "2", "--rate", "100mbit",
+           "--rtt-ms", "20", "--steps", "16", "--widths", "128,512,512,128", "--runs", "1,8:int8,8:int8:K2",
+           "--timeout", "200", "--json", str(out)]  # fmt: skip
+    res = run_tree(cmd, timeout=280, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {r["name"]: r for r in json.loads(out.read_text())}
+    sync, local, streamed = runs["1"], runs["8:int8"], runs["8:int8:K2"]
+    for r in (local, streamed):
+        assert r["wire_bytes"] < sync["wire_bytes"] / 10, (r["wire_bytes"], sync["wire_bytes"])
+        assert r["wall_s"] < sync["wall_s"], (r["wall_s"], sync["wall_s"])
+        assert 0.0 < r["compute_use"] <= 1.0 and r["test_loss"] > 0
+    # 16 synchronous steps of 1.3 MB at 100 Mbit/s: at least the bytes' time on the links
+    assert sync["wall_s"] > 16 * sync["model_bytes"] * 8 / 100e6

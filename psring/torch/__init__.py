@@ -232,7 +232,11 @@ class DistributedOptimizer:
     optimizer on this rank's copy alone, and every H steps averages the pseudo-gradients (global -
     local, with ``compression``) and takes the outer step on the global parameters (the model's at
     the first ``step()``: broadcast them first), which every rank's model then holds, the same bits
-    everywhere. Everything else (``zero_grad``, ``param_groups``, ``state_dict``) is the wrapped
+    everywhere. ``fragments=K`` streams it as :class:`psring.SyncSGD` does: the model in K fragments of
+    whole parameters, fragment i's all_reduces started after the inner steps ``t % H == i*H//K`` and
+    running on in the event loop's thread while the next steps compute, its outer step taken H//K steps
+    later; ``use_global()`` writes the global parameters into the model at the end (the same bits on
+    every rank). Everything else (``zero_grad``, ``param_groups``, ``state_dict``) is the wrapped
     optimizer's.
 
     ``backup=b`` (ps only): backup workers, as ``SyncSGD(..., backup=b)``. The parameters then live on
@@ -258,8 +262,10 @@ class DistributedOptimizer:
         backup: int = 0,
         local_steps: int = 1,
         outer: Any = None,
+        fragments: int = 1,
     ) -> None:
         from ..training.compressors import Compressor
+        from ..training.streaming import Streaming, split_params
 
         self.optimizer = optimizer
         self.group = _blocking(group)
@@ -277,6 +283,14 @@ class DistributedOptimizer:
             if backup or sparse_params:
                 raise ValueError(f"DistributedOptimizer: local_steps={local_steps} takes no backup and no "
                                  "sparse_params (not yet)")  # fmt: skip
+        if type(fragments) is not int or fragments < 1:
+            raise ValueError(f"DistributedOptimizer: fragments={fragments!r} must be a positive integer")
+        if fragments > 1 and (self.outer is None or self.compressor is not None):
+            raise ValueError(f"DistributedOptimizer: fragments={fragments} needs local_steps > 1 and takes a codec, "
+                             "not a compressor")  # fmt: skip
+        #: streaming local SGD (fragments > 1): the fragments' schedule and the exchange in flight
+        self._streaming: Any = None
+        self._inner_steps = 0
         self._local_since = 0
         self._global: list[np.ndarray] | None = None  # local SGD: the global parameters, by bucket
         self._outer_state: list[dict[str, Any]] = []
@@ -317,10 +331,15 @@ class DistributedOptimizer:
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index)
         current: list[torch.Tensor] = []
         size = 0
-        for p in [] if backup else reversed(params):  # last layers' gradients come first; backup: no buckets
+        order = [] if backup else list(reversed(params))  # last layers' gradients come first; backup: no buckets
+        # streaming: a bucket never spans two fragments (whole parameters, about equal in bytes)
+        cuts = set(split_params([p.numel() * p.element_size() for p in order], fragments)) if fragments > 1 else set()
+        frag_of_bucket: list[int] = []
+        for j, p in enumerate(order):
             nbytes = p.numel() * p.element_size()
             if current and (
                 size + nbytes > bucket_bytes or p.dtype != current[0].dtype or p.device != current[0].device
+                or j in cuts
             ):
                 self._add_bucket(current)
                 current, size = [], 0
@@ -328,6 +347,13 @@ class DistributedOptimizer:
             size += nbytes
         if current:
             self._add_bucket(current)
+        if fragments > 1:
+            starts = sorted(cuts)
+            position = {id(p): j for j, p in enumerate(order)}
+            for bucket in self.buckets:
+                frag_of_bucket.append(sum(1 for c in starts if c <= position[id(bucket.params[0])]) - 1)
+            by_fragment = [[b for b, f in enumerate(frag_of_bucket) if f == i] for i in range(fragments)]
+            self._streaming = Streaming(fragments, local_steps, by_fragment)
         self._next = 0  # the next bucket to launch (in order, the same on every rank)
         self._hooks = []
         if backup:
@@ -468,11 +494,12 @@ class DistributedOptimizer:
         rows = from_array(out.values) / self.group.world_size
         p.grad = torch.sparse_coo_tensor(from_array(out.indices)[None], rows.to(dtype), (n, width)).coalesce()
 
-    def _flats_of(self, what: str) -> list[np.ndarray]:
-        """Every bucket's gradients ("grad", a missing one as zero) or parameters ("param"), flat, as numpy."""
+    def _flats_of(self, what: str, ids: Sequence[int] | None = None) -> list[np.ndarray]:
+        """Every bucket's (or buckets ``ids``') gradients ("grad", a missing one as zero) or parameters
+        ("param"), flat, as numpy."""
         out = []
         with torch.no_grad():
-            for bucket in self.buckets:
+            for bucket in self.buckets if ids is None else [self.buckets[b] for b in ids]:
                 for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
                     src = p if what == "param" else p.grad
                     if src is None:
@@ -482,9 +509,10 @@ class DistributedOptimizer:
                 out.append(np.array(to_array(bucket.flat), np.float32))
         return out
 
-    def _write(self, flats: list[np.ndarray], what: str) -> None:
+    def _write(self, flats: list[np.ndarray], what: str, ids: Sequence[int] | None = None) -> None:
         with torch.no_grad():
-            for bucket, flat in zip(self.buckets, flats, strict=True):
+            chosen = self.buckets if ids is None else [self.buckets[b] for b in ids]
+            for bucket, flat in zip(chosen, flats, strict=True):
                 got = from_array(np.ascontiguousarray(flat))
                 for p, (a, z) in zip(bucket.params, bucket.slices, strict=True):
                     if what == "param":
@@ -500,6 +528,57 @@ class DistributedOptimizer:
             return self.group.portal.call(self.compressor.exchange(self.group.group, flats))
         handles = [self.group.all_reduce(f, op="avg", compression=self.compression, async_op=True) for f in flats]
         return [np.asarray(h.wait(), np.float32) for h in handles]
+
+    def _stream_step(self, closure: Any) -> Any:
+        """Streaming local SGD (fragments=K): the wrapped optimizer on this rank's copy; after inner step t
+        the exchange due lands (its outer step, then this rank's copy of the fragment = the new global
+        parameters + the progress since it started), and the fragment due starts its all_reduces, which
+        run on in the event loop's thread while the next steps compute. As SyncSGD(fragments=K)."""
+        from ..training.streaming import Flight
+
+        s = self._streaming
+        if self._global is None:
+            self._global = self._flats_of("param")
+            self._outer_state = [self.outer.init_state(g) for g in self._global]
+        loss = self.optimizer.step(closure)
+        self._inner_steps += 1
+        t = self._inner_steps
+        if s.flight is not None and s.flight.due <= t:
+            self._land()
+        i = s.starting(t)
+        if i is not None:
+            if s.flight is not None:
+                self._land()
+            ids = s.buckets_of[i]
+            local = self._flats_of("param", ids)
+            pseudo = [self._global[b] - loc for b, loc in zip(ids, local, strict=True)]
+            handles = [self.group.all_reduce(p, op="avg", compression=self.compression, async_op=True)
+                       for p in pseudo]  # fmt: skip
+            s.flight = Flight(i, t + s.delay, handles, local)  # type: ignore[arg-type]
+        return loss
+
+    def _land(self) -> None:
+        s, glob = self._streaming, self._global
+        assert glob is not None
+        flight, s.flight = s.flight, None
+        ids = s.buckets_of[flight.fragment]
+        avgs = [np.asarray(h.wait(), np.float32) for h in flight.task]
+        s.rounds[flight.fragment] += 1
+        for b, avg in zip(ids, avgs, strict=True):
+            self.outer.update(glob[b], avg, self._outer_state[b])
+        now = self._flats_of("param", ids)
+        self._write([glob[b] + (loc - snap) for b, loc, snap in zip(ids, now, flight.snaps, strict=True)], "param", ids)
+
+    def use_global(self) -> None:
+        """Local SGD: write the global parameters into the model -- the same bits on every rank, what to
+        evaluate or save at the end. With fragments the exchange in flight is waited for and its outer
+        step taken first. The inner steps since each fragment's last exchange are dropped from the model
+        (a later ``step()`` goes on from the global parameters)."""
+        if self.outer is None or self._global is None:
+            return
+        if self._streaming is not None and self._streaming.flight is not None:
+            self._land()
+        self._write(self._global, "param")
 
     def _local_step(self, closure: Any) -> Any:
         """Local SGD: the wrapped optimizer on this rank's own copy; every local_steps steps the
@@ -527,6 +606,8 @@ class DistributedOptimizer:
                     loss = closure()
             self._step_on_shards()
             return loss
+        if self._streaming is not None:
+            return self._stream_step(closure)
         if self.outer is not None:
             return self._local_step(closure)
         if self.compressor is not None:

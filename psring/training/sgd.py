@@ -157,6 +157,9 @@ class SyncSGD:
         self.skipped = 0
         self.started = False
         self.last_timing = {"exchange_s": 0.0, "update_s": 0.0}  # of the last step that exchanged
+        #: seconds ``step`` spent waiting on exchanges in all (streaming: on an exchange that had not landed
+        #: by its step, and the digest check): what compute use is measured against
+        self.waited_s = 0.0
         self.params = self.model.views()
         self._loaded: dict[str, Any] | None = None  # a checkpoint to resume from (load_state_dict)
         #: every rank's error feedback from a checkpoint (load_state_dict), taken at start
@@ -475,6 +478,7 @@ class SyncSGD:
         # workers in rank order, divided by their number, the optimizer run on those rows only)
         t1, t2 = await self.placement.step(self, flats, rows, wanted)
         self.last_timing = {"exchange_s": t1 - t0, "update_s": t2 - t1}
+        self.waited_s += t1 - t0
         self.step_count += 1
         if self.local is not None:
             await self._compare_global()
@@ -487,26 +491,35 @@ class SyncSGD:
         not landed), then the fragment due now starts its exchange, which runs on as a task."""
         s, local = self.streaming, self.local
         assert s is not None and local is not None
+        t0 = time.perf_counter()
         if s.flight is not None and s.flight.due <= t:
             await s.land(self._apply_fragment)
         i = s.starting(t)
+        if i is not None and s.flight is not None:  # (the schedule keeps one in flight at most; were it late, wait)
+            await s.land(self._apply_fragment)
+        self.waited_s += time.perf_counter() - t0
         if i is None:
             return
-        if s.flight is not None:  # (the schedule keeps one in flight at most; were it late, wait)
-            await s.land(self._apply_fragment)
         ids = s.buckets_of[i]
         snaps = [local.local[b].copy() for b in ids]
         pseudo = [self.model.flat[b] - local.local[b] for b in ids]
-        s.launch(i, t, snaps, self.placement.fragment_step(self, ids, pseudo, s.rounds[i]))
+        s.launch(i, t, snaps, self._fragment_round(ids, pseudo, s.rounds[i]))
         await asyncio.sleep(0)  # the exchange takes its first step (its collectives start) before compute
 
+    async def _fragment_round(self, ids: list[int], pseudo: list[Any], round_: int) -> list[int]:
+        """A fragment's exchange (in its task): the average and the outer step, then every rank's digest
+        of its global state (the comparison travels with the exchange, not at the step it lands)."""
+        await self.placement.fragment_step(self, ids, pseudo, round_)
+        return await self._global_digests()
+
     async def _apply_fragment(self, flight: Flight) -> None:
-        """A fragment's outer step landed: the ranks compare their global state, and the local copies of
-        the fragment become the new global parameters plus the inner steps taken meanwhile."""
+        """A fragment's outer step landed: the digests the ranks exchanged with it are judged (a forked
+        rank repaired, or the job stopped), and the local copies of the fragment become the new global
+        parameters plus the inner steps taken meanwhile."""
         local, s = self.local, self.streaming
         assert local is not None and s is not None
         self.step_count += 1
-        await self._compare_global()
+        await self._judge_digests(flight.task.result())
         for b, snap in zip(s.buckets_of[flight.fragment], flight.snaps, strict=True):
             local.local[b][...] = self.model.flat[b] + (local.local[b] - snap)
             if local.reset_inner:
@@ -527,6 +540,10 @@ class SyncSGD:
         """Local SGD, after each outer step: the ranks compare a digest of their global parameters and
         outer state (one 8-byte all_gather). A rank that differs from the majority is named and takes
         the majority's state from its lowest rank; with no majority the job stops, naming every rank's."""
+        await self._judge_digests(await self._global_digests())
+
+    async def _global_digests(self) -> list[int]:
+        """Every rank's digest of its global parameters and outer state (one 8-byte all_gather)."""
         h = hashlib.sha256()
         for flat in self.model.flat:
             h.update(np.ascontiguousarray(to_host(flat)).tobytes())
@@ -536,7 +553,12 @@ class SyncSGD:
                     h.update(key.encode() + np.ascontiguousarray(to_host(state[key])).tobytes())
         digest = int.from_bytes(h.digest()[:8], "little", signed=True)
         group = self.placement.live_group(self)
-        digests = [int(d[0]) for d in await group.all_gather(np.array([digest], np.int64))]
+        return [int(d[0]) for d in await group.all_gather(np.array([digest], np.int64))]
+
+    async def _judge_digests(self, digests: list[int]) -> None:
+        """All alike: nothing. Else the ranks that differ from the majority take its state; no majority:
+        MismatchError naming every rank's digest."""
+        group = self.placement.live_group(self)
         if len(set(digests)) == 1:
             return
         counts = {d: digests.count(d) for d in digests}
@@ -585,6 +607,10 @@ class BlockingSyncSGD:
     @property
     def backup(self) -> int:
         return self._inner.backup
+
+    @property
+    def waited_s(self) -> float:
+        return self._inner.waited_s
 
     @property
     def skipped(self) -> int:

@@ -181,3 +181,18 @@ async def test_bad_fragment_settings_are_refused_naming_them(make_groups) -> Non
     with pytest.raises(RuntimeError, match=r"state_dict with fragments=2: not yet"):
         await opts[0].state_dict()
     assert opts[0].setup()["streaming"] == {"fragments": 2, "buckets": [[0], [1]]}
+
+
+@pytest.mark.asyncio
+async def test_a_rank_whose_global_state_forked_is_repaired_when_the_next_fragment_lands(make_groups) -> None:
+    """The digests travel with each fragment's exchange and are judged where it lands: a rank whose global
+    copy was corrupted (by hand, between steps) takes the majority's; the ranks' global state then agrees."""
+    groups = await make_groups(3, "ring")
+    opts, _ = await train(groups, 1, local_steps=4, fragments=2)
+    opts[1].model.flat[0][0] += 1.0  # rank 1's global copy of fragment 0 forks
+    for t in range(1, 6):  # fragment 1 starts after step 2 and lands at step 4: the fork is seen there
+        await asyncio.gather(*(o.step(grads(t, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    assert [o.repaired for o in opts] == [1, 1, 1]
+    got = await asyncio.gather(*(o.global_params() for o in opts))
+    for n in SHAPES:
+        assert np.array_equal(got[1][n], got[0][n]) and np.array_equal(got[2][n], got[0][n]), n

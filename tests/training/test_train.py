@@ -56,6 +56,9 @@ def test_train_learns_and_ranks_agree(topology: str) -> None:
         (["--topology", "ps", "--workers", "2", "--backup", "2"], "--backup must be from 0 to 1"),
         (["--topology", "ps", "--backup", "-1"], "--backup must be from 0 to 3"),
         (["--topology", "ps", "--backup", "1", "--compression", "fp16"], "--backup takes no --compression"),
+        (["--local-steps", "4", "--fragments", "8"], "--fragments must be from 1 to --local-steps (4), got 8"),
+        (["--local-steps", "4", "--fragments", "2", "--elastic"], "--fragments takes no --elastic"),
+        (["--local-steps", "4", "--fragments", "2", "--compression", "topk:0.01"], "--fragments takes a codec"),
     ],
 )
 def test_train_bad_arguments_exit_nonzero_with_a_reason(args: list[str], message: str) -> None:
@@ -93,6 +96,26 @@ def test_train_compare_gives_bit_identical_topologies_with_adam() -> None:
     assert results["ring"]["param_digest"] == results["ps"]["param_digest"]
     assert results["ps"]["servers"] == 2
     assert "ring and ps final parameters bit-identical: True" in proc.stdout
+
+
+def test_train_streaming_diloco_learns_with_ring_and_ps_bit_identical() -> None:
+    """--local-steps 8 --fragments 2 --compression int8: the global model evaluated at the end is the same
+    bits on every rank and both topologies, and it learns; a fraction of the plain run's bytes."""
+    base = [sys.executable, "-m", "psring", "train", "--workers", "2", "--epochs", "3", "--json"]
+    runs = {}
+    streaming = ["--compare", "--local-steps", "8", "--fragments", "2", "--compression", "int8"]
+    for extra in (["--topology", "ring"], streaming):
+        proc = run_tree([*base, *extra], capture_output=True, text=True, timeout=170)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs[extra[1]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, streamed = runs["ring"], runs["--local-steps"]
+    for topology in ("ring", "ps"):
+        got = streamed[topology]
+        assert got["ranks_agree"] is True and (got["local_steps"], got["fragments"]) == (8, 2)
+        assert got["test_accuracy"] >= 0.9, got["test_accuracy"]
+        assert 0.0 < got["compute_use"] <= 1.0
+    assert streamed["ring"]["param_digest"] == streamed["ps"]["param_digest"]
+    assert streamed["ring"]["bytes_per_worker"][0][0] < plain["bytes_per_worker"][0][0] / 10
 
 
 def test_train_fp16_compression_halves_ring_bytes_and_keeps_topologies_identical() -> None:
