@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -61,6 +62,11 @@ def loss_and_grads(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, 
     return loss, grads
 
 
+def _peak_rss() -> int:
+    """This process's peak resident memory so far, bytes (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Task:
     """The teacher and the data: batch(rank, t) and a held-out set, the same on every rank."""
 
@@ -92,9 +98,12 @@ def main(spec: dict[str, Any]) -> None:
         kw.update(local_steps=h, fragments=int(spec.get("fragments", 1)),
                   outer=psring.optim.SGD(lr=float(spec.get("outer_lr", 0.7)),
                                          momentum=float(spec.get("outer_momentum", 0.9)), nesterov=True))  # fmt: skip
+    start = init_params(widths, 0)
+    loss_and_grads(start, *task.batch(0, 10**9, int(spec.get("batch", 32))), task.layers)  # (its buffers, once)
+    idle = _peak_rss()  # the training process with its model and a step's gradients, before psring
     g = psring.init()
     try:
-        opt = psring.SyncSGD(g, init_params(widths, 0), psring.optim.AdamW(lr=float(spec.get("lr", 1e-3))), **kw)
+        opt = psring.SyncSGD(g, start, psring.optim.AdamW(lr=float(spec.get("lr", 1e-3))), **kw)
         params = opt.start()
         g.barrier()
         steps, batch = int(spec["steps"]), int(spec.get("batch", 32))
@@ -113,7 +122,8 @@ def main(spec: dict[str, Any]) -> None:
         g.barrier()
         wall = time.perf_counter() - t0
         waited = int(opt.waited_s * 1e6)
-        sent = np.array([g.stats()["bytes_sent"] - sent0, int(compute * 1e6), int(wall * 1e6), waited], np.int64)
+        grown = _peak_rss() - idle
+        sent = np.array([g.stats()["bytes_sent"] - sent0, int(compute * 1e6), int(wall * 1e6), waited, grown], np.int64)
         every = g.all_gather(sent)
         if g.rank == 0 and spec.get("out"):
             nbytes = sum(v.nbytes for v in final.values())
@@ -125,7 +135,9 @@ def main(spec: dict[str, Any]) -> None:
                     # and the share spent computing gradients (the inner optimizer's update is the rest)
                     "compute_use": min(1 - int(e[3]) / int(e[2]) for e in every),
                     "grad_share": min(int(e[1]) / int(e[2]) for e in every),
-                    "bytes_sent": [int(e[0]) for e in every], "test_loss": task.test_loss(final), "curve": curve,
+                    "bytes_sent": [int(e[0]) for e in every],
+                    # peak RSS beyond the process before init (its data and the model's first copy), by rank
+                    "rss_grown": [int(e[4]) for e in every], "test_loss": task.test_loss(final), "curve": curve,
                 }, fh)  # fmt: skip
     finally:
         g.close()

@@ -33,8 +33,10 @@ from psring.cluster.advise import parse_rate  # noqa: E402
 
 
 def parse_run(text: str) -> dict[str, Any]:
-    """``H[:codec][:Kk]`` as diloco_rank's spec fields."""
+    """``H[:codec][:Kk]`` as diloco_rank's spec fields; ``torchft:H`` torchft's DiLoCo (its ranks)."""
     parts = text.split(":")
+    if parts[0] == "torchft":
+        return {"name": text, "local_steps": int(parts[1]), "peer": "torchft"}
     out: dict[str, Any] = {"name": text, "local_steps": int(parts[0]), "compression": None, "fragments": 1}
     for p in parts[1:]:
         if p.startswith("K"):
@@ -52,6 +54,8 @@ def run_one(bed: SlowBed, run: dict[str, Any], base: dict[str, Any], topology: s
         port, job = 29000 + int(uuid.uuid4().int % 1000), f"diloco-{uuid.uuid4().hex[:6]}"
         before = bed.tx_bytes()
         procs = []
+        if run.get("peer") == "torchft":
+            return run_torchft(bed, run, {**spec, "timeout": timeout}, out, timeout)
         for r in range(world):
             env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                    "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": bed.addresses[0],
@@ -65,6 +69,36 @@ def run_one(bed: SlowBed, run: dict[str, Any], base: dict[str, Any], topology: s
         with open(out) as fh:
             got: dict[str, Any] = json.load(fh)
     got["wire_bytes"] = max(a - b for a, b in zip(after, before, strict=True))  # the busiest link, the whole run
+    got["name"] = run["name"]
+    return got
+
+
+def run_torchft(bed: SlowBed, run: dict[str, Any], spec: dict[str, Any], out: str, timeout: float) -> dict[str, Any]:
+    """torchft 0.2.0's DiLoCo, one replica a host, its lighthouse on host 0, gloo on the links."""
+    world = len(bed.names)
+    lighthouse_port, store_port = 29510, 29600
+    path = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    lighthouse = bed.run(0, ["torchft_lighthouse", "--min_replicas", str(world), "--bind", f"[::]:{lighthouse_port}",
+                             "--join_timeout_ms", "10000"], path)  # fmt: skip
+    before = bed.tx_bytes()
+    procs = []
+    for r in range(world):
+        env = {**path, "REPLICA": str(r), "REPLICAS": str(world), "HOST_ADDR": bed.addresses[r],
+               "STORE_PORT": str(store_port), "TORCHFT_LIGHTHOUSE": f"http://{bed.addresses[0]}:{lighthouse_port}",
+               "GLOO_SOCKET_IFNAME": "tun0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "torchft_diloco_rank.py"), json.dumps(spec)]
+        procs.append(bed.run(r, cmd, env))
+    try:
+        bed.wait(procs, run["name"], timeout)
+    finally:
+        lighthouse.kill()
+        lighthouse.communicate(timeout=30)
+        bed.procs = [p for p in bed.procs if p is not lighthouse]
+    after = bed.tx_bytes()
+    with open(out) as fh:
+        got: dict[str, Any] = json.load(fh)
+    got["wire_bytes"] = max(a - b for a, b in zip(after, before, strict=True))
+    got["bytes_sent"] = [got["wire_bytes"]]  # (torchft does not count them: the busiest link's, by the kernel)
     got["name"] = run["name"]
     return got
 
