@@ -62,6 +62,26 @@ def loss_and_grads(params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, 
     return loss, grads
 
 
+def _watch(loop: Any) -> None:
+    """Debugging: print (with every thread's stack) when the event loop answers a callback late."""
+    import faulthandler
+    import threading
+
+    def run() -> None:
+        while True:
+            done = threading.Event()
+            t = time.monotonic()
+            loop.call_soon_threadsafe(done.set)
+            if not done.wait(2.0):
+                print(f"WATCH: loop silent for 2 s at {time.time():.1f}", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(sys.stderr)
+                done.wait()
+                print(f"WATCH: loop back after {time.monotonic() - t:.1f} s", file=sys.stderr, flush=True)
+            time.sleep(0.5)
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 def _peak_rss() -> int:
     """This process's peak resident memory so far, bytes (Linux: ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -102,6 +122,8 @@ def main(spec: dict[str, Any]) -> None:
     loss_and_grads(start, *task.batch(0, 10**9, int(spec.get("batch", 32))), task.layers)  # (its buffers, once)
     idle = _peak_rss()  # the training process with its model and a step's gradients, before psring
     g = psring.init()
+    if os.environ.get("DILOCO_WATCH"):
+        _watch(g.portal.loop)
     try:
         opt = psring.SyncSGD(g, start, psring.optim.AdamW(lr=float(spec.get("lr", 1e-3))), **kw)
         params = opt.start()

@@ -33,11 +33,16 @@ from psring.cluster.advise import parse_rate  # noqa: E402
 
 
 def parse_run(text: str) -> dict[str, Any]:
-    """``H[:codec][:Kk]`` as diloco_rank's spec fields; ``torchft:H`` torchft's DiLoCo (its ranks)."""
+    """``H[:codec][:Kk]`` as diloco_rank's spec fields (numpy, SyncSGD); ``torch:H[:codec][:Kk]`` the same
+    through psring.torch.DistributedOptimizer on a torch model; ``torchft:H`` torchft's DiLoCo."""
     parts = text.split(":")
     if parts[0] == "torchft":
         return {"name": text, "local_steps": int(parts[1]), "peer": "torchft"}
-    out: dict[str, Any] = {"name": text, "local_steps": int(parts[0]), "compression": None, "fragments": 1}
+    rank = "diloco_rank.py"
+    if parts[0] == "torch":
+        rank, parts = "diloco_torch_rank.py", parts[1:]
+    out: dict[str, Any] = {"name": text, "local_steps": int(parts[0]), "compression": None, "fragments": 1,
+                           "rank": rank}  # fmt: skip
     for p in parts[1:]:
         if p.startswith("K"):
             out["fragments"] = int(p[1:])
@@ -50,7 +55,7 @@ def run_one(bed: SlowBed, run: dict[str, Any], base: dict[str, Any], topology: s
     world = len(bed.names)
     with tempfile.TemporaryDirectory(prefix="psring-diloco-") as tmp:
         out = os.path.join(tmp, "result.json")
-        spec = {**base, **{k: v for k, v in run.items() if k != "name"}, "out": out}
+        spec = {**base, **{k: v for k, v in run.items() if k not in ("name", "rank")}, "out": out}
         port, job = 29000 + int(uuid.uuid4().int % 1000), f"diloco-{uuid.uuid4().hex[:6]}"
         before = bed.tx_bytes()
         procs = []
@@ -61,8 +66,9 @@ def run_one(bed: SlowBed, run: dict[str, Any], base: dict[str, Any], topology: s
                    "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": bed.addresses[0],
                    "MASTER_PORT": str(port), "PSRING_TOPOLOGY": topology, "PSRING_PS_COLOCATE": "1",
                    "PSRING_JOB": job, "OMP_NUM_THREADS": "1",
-                   "OPENBLAS_NUM_THREADS": "1", "PSRING_TIMEOUT": str(timeout)}  # fmt: skip
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "diloco_rank.py"), json.dumps(spec)]
+                   "OPENBLAS_NUM_THREADS": "1", "PSRING_TIMEOUT": str(timeout),
+                   **({"DILOCO_WATCH": "1"} if os.environ.get("DILOCO_WATCH") else {})}  # fmt: skip
+            cmd = [sys.executable, str(ROOT / "benchmarks" / run["rank"]), json.dumps(spec)]
             procs.append(bed.run(r, cmd, env))
         bed.wait(procs, run["name"], timeout)
         after = bed.tx_bytes()
@@ -110,7 +116,7 @@ def main() -> None:
     ap.add_argument("--rtt-ms", type=float, default=20.0)
     ap.add_argument("--queue-ms", type=float, default=50.0)
     ap.add_argument("--topology", choices=("ring", "ps"), default="ring")
-    ap.add_argument("--runs", default="1,100:int8", help="comma-separated H[:codec][:Kk]")
+    ap.add_argument("--runs", default="1,100:int8", help="comma-separated [torch:]H[:codec][:Kk] or torchft:H")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--widths", default="256,1024,1024,1024,256")

@@ -25,27 +25,8 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.local_sgd import DiLoCo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diloco_rank import Task, init_params
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, widths: list[int]) -> None:
-        super().__init__()
-        start = init_params(widths, 0)  # psring's starting parameters, bit for bit
-        self.layers = torch.nn.ModuleList()
-        for i in range(len(widths) - 1):
-            lin = torch.nn.Linear(widths[i], widths[i + 1])
-            with torch.no_grad():
-                lin.weight.copy_(torch.from_numpy(start[f"w{i}"].T.copy()))
-                lin.bias.copy_(torch.from_numpy(start[f"b{i}"]))
-            self.layers.append(lin)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, lin in enumerate(self.layers):
-            x = lin(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
+from diloco_rank import Task
+from diloco_torch_rank import MLP, host_params
 
 
 def main(spec: dict[str, Any]) -> None:
@@ -92,11 +73,7 @@ def main(spec: dict[str, Any]) -> None:
                 if (t + 1) % max(1, steps // 20) == 0:
                     curve.append([t + 1, float(loss)])
             wall = time.perf_counter() - t0
-        with torch.no_grad():
-            params = {}
-            for i, lin in enumerate(model.layers):
-                params[f"w{i}"] = lin.weight.detach().numpy().T.copy()
-                params[f"b{i}"] = lin.bias.detach().numpy().copy()
+        params = host_params(model)
         if replica == 0 and spec.get("out"):
             nbytes = sum(v.nbytes for v in params.values())
             with open(spec["out"], "w") as fh:

@@ -23,6 +23,7 @@ Importing this module also registers psring as a torch.distributed backend (``ba
 from __future__ import annotations
 
 import io
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -291,6 +292,8 @@ class DistributedOptimizer:
         #: streaming local SGD (fragments > 1): the fragments' schedule and the exchange in flight
         self._streaming: Any = None
         self._inner_steps = 0
+        #: local SGD: seconds step() waited on exchanges in all (what compute use is measured against)
+        self.waited_s = 0.0
         self._local_since = 0
         self._global: list[np.ndarray] | None = None  # local SGD: the global parameters, by bucket
         self._outer_state: list[dict[str, Any]] = []
@@ -562,7 +565,9 @@ class DistributedOptimizer:
         assert glob is not None
         flight, s.flight = s.flight, None
         ids = s.buckets_of[flight.fragment]
+        t0 = time.perf_counter()
         avgs = [np.asarray(h.wait(), np.float32) for h in flight.task]
+        self.waited_s += time.perf_counter() - t0
         s.rounds[flight.fragment] += 1
         for b, avg in zip(ids, avgs, strict=True):
             self.outer.update(glob[b], avg, self._outer_state[b])
@@ -591,7 +596,9 @@ class DistributedOptimizer:
         self._local_since += 1
         if self._local_since >= self.local_steps:
             local = self._flats_of("param")
+            t0 = time.perf_counter()
             avgs = self._average([g - loc for g, loc in zip(self._global, local, strict=True)])
+            self.waited_s += time.perf_counter() - t0
             for g, avg, st in zip(self._global, avgs, self._outer_state, strict=True):
                 self.outer.update(g, avg, st)
             self._write(self._global, "param")

@@ -31,6 +31,7 @@ from .. import settings as settings_mod
 from ..core import wire
 from ..errors import PeerLostError, ProtocolError
 from ..settings import Settings
+from . import traffic
 from .framereader import FrameReader
 from .handshake import HANDSHAKE_TIMEOUT, Handshake
 from .heartbeat import Heartbeat
@@ -198,6 +199,7 @@ class Connection(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self.bytes_received += nbytes
+        traffic.note(nbytes)
         self.last_heard = time.monotonic()
         try:
             self.reader.updated(nbytes)

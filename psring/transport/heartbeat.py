@@ -7,6 +7,7 @@ import time
 from typing import Any, Protocol
 
 from ..errors import PeerLostError
+from . import traffic
 
 
 class Beating(Protocol):
@@ -30,8 +31,9 @@ class Beating(Protocol):
 
 class Heartbeat:
     """A connection's heartbeat (``conn.heartbeat``): pings while idle; a connection silent for longer
-    than the timeout is dropped as lost. A loop that was itself blocked does not judge its peers until
-    it has caught up with what they sent."""
+    than the timeout is dropped as lost -- up to ``traffic.GRACE`` timeouts while this process's links
+    are receiving bulk bytes (its packets may wait behind a full link). A loop that was itself blocked
+    does not judge its peers until it has caught up with what they sent."""
 
     def __init__(self, conn: Beating, interval: float, timeout: float) -> None:
         self.conn = conn
@@ -39,6 +41,9 @@ class Heartbeat:
         self.timeout = timeout
         self._handle: asyncio.TimerHandle | None = None
         self._last_tick = 0.0
+        #: this process's bulk bytes at the last tick, and when they last moved (psring.transport.traffic)
+        self._seen = traffic.received()
+        self._moved = 0.0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -58,8 +63,14 @@ class Heartbeat:
         now_loop = loop.time()
         lag = now_loop - self._last_tick - self.interval
         now = time.monotonic()
+        total = traffic.received()
+        if total - self._seen >= traffic.BULK_BYTES:
+            self._moved = now
+        self._seen = total
+        # while bulk bytes arrive, a control connection's packets may wait behind a full link: more time
+        limit = self.timeout * (traffic.GRACE if now - self._moved <= 2 * self.interval else 1.0)
         # If our own loop was blocked, unread bytes may be waiting: do not judge the peer now.
-        if lag < self.interval and now - conn.last_heard > self.timeout:
+        if lag < self.interval and now - conn.last_heard > limit:
             conn.abort(
                 conn.lost_error(
                     f"{conn.peer_label} at {conn.peername} silent for {now - conn.last_heard:.1f}s "

@@ -47,6 +47,7 @@ import msgpack
 import numpy as np
 
 from ....core.arrays import byte_view
+from ....transport import traffic
 from ....transport.shmpool import PeerPool, ShmPool
 from .job import (
     _FINAL,
@@ -97,6 +98,7 @@ class _Reader:
             if n == 0:
                 raise PlaneLinkError("the left neighbour closed its data link", "recv")
             self.bytes_received += n
+            traffic.note(n)
             return n
 
     def _fill(self, job: Job) -> None:
@@ -149,6 +151,7 @@ class _Reader:
     def release(self, nbytes: int) -> None:
         """The current slot is read: the left neighbour may write it again."""
         self.bytes_received += nbytes
+        traffic.note(nbytes)
         try:
             self.sock.sendall(bytes((self.slot,)))
             self.credits_sent += 1

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
+from ....transport import traffic
 from ....transport.shmboard import fold_kind
 from ....transport.tcpsocket import set_send_buffer
 from .job import POLL, Job, PlaneLinkError, PlaneMismatch, Turns, _Abandoned, ring_steps
@@ -48,6 +49,7 @@ class FrameSource(Protocol):
     so bytes it buffered ahead belong to the next job whoever runs it."""
 
     sock: socket.socket
+    bytes_received: int
 
 
 def available() -> bool:
@@ -129,7 +131,11 @@ class NativeJobs:
         ring, ticket, out = here
         try:
             hot, helper = self.engine(out.nbytes)
-            code = ring.run(self.reader, hot, wait, helper)
+            reader = self.reader
+            before = reader.bytes_received if reader is not None else 0
+            code = ring.run(reader, hot, wait, helper)
+            if reader is not None:
+                traffic.note(reader.bytes_received - before)
         except BaseException:
             self.turns.over(ticket)  # (run raises only setting up or writing back: the job goes no further)
             raise
@@ -150,7 +156,9 @@ class NativeJobs:
                 raise _Abandoned
             hot, helper = self.engine(job.x.nbytes)
             while True:
+                before = reader.bytes_received
                 code = ring.run(reader, hot, POLL, helper)
+                traffic.note(reader.bytes_received - before)  # (what a heartbeat tolerates silence by)
                 if code == _RING_DONE:
                     return
                 if code == _RING_WAIT:
