@@ -80,7 +80,7 @@ def main(spec: dict[str, Any]) -> None:
             compute += time.perf_counter() - c0
             opt.step()
             if (t + 1) % max(1, steps // 20) == 0:
-                curve.append([t + 1, float(loss)])
+                curve.append([t + 1, float(loss.detach())])
         opt.use_global()
         wall = time.perf_counter() - t0
         mine = [g.stats()["bytes_sent"] - sent0, int(compute * 1e6), int(wall * 1e6), int(opt.waited_s * 1e6)]

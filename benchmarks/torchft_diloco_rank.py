@@ -71,7 +71,7 @@ def main(spec: dict[str, Any]) -> None:
                 compute += time.perf_counter() - c0
                 inner.step()
                 if (t + 1) % max(1, steps // 20) == 0:
-                    curve.append([t + 1, float(loss)])
+                    curve.append([t + 1, float(loss.detach())])
             wall = time.perf_counter() - t0
         params = host_params(model)
         if replica == 0 and spec.get("out"):

@@ -6,7 +6,8 @@
   views, optimizer state, sparse tables) and the checks of what goes in and out of it; ``compressors``:
   TopK and PowerSGD, SyncSGD's compressors with error feedback (``compression=psring.TopK(0.01)``);
   ``localsgd``: local SGD / DiLoCo's local half (``LocalSteps``: a rank's own copy, the inner optimizer,
-  the pseudo-gradient every ``local_steps``).
+  the pseudo-gradient every ``local_steps``); ``streaming``: streaming DiLoCo's schedule (``fragments=K``:
+  which fragment starts its exchange after which inner step, the one in flight, when it is applied).
 - ``data``, ``model``, ``job``: the main job (``psring train``): digits, an MLP, a worker rank.
 - ``embed``: the second main job (``psring train --model embed``): a recommendation model whose two
   embedding tables are sparse tables, on generated data.

@@ -12,4 +12,6 @@
 - ``tcpmesh``: TCP links of their own for small messages between hosts, readable from any thread.
 - ``mesh``: what the two small-message meshes (``unixmesh``, ``tcpmesh``) share.
 - ``loop``: event loops (uvloop) and a portal to run coroutines from other threads.
+- ``traffic``: the bulk bytes this process's links receive (a heartbeat tolerates a control connection's
+  silence longer while they move: on a thin link its packets wait behind the bulk).
 """
