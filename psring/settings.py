@@ -266,7 +266,9 @@ class Settings:
         "PSRING_HEARTBEAT_INTERVAL", 1.0, parse_seconds, "seconds between heartbeats on an idle link", tuning=True
     )
     heartbeat_timeout: float = _var(
-        "PSRING_HEARTBEAT_TIMEOUT", 10.0, parse_seconds, "a link silent this long is lost", tuning=True
+        "PSRING_HEARTBEAT_TIMEOUT", 10.0, parse_seconds,
+        "a link silent this long is lost (3x as long while bulk bytes arrive: a thin link delays its pings)",
+        tuning=True
     )
     max_frame: int = _var("PSRING_MAX_FRAME", 2 << 30, parse_bytes, "the largest frame accepted", tuning=True)
     buffer_pool: int = _var(

@@ -63,10 +63,9 @@ class Heartbeat:
         now_loop = loop.time()
         lag = now_loop - self._last_tick - self.interval
         now = time.monotonic()
-        total = traffic.received()
-        if total - self._seen >= traffic.BULK_BYTES:
+        if traffic.moving(self._seen):
             self._moved = now
-        self._seen = total
+        self._seen = traffic.received()
         # while bulk bytes arrive, a control connection's packets may wait behind a full link: more time
         limit = self.timeout * (traffic.GRACE if now - self._moved <= 2 * self.interval else 1.0)
         # If our own loop was blocked, unread bytes may be waiting: do not judge the peer now.

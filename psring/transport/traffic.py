@@ -16,6 +16,9 @@ whether bulk is moving.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 #: bytes received in one heartbeat interval from which the links count as moving bulk (a ping is tens)
 BULK_BYTES = 64 << 10
 #: how many heartbeat timeouts a connection may stay silent while bulk moves
@@ -23,10 +26,12 @@ GRACE = 3.0
 
 
 class _Meter:
-    __slots__ = ("received",)
+    __slots__ = ("received", "transfers")
 
     def __init__(self) -> None:
         self.received = 0
+        #: native transfers running now on some thread (they count their bytes only when they return)
+        self.transfers = 0
 
 
 _meter = _Meter()
@@ -42,4 +47,20 @@ def received() -> int:
     return _meter.received
 
 
-__all__ = ["BULK_BYTES", "GRACE", "note", "received"]
+@contextlib.contextmanager
+def transfer() -> Iterator[None]:
+    """Around a native transfer that blocks its thread and counts its bytes when it returns (the data
+    plane's ring run on the caller's thread): while one runs, bulk counts as moving."""
+    _meter.transfers += 1
+    try:
+        yield
+    finally:
+        _meter.transfers -= 1
+
+
+def moving(since: int) -> bool:
+    """Whether bulk moved since the count was ``since`` (or a native transfer is running now)."""
+    return _meter.received - since >= BULK_BYTES or _meter.transfers > 0
+
+
+__all__ = ["BULK_BYTES", "GRACE", "moving", "note", "received", "transfer"]

@@ -133,7 +133,8 @@ class NativeJobs:
             hot, helper = self.engine(out.nbytes)
             reader = self.reader
             before = reader.bytes_received if reader is not None else 0
-            code = ring.run(reader, hot, wait, helper)
+            with traffic.transfer():  # (its bytes are counted when it returns: a heartbeat knows it runs)
+                code = ring.run(reader, hot, wait, helper)
             if reader is not None:
                 traffic.note(reader.bytes_received - before)
         except BaseException:
