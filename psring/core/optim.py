@@ -117,8 +117,17 @@ class SGD(Optimizer):
             else:
                 xp.multiply(buf, mu, out=buf)
                 buf += param.dtype.type(1 - self.dampening) * d_p if self.dampening else d_p
-            d_p = d_p + mu * buf if self.nesterov else buf
-        param -= param.dtype.type(self.lr) * d_p
+            if self.nesterov:  # d_p + mu * buf, in one new array
+                nesterov = xp.multiply(buf, mu)
+                xp.add(d_p, nesterov, out=nesterov)
+                d_p = nesterov
+            else:
+                d_p = buf
+        if d_p is grad or d_p is state.get("momentum_buffer"):
+            param -= param.dtype.type(self.lr) * d_p
+        else:  # a step's own array: scaled in place (the same bits as lr * d_p)
+            xp.multiply(d_p, param.dtype.type(self.lr), out=d_p)
+            param -= d_p
         state["step"] = state.get("step", 0) + 1
 
 
@@ -167,15 +176,25 @@ class Adam(Optimizer):
             else:
                 grad = grad + t(self.weight_decay) * param
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        # torch: exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        m += (grad - m) * t(1 - b1)
+        # torch: exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
+        # One scratch array for every intermediate (a model's worth, not three): the same operations in the
+        # same order as m += (grad - m) * (1 - b1); v += grad * grad * (1 - b2);
+        # param -= lr / bias1 * (m / (sqrt(v) / bias2_sqrt + eps)), so the same bits.
+        tmp = xp.subtract(grad, m)
+        xp.multiply(tmp, t(1 - b1), out=tmp)
+        m += tmp
         xp.multiply(v, t(b2), out=v)
-        v += grad * grad * t(1 - b2)
+        xp.multiply(grad, grad, out=tmp)
+        xp.multiply(tmp, t(1 - b2), out=tmp)
+        v += tmp
         bias1 = 1 - b1**step
         bias2_sqrt = math.sqrt(1 - b2**step)
-        denom = xp.sqrt(v) / t(bias2_sqrt)
-        denom += t(self.eps)
-        param -= t(self.lr / bias1) * (m / denom)
+        xp.sqrt(v, out=tmp)
+        xp.divide(tmp, t(bias2_sqrt), out=tmp)
+        tmp += t(self.eps)
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, t(self.lr / bias1), out=tmp)
+        param -= tmp
 
 
 class AdamW(Adam):

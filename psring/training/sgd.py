@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.arrays import check_array
+from ..core.arrays import byte_view, check_array
 from ..core.codec import Codec, codec_named
 from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
@@ -545,12 +545,13 @@ class SyncSGD:
     async def _global_digests(self) -> list[int]:
         """Every rank's digest of its global parameters and outer state (one 8-byte all_gather)."""
         h = hashlib.sha256()
-        for flat in self.model.flat:
-            h.update(np.ascontiguousarray(to_host(flat)).tobytes())
-        if not self.placement.holds_model:  # over ps the shards hold the outer state
+        for flat in self.model.flat:  # (hashed in place: no copy of the model)
+            h.update(byte_view(np.ascontiguousarray(to_host(flat))))
+        if not self.placement.holds_model:  # the outer state too where every rank holds it (over ps: the shards)
             for state in self.model.state:
                 for key in sorted(state):
-                    h.update(key.encode() + np.ascontiguousarray(to_host(state[key])).tobytes())
+                    h.update(key.encode())
+                    h.update(byte_view(np.ascontiguousarray(to_host(state[key]))))
         digest = int.from_bytes(h.digest()[:8], "little", signed=True)
         group = self.placement.live_group(self)
         return [int(d[0]) for d in await group.all_gather(np.array([digest], np.int64))]
