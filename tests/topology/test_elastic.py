@@ -189,9 +189,13 @@ def test_elastic_needs_a_topology_that_keeps_the_model_or_re_forms() -> None:
         ("ring", [], 30, 0.95),
         ("ring", ["--model", "embed"], 7, 0.6),
         ("ring", ["--compression", "powersgd:2"], 30, 0.95),  # each survivor keeps its own error feedback
+        # local SGD: the loss costs the outer step in flight on every survivor alike (ring: they re-form and
+        # average their pseudo-gradients; ps: the shards average over the workers still there)
+        ("ring", ["--local-steps", "8"], 30, 0.95),
+        ("ps", ["--local-steps", "8"], 30, 0.95),
     ],
     ids=["ps-plain", "ps-fp16-acc2", "ps-embed", "ps-backup", "ps-embed-backup", "ring-plain", "ring-embed",
-         "ring-powersgd"],
+         "ring-powersgd", "ring-local-sgd", "ps-local-sgd"],
 )
 def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     topology: str, options: list[str], epochs: int, floor: float
