@@ -102,7 +102,8 @@ class _Run:
         data: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.group, self.spec, self.emit, self.report = group, spec, emit, report
-        self._reported = (time.perf_counter(), 0, 0.0, 0.0)  # when, steps, compute, comm at the last report
+        #: when, steps, compute, comm and bytes sent at the last report
+        self._reported = (time.perf_counter(), 0, 0.0, 0.0, 0)
         #: --model embed: the recommendation model whose two tables are sparse (psring.training.embed)
         self.embed = spec.get("model") == "embed"
         self.xtr, self.ytr, self.xte, self.yte = data if data is not None else load_data(spec)
@@ -171,15 +172,21 @@ class _Run:
         computes longest, the others wait for it in the exchange), and bytes per link so far."""
         assert self.report is not None
         now = time.perf_counter()
-        _t, steps, compute, comm = self._reported
+        _t, steps, compute, comm, sent = self._reported
         n = max(self.steps - steps, 1)
-        self._reported = (now, self.steps, self.compute, self.comm)
+        sent_now = int(self.group.stats().get("bytes_sent", 0))
+        self._reported = (now, self.steps, self.compute, self.comm, sent_now)
+        busy = (self.compute - compute) + (self.comm - comm)
         self.report(
             {
                 "rank": self.group.rank,
                 "step": self.steps,
                 "compute_s": (self.compute - compute) / n,
                 "comm_s": (self.comm - comm) / n,
+                # what a step sends (codecs, compressors and local SGD show here) and the share of the
+                # recent steps' time spent computing
+                "bytes_per_step": (sent_now - sent) / n,
+                "compute_use": (self.compute - compute) / busy if busy > 0 else None,
                 "links": self.group.link_stats(),
             }
         )

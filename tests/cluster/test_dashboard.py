@@ -83,6 +83,7 @@ def test_the_json_api_shows_daemons_progress_a_lost_worker_and_a_stall(tmp_path:
         assert [r["rank"] for r in ranks] == [0, 1]
         for r in ranks:
             assert r["compute_s"] > 0 and r["comm_s"] > 0 and "straggler" in r, r
+            assert r["bytes_per_step"] > 0 and 0 < r["compute_use"] < 1, r  # what a step sends, its compute share
             assert sum(sent for sent, _ in r["links"].values()) > 0, r
         # a stuck job: its stall verdict, the rank it waits for
         flag = tmp_path / "go"
@@ -201,6 +202,11 @@ def test_the_page_in_a_real_browser(tmp_path: Path) -> None:
                     await b.wait_for(f"parseInt({train}.textContent) > {first}", what="the step advancing")
                     await b.wait_for("document.querySelectorAll('.job polyline').length > 0", what="a loss curve")
                     await b.wait_for("document.querySelectorAll('table.ranks tr.rank').length === 2", what="rank times")
+                    # each rank's bytes a step and compute use, as numbers the page shows
+                    cells = await b.evaluate("[...document.querySelectorAll('table.ranks tr.rank')].map(r => "
+                                             "[r.querySelector('.bytes-per-step').textContent, "
+                                             "r.querySelector('.compute-use').textContent])")  # fmt: skip
+                    assert all(float(kb) > 0 and 0 <= float(use.rstrip("%")) <= 100 for kb, use in cells), cells
                     assert await b.evaluate("performance.timeOrigin") == loaded  # no reload
                     idle_row = "document.querySelector('#daemons tr[data-state=idle]')"
                     idle = await b.wait_for(f"{idle_row} && {idle_row}.dataset.id", what="an idle worker")
