@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.slow]  # it starts processes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.timeout(300)
-def test_the_slow_link_bed_carries_a_codecs_bytes_over_delayed_links(tmp_path: Path) -> None:
+def skip_without_the_bed() -> None:
+    """Skip, saying why, where the bed cannot run (it needs root, TUN devices and ip netns)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         from slowlink import available  # type: ignore[import-not-found]
@@ -33,6 +33,11 @@ def test_the_slow_link_bed_carries_a_codecs_bytes_over_delayed_links(tmp_path: P
     why = available()
     if why is not None:
         pytest.skip(f"the slow-link bed {why}")
+
+
+@pytest.mark.timeout(300)
+def test_the_slow_link_bed_carries_a_codecs_bytes_over_delayed_links(tmp_path: Path) -> None:
+    skip_without_the_bed()
     out = tmp_path / "rows.json"
     bed = ["--hosts", "2", "--rate", "100mbit", "--rtt-ms", "20", "--sizes", "1M", "--variants", "fp32,int8"]
     cmd = [sys.executable, str(ROOT / "benchmarks" / "slowlink.py"), *bed, "--iters", "2", "--json", str(out)]
@@ -51,14 +56,7 @@ def test_local_sgd_on_the_bed_sends_h_times_fewer_bytes_and_streaming_overlaps(t
     """benchmarks/slowlink_diloco.py, short form: 2 hosts, a 1.3 MB MLP, 16 steps of synchronous SGD, of
     local SGD with H = 8 and int8, and of the same streamed in 2 fragments: the local runs send far fewer
     bytes across the links (the kernel's count) and finish far sooner; every run reports its loss."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from slowlink import available  # type: ignore[import-not-found]
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    why = available()
-    if why is not None:
-        pytest.skip(f"the slow-link bed {why}")
+    skip_without_the_bed()
     out = tmp_path / "runs.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "slowlink_diloco.py"), "--hosts", "2", "--rate", "100mbit",
            "--rtt-ms", "20", "--steps", "16", "--widths", "128,512,512,128", "--runs", "1,8:int8,8:int8:K2",

@@ -463,10 +463,10 @@ class SyncSGD:
                 return self.params
             flats = [acc / acc.dtype.type(self.accumulate) for acc in self._acc]
             self._acc, self._micro = None, 0
-        if self.streaming is not None:  # an inner step; a fragment's exchange lands or starts
-            self.local.step(flats)  # type: ignore[union-attr]
-            await self._stream(self.local.inner_steps)  # type: ignore[union-attr]
-            self.params = self.model.views(self.local.local)  # type: ignore[union-attr]
+        if self.local is not None and self.streaming is not None:  # an inner step; a fragment lands or starts
+            self.local.step(flats)
+            await self._stream(self.local.inner_steps)
+            self.params = self.model.views(self.local.local)
             return self.params
         if self.local is not None:  # an inner step; every H of them the pseudo-gradients' outer step
             if not self.local.step(flats):

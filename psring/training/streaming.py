@@ -109,11 +109,6 @@ class Streaming:
         if self.flight is not None:
             await asyncio.shield(self.flight.task)
 
-    def cancel(self) -> None:
-        if self.flight is not None:
-            self.flight.task.cancel()
-            self.flight = None
-
     def config(self) -> dict[str, Any]:
         return {"fragments": self.count, "buckets": self.buckets_of}
 
