@@ -204,6 +204,19 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
+def add_bed_arguments(ap: argparse.ArgumentParser) -> None:
+    """The bed's flags, the same in every benchmark that runs on it."""
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--rate", default="100mbit", help="each host's link, both ways (tc's units: 100mbit, 10mbit)")
+    ap.add_argument("--rtt-ms", type=float, default=20.0, help="the round trip between two hosts")
+    ap.add_argument("--queue-ms", type=float, default=50.0, help="each link's drop-tail queue, in time at the rate")
+
+
+def bed_from(args: argparse.Namespace) -> SlowBed:
+    """The bed those flags describe."""
+    return SlowBed(args.hosts, parse_rate(args.rate) * 8, args.rtt_ms / 1e3, args.queue_ms / 1e3)
+
+
 def available() -> str | None:
     """Why the bed cannot run here, or None."""
     if os.geteuid() != 0:
@@ -245,10 +258,7 @@ def run_variant(bed: SlowBed, variant: str, topology: str, sizes: list[int], ite
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--rate", default="100mbit", help="each host's link, both ways (tc's units: 100mbit, 10mbit)")
-    ap.add_argument("--rtt-ms", type=float, default=20.0, help="the round trip between two hosts")
-    ap.add_argument("--queue-ms", type=float, default=50.0, help="each link's drop-tail queue, in time at the rate")
+    add_bed_arguments(ap)
     ap.add_argument("--topology", choices=("ring", "ps"), default="ring")
     ap.add_argument("--sizes", default="64M")
     ap.add_argument("--variants", default="fp32,int8")
@@ -266,9 +276,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"slowlink: unknown variants {unknown} (of {', '.join(VARIANTS)})")
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
-    rate = parse_rate(args.rate) * 8  # bits/s
     exit_on_sigterm()
-    bed = SlowBed(args.hosts, rate, args.rtt_ms / 1e3, args.queue_ms / 1e3)
+    bed = bed_from(args)
     results: dict[str, list[tuple[list[dict[str, Any]], list[int]]]] = {v: [] for v in variants}
     try:
         for _ in range(args.rounds):

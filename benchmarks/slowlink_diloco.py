@@ -27,9 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from slowlink import SlowBed, available, exit_on_sigterm  # noqa: E402
-
-from psring.cluster.advise import parse_rate  # noqa: E402
+from slowlink import SlowBed, add_bed_arguments, available, bed_from, exit_on_sigterm  # noqa: E402
 
 
 def parse_run(text: str) -> dict[str, Any]:
@@ -111,10 +109,7 @@ def run_torchft(bed: SlowBed, run: dict[str, Any], spec: dict[str, Any], out: st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--rtt-ms", type=float, default=20.0)
-    ap.add_argument("--queue-ms", type=float, default=50.0)
+    add_bed_arguments(ap)
     ap.add_argument("--topology", choices=("ring", "ps"), default="ring")
     ap.add_argument("--runs", default="1,100:int8", help="comma-separated [torch:]H[:codec][:Kk] or torchft:H")
     ap.add_argument("--steps", type=int, default=200)
@@ -129,7 +124,7 @@ def main() -> None:
     runs = [parse_run(r) for r in args.runs.split(",") if r]
     base = {"steps": args.steps, "batch": args.batch, "widths": [int(w) for w in args.widths.split(",")]}
     exit_on_sigterm()
-    bed = SlowBed(args.hosts, parse_rate(args.rate) * 8, args.rtt_ms / 1e3, args.queue_ms / 1e3)
+    bed = bed_from(args)
     results = []
     try:
         for run in runs:

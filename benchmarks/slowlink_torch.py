@@ -32,9 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from slowlink import SlowBed, available, exit_on_sigterm  # noqa: E402
-
-from psring.cluster.advise import parse_rate  # noqa: E402
+from slowlink import SlowBed, add_bed_arguments, available, bed_from, exit_on_sigterm  # noqa: E402
 
 VARIANTS = ("gloo-powersgd", "gloo-fp16", "psring-powersgd", "psring-int8", "gloo", "psring")
 
@@ -112,10 +110,7 @@ def run_variant(bed: SlowBed, variant: str, args: argparse.Namespace) -> dict[st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--rtt-ms", type=float, default=20.0)
-    ap.add_argument("--queue-ms", type=float, default=50.0)
+    add_bed_arguments(ap)
     ap.add_argument("--width", type=int, default=1280)
     ap.add_argument("--rank", type=int, default=4, help="PowerSGD's rank, torch's and psring's")
     ap.add_argument("--steps", type=int, default=8)
@@ -133,7 +128,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"slowlink_torch: unknown variants {unknown} (of {', '.join(VARIANTS)})")
     exit_on_sigterm()
-    bed = SlowBed(args.hosts, parse_rate(args.rate) * 8, args.rtt_ms / 1e3, args.queue_ms / 1e3)
+    bed = bed_from(args)
     got: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
         for _ in range(args.rounds):
