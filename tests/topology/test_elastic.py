@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,6 +180,12 @@ def test_elastic_needs_a_topology_that_keeps_the_model_or_re_forms() -> None:
         SyncSGD(Neither(), {"w": np.zeros(2, np.float32)}, elastic=True)
 
 
+def _read_lines(f: Any, into: list[str]) -> None:
+    """Append a pipe's lines to ``into`` as they come (on a thread of its own)."""
+    for line in f:
+        into.append(line)
+
+
 @pytest.mark.parametrize(
     ("topology", "options", "epochs", "floor"),
     [
@@ -204,27 +212,40 @@ def test_the_main_job_loses_a_sigkilled_worker_and_finishes(
     the survivors re-form (every rank holds the model and its tables)."""
     cmd = [sys.executable, "-m", "psring", "train", "--topology", topology, "--workers", "4", "--epochs", str(epochs),
            "--elastic", *options, "--json"]  # fmt: skip
+    started = time.monotonic()
     proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     killed = None
+    # the job's output is read on threads, so that a job that hangs is ended within the test's time and
+    # fails with what it printed (a rare hang of the ps-backup case once lost its output to the timeout)
+    lines: list[str] = []
+    errs: list[str] = []
+    readers = [threading.Thread(target=_read_lines, args=(f, into), daemon=True)
+               for f, into in ((proc.stdout, lines), (proc.stderr, errs))]  # fmt: skip
+    for t in readers:
+        t.start()
     try:
-        assert proc.stdout is not None
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if killed is None and re.match(rf"\[{topology}\] epoch 5 ", line):
+        while killed is None and proc.poll() is None and time.monotonic() < started + 150:
+            if any(re.match(rf"\[{topology}\] epoch 5 ", line) for line in list(lines)):
                 for task in Path(f"/proc/{proc.pid}/task").iterdir():
                     for child in (task / "children").read_text().split():
                         environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
                         if b"RANK=2" in environ:
                             os.kill(int(child), signal.SIGKILL)
                             killed = int(child)
-        rest, err = proc.communicate(timeout=120)  # and closes the pipes
-        lines += rest.splitlines(keepends=True)
+            time.sleep(0.01)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(1.0, started + 200 - time.monotonic()))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate(timeout=30)
+            proc.wait(timeout=30)
+        for t in readers:
+            t.join(timeout=30)
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+    err = "".join(errs)
     out = "".join(lines)
     assert killed is not None, out
     assert proc.returncode == 0, out + err
