@@ -27,7 +27,7 @@ from ..core.arrays import byte_view, check_array
 from ..core.codec import Codec, codec_named
 from ..core.optim import SGD, Optimizer
 from ..core.sparse import SparseRows, merge_rows
-from ..errors import MismatchError
+from ..errors import CollectiveTimeoutError, MismatchError, PeerLostError
 from ..topology.blocking import BlockingGroup
 from .compressors import Compressor
 from .local import BUCKET_BYTES, Bucket, LocalModel, like, make_buckets, to_host
@@ -539,8 +539,20 @@ class SyncSGD:
     async def _compare_global(self) -> None:
         """Local SGD, after each outer step: the ranks compare a digest of their global parameters and
         outer state (one 8-byte all_gather). A rank that differs from the majority is named and takes
-        the majority's state from its lowest rank; with no majority the job stops, naming every rank's."""
-        await self._judge_digests(await self._global_digests())
+        the majority's state from its lowest rank; with no majority the job stops, naming every rank's.
+
+        Elastic: a rank lost during the comparison ends it on the survivors unjudged (some may have
+        completed it, so none redoes it); their states are alike, as the step they just took was, and
+        the next outer step compares them again, among the survivors."""
+        try:
+            digests = await self._global_digests()
+        except (PeerLostError, CollectiveTimeoutError) as exc:
+            if not self.elastic:
+                raise
+            logger.warning("%r: elastic: the comparison after outer step %d lost a rank (%s); the next outer "
+                           "step compares again among the survivors", self, self.step_count, exc)  # fmt: skip
+            return
+        await self._judge_digests(digests)
 
     async def _global_digests(self) -> list[int]:
         """Every rank's digest of its global parameters and outer state (one 8-byte all_gather)."""
