@@ -223,6 +223,11 @@ class SyncSGD:
                 f"admit_waiting in the middle of an accumulation ({self._micro} of {self.accumulate} "
                 "micro-batches summed): call it after a step that exchanged"
             )
+        if self.local is not None and self.local.since:  # a new worker starts at an outer step, from its result
+            raise RuntimeError(
+                f"admit_waiting between outer steps ({self.local.since} of local_steps={self.local.every} inner "
+                "steps taken since the last): call it right after the step that ended an outer step"
+            )
         if not self.started:
             await self.start()
         return await self.placement.admit(self, extra)
@@ -247,6 +252,9 @@ class SyncSGD:
             if not self.elastic:
                 raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
             await self.placement.join(self)
+            if self.local is not None:  # local SGD: from the global parameters (and outer state) of the boundary
+                self.local.begin(self.model.flat)
+                self.local.inner_steps = self.step_count * self.local.every
             self.started = True
             self.params = self.model.views()
             return self.params

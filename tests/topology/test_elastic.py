@@ -290,6 +290,24 @@ def test_chaos_short_form_loses_no_job(topology: str) -> None:
     assert summary["recover_ms_max"] < 5000, summary  # a step without them came (not a timeout's worth later)
 
 
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_chaos_short_form_with_local_steps_kills_inside_outer_steps_and_never_forks(topology: str) -> None:
+    """DiLoCo's churn (#82): a worker SIGKILLed inside an outer step costs that step on every survivor
+    alike; the survivors' digests never differ (no rank repaired) and the job learns as one without
+    the kill would (the long form: benchmarks/chaos.py --local-steps 8, 20 kills)."""
+    res = run_tree(
+        [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--elastic", "--topology", topology, "--trials", "1",
+         "--kills", "1", "--steps", "96", "--local-steps", "8", "--json"],
+        timeout=180,
+        env=env(),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])["summary"]
+    assert summary["kills"] == 1 and summary["lost_jobs"] == 0 and summary["repaired"] == 0, summary
+    assert summary["recover_ms_max"] < 5000, summary  # the survivors' next outer step came without it
+    assert 0.8 < summary["loss_ratio_min"] <= summary["loss_ratio_max"] < 1.25, summary  # learning, not forked
+
+
 # ------------------------------------------------------------------------- grow
 def _env_of_rank(launcher: int, rank: str) -> dict[str, str]:
     for task in Path(f"/proc/{launcher}/task").iterdir():
@@ -385,6 +403,39 @@ def test_a_new_worker_joins_at_a_boundary_and_takes_part(sparse: str, topology: 
         assert sparse == "0" or all(r["emb9"] == pytest.approx(w) for r in got.values()), (t, got)
     ends = [r for r in rows if "live" in r]
     assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["live"] == 3 and r["sum"] == 3.0 for r in ends)
+
+
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+def test_a_new_worker_joins_local_sgd_at_an_outer_step_with_the_global_state(topology: str) -> None:
+    """Local SGD (#82): a joiner is admitted at the end of an outer step and starts from the global
+    parameters and outer state of that step (over ps the shards', over the ring rank 0's); from the next
+    outer step its pseudo-gradient is averaged in, and no digest comparison finds any rank differing."""
+    job = str(ROOT / "tests" / "support" / "jobs" / "elastic_local_grow_job.py")
+    cmd = [sys.executable, "-m", "psring", "launch", "-n", "2", "--topology", topology, "--", sys.executable, job]
+
+    def joiner_for(launcher: int) -> tuple[list[str], dict[str, str]]:
+        e = _env_of_rank(launcher, "0")
+        extra = {k: e[k] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")}
+        return [sys.executable, job], env(JOIN="1", PSRING_TOPOLOGY=topology, TOPOLOGY=topology, **extra)
+
+    code, lines, err, jcode, jout = _run_with_joiner(cmd, r'"step": 2,', joiner_for, env(TOPOLOGY=topology))
+    out = "".join(lines)
+    assert code == 0 and jcode == 0, out + err + jout
+    rows = [json.loads(m) for m in re.findall(r"^\[rank \d\] (\{.*\})$", out, re.M)]
+    rows += [json.loads(x) for x in jout.splitlines() if x.startswith("{")]
+    admitted = {r["rank"]: r["at"] for r in rows if "admitted" in r}
+    assert set(admitted) == {0, 1} and len(set(admitted.values())) == 1, rows  # both, at one outer step
+    at = admitted[0]
+    first = next(r for r in rows if r["rank"] == 2 and "start" in r)
+    assert first["start"] == at and first["joined_with"] == {"t": at} and first["members"] == [0, 1, 2]
+    w = 0.0
+    for t in range(1, 31):  # each outer step: 2 inner steps of lr 1, averaged, outer lr 1
+        w -= 2 * (1.5 if t <= at else 2.0)
+        got = {r["rank"]: r for r in rows if r.get("step") == t}
+        assert set(got) == ({0, 1} if t <= at else {0, 1, 2}), (t, got)
+        assert all(r["w"] == pytest.approx(w) for r in got.values()), (t, got)
+    ends = [r for r in rows if "repaired" in r]
+    assert sorted(r["rank"] for r in ends) == [0, 1, 2] and all(r["repaired"] == 0 for r in ends), ends
 
 
 @pytest.mark.parametrize("topology", ["ps", "ring"])

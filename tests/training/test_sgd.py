@@ -338,3 +338,20 @@ async def test_elastic_admits_only_between_steps_that_exchanged(make_groups) -> 
     await asyncio.gather(*(o.step(_grads(1, g.rank)) for o, g in zip(opts, groups, strict=True)))
     assert [o.step_count for o in opts] == [1, 1]
     assert await asyncio.gather(*(o.admit_waiting() for o in opts)) == [[], []]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("topology", ["ps", "ring"])
+async def test_elastic_local_sgd_admits_only_at_the_end_of_an_outer_step(make_groups, topology: str) -> None:
+    """local_steps=2: a new worker starts from an outer step's result, so admit_waiting between outer
+    steps raises, naming the inner steps taken (nothing sent); after the outer step it admits."""
+    groups = await make_groups(2, topology)
+    opts = [psring.SyncSGD(g, _model(0), SGD(lr=0.1), elastic=True, local_steps=2, outer=SGD(lr=1.0))
+            for g in groups]  # fmt: skip
+    await asyncio.gather(*(o.start() for o in opts))
+    await asyncio.gather(*(o.step(_grads(0, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    with pytest.raises(RuntimeError, match=r"admit_waiting between outer steps \(1 of local_steps=2 inner"):
+        await opts[0].admit_waiting()
+    await asyncio.gather(*(o.step(_grads(1, g.rank)) for o, g in zip(opts, groups, strict=True)))
+    assert [o.step_count for o in opts] == [1, 1]
+    assert await asyncio.gather(*(o.admit_waiting() for o in opts)) == [[], []]
