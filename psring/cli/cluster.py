@@ -285,7 +285,9 @@ def cli_advise(args: Any) -> int:
             else:
                 servers = servers_seen if server_count is None else server_count
         layout = adv.Layout(hosts, per_host, servers, args.straggler_ms / 1e3, args.backup)
-        result = adv.advise(sizes, layout, links)
+        if args.step_ms is not None and not args.step_ms > 0:
+            return fail(f"--step-ms must be a positive time (one step's compute, ms), got {args.step_ms}")
+        result = adv.advise(sizes, layout, links, None if args.step_ms is None else args.step_ms / 1e3)
     except ValueError as exc:
         return fail(str(exc))
     if measured is not None:
@@ -310,6 +312,14 @@ def cli_advise(args: Any) -> int:
     print("run it with: " + " ".join(f"{k}={v}" for k, v in result["settings"].items()))
     comp = result["compression"]
     print(f"compression: {comp['reason']}" + (f" (compression={comp['recommended']!r})" if comp["recommended"] else ""))
+    local = result["local_steps"]
+    if local is None:
+        print("local steps: give --step-ms (one step's compute) for how often to talk (SyncSGD(local_steps=H))")
+    else:
+        flags = f"--local-steps {local['local_steps']}"
+        flags += f" --fragments {local['fragments']}" if local["fragments"] > 1 else ""
+        flags += f" --compression {local['compression']}" if local["compression"] else ""
+        print(f"local steps: {local['reason']}" + (f" (psring train {flags})" if local["local_steps"] > 1 else ""))
     k, n = lay["server_hosts"], lay["workers"]
     # a shard sets the send buffers of its end itself
     env = "".join(f"{key}={value} " for key, value in result["settings"].items() if key == "PSRING_PS_SNDBUF")
@@ -450,6 +460,8 @@ def register(sub: argparse._SubParsersAction, env: Settings) -> None:
     what.add_argument("--model", default=None, help="mlp, embed (psring train's), or a torch module pkg.mod:attr")
     p.add_argument("--straggler-ms", type=float, default=0.0, help="a rank late by a uniform 0-2x this, each step")
     p.add_argument("--backup", type=int, default=1, help="backup workers the ps would run with, where stragglers are")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="one training step's compute (ms): advise local SGD's H, fragments and codec too")  # fmt: skip
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cli_advise)
 

@@ -433,7 +433,54 @@ def _codec_advice(sizes: list[int], layout: Layout, links: Links, plain: float) 
     return {"recommended": None, "predicted_s": times, "reason": reason}
 
 
-def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
+#: the local steps ``advise`` chooses among (DiLoCo's paper ran 50 to 1000; past 500 the loss paid grows)
+LOCAL_STEPS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+#: the compute use an unstreamed outer step must leave (the 10% that an exchange may take)
+COMPUTE_USE = 0.9
+#: the fragments ``advise`` streams with (``SyncSGD(fragments=4)``: each one's exchange hides in H/4 steps)
+FRAGMENTS = 4
+
+
+def local_steps_advice(sizes: list[int], layout: Layout, links: Links, step_s: float, plain: float) -> dict[str, Any]:
+    """How often to talk (``SyncSGD(local_steps=H, fragments=K)``), given ``step_s``, one step's compute.
+
+    An outer step exchanges the model once: ``T``, the cheapest of the plain step (``plain``) and each
+    codec's (:func:`codec_times`, CPU counted). Synchronous SGD pays ``T`` every step; local SGD once every
+    H steps, so compute use is ``H step_s / (H step_s + T)``: the smallest H of :data:`LOCAL_STEPS` that
+    keeps it at :data:`COMPUTE_USE` or more. Streamed in K fragments, a fragment's exchange (``T / K``)
+    runs beside the next H/K steps, so H needs only ``H step_s >= T``: when that gives a smaller H
+    (K <= H), fragments are advised. H = 1 where the exchange already costs 10% of a step or less: the
+    fewer outer steps, the more the loss pays (psring's own table: docs/performance.md, "Local SGD")."""
+    times = {"none": plain, **codec_times(sizes, layout, links)}
+    codec = min(times, key=lambda k: times[k])
+    t = times[codec]
+    if plain <= (1 / COMPUTE_USE - 1) * step_s:
+        return {"local_steps": 1, "fragments": 1, "compression": None, "exchange_s": plain,
+                "compute_use": step_s / (step_s + plain),
+                "reason": f"H = 1 (synchronous SGD): a step's exchange, {plain * 1e3:.2f} ms, is at most "
+                          f"{1 / COMPUTE_USE - 1:.0%} of its {step_s * 1e3:.2f} ms of compute"}  # fmt: skip
+    need = (COMPUTE_USE / (1 - COMPUTE_USE)) * t / step_s  # H step_s / (H step_s + t) >= COMPUTE_USE
+    unstreamed = next((x for x in LOCAL_STEPS if x >= need), None)
+    streamed = next((x for x in LOCAL_STEPS if x >= max(t / step_s, FRAGMENTS)), None)
+    if unstreamed is not None and (streamed is None or unstreamed <= streamed):
+        h, k, use = unstreamed, 1, unstreamed * step_s / (unstreamed * step_s + t)
+    else:  # streamed: a fragment's exchange (t / K) beside H / K steps, waited for only where it is longer
+        h, k = streamed or LOCAL_STEPS[-1], FRAGMENTS
+        use = min(1.0, h * step_s / t)
+    shrink = 1.0 if codec == "none" else 4 / CODECS[codec].wire.itemsize
+    how = f"in {k} fragments, each exchange beside the next {h / k:g} steps" if k > 1 else "unstreamed"
+    reason = (
+        f"H = {h} ({how}), compression={codec if codec != 'none' else None!r}: an outer exchange is predicted "
+        f"{t * 1e3:.1f} ms against {step_s * 1e3:.2f} ms of compute a step, so about {use:.0%} compute use "
+        f"and {h * shrink:.0f}x fewer bytes than synchronous SGD"
+    )
+    if h == LOCAL_STEPS[-1] and use < COMPUTE_USE:
+        reason += f" (the most advised: the link stays the limit, at {use:.0%})"
+    return {"local_steps": h, "fragments": k, "compression": None if codec == "none" else codec, "exchange_s": t,
+            "compute_use": use, "reason": reason}  # fmt: skip
+
+
+def advise(sizes: list[int], layout: Layout, links: Links, step_s: float | None = None) -> dict[str, Any]:
     times = step_times(sizes, layout, links)
     runnable = {name: t for name, t in times.items() if name not in MODEL_ONLY}
     fastest = min(runnable.values())
@@ -451,6 +498,8 @@ def advise(sizes: list[int], layout: Layout, links: Links) -> dict[str, Any]:
         "model_only": {name: why for name, why in MODEL_ONLY.items() if name in times},
         # compression= (psring.core.codec): whether a codec pays on these links, against the plain best
         "compression": _codec_advice(sizes, layout, links, runnable[best]),
+        # local SGD (SyncSGD(local_steps=H)): how often to talk, where the compute of a step is known
+        "local_steps": None if step_s is None else local_steps_advice(sizes, layout, links, step_s, runnable[best]),
     }
 
 

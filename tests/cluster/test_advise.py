@@ -24,6 +24,7 @@ from psring.cluster.advise import (
     split_weights,
     step_times,
 )
+from psring.core.codec import INT8
 
 from .test_cluster import Cluster
 
@@ -155,6 +156,7 @@ def test_fitting_the_ring_gives_back_the_links() -> None:
         (["--hosts", "n1,n1", "--rate", "1gbit"], "names a host twice"),
         (["--sizes", "4M"], "give --store HOST:PORT (measure a cluster's links) or --hosts"),
         (["--hosts", "4", "--rate", "1gbit", "--server-hosts", "s1,s1"], "a count or distinct host names"),
+        (["--hosts", "4", "--rate", "1gbit", "--step-ms", "0"], "--step-ms must be a positive time"),
     ],
 )
 def test_bad_input_is_named(argv: list[str], says: str) -> None:
@@ -264,3 +266,46 @@ def test_a_codec_is_advised_where_the_link_not_the_cpu_is_the_limit() -> None:
     for fast in (advise([25 << 20], Layout(4), Links(50e-6, 10 * GBIT))["compression"],
                  advise([25 << 20], Layout(1, 4), Links(50e-6, GBIT))["compression"]):  # fmt: skip
         assert fast["recommended"] is None and fast["reason"].startswith("none: on this link a codec's CPU")
+
+
+def test_local_steps_are_advised_from_a_steps_compute_against_the_exchange() -> None:
+    """How often to talk (#82): H = 1 where a step's exchange is at most 10% of its compute; else the
+    smallest H of the ladder that keeps compute use >= 90% unstreamed (H s / (H s + T) with T the
+    cheapest exchange, a codec's CPU counted), or, where that H is larger, the H at which 4 fragments
+    hide each exchange beside H/4 steps (H s >= T). Worked by hand from the model's own times."""
+    links, sizes = Links(10e-3, 100e6 / 8), [10 << 20]
+    assert advise(sizes, Layout(4), links)["local_steps"] is None  # no compute given: nothing said
+
+    def exchange(step_s: float) -> tuple[dict, float, float]:  # type: ignore[type-arg]
+        got = advise(sizes, Layout(4), links, step_s)
+        return got["local_steps"], got["compression"]["predicted_s"]["int8"], min(got["predicted_s"].values())
+
+    slow, t, plain = exchange(2.0)  # 100 Mbit/s: int8's exchange is the cheapest
+    assert slow["compression"] == "int8" and slow["exchange_s"] == pytest.approx(t)
+    assert 0.9 * t / 0.1 / 2.0 > 2 and slow["local_steps"] == 5 and slow["fragments"] == 1  # 9 T / s: 2.0..5
+    assert slow["compute_use"] == pytest.approx(5 * 2.0 / (5 * 2.0 + t)) and slow["compute_use"] >= 0.9
+    assert "20x fewer bytes" in slow["reason"]  # H 5 x int8's quarter of the bytes
+    streamed, t, _ = exchange(0.05)  # 9 T / s = 80 -> 100 unstreamed; T / s = 8.9 -> 10 in 4 fragments
+    assert (streamed["local_steps"], streamed["fragments"], streamed["compute_use"]) == (10, 4, 1.0)
+    assert "in 4 fragments" in streamed["reason"]
+    capped, t, _ = exchange(1e-4)  # the link stays the limit: the most the ladder has, streamed
+    assert (capped["local_steps"], capped["fragments"]) == (500, 4)
+    assert capped["compute_use"] == pytest.approx(500 * 1e-4 / t) and "the link stays the limit" in capped["reason"]
+    sync, _t, plain = exchange(40.0)  # a 40 s step: the exchange is 3% of it
+    assert (sync["local_steps"], sync["compression"]) == (1, None) and plain <= 0.1 * 40.0
+    assert INT8.wire.itemsize == 1
+
+
+def test_advise_prints_the_flags_of_the_local_steps_it_advises() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "psring", "advise", "--hosts", "4", "--rate", "100mbit", "--latency", "10ms",
+         "--sizes", "10M", "--step-ms", "50"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "(psring train --local-steps 10 --fragments 4 --compression int8)" in run.stdout, run.stdout
+    plain = subprocess.run(
+        [sys.executable, "-m", "psring", "advise", "--hosts", "4", "--rate", "10gbit", "--sizes", "10M", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert plain.returncode == 0 and json.loads(plain.stdout)["local_steps"] is None, plain.stderr
