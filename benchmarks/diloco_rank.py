@@ -138,6 +138,7 @@ def main(spec: dict[str, Any]) -> None:
             loss, grads = loss_and_grads(params, x, y, task.layers)
             compute += time.perf_counter() - c0
             params = opt.step(grads)
+            del grads  # (not held while the next step's are made: the loop's own copy, not psring's)
             if (t + 1) % max(1, steps // 20) == 0:
                 curve.append([t + 1, loss])
         final = opt.global_params() if h > 1 else params

@@ -60,7 +60,11 @@ class Codec:
 
     def amax(self, x: np.ndarray) -> np.ndarray:
         """What this rank contributes to the scale's agreement (a max over the ranks): its largest |x|."""
-        return np.array([np.max(np.abs(x)) if x.size else 0.0], np.float32)
+        flat = x.reshape(-1)  # a block at a time: no tensor's worth of |x|
+        if not flat.size:
+            return np.array([0.0], np.float32)
+        most = [np.max(np.abs(flat[i : i + CODE_BLOCK])) for i in range(0, flat.size, CODE_BLOCK)]
+        return np.array([np.max(most)], np.float32)  # (a NaN anywhere stays the answer)
 
     def amax_size(self, n: int) -> int:
         """How many float32 values the agreement of an n-element call max-reduces (0: no agreement)."""
@@ -177,6 +181,9 @@ class Bf16(Codec):
     cpu_ns = (1.3, 0.2, 0.0)
 
     def encode(self, x: np.ndarray, e: Any, out: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        done = _in_blocks(self.encode, x, e, out, offset, self.wire)
+        if done is not None:
+            return done
         bits = np.ascontiguousarray(x, np.float32).view(np.uint32)
         rounded = bits + (np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))  # to nearest, ties even
         top = (rounded >> np.uint32(16)).astype(np.uint16)
@@ -189,6 +196,9 @@ class Bf16(Codec):
         return out
 
     def decode(self, q: np.ndarray, e: Any, out: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        done = _in_blocks(self.decode, q, e, out, offset, np.dtype(np.float32))
+        if done is not None:
+            return done
         wide = (np.asarray(q, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
         if out is None:
             return wide
@@ -198,6 +208,26 @@ class Bf16(Codec):
 
 #: int8's scales are per block of this many elements (of the whole tensor, from its first)
 INT8_BLOCK = 1024
+#: elements a codec encodes, decodes or measures at a time (a multiple of INT8_BLOCK): its intermediates
+#: are this many, not a tensor's worth (at the outer step of local SGD that is a model's). Each is
+#: elementwise (int8's by the offset's block), so the same bits as at once.
+CODE_BLOCK = 1 << 16
+
+
+def _in_blocks(
+    fn: Any, x: np.ndarray, e: Any, out: np.ndarray | None, offset: int, dtype: np.dtype
+) -> np.ndarray | None:
+    """``fn(x, e, out, offset)`` block by block of :data:`CODE_BLOCK` elements of ``x``, into ``out``
+    (or a new array shaped as ``x``); None where it must run at once (small, or ``out`` not contiguous)."""
+    n = int(np.size(x))
+    if n <= CODE_BLOCK or (out is not None and not out.flags.c_contiguous):
+        return None
+    src = np.asarray(x).reshape(-1)
+    result = np.empty(np.shape(x), dtype) if out is None else out
+    dst = result.reshape(-1)
+    for i in range(0, n, CODE_BLOCK):
+        fn(src[i : i + CODE_BLOCK], e, dst[i : i + CODE_BLOCK], offset + i)
+    return result
 #: int8 exponents stay within +-this (2**100 keeps every product and partial sum a normal float32)
 INT8_MAX_EXP = 100
 
@@ -253,12 +283,19 @@ class Int8(Codec):
 
     def amax(self, x: np.ndarray) -> np.ndarray:
         n = x.size
-        blocks = -(-n // INT8_BLOCK)
         if not n:
             return np.zeros(0, np.float32)
-        pad = np.zeros(blocks * INT8_BLOCK, np.float32)
-        np.abs(x.reshape(-1), out=pad[:n])
-        return pad.reshape(blocks, INT8_BLOCK).max(axis=1)
+        flat = x.reshape(-1)
+        out = np.empty(-(-n // INT8_BLOCK), np.float32)
+        pad = np.zeros(min(n, CODE_BLOCK) + INT8_BLOCK, np.float32)  # a block of them at a time
+        for i in range(0, n, CODE_BLOCK):
+            part = flat[i : i + CODE_BLOCK]
+            blocks = -(-part.size // INT8_BLOCK)
+            np.abs(part, out=pad[: part.size])
+            pad[part.size : blocks * INT8_BLOCK] = 0.0
+            first = i // INT8_BLOCK
+            out[first : first + blocks] = pad[: blocks * INT8_BLOCK].reshape(blocks, INT8_BLOCK).max(axis=1)
+        return out
 
     def scale(self, amax: np.ndarray, n_ranks: int) -> Int8Scale:
         room = 127.0 / n_ranks - 0.5  # n_ranks * (|x| * 2**e + 1/2) <= 127: every sum fits int8
@@ -284,6 +321,9 @@ class Int8(Codec):
         return Int8Scale(0, exps.tobytes())
 
     def encode(self, x: np.ndarray, e: Int8Scale, out: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        done = _in_blocks(self.encode, x, e, out, offset, self.wire)
+        if done is not None:
+            return done
         flat = np.ascontiguousarray(x, np.float32).reshape(-1)
         scaled = flat * e.factors(offset, flat.size)  # exact: powers of two
         np.rint(scaled, out=scaled)  # to nearest, ties even
@@ -295,6 +335,9 @@ class Int8(Codec):
         return out
 
     def decode(self, q: np.ndarray, e: Int8Scale, out: np.ndarray | None = None, offset: int = 0) -> np.ndarray:
+        done = _in_blocks(self.decode, q, e, out, offset, np.dtype(np.float32))
+        if done is not None:
+            return done
         flat = np.asarray(q).reshape(-1)
         wide = flat.astype(np.float32) / e.factors(offset, flat.size)  # exact: powers of two
         if out is None:

@@ -19,6 +19,22 @@ import numpy as np
 
 from .arrays import array_module
 
+#: elements a host update takes at a time: its intermediates are a block's worth (256 KiB of float32),
+#: not a model's. Every update is elementwise, so block by block gives the same bits as at once.
+BLOCK = 1 << 16
+
+
+def blocks(*arrays: Any) -> list[tuple[Any, ...]]:
+    """``arrays`` (a parameter and its gradient and state, alike in shape) as blocks of :data:`BLOCK`
+    elements: views of them flattened, where every one is a C-contiguous numpy array; else the
+    arrays themselves, once (cupy: one kernel an operation; other layouts)."""
+    first = arrays[0]
+    n = first.size
+    if n <= BLOCK or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.size == n for a in arrays):
+        return [arrays]
+    flat = [a.reshape(-1) for a in arrays]
+    return [tuple(f[i : i + BLOCK] for f in flat) for i in range(0, n, BLOCK)]
+
 
 class Optimizer:
     """Base: ``update(param, grad, state)`` changes param (and state) in place."""
@@ -105,14 +121,20 @@ class SGD(Optimizer):
         return state
 
     def update(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
+        first = state.get("step", 0) == 0
+        buf = state.get("momentum_buffer")
+        for p, g, *b in blocks(param, grad, *([buf] if self.momentum else [])):
+            self._update(p, g, b[0] if b else None, first)
+        state["step"] = state.get("step", 0) + 1
+
+    def _update(self, param: Any, grad: Any, buf: Any, first: bool) -> None:
         xp = array_module(param)
         d_p = grad
         if self.weight_decay:
             d_p = d_p + param.dtype.type(self.weight_decay) * param
         if self.momentum:
             mu = param.dtype.type(self.momentum)
-            buf = state["momentum_buffer"]
-            if state.get("step", 0) == 0:
+            if first:
                 buf[...] = d_p  # torch: the buffer starts as the first gradient
             else:
                 xp.multiply(buf, mu, out=buf)
@@ -123,12 +145,11 @@ class SGD(Optimizer):
                 d_p = nesterov
             else:
                 d_p = buf
-        if d_p is grad or d_p is state.get("momentum_buffer"):
+        if d_p is grad or d_p is buf:
             param -= param.dtype.type(self.lr) * d_p
         else:  # a step's own array: scaled in place (the same bits as lr * d_p)
             xp.multiply(d_p, param.dtype.type(self.lr), out=d_p)
             param -= d_p
-        state["step"] = state.get("step", 0) + 1
 
 
 class Adam(Optimizer):
@@ -166,18 +187,21 @@ class Adam(Optimizer):
         return {"step": 0, "exp_avg": xp.zeros_like(param), "exp_avg_sq": xp.zeros_like(param)}
 
     def update(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
+        step = state["step"] = state.get("step", 0) + 1
+        for p, g, m, v in blocks(param, grad, state["exp_avg"], state["exp_avg_sq"]):
+            self._update(p, g, m, v, step)
+
+    def _update(self, param: Any, grad: Any, m: Any, v: Any, step: int) -> None:
         xp = array_module(param)
         t = param.dtype.type
-        step = state["step"] = state.get("step", 0) + 1
         b1, b2 = self.betas
         if self.weight_decay:
             if self.decoupled:
                 param *= t(1 - self.lr * self.weight_decay)
             else:
                 grad = grad + t(self.weight_decay) * param
-        m, v = state["exp_avg"], state["exp_avg_sq"]
         # torch: exp_avg.lerp_(grad, 1 - beta1); exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2).
-        # One scratch array for every intermediate (a model's worth, not three): the same operations in the
+        # One scratch array for every intermediate (a block's worth, not three): the same operations in the
         # same order as m += (grad - m) * (1 - b1); v += grad * grad * (1 - b2);
         # param -= lr / bias1 * (m / (sqrt(v) / bias2_sqrt + eps)), so the same bits.
         tmp = xp.subtract(grad, m)

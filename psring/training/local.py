@@ -114,11 +114,22 @@ class LocalModel:
     # ------------------------------------------------------------ dense
     def flats(self, arrays: Mapping[str, Any], what: str = "grads") -> list[Any]:
         """arrays (one per parameter, on this device) laid out as the buckets: one new array each."""
+        out = []
+        for bucket, pieces in zip(self.buckets, self.pieces(arrays, what), strict=True):
+            flat = self.xp.empty(bucket.size, dtype=bucket.dtype)
+            for off, a in pieces:
+                flat[off : off + a.size] = a
+            out.append(flat)
+        return out
+
+    def pieces(self, arrays: Mapping[str, Any], what: str = "grads") -> list[list[tuple[int, Any]]]:
+        """arrays (one per parameter, on this device) as each bucket's (offset, flat view) pieces: the
+        bucket layout without a copy (local SGD's inner step updates its copy piece by piece)."""
         xp = self.xp
         out = []
         for bucket in self.buckets:
-            flat = xp.empty(bucket.size, dtype=bucket.dtype)
-            for name, off, shape, count in bucket.spans():
+            pieces = []
+            for name, off, shape, _count in bucket.spans():
                 a = arrays[name]
                 if tuple(a.shape) != shape or a.dtype != bucket.dtype:
                     raise ValueError(
@@ -127,8 +138,8 @@ class LocalModel:
                     )
                 if array_module(a) is not xp:
                     raise TypeError(f"{what}[{name!r}] is on another device than the parameters")
-                flat[off : off + count] = a.reshape(-1)
-            out.append(flat)
+                pieces.append((off, a.reshape(-1)))
+            out.append(pieces)
         return out
 
     def views(self, flats: list[Any] | None = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.arrays import array_module
 from ..core.optim import Optimizer
 
 
@@ -46,16 +47,31 @@ class LocalSteps:
             self.state = [self.inner.init_state(f) for f in self.local]
 
     def step(self, grads: list[Any]) -> bool:
-        """One inner step on the local copies; whether it ends a round (an outer step is due)."""
+        """One inner step on the local copies (``grads``: a flat array a bucket, or a bucket's
+        ``(offset, flat view)`` pieces: ``LocalModel.pieces``, no copy); whether it ends a round (an
+        outer step is due)."""
         for flat, g, st in zip(self.local, grads, self.state, strict=True):
-            self.inner.update(flat, g, st)
+            if not isinstance(g, list):
+                self.inner.update(flat, g, st)
+                continue
+            # piece by piece: the update is elementwise, so the same bits as the bucket at once; every
+            # piece sees the step count the bucket had (a scalar of the state), which then moves once
+            for off, piece in g:
+                part = {k: v[off : off + piece.size] if hasattr(v, "shape") else v for k, v in st.items()}
+                self.inner.update(flat[off : off + piece.size], piece, part)
+            if g:
+                st.update({k: v for k, v in part.items() if not hasattr(v, "shape")})
         self.since += 1
         self.inner_steps += 1
         return self.since >= self.every
 
     def pseudo(self, global_flats: list[Any]) -> list[Any]:
-        """What the ranks average at a boundary: global - local (the outer optimizer's "gradient")."""
-        return [g - loc for g, loc in zip(global_flats, self.local, strict=True)]
+        """What the ranks average at a boundary: global - local (the outer optimizer's "gradient"),
+        made in the local copies' memory (no model's worth more at the outer step: the local copies
+        are the new global parameters again once it lands, :meth:`synced`)."""
+        for g, loc in zip(global_flats, self.local, strict=True):
+            array_module(loc).subtract(g, loc, out=loc)
+        return self.local
 
     def synced(self, global_flats: list[Any]) -> None:
         """An outer step landed: every rank's local copy is the new global parameters again."""

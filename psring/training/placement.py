@@ -183,7 +183,10 @@ class Sharded:
 
     async def dense_step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
         host = [to_host(f) for f in flats]
-        outs = [np.empty_like(h) for h in host]
+        # local SGD's outer step: the new global parameters land in the old ones' memory (what the loop
+        # holds are its local copies, which carry the pseudo-gradients now: no model's worth more)
+        in_place = sgd.local is not None and sgd.xp is np
+        outs = sgd.model.flat if in_place else [np.empty_like(h) for h in host]
         taken = await self.params.step(sgd.step_count, host, outs, compression=sgd.compression)
         sgd.skipped += taken - 1
         sgd.step_count += taken - 1  # backup workers: a worker that was behind skips ahead

@@ -49,7 +49,6 @@ class CodedRing(GroupPart):
         width = codec.wire.itemsize
         piece = self.net.config.ring_piece * width // 4  # as many elements a piece as float32's bytes allow
         chunk_pieces = [pieces(a, b, piece) for a, b in ring_chunk_bounds(q.size, n_ranks)]
-        own = codec.decode(q, e)  # what this rank contributes
         out = np.empty(q.size, np.float32)
         rs_in, ag_io = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
         final_chunk = right_rank
@@ -63,7 +62,7 @@ class CodedRing(GroupPart):
                     raise ProtocolError(f"ring piece {c}.{j} from rank {left_rank} has {hdr['nbytes']} bytes")
                 seg = out[a:b]
                 codec.decode(rs_in[a:b], e, out=seg, offset=a)
-                np.add(seg, own[a:b], out=seg)
+                np.add(seg, codec.decode(q[a:b], e, offset=a), out=seg)  # what this rank contributes (a piece's)
                 if c != final_chunk:
                     right.send_tensor(header(coll, RS, c, j), codec.encode(seg, e, out=rs_in[a:b], offset=a))
                 else:
