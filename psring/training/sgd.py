@@ -456,7 +456,9 @@ class SyncSGD:
         if missing or extra:
             raise KeyError(f"grads must have exactly the parameters' names: missing {missing}, unexpected {extra}")
         # local SGD's inner step updates its copy from the gradients where they lie (no bucket copy)
-        flats = self.model.pieces(grads) if self.local is not None and self.accumulate == 1 else self.model.flats(grads)
+        flats: list[Any] = (
+            self.model.pieces(grads) if self.local is not None and self.accumulate == 1 else self.model.flats(grads)
+        )
         rows = self.model.rows_of(grads) if self.sparse else {}
         if self.accumulate > 1 and self.sparse:
             summed = self._accumulate_rows(rows)
