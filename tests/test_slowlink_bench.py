@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,3 +72,61 @@ def test_local_sgd_on_the_bed_sends_h_times_fewer_bytes_and_streaming_overlaps(t
         assert 0.0 < r["compute_use"] <= 1.0 and r["test_loss"] > 0
     # 16 synchronous steps of 1.3 MB at 100 Mbit/s: at least the bytes' time on the links
     assert sync["wall_s"] > 16 * sync["model_bytes"] * 8 / 100e6
+
+
+STALL_JOB = r'''
+import asyncio, time, numpy as np, psring
+async def main():
+    g = await psring.init_group(topology="ring", timeout=60)
+    await g.barrier()
+    print("BEGIN", flush=True)
+    for _ in range(2):  # 2 MiB a call: about 1.7 s each at 10 Mbit/s, the bytes moving all along
+        await g.all_reduce(np.ones(1 << 19, np.float32))
+    print("BULK DONE", flush=True)
+    if g.rank == 1:
+        await asyncio.sleep(1.5)  # a rank late, nothing moving: a stall
+    await g.barrier()
+    await g.close()
+asyncio.run(main())
+'''
+
+
+@pytest.mark.timeout(240)
+def test_a_slow_transfer_on_a_thin_link_is_not_called_a_stall_a_late_rank_is(tmp_path: Path) -> None:
+    """#82 item 4: at 10 Mbit/s an all_reduce that takes seconds while its bytes keep arriving is a slow
+    transfer, not a stall (no "psring stall" warning, with the threshold at 0.3 s); a rank that is late
+    to a barrier with nothing moving still is, on the rank that waits."""
+    skip_without_the_bed()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from slowlink import SlowBed  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    job = tmp_path / "job.py"
+    job.write_text(STALL_JOB)
+    bed = SlowBed(2, 10e6, 0.02, 0.05)
+    try:
+        procs = []
+        for r in range(2):
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "RANK": str(r),
+                   "WORLD_SIZE": "2", "MASTER_ADDR": bed.addresses[0], "MASTER_PORT": "29561",
+                   "PSRING_STALL_S": "0.3", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+            procs.append(bed.run(r, [sys.executable, str(job)], env))
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=180)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outs.append(p.communicate(timeout=30)[0] + "\n(killed: still running after 180 s)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+        bed.close()
+    assert all(p.returncode == 0 for p in procs), outs
+    for out in outs:
+        bulk = out[out.index("BEGIN") : out.index("BULK DONE")]
+        assert "psring stall" not in bulk, out
+    assert "psring stall: barrier" in outs[0] and "rank 1 has not called it" in outs[0], outs[0]

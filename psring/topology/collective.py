@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 
 from ..errors import PsringError
+from ..transport import traffic
 from ..transport.connection import Connection
 
 logger = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ class Collective:
     """One in-flight collective on one rank: its descriptor, deadline and outcome."""
 
     __slots__ = (
+        "bulk_mark",
         "data_elsewhere",
         "deadline",
         "desc",
@@ -51,6 +53,9 @@ class Collective:
         self.deadline = self.started + timeout
         self.timer: asyncio.TimerHandle | None = None  # the next stall check, or the deadline
         self.stalled = 0  # stall thresholds passed so far (the inspector ran that often)
+        #: the process's bulk bytes received when it began or was last inspected (transport.traffic): a
+        #: call that waits while bulk moves is a slow transfer, not a stall
+        self.bulk_mark = traffic.received()
         self.done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.waiting_on: set[int] = set()  # ranks we still expect frames from
         self.owed: dict[int, int] = {}  # frames still due, by sender, where a path counts them (expect_from)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..errors import MismatchError
+from ..transport import traffic
 from ..transport.loop import dump_tasks
 from .collective import Collective, describe
 
@@ -352,7 +353,10 @@ class StallInspector:
         """A call passed another stall threshold (from a timer or a recv's poll): inspect it."""
         if len(group.members) < 2:
             return
-        task = asyncio.get_running_loop().create_task(self._inspect(group, coll, recv))
+        moving = False
+        if coll is not None:  # bulk moved since it began or was last looked at: a slow transfer (a thin link)
+            moving, coll.bulk_mark = traffic.moving(coll.bulk_mark), traffic.received()
+        task = asyncio.get_running_loop().create_task(self._inspect(group, coll, recv, moving))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -415,7 +419,12 @@ class StallInspector:
         views[me] = own
         return views
 
-    async def _inspect(self, group: Any, coll: Collective | None, recv: tuple[int, int, Any] | None) -> None:
+    async def _inspect(
+        self, group: Any, coll: Collective | None, recv: tuple[int, int, Any] | None, moving: bool = False
+    ) -> None:
+        """Ask every rank what it waits in and judge: a mismatch is raised; a stall is warned about --
+        unless bulk bytes kept arriving meanwhile (``moving``: an exchange that takes minutes on a thin
+        link is not a stall; it is logged at debug level only, and neither counted nor published)."""
         try:
             views = await self._gather(group)
             if coll is not None:
@@ -430,6 +439,9 @@ class StallInspector:
                 verdict = judge(self.layer.rank, views, group.gid, src=group.members[src])
             if verdict.mismatch:
                 self._apply(verdict, views)
+            elif moving:
+                logger.debug("psring: a call waits while bulk bytes arrive (a slow transfer): %s", verdict.message)
+                return
             else:
                 logger.warning("psring stall: %s", verdict.message)
             for observer in list(STALL_OBSERVERS):

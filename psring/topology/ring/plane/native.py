@@ -156,10 +156,17 @@ class NativeJobs:
             if not self.turns.wait(job) or job.gone():
                 raise _Abandoned
             hot, helper = self.engine(job.x.nbytes)
+            moved = True
             while True:
                 before = reader.bytes_received
-                code = ring.run(reader, hot, POLL, helper)
-                traffic.note(reader.bytes_received - before)  # (what a heartbeat tolerates silence by)
+                # a run counts its bytes when it returns (at the end, or after POLL without one): while it
+                # runs, bulk counts as moving, unless its last run saw nothing (a heartbeat and the stall
+                # inspector tell a slow transfer from a silent peer by it)
+                with traffic.transfer() if moved else contextlib.nullcontext():
+                    code = ring.run(reader, hot, POLL, helper)
+                got = reader.bytes_received - before
+                traffic.note(got)
+                moved = got > 0
                 if code == _RING_DONE:
                     return
                 if code == _RING_WAIT:
