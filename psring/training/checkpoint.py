@@ -22,6 +22,33 @@ import numpy as np
 FORMAT = "psring.checkpoint/1"
 
 
+#: a state_dict's entries of every rank's own arrays, nested in lists and dicts (local SGD's inner
+#: optimizer state by rank and bucket, a compressor's error feedback by rank): arrays by path in the file
+NESTED = ("inner", "feedback")
+
+
+def _flatten(value: Any, path: str, arrays: dict[str, np.ndarray]) -> Any:
+    """``value`` with its arrays moved into ``arrays`` (by path) and a ``{"array": path}`` left in place."""
+    if isinstance(value, np.ndarray):
+        arrays[path] = value
+        return {"array": path}
+    if isinstance(value, (list, tuple)):
+        return [_flatten(v, f"{path}/{i}", arrays) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _flatten(v, f"{path}/{k}", arrays) for k, v in value.items()}
+    return value
+
+
+def _unflatten(value: Any, data: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"array"}:
+        return data[value["array"]]
+    if isinstance(value, list):
+        return [_unflatten(v, data) for v in value]
+    if isinstance(value, dict):
+        return {k: _unflatten(v, data) for k, v in value.items()}
+    return value
+
+
 def to_bytes(state: dict[str, Any]) -> bytes:
     """One run's checkpoint: ``state["sgd"]`` (a SyncSGD state_dict) and JSON-able extras."""
     sgd = state["sgd"]
@@ -32,9 +59,11 @@ def to_bytes(state: dict[str, Any]) -> bytes:
     for name, table in tables.items():
         arrays[f"tables/{name}/rows"] = np.asarray(table["rows"])
         arrays.update({f"tables/{name}/state/{k}": np.asarray(v) for k, v in table["state"].items()})
+    nested = {key: _flatten(sgd[key], f"nested/{key}", arrays) for key in NESTED if key in sgd}
     meta = {
         "format": FORMAT,
-        "sgd": {k: v for k, v in sgd.items() if k not in ("params", "optimizer_state", "tables")},
+        "sgd": {k: v for k, v in sgd.items() if k not in ("params", "optimizer_state", "tables", *NESTED)},
+        "nested": nested,
         "state_keys": sorted(sgd["optimizer_state"]),
         "tables": {name: sorted(table["state"]) for name, table in tables.items()},
         "extra": {k: v for k, v in state.items() if k != "sgd"},
@@ -59,7 +88,8 @@ def from_bytes(raw: bytes) -> dict[str, Any]:
             name: {"rows": data[f"tables/{name}/rows"], "state": {k: data[f"tables/{name}/state/{k}"] for k in keys}}
             for name, keys in meta.get("tables", {}).items()
         }
-    sgd = {**meta["sgd"], "params": params, "optimizer_state": state}
+        nested = {key: _unflatten(skeleton, data) for key, skeleton in meta.get("nested", {}).items()}
+    sgd = {**meta["sgd"], **nested, "params": params, "optimizer_state": state}
     if tables:
         sgd["tables"] = tables
     return {"sgd": sgd, **meta["extra"]}

@@ -149,13 +149,16 @@ class _Run:
             self.opt.load_state_dict(saved["sgd"])
             self.history = list(saved.get("history", []))
         self.params = await self.opt.start()
-        self.steps = self.opt.step_count * self.opt.accumulate
+        #: micro-batches an exchange takes (accumulate=k, local SGD's H inner steps): where workers may join
+        #: and checkpoints are taken
+        self.per_exchange = self.opt.accumulate * (self.opt.local.every if self.opt.local is not None else 1)
+        self.steps = self.opt.step_count * self.per_exchange
         #: elastic: the epoch this worker starts with (a worker that joined a running job: the one
         #: the boundary that admitted it named)
         self.first_epoch = int((self.opt.joined_with or {}).get("epoch", 0))
         if self.opt.joined_with is not None:
             assert self.opt.joined_at is not None
-            self._boundary = self.opt.joined_at * self.opt.accumulate
+            self._boundary = self.opt.joined_at * self.per_exchange
             return  # a new worker: the shards' parameters of the step it was admitted at
         if saved is not None or self.steps:
             self.resumed_at = self.steps
@@ -163,9 +166,14 @@ class _Run:
             self.history = [h for h in self.history if h["step"] <= self.steps]
 
     async def save(self) -> None:
-        """Rank 0 writes a checkpoint (between optimizer steps)."""
-        if self.checkpoints is not None and self.group.rank == 0:
+        """Rank 0 writes a checkpoint (between optimizer steps). Where it holds every rank's own state
+        (local SGD's inner optimizers, a compressor's error feedback) every rank takes part in making it."""
+        if self.checkpoints is None:
+            return
+        if self.group.rank == 0:
             await self.checkpoints.save({"sgd": await self.opt.state_dict(), "history": self.history})
+        elif self.opt.local is not None or self.opt.compressor is not None:
+            await self.opt.state_dict()  # (its all_gathers of every rank's own state)
 
     def _report(self) -> None:
         """This rank's recent steps: seconds per step computing and communicating (the straggler
@@ -245,7 +253,7 @@ class _Run:
                 self._progress(epoch, float(np.mean(losses[-10:])))
             if self.report is not None and time.perf_counter() - self._reported[0] >= REPORT_S:
                 self._report()
-            if every and self.steps % (every * self.opt.accumulate) == 0 and start + batch_size < len(idx):
+            if every and self.steps % (every * self.per_exchange) == 0 and start + batch_size < len(idx):
                 await self.save()
         if self.opt.elastic:
             group = self.opt.live_group()  # every survivor has had the same results: the same group
@@ -270,15 +278,18 @@ class _Run:
         acc = await self._accuracy()
         self.history.append({"epoch": epoch + 1, "loss": mean_loss, "test_accuracy": acc, "step": self.steps})
         self._progress(epoch, mean_loss, acc=acc)
-        # new workers join at epoch boundaries that are step boundaries too (accumulate=k: no micro-batches
-        # summed and not yet exchanged; every worker ran as many, so all admit or none does)
-        if self.opt.elastic and epoch + 1 < spec["epochs"] and self.steps % self.opt.accumulate == 0:
+        # new workers join at epoch boundaries that are exchange boundaries too (accumulate=k: no micro-batches
+        # summed and not yet exchanged; local SGD: at an outer step's end; every worker ran as many, so all
+        # admit or none does)
+        if self.opt.elastic and epoch + 1 < spec["epochs"] and self.steps % self.per_exchange == 0:
             await self.opt.admit_waiting({"epoch": epoch + 1})
         if self.opt.elastic:
-            self._boundary = self.opt.step_count * self.opt.accumulate  # every worker's: a step ends an epoch
+            # every worker's: a step ends an epoch (local SGD: an inner one, counted alike on every worker)
+            taken = self.opt.local.inner_steps if self.opt.local is not None else self.opt.step_count
+            self._boundary = taken * self.opt.accumulate
         if self.opt.elastic and epoch + 2 >= spec["epochs"]:  # that was the last boundary: a worker that
             await self.opt.close_joins()  # asks to join from now on is told so at once
-        if every and self.steps % self.opt.accumulate == 0:
+        if every and self.steps % self.per_exchange == 0:
             await self.save()
 
     async def _evaluated(self) -> dict[str, Any]:
