@@ -125,6 +125,23 @@ def byte_view(x: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
+#: elements elementwise host work (an optimizer's update, a codec's encode and decode) takes at a time:
+#: its intermediates are a block's worth (256 KiB of float32), not a tensor's -- at a local SGD step a
+#: model's. Elementwise, so block by block gives the same bits as all at once.
+BLOCK = 1 << 16
+
+
+def blocks(*arrays: Any) -> list[tuple[Any, ...]]:
+    """``arrays`` (alike in size: a parameter, its gradient and state) as blocks of :data:`BLOCK` elements:
+    views of them flattened, where every one is a C-contiguous numpy array; else the arrays themselves,
+    once (cupy: one kernel an operation; other layouts)."""
+    n = arrays[0].size
+    if n <= BLOCK or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.size == n for a in arrays):
+        return [arrays]
+    flat = [a.reshape(-1) for a in arrays]
+    return [tuple(f[i : i + BLOCK] for f in flat) for i in range(0, n, BLOCK)]
+
+
 def prod(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:

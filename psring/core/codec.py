@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import ProtocolError
 from . import compress
+from .arrays import BLOCK
 from .fold import canonical_fold, ring_chunk_bounds
 from .reduceop import OPS
 
@@ -208,10 +209,10 @@ class Bf16(Codec):
 
 #: int8's scales are per block of this many elements (of the whole tensor, from its first)
 INT8_BLOCK = 1024
-#: elements a codec encodes, decodes or measures at a time (a multiple of INT8_BLOCK): its intermediates
-#: are this many, not a tensor's worth (at the outer step of local SGD that is a model's). Each is
-#: elementwise (int8's by the offset's block), so the same bits as at once.
-CODE_BLOCK = 1 << 16
+#: elements a codec encodes, decodes or measures at a time (arrays.BLOCK, a multiple of INT8_BLOCK):
+#: elementwise (int8's scale by the offset's block), so the same bits as at once
+CODE_BLOCK = BLOCK
+assert CODE_BLOCK % INT8_BLOCK == 0
 
 
 def _in_blocks(

@@ -17,23 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import array_module
-
-#: elements a host update takes at a time: its intermediates are a block's worth (256 KiB of float32),
-#: not a model's. Every update is elementwise, so block by block gives the same bits as at once.
-BLOCK = 1 << 16
-
-
-def blocks(*arrays: Any) -> list[tuple[Any, ...]]:
-    """``arrays`` (a parameter and its gradient and state, alike in shape) as blocks of :data:`BLOCK`
-    elements: views of them flattened, where every one is a C-contiguous numpy array; else the
-    arrays themselves, once (cupy: one kernel an operation; other layouts)."""
-    first = arrays[0]
-    n = first.size
-    if n <= BLOCK or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.size == n for a in arrays):
-        return [arrays]
-    flat = [a.reshape(-1) for a in arrays]
-    return [tuple(f[i : i + BLOCK] for f in flat) for i in range(0, n, BLOCK)]
+from .arrays import array_module, blocks
 
 
 class Optimizer:
