@@ -258,11 +258,19 @@ class _Run:
         if self.opt.elastic:
             group = self.opt.live_group()  # every survivor has had the same results: the same group
         try:
-            # the mean of the workers' means, over those that ran a batch (backup: a straggler may have
-            # skipped a whole epoch's)
-            mine = np.array([np.mean(losses), 1.0] if losses else [0.0, 0.0])
-            total, ran = await group.all_reduce(mine, op="sum")
-            mean_loss = float(total / ran) if ran else float("nan")
+            if self.opt.elastic and not self.opt.placement.holds_model:
+                # the elastic ring: the survivors of a loss re-form at their next step, so a report-only
+                # all_reduce that the loss interrupts would be made on the old ring by a rank that had
+                # finished the step and on the new ring by the others, who took the step from it (their
+                # next calls then differ: MismatchError). No collective here, as at the boundary's
+                # admission: each rank reports its own mean (what rank 0 prints)
+                mean_loss = float(np.mean(losses)) if losses else float("nan")
+            else:
+                # the mean of the workers' means, over those that ran a batch (backup: a straggler may have
+                # skipped a whole epoch's)
+                mine = np.array([np.mean(losses), 1.0] if losses else [0.0, 0.0])
+                total, ran = await group.all_reduce(mine, op="sum")
+                mean_loss = float(total / ran) if ran else float("nan")
         except PeerLostError as exc:
             links = getattr(group, "links", None)
             server_lost = exc.rank is None and links is not None and links.reconnect_servers
