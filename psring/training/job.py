@@ -258,12 +258,13 @@ class _Run:
         if self.opt.elastic:
             group = self.opt.live_group()  # every survivor has had the same results: the same group
         try:
-            if self.opt.elastic and not self.opt.placement.holds_model:
-                # the elastic ring: the survivors of a loss re-form at their next step, so a report-only
-                # all_reduce that the loss interrupts would be made on the old ring by a rank that had
-                # finished the step and on the new ring by the others, who took the step from it (their
-                # next calls then differ: MismatchError). No collective here, as at the boundary's
-                # admission: each rank reports its own mean (what rank 0 prints)
+            if self.opt.elastic:
+                # a loss meets the ranks unevenly here: one that finished the step meets it in this
+                # report-only all_reduce, on the old group, while the others meet it in the step and then
+                # make the all_reduce on the survivors' group (the ring's re-formed one, the ps's live
+                # subgroup) without it: their calls differ (ring: MismatchError; ps: a wait that never
+                # ends). No collective here, as at the boundary's admission: each rank reports its own
+                # mean (what rank 0 prints)
                 mean_loss = float(np.mean(losses)) if losses else float("nan")
             else:
                 # the mean of the workers' means, over those that ran a batch (backup: a straggler may have
