@@ -172,7 +172,7 @@ class _Run:
             return
         if self.group.rank == 0:
             await self.checkpoints.save({"sgd": await self.opt.state_dict(), "history": self.history})
-        elif self.opt.local is not None or self.opt.compressor is not None:
+        elif self.opt.state_dict_needs_every_rank:
             await self.opt.state_dict()  # (its all_gathers of every rank's own state)
 
     def _report(self) -> None:

@@ -316,6 +316,12 @@ class SyncSGD:
         self._acc_rows = {}
         return out
 
+    @property
+    def state_dict_needs_every_rank(self) -> bool:
+        """Whether :meth:`state_dict` gathers every rank's own state (local SGD's inner optimizers, a
+        compressor's error feedback): then every rank must call it, not only the one that saves."""
+        return self.local is not None or self.compressor is not None
+
     async def state_dict(self) -> dict[str, Any]:
         """A checkpoint: parameters, optimizer state and step, as host (numpy) arrays by parameter
         name, and the setup every rank agreed on. Over ps the optimizer state is read from the
