@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import cupy_module, is_pinned, pinned_empty
+from .arrays import array_module, check_array, cupy_module, is_cupy, is_pinned, pinned_empty
 
 
 def available() -> bool:
@@ -49,6 +49,20 @@ def to_device(y: np.ndarray, xp: Any) -> Any:
         out.set(staged)
         return out
     return xp.asarray(y)
+
+
+def host_of(x: Any) -> tuple[np.ndarray, Any]:
+    """A collective's input on the host: (the host array, the array module its result goes back to).
+    A cupy array is staged (TypeError for what psring does not carry, as check_array says)."""
+    x = check_array(x)
+    if is_cupy(x):
+        return to_host(x), array_module(x)
+    return x, np
+
+
+def back_to(y: np.ndarray, xp: Any) -> Any:
+    """A result onto the array module its input came from (host_of's second value)."""
+    return y if xp is np else to_device(y, xp)
 
 
 class StagedInput:

@@ -94,7 +94,7 @@ class Collective:
             task = self.task
             if task is not None and not self.interrupted:
                 self.interrupted = True
-                task.cancel()  # Group._run turns this back into exc
+                task.cancel()  # Group.run turns this back into exc
 
     def inspect(self, conn: Connection, header: dict[str, Any]) -> bool:
         """Check a frame of this collective against our own call; False drops it."""
@@ -102,8 +102,8 @@ class Collective:
         if call == self.desc or self.done.done():
             return not self.done.done()
         src = header.get("src", conn.peer.get("rank"))
-        err = self.group._mismatch_error(self, src, call)
-        self.group._abort_everywhere(self, err, "mismatch")
+        err = self.group.mismatch_error(self, src, call)
+        self.group.abort_everywhere(self, err, "mismatch")
         return False
 
 

@@ -77,7 +77,7 @@ class Group(CollectiveRuntime):
     ) -> None:
         super().__init__(rank, world_size, timeout=timeout, gid=gid, mailbox=mailbox, config=config)
         self._subgroups = 0
-        self.p2p = PointToPoint(self)  # send, recv, recv_any
+        self.p2p = PointToPoint(self, self._send, self._layer)  # send, recv, recv_any
         self._created_at = "".join(traceback.format_stack(limit=8)[:-1])
         self.bytes_sent = 0
 
@@ -106,20 +106,6 @@ class Group(CollectiveRuntime):
         await self.close()
 
     # ---------------------------------------------------------- device staging
-    @staticmethod
-    def _host(x: Any) -> tuple[np.ndarray, Any]:
-        """(host array, the array module results go back to)."""
-        x = check_array(x)
-        if is_cupy(x):
-            return stage_to_host(x), array_module(x)
-        return x, np
-
-    @staticmethod
-    def _back(y: np.ndarray, xp: Any) -> Any:
-        if xp is np:
-            return y
-        return stage_to_device(y, xp)
-
     # -------------------------------------------------------- public collectives
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | Codec | None = None) -> Any:
         """Reduce x over all ranks with op; every rank gets the result (a new array).
@@ -134,7 +120,7 @@ class Group(CollectiveRuntime):
             order = self._input_order(x.size, x.nbytes) if x.nbytes >= STREAM_MIN_BYTES else None
             if order is not None:
                 return await self._all_reduce_streamed(x, op, order)
-        host, xp = self._host(x)
+        host, xp = gpu.host_of(x)
         check_op(op, host.dtype)
         codec = codec_named(compression)
         if codec is not None:
@@ -142,20 +128,20 @@ class Group(CollectiveRuntime):
             e, seq = 0, None
             if codec.scaled:  # the ranks agree on the scale first
                 amax = codec.amax(host.reshape(-1))
-                agree = self._begin("all_reduce", amax, "max")
-                (seq,) = self._reserve(1)  # now, so concurrent calls take the same numbers on every rank
+                agree = self.begin("all_reduce", amax, "max")
+                (seq,) = self.reserve(1)  # now, so concurrent calls take the same numbers on every rank
                 try:
-                    amax = await self._run(agree, self._all_reduce(agree, amax, "max"))
+                    amax = await self.run(agree, self._all_reduce(agree, amax, "max"))
                     e = codec.scale(amax, self.world_size)  # may refuse what it cannot carry: every rank alike
                 except BaseException:
-                    self._give_back([seq])
+                    self.give_back([seq])
                     raise
-            coll = self._begin("all_reduce", host, codec.descriptor(op, e), seq=seq)
-            out = await self._run(coll, self._all_reduce_coded(coll, host.reshape(-1), op, codec, e))
-            return self._back(out.reshape(host.shape), xp)
-        coll = self._begin("all_reduce", host, op)
-        out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
-        return self._back(out.reshape(host.shape), xp)
+            coll = self.begin("all_reduce", host, codec.descriptor(op, e), seq=seq)
+            out = await self.run(coll, self._all_reduce_coded(coll, host.reshape(-1), op, codec, e))
+            return gpu.back_to(out.reshape(host.shape), xp)
+        coll = self.begin("all_reduce", host, op)
+        out = await self.run(coll, self._all_reduce(coll, host.reshape(-1), op))
+        return gpu.back_to(out.reshape(host.shape), xp)
 
     async def _all_reduce_streamed(self, x: Any, op: str, order: list[tuple[int, int]]) -> Any:
         """all_reduce of a cupy array whose copy to the host overlaps the network: the
@@ -164,12 +150,12 @@ class Group(CollectiveRuntime):
         try:
             host = staged.host.reshape(x.shape)
             check_op(op, host.dtype)
-            coll = self._begin("all_reduce", host, op)
+            coll = self.begin("all_reduce", host, op)
             coll.input_wait = staged.wait
-            out = await self._run(coll, self._all_reduce(coll, host.reshape(-1), op))
+            out = await self.run(coll, self._all_reduce(coll, host.reshape(-1), op))
         finally:
             staged.wait_all()  # no copy may still be writing when the buffer goes back to the pool
-        return self._back(out.reshape(x.shape), array_module(x))
+        return gpu.back_to(out.reshape(x.shape), array_module(x))
 
     def _input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         """The element ranges, in the order this implementation's all_reduce of a tensor this
@@ -179,23 +165,23 @@ class Group(CollectiveRuntime):
 
     async def broadcast(self, x: Any, src: int = 0) -> Any:
         """Every rank gets src's x; other ranks pass an array of the same shape and dtype."""
-        self._check_rank(src, "src")
-        host, xp = self._host(x)
-        coll = self._begin("broadcast", host, None, src)
-        out = await self._run(coll, self._broadcast(coll, host.reshape(-1), src))
-        return self._back(out.reshape(host.shape), xp)
+        self.check_rank(src, "src")
+        host, xp = gpu.host_of(x)
+        coll = self.begin("broadcast", host, None, src)
+        out = await self.run(coll, self._broadcast(coll, host.reshape(-1), src))
+        return gpu.back_to(out.reshape(host.shape), xp)
 
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        coll = self._begin("barrier")
-        await self._run(coll, self._barrier(coll))
+        coll = self.begin("barrier")
+        await self.run(coll, self._barrier(coll))
 
     async def all_gather(self, x: Any) -> list[Any]:
         """A list of every rank's x, in rank order."""
-        host, xp = self._host(x)
-        coll = self._begin("all_gather", host)
-        out = await self._run(coll, self._all_gather(coll, host.reshape(-1)))
-        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+        host, xp = gpu.host_of(x)
+        coll = self.begin("all_gather", host)
+        out = await self.run(coll, self._all_gather(coll, host.reshape(-1)))
+        return [gpu.back_to(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
 
     async def sparse_all_reduce(self, rows: SparseRows) -> SparseRows:
         """Every rank's rows summed: unique sorted indices, each index's rows added in rank order
@@ -205,21 +191,7 @@ class Group(CollectiveRuntime):
         share: a ValueError (MismatchError for disagreement) naming the ranks, on every rank;
         nothing is summed and the group stays usable.
         """
-        return await sparse_all_reduce(self, rows)
-
-    def _reserve(self, k: int) -> list[int]:
-        """The next k sequence numbers, taken now for collectives begun later (``_begin(seq=)``)."""
-        seqs = list(range(self._seq, self._seq + k))
-        self._seq += k
-        self._reserved.update(seqs)
-        return seqs
-
-    def _give_back(self, seqs: list[int]) -> None:
-        """Reserved numbers of a call whose first collective failed: ranks that made another call
-        in its place never took them; give them back unless later calls took numbers since."""
-        self._reserved.difference_update(seqs)
-        if self._seq == seqs[-1] + 1:
-            self._seq = seqs[0]
+        return await sparse_all_reduce(self, self._all_gather, rows)
 
     async def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """This rank's 1/world_size share of the reduction of x.
@@ -228,42 +200,42 @@ class Group(CollectiveRuntime):
         divides by world_size that is rows ``rank*k:(rank+1)*k`` and keeps the trailing
         shape, otherwise it is a flat slice. Bits equal the same slice of all_reduce's.
         """
-        host, xp = self._host(x)
+        host, xp = gpu.host_of(x)
         check_op(op, host.dtype)
-        coll = self._begin("reduce_scatter", host, op)
-        flat = await self._run(coll, self._reduce_scatter(coll, host.reshape(-1), op))
+        coll = self.begin("reduce_scatter", host, op)
+        flat = await self.run(coll, self._reduce_scatter(coll, host.reshape(-1), op))
         n = self.world_size
         if host.ndim >= 1 and host.shape[0] % n == 0:
             flat = flat.reshape((host.shape[0] // n, *host.shape[1:]))
-        return self._back(flat, xp)
+        return gpu.back_to(flat, xp)
 
     async def reduce(self, x: Any, dst: int = 0, op: str = "sum") -> Any:
         """The reduction on dst (None elsewhere); same bits as all_reduce."""
-        self._check_rank(dst, "dst")
-        host, xp = self._host(x)
+        self.check_rank(dst, "dst")
+        host, xp = gpu.host_of(x)
         check_op(op, host.dtype)
-        coll = self._begin("reduce", host, op, dst)
-        out = await self._run(coll, self._reduce(coll, host.reshape(-1), op, dst))
-        return None if out is None else self._back(out.reshape(host.shape), xp)
+        coll = self.begin("reduce", host, op, dst)
+        out = await self.run(coll, self._reduce(coll, host.reshape(-1), op, dst))
+        return None if out is None else gpu.back_to(out.reshape(host.shape), xp)
 
     async def gather(self, x: Any, dst: int = 0) -> list[Any] | None:
         """A list of every rank's x on dst (None elsewhere)."""
-        self._check_rank(dst, "dst")
-        host, xp = self._host(x)
-        coll = self._begin("gather", host, None, dst)
-        out = await self._run(coll, self._gather(coll, host.reshape(-1), dst))
+        self.check_rank(dst, "dst")
+        host, xp = gpu.host_of(x)
+        coll = self.begin("gather", host, None, dst)
+        out = await self.run(coll, self._gather(coll, host.reshape(-1), dst))
         if out is None:
             return None
-        return [self._back(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
+        return [gpu.back_to(out[r].reshape(host.shape), xp) for r in range(self.world_size)]
 
     async def scatter(self, xs: Sequence[Any] | None, src: int = 0) -> Any:
         """Rank r gets xs[r] from src; xs is a list of world_size arrays on src, None elsewhere."""
-        self._check_rank(src, "src")
+        self.check_rank(src, "src")
         if self.rank == src:
             if xs is None or len(xs) != self.world_size:
                 got = "None" if xs is None else f"{len(xs)} arrays"
                 raise ValueError(f"scatter on src rank {src} needs a list of {self.world_size} arrays, got {got}")
-            staged = [self._host(x) for x in xs]
+            staged = [gpu.host_of(x) for x in xs]
             first = staged[0][0]
             for i, (h, _xp) in enumerate(staged):
                 if h.shape != first.shape or h.dtype != first.dtype:
@@ -282,10 +254,10 @@ class Group(CollectiveRuntime):
                 raise ValueError(f"scatter: xs must be None on rank {self.rank} (only src {src} passes arrays)")
             head = (None, None)
             meta = None
-        coll = self._begin("scatter", None, None, src)
-        out, (_dtype, shape), dev = await self._run(coll, self._scatter(coll, head[0], src, meta))
+        coll = self.begin("scatter", None, None, src)
+        out, (_dtype, shape), dev = await self.run(coll, self._scatter(coll, head[0], src, meta))
         xp = head[1] if head[1] is not None else (cupy_module() if dev == "cuda" else np)
-        return self._back(out.reshape(shape), xp)
+        return gpu.back_to(out.reshape(shape), xp)
 
     async def send(self, x: Any, dst: int) -> None:
         """Send x to rank dst (returns once the bytes left this process)."""
@@ -311,17 +283,13 @@ class Group(CollectiveRuntime):
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"new_group: ranks {ranks} must be a non-empty list without repeats")
         for r in ranks:
-            self._check_rank(r, "ranks[]")
-        self._check_usable()
+            self.check_rank(r, "ranks[]")
+        self.check_usable()
         self._subgroups += 1
         gid = f"{self.gid}.{self._subgroups}"
         if self.rank not in ranks:
             return NonMemberGroup(self.rank, ranks, gid)
-        return self._make_subgroup(gid, ranks)
-
-    def _check_rank(self, r: Any, what: str) -> None:
-        if type(r) is not int or not 0 <= r < self.world_size:
-            raise ValueError(f"{what}={r!r} is not a rank of this group (0..{self.world_size - 1})")
+        return self.make_subgroup(gid, ranks)
 
     # --------------------------------------------------------- topology hooks
     @abc.abstractmethod
@@ -358,7 +326,7 @@ class Group(CollectiveRuntime):
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None: ...
 
     @abc.abstractmethod
-    def _make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
+    def make_subgroup(self, gid: str, ranks: list[int]) -> Group: ...
 
     async def close(self) -> None:
         """Leave the group: pending calls fail here; peers learn which collectives this rank finished."""
@@ -377,7 +345,8 @@ class Group(CollectiveRuntime):
 
     def fail_recv(self, src: int, err: PsringError) -> None:
         """End the recvs from world rank src in progress with err (the stall inspector's verdict)."""
-        self.p2p.fail(src, err)
+        if src in self.members:
+            self.p2p.fail(self.members.index(src), err)
 
     def stats(self) -> dict[str, int]:
         """Bytes and frames this rank's connections sent and received."""

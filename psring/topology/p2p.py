@@ -12,24 +12,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core import wire
+from ..core import gpu, wire
 from ..core.arrays import cupy_module
 from ..errors import CollectiveTimeoutError, MismatchError, PeerLostError, ProtocolError, PsringError
 from .runtime import RecvWait
 
 if TYPE_CHECKING:
-    from .group import Group
+    from .runtime import CollectiveRuntime
+
+#: how a group sends an array to a peer: (host array, dst, its number to that peer, "cpu" or "cuda")
+Send = Callable[[np.ndarray, int, int, str], Awaitable[None]]
 
 
 class PointToPoint:
     """A group's point-to-point arrays: what it sent and took from each peer, and the recvs waiting."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: CollectiveRuntime, send: Send, layer: Callable[[], Any]) -> None:
         self.group = group
+        self._send = send
+        #: the connection layer under the group (its stall inspector is told of long recvs)
+        self._layer = layer
         self.sent: dict[int, int] = {}
         self.taken: dict[int, int] = {}
         #: recvs in progress, by (src, n): the stall inspector reads and ends them (fail)
@@ -37,21 +44,21 @@ class PointToPoint:
 
     async def send(self, x: Any, dst: int) -> None:
         g = self.group
-        g._check_rank(dst, "dst")
+        g.check_rank(dst, "dst")
         if dst == g.rank:
             raise ValueError(f"send: dst={dst} is this rank; use a local copy")
-        g._check_usable(peer=dst)
-        host, xp = g._host(x)
+        g.check_usable(peer=dst)
+        host, xp = gpu.host_of(x)
         n = self.sent.get(dst, 0)
         self.sent[dst] = n + 1
-        await g._send(host, dst, n, "cuda" if xp is not np else "cpu")
+        await self._send(host, dst, n, "cuda" if xp is not np else "cpu")
 
     async def recv(self, src: int, timeout: float | None = None) -> Any:
         g = self.group
-        g._check_rank(src, "src")
+        g.check_rank(src, "src")
         if src == g.rank:
             raise ValueError(f"recv: src={src} is this rank")
-        g._check_usable(peer=src, receiving=True)
+        g.check_usable(peer=src, receiving=True)
         n = self.taken.get(src, 0)
         self.taken[src] = n + 1
         try:
@@ -60,11 +67,11 @@ class PointToPoint:
             if self.taken.get(src) == n + 1:  # nothing was taken: the next recv waits for the same send
                 self.taken[src] = n
             raise
-        return g._back(y, _module(dev))
+        return gpu.back_to(y, _module(dev))
 
     async def recv_any(self, timeout: float | None = None) -> tuple[int, Any]:
         g = self.group
-        g._check_usable(receiving=True)
+        g.check_usable(receiving=True)
         loop = asyncio.get_running_loop()
         got: asyncio.Future[tuple[int, dict[str, Any], Any]] = loop.create_future()
         posted: dict[int, tuple[Any, ...]] = {}
@@ -82,7 +89,7 @@ class PointToPoint:
             return take
 
         for src in range(g.world_size):
-            if src == g.rank or src in g._departed:
+            if src == g.rank or g.departed(src) is not None:
                 continue
             tag = (g.gid, "p2p", src, self.taken.get(src, 0))
             if g.mailbox.is_posted(tag):
@@ -95,7 +102,7 @@ class PointToPoint:
         deadline = time.monotonic() + limit
         try:
             while not got.done():
-                g._check_usable(receiving=True)
+                g.check_usable(receiving=True)
                 if not posted:
                     raise PeerLostError(f"recv from any source on rank {g.rank}: no other rank can send")
                 remaining = deadline - time.monotonic()
@@ -113,7 +120,7 @@ class PointToPoint:
         src, hdr, payload = got.result()
         if "dtype" not in hdr:
             raise ProtocolError(f"frame from rank {src} carries no array")
-        return src, g._back(wire.decode_tensor(hdr, payload), _module(str(hdr.get("dev", "cpu"))))
+        return src, gpu.back_to(wire.decode_tensor(hdr, payload), _module(str(hdr.get("dev", "cpu"))))
 
     async def take(self, src: int, n: int, timeout: float) -> tuple[np.ndarray, str]:
         """The n-th array src sent this rank (whichever way it travelled), and its device."""
@@ -129,9 +136,9 @@ class PointToPoint:
                     break
                 if wait.error is not None:  # the stall inspector found this recv deadlocked
                     raise wait.error
-                g._check_usable(peer=src, receiving=True)
-                if src in g._departed:  # it left, and everything it sent has arrived
-                    raise PeerLostError(f"recv from rank {src}: {g._departed[src]}", rank=src)
+                g.check_usable(peer=src, receiving=True)
+                if g.departed(src) is not None:  # it left, and everything it sent has arrived
+                    raise PeerLostError(f"recv from rank {src}: {g.departed(src)}", rank=src)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CollectiveTimeoutError(
@@ -139,7 +146,7 @@ class PointToPoint:
                     )
                 if time.monotonic() - wait.started >= g.config.stall * (wait.stalled + 1):
                     wait.stalled += 1
-                    g._layer().stalls.stalled(g, recv=(src, n, wait))
+                    self._layer().stalls.stalled(g, recv=(src, n, wait))
                 with contextlib.suppress(asyncio.TimeoutError):
                     async with asyncio.timeout(min(remaining, 0.25)):
                         _conn, hdr, payload = await asyncio.shield(fut)
@@ -147,7 +154,7 @@ class PointToPoint:
         finally:
             del self.waits[(src, n)]
             if wait.stalled:
-                g._layer().stalls.resolved(g, None, wait.error)
+                self._layer().stalls.resolved(g, None, wait.error)
             g.mailbox.unpost(tag)
             if not fut.done():
                 fut.cancel()
@@ -155,10 +162,8 @@ class PointToPoint:
             raise ProtocolError(f"frame from rank {src} carries no array")
         return wire.decode_tensor(hdr, payload), str(hdr.get("dev", "cpu"))
 
-    def fail(self, src: int, err: PsringError) -> None:
-        """End the recvs from world rank src in progress with err (the stall inspector's verdict)."""
-        members = self.group.members
-        local = members.index(src) if src in members else None
+    def fail(self, local: int, err: PsringError) -> None:
+        """End the recvs from rank ``local`` of the group in progress with err (the stall inspector's verdict)."""
         for (s, _n), wait in self.waits.items():
             if s == local:
                 wait.error = err

@@ -37,6 +37,14 @@ class Recent(NamedTuple):
     ended: float  # time.monotonic()
 
 
+class _Ended(NamedTuple):
+    """What an observer reads of a short way's call (as of a Collective)."""
+
+    seq: int
+    desc: tuple[Any, ...]
+    started: float
+
+
 class RecvWait:
     """A recv in progress: since when, and an error the stall inspector set to end it."""
 
@@ -48,13 +56,26 @@ class RecvWait:
         self.error: PsringError | None = None
 
 
+class Ticket:
+    """A call numbered off the loop (a short way: the boards, the TCP one- and two-hop calls, the data
+    plane): the runtime makes it (:meth:`CollectiveRuntime.ticket`) and closes it
+    (:meth:`CollectiveRuntime.close_ticket`), or the loop adopts its number (``begin(seq=, started=)``)."""
+
+    __slots__ = ("desc", "seq", "started")
+
+    def __init__(self, seq: int, desc: tuple[Any, ...], started: float) -> None:
+        self.seq = seq
+        self.desc = desc
+        self.started = started
+
+
 class CollectiveRuntime(abc.ABC):
     """The base of :class:`~psring.topology.group.Group`: sequence numbers, deadlines, aborts and losses.
 
     It keeps the state of this rank's calls in the group (set up here, read and written only here
-    and by the group's own collectives). The topologies call ``_begin``/``_run``, report what their
+    and by the group's own collectives). The topologies call ``begin``/``run``, report what their
     connection layer sees (``on_abort``, ``on_peer_lost``, ``on_peer_departed``) and fill in the two
-    hooks: ``_send_abort`` (tell every peer) and ``_layer`` (the connection layer: its stall inspector).
+    hooks: ``send_abort`` (tell every peer) and ``_layer`` (the connection layer: its stall inspector).
     """
 
     #: the topology's registered name (settings.TOPOLOGY_NAMES), as the flight recorder's records carry it
@@ -90,7 +111,7 @@ class CollectiveRuntime(abc.ABC):
         """The connection layer under this group (ring: PeerNet; ps: ServerLinks)."""
 
     # ------------------------------------------------------------------ state
-    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
+    def check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
         """Raise if this group cannot run a collective (or, with peer, a send/recv with that rank).
 
         A rank that left cleanly finished every collective before the one it reported
@@ -117,12 +138,148 @@ class CollectiveRuntime(abc.ABC):
                 gone = self._departed[peer]
                 raise PeerLostError(f"{self!r}: {gone}", rank=gone.rank)
 
+    def check_rank(self, r: Any, what: str) -> None:
+        """ValueError unless r is a rank of this group (``what``: the argument's name)."""
+        if type(r) is not int or not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r!r} is not a rank of this group (0..{self.world_size - 1})")
+
+    def departed(self, rank: int) -> PeerLostError | None:
+        """Why rank left cleanly, if it did (everything it sent has arrived)."""
+        return self._departed.get(rank)
+
+    # ------------------------------------------------------------------ short ways (off the loop)
+    @property
+    def next_seq(self) -> int:
+        """The number the next call takes."""
+        return self._seq
+
+    def quiet(self, numbered: bool = False) -> bool:
+        """Nothing of the group in flight, numbered for later, or failed and not yet raised: a call may
+        take a short way. ``numbered``: it is numbered with :meth:`ticket`, whose descriptor names a partial
+        call before it (collective.after_of); quick ways, whose descriptors are made once per kind of
+        call, take none after one."""
+        return (
+            not self._active
+            and not self._reserved
+            and not self._aborted
+            and self._late_error is None
+            and (numbered or self._after is None)
+        )
+
+    @property
+    def troubled(self) -> bool:
+        """Closed, broken, or a peer departed: what :meth:`check_usable` raises for (or lets run)."""
+        return self._closed or self._broken is not None or bool(self._departed)
+
+    @property
+    def after(self) -> int | None:
+        """What the next call's descriptor names of the call before it (collective.after_of), if partial."""
+        return self._after
+
+    @property
+    def numbered_ahead(self) -> bool:
+        """Numbers taken for calls not begun yet (a short way's on a caller's thread among them)."""
+        return bool(self._reserved)
+
+    @property
+    def broken(self) -> bool:
+        """A peer this group needs was lost (or it was broken otherwise): every call raises."""
+        return self._broken is not None
+
+    @property
+    def broken_error(self) -> PsringError | None:
+        """Why the group is broken (None: it is not)."""
+        return self._broken
+
+    def mend(self) -> None:
+        """The connection layer healed what broke the group (a server shard reconnected): calls run again."""
+        self._broken = None
+
+    @property
+    def interrupted(self) -> bool:
+        """Broken, closed, or a call aborted by a peer: a short way's wait stops and the loop takes over."""
+        return self._broken is not None or bool(self._aborted) or self._closed
+
+    def alone(self) -> bool:
+        """One call in flight and nothing numbered for later (a call alone may use the group's scratch)."""
+        return len(self._active) == 1 and not self._reserved
+
+    def active(self, seq: int) -> Collective | None:
+        """Collective seq, while it runs here."""
+        return self._active.get(seq)
+
+    def take_number(self) -> int:
+        """The next number, reserved, for a quick way that made its descriptor already (no call before it
+        is partial: :meth:`quiet` said so); settled by :meth:`close_ticket` or adopted by :meth:`begin`."""
+        seq = self._seq
+        self._seq = seq + 1
+        self._reserved.add(seq)
+        return seq
+
+    def ticket(self, x: np.ndarray, op: str) -> Ticket:
+        """Number an all_reduce a short way takes (raising what :meth:`check_usable` raises). The number is
+        reserved, so a peer's abort or early frame for it is kept, until :meth:`close_ticket` or the loop's
+        adoption (``begin(seq=)``) releases it."""
+        self.check_usable()
+        seq = self._seq
+        self._seq = seq + 1
+        self._reserved.add(seq)
+        after = self._after
+        if after is not None:  # the call before was partial: this one names it (begin, if adopted)
+            self._after = None
+            self._reserved_after[seq] = after
+        desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, after)
+        return Ticket(seq, desc, time.monotonic())
+
+    def close_ticket(self, t: Ticket, error: BaseException | None = None) -> None:
+        """A call a short way ended: as :meth:`_end` would (its number released, kept among the recent
+        calls, observers told)."""
+        self.close_number(t.seq, t.desc, t.started, error)
+
+    def close_number(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
+        """:meth:`close_ticket` for a quick way's number (:meth:`take_number`), its descriptor made once."""
+        self._reserved.discard(seq)
+        if self._reserved_after:
+            self._reserved_after.pop(seq, None)
+        self._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
+        if error is not None:
+            self._failed(seq, error)
+        if OBSERVERS:
+            self._observe(_Ended(seq, desc, started), error)  # type: ignore[arg-type]
+
+    def reserve(self, k: int) -> list[int]:
+        """The next k sequence numbers, taken now for collectives begun later (``begin(seq=)``)."""
+        seqs = list(range(self._seq, self._seq + k))
+        self._seq += k
+        self._reserved.update(seqs)
+        return seqs
+
+    def give_back(self, seqs: list[int]) -> None:
+        """Reserved numbers of a call whose first collective failed: ranks that made another call
+        in its place never took them; give them back unless later calls took numbers since."""
+        self._reserved.difference_update(seqs)
+        if self._seq == seqs[-1] + 1:
+            self._seq = seqs[0]
+
+    def settle(self, seqs: list[int]) -> None:
+        """Reserved numbers a call ended without beginning (every rank stopped at the same check): skipped
+        alike everywhere."""
+        self._reserved.difference_update(seqs)
+
+    def ended(self, seq: int) -> bool:
+        """Whether this rank is done with collective seq (neither to come nor numbered for later)."""
+        return seq < self._seq and seq not in self._reserved
+
+    def abort_mismatch(self, coll: Collective, src: Any, call: Any) -> None:
+        """A peer's frame for coll names another call: abandon coll here and on every rank."""
+        self.abort_everywhere(coll, self.mismatch_error(coll, src, call), "mismatch")
+
     def stopped_at(self) -> int:
         """The first collective seq this rank has not finished (told to peers when it leaves)."""
         first = min(self._active, default=self._seq)
         return min(first, min(self._reserved)) if self._reserved else first
 
-    def _begin(
+    def begin(
         self,
         kind: str,
         x: np.ndarray | None = None,
@@ -138,7 +295,7 @@ class CollectiveRuntime(abc.ABC):
         caller's thread and hands the rest to the loop); its deadline counts from then."""
         fresh = seq is None
         if seq is None:
-            self._check_usable()
+            self.check_usable()
             seq = self._seq
             self._seq += 1
             after = self._after  # what this rank called before (collective.after_of)
@@ -146,7 +303,7 @@ class CollectiveRuntime(abc.ABC):
             # a number reserved earlier: by a call of several collectives (reserved after its first: no partial
             # call before it) or by a short way (CallerThread.number keeps the after it named)
             self._reserved.discard(seq)
-            self._check_usable(seq=seq)
+            self.check_usable(seq=seq)
             after = self._reserved_after.pop(seq, None) if self._reserved_after else None
         dtype = dtype_name(x.dtype) if x is not None else None
         shape = tuple(x.shape) if x is not None else None
@@ -157,7 +314,7 @@ class CollectiveRuntime(abc.ABC):
             self._after = after_of(desc)
             if self._late_error is not None:  # see on_abort: this call is abandoned everywhere
                 err, self._late_error = self._late_error, None
-                self._send_abort(seq, err, "mismatch")
+                self.send_abort(seq, err, "mismatch")
                 self._failed(seq, err)
                 raise err
         coll = Collective(self, seq, desc, self.timeout if timeout is None else timeout, started)
@@ -169,7 +326,7 @@ class CollectiveRuntime(abc.ABC):
         self.mailbox.inspect((self.gid, seq), coll.inspect)
         return coll
 
-    def _guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
+    def guard(self, coll: Collective, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a receive callback: any error in it fails this collective, never the link it came on
         (a link's receive loop treats an escaping exception as a broken peer). Both topologies."""
 
@@ -206,7 +363,7 @@ class CollectiveRuntime(abc.ABC):
         rec = self._recent[seq & (RECENT - 1)]
         return Recent(*rec) if rec is not None and rec[0] == seq else None
 
-    async def _run(self, coll: Collective, body: Any) -> Any:
+    async def run(self, coll: Collective, body: Any) -> Any:
         """Run a collective's body under its deadline; on any failure abandon it cleanly.
 
         The body runs inline in the caller's task (no task per call: small collectives
@@ -312,18 +469,18 @@ class CollectiveRuntime(abc.ABC):
             f"{coll.label} on rank {self.rank} timed out after {self.timeout:g}s waiting for {who}",
             missing=missing,
         )
-        self._abort_everywhere(coll, err, "timeout")
+        self.abort_everywhere(coll, err, "timeout")
 
     # --------------------------------------------------------------- failures
-    def _mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
+    def mismatch_error(self, coll: Collective, src: Any, call: Any) -> MismatchError:
         return MismatchError(mismatch_message(coll.seq, src, call, self.rank, coll.desc))
 
-    def _abort_everywhere(self, coll: Collective, err: PsringError, reason: str) -> None:
+    def abort_everywhere(self, coll: Collective, err: PsringError, reason: str) -> None:
         coll.fail(err)
-        self._send_abort(coll.seq, err, reason)
+        self.send_abort(coll.seq, err, reason)
 
     @abc.abstractmethod
-    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+    def send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         """Tell every peer to abandon collective ``seq`` (topology-specific fan-out)."""
 
     def on_abort(
@@ -372,7 +529,7 @@ class CollectiveRuntime(abc.ABC):
             return
         for s in later:
             self._active[s].fail(err)
-            self._send_abort(s, err, "mismatch")
+            self.send_abort(s, err, "mismatch")
 
     def on_stray(self, seq: int, call: Any, src: Any) -> bool:
         """A frame for collective seq arrived while this rank is not in it: keep it (False: drop it).
@@ -387,13 +544,13 @@ class CollectiveRuntime(abc.ABC):
         rec = self.recent(seq)
         if rec is not None and rec.ok and call is not None and tuple(call) != rec.desc:
             message = mismatch_message(seq, src, call, self.rank, rec.desc)
-            self._send_abort(seq, MismatchError(message), "mismatch")
+            self.send_abort(seq, MismatchError(message), "mismatch")
             self._found_late(seq, message)
         return False
 
     def mismatch_found(self, seq: int, message: str) -> None:
         """The stall inspector found collective seq mismatched: abandon it here and everywhere."""
-        self._send_abort(seq, MismatchError(message), "mismatch")
+        self.send_abort(seq, MismatchError(message), "mismatch")
         self.on_abort(seq, "mismatch", message)
 
     def on_peer_lost(self, err: PeerLostError) -> None:

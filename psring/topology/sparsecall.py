@@ -8,52 +8,58 @@ problem anywhere is named on every rank before anything is summed; then the padd
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core import gpu
 from ..core.sparse import SparseRows, merge_rows
 from ..errors import MismatchError
 
 if TYPE_CHECKING:
-    from .group import Group
+    from .collective import Collective
+    from .runtime import CollectiveRuntime
+
+#: the group's all_gather body: (the collective, a flat host array) -> every rank's, as rows
+AllGather = Callable[["Collective", np.ndarray], Awaitable[np.ndarray]]
 
 
-async def sparse_all_reduce(g: Group, rows: SparseRows) -> SparseRows:
+async def sparse_all_reduce(g: CollectiveRuntime, all_gather: AllGather, rows: SparseRows) -> SparseRows:
     if not isinstance(rows, SparseRows):
         raise TypeError(f"sparse_all_reduce takes a psring.SparseRows, got {type(rows).__name__}")
-    idx, xp = g._host(rows.indices)
-    val, _ = g._host(rows.values)
+    idx, xp = gpu.host_of(rows.indices)
+    val, _ = gpu.host_of(rows.values)
     problem = rows.problem()
     meta = np.array([idx.size, rows.width, rows.num_rows, val.dtype.num, problem is not None], np.int64)
     # three collectives, all numbered now, before any wait: calls made while this one runs take
     # later numbers on every rank, whichever of them the loop resumes first
-    first = g._begin("all_gather", meta)
-    seqs = g._reserve(2)
+    first = g.begin("all_gather", meta)
+    seqs = g.reserve(2)
     try:
-        metas = np.array(await g._run(first, g._all_gather(first, meta))).reshape(g.world_size, -1)
+        metas = np.array(await g.run(first, all_gather(first, meta))).reshape(g.world_size, -1)
     except BaseException:  # as a compressed all_reduce's agreement: give the numbers back
-        g._give_back(seqs)
+        g.give_back(seqs)
         raise
     try:
-        merged = await _merge(g, rows, idx, val, metas, problem, seqs)
+        merged = await _merge(g, all_gather, rows, idx, val, metas, problem, seqs)
     finally:  # numbers not begun (every rank stopped at the same check): skipped alike everywhere
-        g._reserved.difference_update(seqs)
+        g.settle(seqs)
     if xp is np:
         return merged
-    return SparseRows(g._back(merged.indices, xp), g._back(merged.values, xp), merged.num_rows)
+    return SparseRows(gpu.back_to(merged.indices, xp), gpu.back_to(merged.values, xp), merged.num_rows)
 
 
-async def _all_gather_at(g: Group, x: np.ndarray, seq: int) -> list[np.ndarray]:
+async def _all_gather_at(g: CollectiveRuntime, all_gather: AllGather, x: np.ndarray, seq: int) -> list[np.ndarray]:
     """all_gather of a host array as collective number ``seq`` (reserved)."""
-    coll = g._begin("all_gather", x, seq=seq)
-    out = await g._run(coll, g._all_gather(coll, x.reshape(-1)))
+    coll = g.begin("all_gather", x, seq=seq)
+    out = await g.run(coll, all_gather(coll, x.reshape(-1)))
     return [out[r].reshape(x.shape) for r in range(g.world_size)]
 
 
 async def _merge(
-    g: Group, rows: SparseRows, idx: np.ndarray, val: np.ndarray, metas: np.ndarray, problem: str | None,
-    seqs: list[int],
+    g: CollectiveRuntime, all_gather: AllGather, rows: SparseRows, idx: np.ndarray, val: np.ndarray,
+    metas: np.ndarray, problem: str | None, seqs: list[int],
 ) -> SparseRows:  # fmt: skip
     n = g.world_size
     bad = [r for r in range(n) if metas[r, 4]]
@@ -77,8 +83,8 @@ async def _merge(
     pad_idx[: idx.size] = idx
     pad_val = np.zeros((top, rows.width), val.dtype)
     pad_val[: idx.size] = val
-    all_idx = await _all_gather_at(g, pad_idx, seqs[0])
-    all_val = await _all_gather_at(g, pad_val, seqs[1])
+    all_idx = await _all_gather_at(g, all_gather, pad_idx, seqs[0])
+    all_val = await _all_gather_at(g, all_gather, pad_val, seqs[1])
     counts = [int(c) for c in metas[:, 0]]
     parts = [(all_idx[r][: counts[r]], all_val[r][: counts[r]]) for r in range(n)]
     return merge_rows(parts, rows.num_rows, rows.width, val.dtype)

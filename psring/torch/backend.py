@@ -852,7 +852,7 @@ def create(backend_opts: Any, pg_options: Any = None) -> ProcessGroupPsring:
     bg = world.psring_group
 
     async def make() -> Any:
-        sub = bg.group._make_subgroup(f"{bg.group.gid}.t{backend_opts.group_id}", ranks)
+        sub = bg.group.make_subgroup(f"{bg.group.gid}.t{backend_opts.group_id}", ranks)
         sub.timeout = timeout  # new_group(timeout=...): the subgroup's own, not the world's
         return sub
 

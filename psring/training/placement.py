@@ -13,16 +13,40 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..core.optim import Optimizer
 from ..core.sparse import SparseRows
 from ..errors import CollectiveTimeoutError, PeerLostError
-from .local import like, to_host
+from .compressors import Compressor
+from .local import LocalModel, like, to_host
+from .localsgd import LocalSteps
 
-if TYPE_CHECKING:
-    from .sgd import SyncSGD
+
+class Trainer(Protocol):
+    """What a placement sees of the training it places (training.sgd.SyncSGD): the model as this rank
+    holds it, the group and the optimizer it runs, how the exchange is coded, and the step counters a
+    placement moves (a ps step taken by others, a joiner's boundary, a re-formed group)."""
+
+    group: Any
+    model: LocalModel
+    optimizer: Optimizer
+    compression: str | None
+    compressor: Compressor | None
+    local: LocalSteps | None
+    elastic: bool
+    step_count: int
+    skipped: int
+    joined_at: int | None
+    joined_with: dict[str, Any] | None
+
+    @property
+    def sparse(self) -> list[str]: ...
+
+    @property
+    def xp(self) -> Any: ...
 
 
 class Replicated:
@@ -31,7 +55,7 @@ class Replicated:
     #: the topology keeps the model: a worker is only a source of gradients (backup workers, elastic)
     holds_model = False
 
-    async def start(self, sgd: SyncSGD, loaded: dict[str, Any] | None) -> None:
+    async def start(self, sgd: Trainer, loaded: dict[str, Any] | None) -> None:
         sgd.model.flat = [await sgd.group.broadcast(f, src=0) for f in sgd.model.flat]
         sgd.model.state = [sgd.optimizer.init_state(f) for f in sgd.model.flat]
         if loaded is not None:  # every rank loaded the same checkpoint (rank 0's params won anyway)
@@ -41,7 +65,7 @@ class Replicated:
                 state["step"] = loaded["step"]
             sgd.step_count = loaded["step"]
 
-    async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
+    async def start_table(self, sgd: Trainer, k: int, name: str) -> None:
         """Every rank takes a copy of rank 0's table (and a checkpoint's optimizer state: every rank
         loaded the same one)."""
         sgd.model.tables[name] = await sgd.group.broadcast(sgd.model.tables[name], src=0)
@@ -49,16 +73,16 @@ class Replicated:
         for key, saved in sgd.model.loaded_tables.pop(name, {}).items():
             state[key][...] = sgd.xp.asarray(saved)
 
-    async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    async def table_state(self, sgd: Trainer, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A table's rows and their optimizer state, as host arrays (a checkpoint's)."""
         state = sgd.optimizer.state_arrays(sgd.model.table_state[name])
         return to_host(sgd.model.tables[name]).copy(), {k: to_host(v).copy() for k, v in state.items()}
 
-    async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
+    async def pull_rows(self, sgd: Trainer, name: str, idx: np.ndarray) -> Any:
         return sgd.xp.take(sgd.model.tables[name], sgd.xp.asarray(idx), axis=0)
 
     async def step(
-        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+        self, sgd: Trainer, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
     ) -> tuple[float, float]:
         """The exchange and the update, the sparse tables' too; (when the dense exchange ended, when
         the updates did)."""
@@ -69,7 +93,7 @@ class Replicated:
             self.update_rows(sgd, name, await self.table_exchange(sgd, rows[name]))
         return t1, time.perf_counter()
 
-    async def exchange(self, sgd: SyncSGD, flats: list[Any]) -> list[Any]:
+    async def exchange(self, sgd: Trainer, flats: list[Any]) -> list[Any]:
         """Every bucket averaged over the group; the first error once every bucket's call ended (none
         is left running)."""
         if sgd.compressor is not None:  # error feedback: the compressor's averages
@@ -81,23 +105,23 @@ class Replicated:
                 raise g
         return got
 
-    def update(self, sgd: SyncSGD, avgs: list[Any]) -> None:
+    def update(self, sgd: Trainer, avgs: list[Any]) -> None:
         for flat, avg, state in zip(sgd.model.flat, avgs, sgd.model.state, strict=True):
             sgd.optimizer.update(flat, avg, state)
 
-    async def fragment_step(self, sgd: SyncSGD, ids: list[int], pseudo: list[Any], round_: int) -> None:
+    async def fragment_step(self, sgd: Trainer, ids: list[int], pseudo: list[Any], round_: int) -> None:
         """Streaming local SGD: buckets ``ids`` only -- their pseudo-gradients averaged and the outer
         step on them (``sgd.model.flat[b]`` in place); ``round_`` is the fragment's outer steps so far."""
         avgs = await self.exchange(sgd, pseudo)
         for b, avg in zip(ids, avgs, strict=True):
             sgd.optimizer.update(sgd.model.flat[b], avg, sgd.model.state[b])
 
-    async def table_exchange(self, sgd: SyncSGD, g: SparseRows) -> SparseRows:
+    async def table_exchange(self, sgd: Trainer, g: SparseRows) -> SparseRows:
         """One sparse table's rows summed over the group: every rank checks every rank's rows (bad
         ones named everywhere, nothing applied) and sums them in rank order."""
         return await sgd.group.sparse_all_reduce(g)
 
-    def update_rows(self, sgd: SyncSGD, name: str, summed: SparseRows) -> None:
+    def update_rows(self, sgd: Trainer, name: str, summed: SparseRows) -> None:
         """The optimizer on the rows the group's gradients touched, by their average."""
         if summed.indices.size == 0:
             return
@@ -105,22 +129,22 @@ class Replicated:
         model = sgd.model
         sgd.optimizer.update_rows(model.tables[name], model.table_state[name], summed.indices, grad, sgd.step_count)
 
-    def live_group(self, sgd: SyncSGD) -> Any:
+    def live_group(self, sgd: Trainer) -> Any:
         return sgd.group
 
-    def members(self, sgd: SyncSGD) -> list[int]:
+    def members(self, sgd: Trainer) -> list[int]:
         return list(sgd.group.members)
 
-    async def join(self, sgd: SyncSGD) -> None:
+    async def join(self, sgd: Trainer) -> None:
         raise ValueError("a worker that joins a running job (join=True) needs SyncSGD(elastic=True)")
 
-    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+    async def admit(self, sgd: Trainer, extra: dict[str, Any] | None) -> list[int]:
         raise RuntimeError("admit_waiting is for SyncSGD(elastic=True)")
 
-    async def close_joins(self, sgd: SyncSGD) -> None:
+    async def close_joins(self, sgd: Trainer) -> None:
         raise RuntimeError("close_joins is for SyncSGD(elastic=True)")
 
-    async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
+    async def state(self, sgd: Trainer, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         """The optimizer state by bucket, and the step."""
         return [{k: to_host(s[k]) for k in keys} for s in sgd.model.state], sgd.step_count
 
@@ -135,14 +159,14 @@ class Sharded:
         self.params = params
         self.tables = tables
 
-    async def start(self, sgd: SyncSGD, loaded: dict[str, Any] | None) -> None:
+    async def start(self, sgd: Trainer, loaded: dict[str, Any] | None) -> None:
         host = [to_host(f) for f in sgd.model.flat]
         step, state = (loaded["step"], loaded["state"]) if loaded is not None else (None, None)
         outs, step = await self.params.init(host, sgd.optimizer.config(), step, state)
         sgd.model.flat = [like(sgd.xp, o) for o in outs]
         sgd.step_count = step
 
-    async def start_table(self, sgd: SyncSGD, k: int, name: str) -> None:
+    async def start_table(self, sgd: Trainer, k: int, name: str) -> None:
         """The shards take their row ranges of rank 0's table (and of a checkpoint's optimizer state,
         at its step); the workers drop theirs."""
         rows, width, dtype = sgd.model.table_shape[name]
@@ -154,7 +178,7 @@ class Sharded:
         )  # fmt: skip
         sgd.model.tables[name] = None  # the shards hold it now: workers never do
 
-    async def table_state(self, sgd: SyncSGD, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    async def table_state(self, sgd: Trainer, name: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """A table's rows and their optimizer state, read from the shards (a checkpoint's)."""
         k, (rows, width, dtype) = sgd.sparse.index(name), sgd.model.table_shape[name]
         every = np.arange(rows, dtype=np.int64)
@@ -164,7 +188,7 @@ class Sharded:
             state[key] = await self.tables.pull(k, every, rows, width, np.dtype(dtype), of=key)
         return values, state
 
-    async def pull_rows(self, sgd: SyncSGD, name: str, idx: np.ndarray) -> Any:
+    async def pull_rows(self, sgd: Trainer, name: str, idx: np.ndarray) -> Any:
         got = sgd.model.prefetched.pop(name, None)
         if got is not None and np.array_equal(got[0], idx):  # they came back with the last step
             return like(sgd.xp, got[1])
@@ -173,7 +197,7 @@ class Sharded:
         return like(sgd.xp, out)
 
     async def step(
-        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+        self, sgd: Trainer, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
     ) -> tuple[float, float]:
         t1, t2 = await self.dense_step(sgd, flats)
         for k, name in enumerate(sgd.sparse):
@@ -181,7 +205,7 @@ class Sharded:
             t2 = time.perf_counter()
         return t1, t2
 
-    async def dense_step(self, sgd: SyncSGD, flats: list[Any]) -> tuple[float, float]:
+    async def dense_step(self, sgd: Trainer, flats: list[Any]) -> tuple[float, float]:
         host = [to_host(f) for f in flats]
         # local SGD's outer step: the new global parameters land in the old ones' memory (what the loop
         # holds are its local copies, which carry the pseudo-gradients now: no model's worth more)
@@ -194,7 +218,7 @@ class Sharded:
         t1 = time.perf_counter()
         return t1, t1  # the update ran on the servers, inside the exchange
 
-    async def fragment_step(self, sgd: SyncSGD, ids: list[int], pseudo: list[Any], round_: int) -> None:
+    async def fragment_step(self, sgd: Trainer, ids: list[int], pseudo: list[Any], round_: int) -> None:
         """Streaming local SGD: buckets ``ids`` pushed as the fragment's ``round_``-th step (the step its
         buckets are at on the shards, which run the outer optimizer); the new global parameters pulled."""
         host = [to_host(p) for p in pseudo]
@@ -203,7 +227,7 @@ class Sharded:
         for b, o in zip(ids, outs, strict=True):
             sgd.model.flat[b] = like(sgd.xp, o)
 
-    async def table_step(self, sgd: SyncSGD, k: int, name: str, g: SparseRows, pull: np.ndarray | None) -> None:
+    async def table_step(self, sgd: Trainer, k: int, name: str, g: SparseRows, pull: np.ndarray | None) -> None:
         """Each rank's word on its rows goes with its push; the shards apply none if one is bad."""
         rows = sgd.model.table_shape[name][0]
         problem = g.problem()
@@ -218,18 +242,18 @@ class Sharded:
             raise ValueError(f"grads[{name!r}]: rank(s) {', '.join(map(str, bad))} pushed an index outside "
                              f"the table's rows{mine}; nothing was applied")  # fmt: skip
 
-    async def state(self, sgd: SyncSGD, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
+    async def state(self, sgd: Trainer, keys: list[str]) -> tuple[list[dict[str, np.ndarray]], int]:
         return await self.params.state([to_host(f) for f in sgd.model.flat], keys)
 
-    def live_group(self, sgd: SyncSGD) -> Any:
+    def live_group(self, sgd: Trainer) -> Any:
         """Elastic: a group of the workers the shards averaged over last (the group itself otherwise)."""
         return self.params.admission.live_subgroup() if sgd.elastic else sgd.group
 
-    def members(self, sgd: SyncSGD) -> list[int]:
+    def members(self, sgd: Trainer) -> list[int]:
         live = getattr(sgd.group, "live_members", None)
         return list(live if live is not None else sgd.group.members)
 
-    async def join(self, sgd: SyncSGD) -> None:
+    async def join(self, sgd: Trainer) -> None:
         """A new worker: the shards' parameters (and tables) of the step a boundary admitted it at."""
         host = [to_host(f) for f in sgd.model.flat]
         outs, sgd.joined_at, step, sgd.joined_with = await self.params.admission.join(host)
@@ -240,10 +264,10 @@ class Sharded:
         sgd.skipped += step - sgd.joined_at
         sgd.step_count = step
 
-    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+    async def admit(self, sgd: Trainer, extra: dict[str, Any] | None) -> list[int]:
         return list(await self.params.admission.admit(sgd.step_count, [to_host(f) for f in sgd.model.flat], extra))
 
-    async def close_joins(self, sgd: SyncSGD) -> None:
+    async def close_joins(self, sgd: Trainer) -> None:
         await self.params.admission.close_joins(sgd.step_count)
 
 
@@ -260,7 +284,7 @@ class Reformed(Replicated):
         self.quorum = quorum
 
     async def step(
-        self, sgd: SyncSGD, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
+        self, sgd: Trainer, flats: list[Any], rows: Mapping[str, SparseRows], pull: Mapping[str, np.ndarray]
     ) -> tuple[float, float]:
         while True:
             try:
@@ -277,7 +301,7 @@ class Reformed(Replicated):
             self.update_rows(sgd, name, got)
         return t1, time.perf_counter()
 
-    async def _recover(self, sgd: SyncSGD, exc: BaseException) -> bool:
+    async def _recover(self, sgd: Trainer, exc: BaseException) -> bool:
         """Re-form without the lost; True when this rank took the step from a survivor that completed it."""
         agreed = await self.quorum.reform(sgd.group, exc, sgd.step_count)
         sgd.group = agreed.group
@@ -290,7 +314,7 @@ class Reformed(Replicated):
         sgd.step_count = best - 1  # (SyncSGD.step counts the step taken)
         return True
 
-    async def _hand_over(self, sgd: SyncSGD, src: int) -> None:
+    async def _hand_over(self, sgd: Trainer, src: int) -> None:
         """Parameters, optimizer state and sparse tables (with theirs) from rank ``src`` of the
         (new) group to all."""
         g = sgd.group
@@ -305,13 +329,13 @@ class Reformed(Replicated):
         for name in sgd.sparse:
             sgd.model.tables[name][...] = await g.broadcast(sgd.model.tables[name], src=src)
 
-    def live_group(self, sgd: SyncSGD) -> Any:
+    def live_group(self, sgd: Trainer) -> Any:
         return sgd.group  # the survivors' group since the last loss or join
 
-    def members(self, sgd: SyncSGD) -> list[int]:
+    def members(self, sgd: Trainer) -> list[int]:
         return self.quorum.ids_of(sgd.group)
 
-    async def admit(self, sgd: SyncSGD, extra: dict[str, Any] | None) -> list[int]:
+    async def admit(self, sgd: Trainer, extra: dict[str, Any] | None) -> list[int]:
         """The new workers waiting (``init_group(topology="ring", join=True)``), admitted into a new
         ring of this group's ranks then them; its rank 0 streams them the step, parameters, optimizer
         state and tables. Returns their ids (none waiting: [], and nothing re-formed)."""
@@ -324,7 +348,7 @@ class Reformed(Replicated):
         await self._hand_over(sgd, 0)
         return self.quorum.ids[before:]
 
-    async def join(self, sgd: SyncSGD) -> None:
+    async def join(self, sgd: Trainer) -> None:
         """A new worker: the step, parameters, optimizer state and tables from the ring's rank 0, at
         the boundary that admitted it."""
         g = sgd.group
@@ -335,7 +359,7 @@ class Reformed(Replicated):
         await self._hand_over(sgd, 0)
         sgd.joined_with, g.joining = g.joined_with, False
 
-    async def close_joins(self, sgd: SyncSGD) -> None:
+    async def close_joins(self, sgd: Trainer) -> None:
         await self.quorum.close_joins(sgd.group, sgd.step_count)
 
 

@@ -10,15 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psring.topology.ring.board import BoardAllReduce
 from psring.topology.ring.chooser import Call, Chooser
-from psring.topology.ring.hier import Hierarchical
-from psring.topology.ring.onehop import OneHop
+from psring.topology.ring.context import RingContext
+from psring.topology.ring.parts import RingParts
 from psring.topology.ring.paths import NEVER, SMALL_BYTES, Path, RingPaths
-from psring.topology.ring.pipeline import PipelinedRing
-from psring.topology.ring.plane.allreduce import PlaneAllReduce
-from psring.topology.ring.streamed import StreamedBoard
-from psring.topology.ring.twohop import TwoHop
 
 MIB = 1 << 20
 
@@ -40,19 +35,19 @@ def _chooser(world_size: int = 4, gid: str = "0", board: Any = None, hosts: Any 
     net = SimpleNamespace(
         paths=RingPaths(**paths), plane=SimpleNamespace(ready=True), board=board, hosts=hosts, tcp_mesh=None
     )
-    g: Any = SimpleNamespace(gid=gid, world_size=world_size, rank=0, members=list(range(world_size)), net=net)
-    g.hier = Hierarchical(g)
-    g.board = BoardAllReduce(g)
-    routes = {
-        Path.HIERARCHICAL: g.hier,
-        Path.TWO_HOP: TwoHop(g),
-        Path.PLANE: PlaneAllReduce(g),
-        Path.DIRECT: OneHop(g, Path.DIRECT),
-        Path.ROOTED: OneHop(g, Path.ROOTED),
-        Path.RING: PipelinedRing(g),
-    }
-    g.chooser = Chooser(g, [StreamedBoard(g, g.board), g.board], routes)
-    return g.chooser
+    # the parts are made by the factory the group uses, on a context of data (no runtime, no sockets)
+    ctx = RingContext(
+        net,  # type: ignore[arg-type]
+        0,
+        world_size,
+        list(range(world_size)),
+        gid,
+        runtime=None,  # type: ignore[arg-type]
+        timeout=10.0,
+        mailbox=None,  # type: ignore[arg-type]
+        general_all_reduce=None,  # type: ignore[arg-type]
+    )
+    return RingParts(ctx).chooser
 
 
 def _call(nbytes: int, dtype: Any = np.float32, op: str = "sum", world: bool = True, ndim: int = 1) -> Call:

@@ -277,8 +277,8 @@ async def test_a_receive_callback_that_raises_fails_its_collective_not_the_link(
         raise KeyError("nbytes")
 
     for g in groups:
-        coll = g._begin("all_reduce", np.ones(4, np.float32), "sum")
-        g._guard(coll, boom)(None, {}, None)  # must not raise
+        coll = g.begin("all_reduce", np.ones(4, np.float32), "sum")
+        g.guard(coll, boom)(None, {}, None)  # must not raise
         assert isinstance(coll.done.exception(), KeyError)
         g._end(coll, False)
     ys = await asyncio.gather(*(g.all_reduce(np.full(4, g.rank + 1.0, np.float32)) for g in groups))

@@ -253,9 +253,9 @@ async def test_input_still_arriving_is_read_only_after_ready_in_ring_order(make_
                         host[lo:hi] = xs[r][lo:hi]
                         filled[lo:hi] = True
 
-        coll = g._begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
+        coll = g.begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
         coll.input_wait = wait
-        return await g._run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
+        return await g.run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
 
     ys = await asyncio.gather(*(rank(g) for g in groups))
     ref = canonical_fold(xs, "sum", np.empty(BIG, np.float32))
@@ -282,9 +282,9 @@ async def test_input_wait_is_honoured_off_the_plane_too(make_groups) -> None:
             calls.append((a, b))
             host[a:b] = xs[g.rank][a:b]
 
-        coll = g._begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
+        coll = g.begin("all_reduce", host, "sum")  # type: ignore[attr-defined]
         coll.input_wait = wait
-        y = await g._run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
+        y = await g.run(coll, g._all_reduce(coll, host, "sum"))  # type: ignore[attr-defined]
         assert calls == [(0, n)]
         return y
 

@@ -302,7 +302,7 @@ async def test_a_reduces_destination_is_not_hurt_by_a_rank_that_finished_and_lef
     naming rank 3's going: it counted the call as waiting on its left neighbour alone)."""
     groups = await make_groups(4, "ring", timeout=20.0)
     xs = [np.random.default_rng(r).standard_normal(300_000).astype(np.float32) for r in range(4)]
-    real = groups[1]._link  # type: ignore[attr-defined]
+    real = groups[1].ctx.link  # type: ignore[attr-defined]  # (the link its parts dial through)
     late: list[_LateLink] = []
 
     async def link(rank: int) -> Any:
@@ -312,7 +312,7 @@ async def test_a_reduces_destination_is_not_hurt_by_a_rank_that_finished_and_lef
         late.append(_LateLink(conn, 0.5))
         return late[-1]
 
-    groups[1]._link = link  # type: ignore[attr-defined]
+    groups[1].ctx.link = link  # type: ignore[attr-defined]
 
     async def leave_after(g: Any, x: np.ndarray) -> Any:
         y = await g.reduce(x, dst=0)

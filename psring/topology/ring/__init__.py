@@ -1,7 +1,8 @@
 """The ring topology: peer-to-peer links between the ranks.
 
-``group`` (``RingGroup``) holds the rank's endpoint and one object per algorithm, composed, and
-``chooser`` (``Chooser``, ``Algorithm``) picks an all_reduce's algorithm in one place, the same on
+``group`` (``RingGroup``) holds the rank's endpoint and one object per algorithm, made by ``parts``
+(``RingParts``) from the group's ``context`` (``RingContext``: what a part sees of the group -- never the
+group itself), and ``chooser`` (``Chooser``, ``Algorithm``) picks an all_reduce's algorithm in one place, the same on
 every rank, from the thresholds ``paths`` keeps (which ``psring advise`` predicts from). The
 algorithms: ``board`` (same-host shared-memory boards, from the loop or the caller's thread),
 ``streamed`` (large same-host calls through the boards' slots, in C), ``onehop`` (DIRECT and ROOTED

@@ -25,19 +25,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def path_settings(net: PeerNet) -> dict[str, int]:
-    """This rank's settings that decide which path a call takes or how it is cut into frames:
-    ranks that differ would wait on frames the others never send (agreed in resolve)."""
-    return {
-        "PSRING_RING_ROOTED_MIN": net.config.ring_rooted_min,
-        "PSRING_RING_PIECE": net.config.ring_piece,
-        "PSRING_RING_PLANE_PIECE": net.config.ring_plane_piece,
-        "PSRING_RING_TCP_MESH": net.small.tcp_max,
-        "PSRING_RING_TWO_HOP": net.two_hop_max,
-        "PSRING_RING_TWO_HOP_MIN": net.two_hop_min,
-    }
-
-
 async def agree_paths(net: PeerNet) -> None:
     """The same path on every rank: thresholds are agreed (the largest, so a path is taken only
     when every rank would take it); a piece size that differs is named, since no value is right."""

@@ -44,7 +44,10 @@ from .net import PeerNet
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from .caller import CallerThread
+    from .context import RingContext
+    from .exchange import Exchange
+    from .hier import Hierarchical
 
 #: the call descriptor of a wake-up message (it carries no call; messages must name one)
 _WAKE = ("wake", None, None, None, None, None)
@@ -66,8 +69,9 @@ class BoardAllReduce(Algorithm):
 
     route = Path.BOARD
 
-    def __init__(self, g: RingGroup) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange, hier: Hierarchical) -> None:
+        super().__init__(ctx)
+        self.caller, self.exchange, self.hier = caller, exchange, hier
         self.unposted: set[int] = set()  # the loop's board calls begun and not posted yet, in call order
         #: calls that took the short way (start) and ended there, and those the loop took over
         self.ran_now = 0
@@ -103,11 +107,11 @@ class BoardAllReduce(Algorithm):
         begun before it, whichever way they went)."""
         board = self.net.board
         assert board is not None
-        x = self.g.caller.checked(x, op)
-        coll = self.g._begin("all_reduce", x, op)
+        x = self.caller.checked(x, op)
+        coll = self.rt.begin("all_reduce", x, op)
         self.unposted.add(coll.seq)
         try:
-            return await self.g._run(coll, self._body(coll, board, x, op))
+            return await self.rt.run(coll, self._body(coll, board, x, op))
         finally:
             self.unposted.discard(coll.seq)
             if self.wake_futs:  # a call after it may wait for its turn
@@ -161,8 +165,8 @@ class BoardAllReduce(Algorithm):
         """Until every peer posted coll's number (asleep past the spin; ``coll.waiting_on`` names who has not)."""
         k = coll.seq
         if not board.all_posted(k):
-            if self.g.exchange.early:  # a peer's message for this number that came first: another call?
-                self.g.exchange.check_early(coll)
+            if self.exchange.early:  # a peer's message for this number that came first: another call?
+                self.exchange.check_early(coll)
             await self.sleep(lambda: board.all_posted(k), board, k, coll, nbytes=nbytes)
             coll.waiting_on.clear()
 
@@ -171,8 +175,8 @@ class BoardAllReduce(Algorithm):
     ) -> np.ndarray:
         """A call _board_start numbered and posted, and whose peers were not all there within its
         spin: from here on a collective like any other (deadline, stall reports, aborts)."""
-        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
-        return await self.g._run(coll, self._rest(coll, board, x, op, folded))
+        coll = self.rt.begin("all_reduce", x, op, seq=seq, started=started)
+        return await self.rt.run(coll, self._rest(coll, board, x, op, folded))
 
     async def sleep(
         self,
@@ -191,7 +195,7 @@ class BoardAllReduce(Algorithm):
                 for _ in range(HOT_POLLS):  # as _spin
                     if ready():
                         return
-            end = time.perf_counter() + self.g.caller.spin_budget(nbytes)
+            end = time.perf_counter() + self.caller.spin_budget(nbytes)
             while time.perf_counter() < end:
                 if ready():
                     return
@@ -201,7 +205,7 @@ class BoardAllReduce(Algorithm):
         while not ready():
             if coll is not None:
                 missing = board.unmarked(k) if marked else board.missing(k)
-                coll.waiting_on = {self.g._local[p] for p in missing}
+                coll.waiting_on = {self.ctx.local[p] for p in missing}
                 # a peer in another call there says so now
                 if not told and not marked and self.net.small.unix is not None:
                     told = True
@@ -264,7 +268,7 @@ class BoardAllReduce(Algorithm):
             if kind is not None and x.nbytes <= board.limit:  # (streamed calls: the chooser's, not this)
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None)
                 hot = HOT_POLLS if self.world_size <= CORES else 0
-                plan = (desc, self.tag(desc), kind, self._split(x), hot, self.g.caller.spin_budget(x.nbytes))
+                plan = (desc, self.tag(desc), kind, self._split(x), hot, self.caller.spin_budget(x.nbytes))
             if len(self._quick) < 1024:
                 self._quick[key] = plan
         if plan is False or self.net.hosts is not None:
@@ -272,16 +276,14 @@ class BoardAllReduce(Algorithm):
         flags = x.flags
         if (
             not (flags.c_contiguous and flags.aligned)
-            or not self.g.caller.idle()
-            or not board.clear_to_post(self.g._seq)
+            or not self.caller.idle()
+            or not board.clear_to_post(self.rt.next_seq)
         ):
             return None
         desc, tag, kind, split, hot, budget = plan  # type: ignore[misc]
-        if self.g._closed or self.g._broken is not None or self.g._departed:
-            self.g._check_usable()  # (raises what is wrong, or finds a departed peer's calls still to run)
-        seq = self.g._seq
-        self.g._seq += 1
-        self.g._reserved.add(seq)
+        if self.rt.troubled:
+            self.rt.check_usable()  # (raises what is wrong, or finds a departed peer's calls still to run)
+        seq = self.rt.take_number()
         started = time.monotonic()
         if not (PeerNet.live == 1 and self.net.config.spin_us > 0):
             hot, budget = 0, 0.0
@@ -312,9 +314,9 @@ class BoardAllReduce(Algorithm):
         """The short way (any thread, nothing of this group in flight): number the call and post it;
         (board, seq, call, x, when it began), or None: take the long way (all_reduce)."""
         board = self._board(x)
-        if board is None or not self.g.caller.idle(numbered=True) or not board.clear_to_post(self.g._seq):
+        if board is None or not self.caller.idle(numbered=True) or not board.clear_to_post(self.rt.next_seq):
             return None
-        x, seq, desc, started = self.g.caller.number(x, op)
+        x, seq, desc, started = self.caller.number(x, op)
         self._post(board, seq, desc, x)
         return board, seq, desc, x, started
 
@@ -342,8 +344,8 @@ class BoardAllReduce(Algorithm):
         self, board: Board, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None
     ) -> None:
         """A board call the caller's thread ended: its books (_books_now), and the board acked."""
-        self.g.caller.books(seq, desc, started, error)
-        board.ack(self.g.stopped_at() - 1)
+        self.caller.books(seq, desc, started, error)
+        board.ack(self.rt.stopped_at() - 1)
 
     def _spin(self, board: Board, marked: bool, k: int, nbytes: int) -> bool:
         """Poll until every peer's post k is there (``marked``: marked) for up to PSRING_SPIN_US and the
@@ -351,14 +353,14 @@ class BoardAllReduce(Algorithm):
         if self.net.config.spin_us <= 0 or PeerNet.live != 1:
             return False
         hot = HOT_POLLS if self.world_size <= CORES else 0
-        got = board.spin(k, marked, hot, self.g.caller.spin_budget(nbytes))  # in C where the board is native
+        got = board.spin(k, marked, hot, self.caller.spin_budget(nbytes))  # in C where the board is native
         if got is not None:
             return got
         ready = board.all_marked if marked else board.all_posted
         for _ in range(hot):  # a peer on another core posts within these: no syscall in between
             if ready(k):
                 return True
-        end = time.perf_counter() + self.g.caller.spin_budget(nbytes)
+        end = time.perf_counter() + self.caller.spin_budget(nbytes)
         while time.perf_counter() < end:
             os.sched_yield()
             if ready(k):
@@ -388,7 +390,7 @@ class BoardAllReduce(Algorithm):
             raise MismatchError(self.mismatch(board, k, peer, desc))
         flat = x.reshape(-1) if x.ndim != 1 else x
         out = np.empty_like(flat)
-        hosts = self.g.hier.hosts()
+        hosts = self.hier.hosts()
         if hosts is None and board.fold(k, me, flat, out, op):  # in C, where the board is native
             return out if x.ndim == 1 else out.reshape(x.shape)
         parts = board.arrays(k, x.dtype, flat.size)
@@ -399,7 +401,7 @@ class BoardAllReduce(Algorithm):
 
     def _split(self, x: np.ndarray) -> bool:
         """Whether this board call splits its fold over the ranks (the same answer on every rank)."""
-        return x.nbytes >= SPLIT_BYTES and x.size >= self.world_size and self.g.hier.hosts() is None
+        return x.nbytes >= SPLIT_BYTES and x.size >= self.world_size and self.hier.hosts() is None
 
     def _fold_mine(self, board: Board, k: int, desc: tuple[Any, ...], x: np.ndarray, op: str) -> None:
         """Split fold, first half: check every post k, fold ring chunk ``rank`` of them (canonical order:
@@ -430,7 +432,7 @@ class BoardAllReduce(Algorithm):
         return out if x.ndim == 1 else out.reshape(x.shape)
 
     def mismatch(self, board: Board, seq: int, peer: int, desc: tuple[Any, ...]) -> str:
-        src = self.g._local[peer]
+        src = self.ctx.local[peer]
         their_seq, their_tag = board.read(peer, seq)
         try:
             call = msgpack.unpackb(their_tag, use_list=False)
@@ -452,23 +454,23 @@ class BoardAllReduce(Algorithm):
     def on_here(self, peer: int, seq: int, call: tuple[Any, ...]) -> None:
         """Peer waits on the board for this rank's post of collective seq, as ``call``: if this rank
         is in (or was in) another call there, that is a mismatch to name now, not a stall."""
-        src = self.g._local.get(peer)
+        src = self.ctx.local.get(peer)
         if src is None:
             return
-        coll = self.g._active.get(seq)
+        coll = self.rt.active(seq)
         if coll is not None:
             if call != coll.desc and not coll.done.done():
-                self.g._abort_everywhere(coll, self.g._mismatch_error(coll, src, call), "mismatch")
-        elif seq < self.g._seq and seq not in self.g._reserved:
-            self.g.on_stray(seq, call, src)  # ended here: a mismatch found late, if the calls differ
-        elif len(self.g.exchange.early) < MESH_EARLY_MAX:  # not begun: a one-hop call there checks it (_check_early)
-            self.g.exchange.early[(seq, BOARD_HERE, src)] = (call, b"")
+                self.rt.abort_mismatch(coll, src, call)
+        elif self.rt.ended(seq):
+            self.rt.on_stray(seq, call, src)  # ended here: a mismatch found late, if the calls differ
+        elif len(self.exchange.early) < MESH_EARLY_MAX:  # not begun: a one-hop call there checks it (_check_early)
+            self.exchange.early[(seq, BOARD_HERE, src)] = (call, b"")
 
     def end(self, coll: Collective) -> None:
         """A collective of the group ended: every one up to there did, their slots may be reused."""
         board = self.net.board
         if board is not None and self.gid == "0":
-            board.ack(self.g.stopped_at() - 1)
+            board.ack(self.rt.stopped_at() - 1)
             if self.wake_futs:  # a call after it may wait for this rank to be done with its slot
                 self.on_wake()
 

@@ -4,25 +4,22 @@ A short way (ring.chooser: :meth:`Algorithm.soon`) runs an all_reduce with no
 :class:`~psring.topology.collective.Collective` around it -- on the caller's thread for the blocking API
 and the torch backend, or straight from the loop for the asyncio API -- when nothing of the group is in
 flight. It takes the group's next number as the loop would, reserves it (so a peer's abort or early
-message for it is kept), and when the call ends records it as the loop's ``_end`` would. The boards,
-the TCP one-hop and two-hop calls and the data plane all go through here.
+message for it is kept), and when the call ends records it as the loop's ``_end`` would: the runtime's
+tickets (``CollectiveRuntime.ticket``, ``close_number``). The boards, the TCP one-hop and two-hop calls and
+the data plane all go through here.
 """
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ...core.arrays import dtype_name
 from ...core.fold import check_op
-from ..recorder import OBSERVERS
-from ..runtime import RECENT
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from .context import RingContext
 
 #: a rank spins PSRING_SPIN_US plus this per byte the call moves on the host (its size times the ranks)
 #: before it sleeps: a peer is late by the copy and fold of a larger call, and waking an asleep rank
@@ -33,28 +30,21 @@ SPIN_MAX = 0.02
 
 
 class CallerThread:
-    """A ring group's bookkeeping for calls that take a short way (one per group)."""
+    """A ring group's helpers for calls that take a short way (one per group): the checks, the numbers
+    (the runtime's tickets), the spin budget and the scratch rows of a call alone in flight."""
 
-    def __init__(self, g: RingGroup) -> None:
-        self.g = g
+    def __init__(self, ctx: RingContext) -> None:
+        self.net = ctx.net
+        self.world_size = ctx.world_size
+        self.rt = ctx.runtime
         self._valid: set[tuple[str, np.dtype]] = set()
         #: the buffer alone_rows gives out (replaced by a larger one when a call needs more)
         self.scratch: np.ndarray | None = None
 
     def idle(self, numbered: bool = False) -> bool:
         """Whether a call may take a short way now: this rank runs a loop and nothing of the group is in
-        flight there, numbered for later, or failed and not yet raised. ``numbered``: the short way numbers
-        the call with :meth:`number`, whose descriptor names a partial call before it (collective.after_of);
-        the quick ways, whose descriptors and headers are made once per kind of call, take none after one."""
-        g = self.g
-        return (
-            g.net.loop is not None
-            and not g._active
-            and not g._reserved
-            and not g._aborted
-            and g._late_error is None
-            and (numbered or g._after is None)
-        )
+        flight there, numbered for later, or failed and not yet raised (CollectiveRuntime.quiet)."""
+        return self.net.loop is not None and self.rt.quiet(numbered)
 
     def checked(self, x: np.ndarray, op: str) -> np.ndarray:
         """x, contiguous, once its dtype and op passed the checks every path makes (TypeError,
@@ -68,36 +58,19 @@ class CallerThread:
 
     def number(self, x: np.ndarray, op: str) -> tuple[np.ndarray, int, tuple[Any, ...], float]:
         """Check an all_reduce a short way takes and number it: (x, contiguous; its number; its call
-        descriptor; when it began). The number is reserved, so a peer's abort or early frame for it is
-        kept, as for any number taken, until books (or the loop's adoption) releases it."""
-        g = self.g
+        descriptor; when it began). The runtime's ticket: its number is reserved, so a peer's abort or
+        early frame for it is kept, until books (or the loop's adoption) releases it."""
         x = self.checked(x, op)
-        g._check_usable()
-        seq = g._seq
-        g._seq += 1
-        g._reserved.add(seq)
-        after = g._after
-        if after is not None:  # the call before was partial: this one names it (the loop's _begin, if adopted)
-            g._after = None
-            g._reserved_after[seq] = after
-        return x, seq, ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, after), time.monotonic()
+        t = self.rt.ticket(x, op)
+        return x, t.seq, t.desc, t.started
 
     def books(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
-        """A call a short way ended: as the loop's _end would (its number released, kept among the
-        recent calls, observers told)."""
-        g = self.g
-        g._reserved.discard(seq)
-        if g._reserved_after:
-            g._reserved_after.pop(seq, None)
-        g._recent[seq & (RECENT - 1)] = (seq, desc, error is None, time.monotonic())
-        if error is not None:
-            g._failed(seq, error)
-        if OBSERVERS:
-            g._observe(SimpleNamespace(seq=seq, desc=desc, started=started), error)  # type: ignore[arg-type]
+        """A call a short way ended: as the loop's _end would (CollectiveRuntime.close_number)."""
+        self.rt.close_number(seq, desc, started, error)
 
     def spin_budget(self, nbytes: int) -> float:
         """Seconds a waiting rank polls before it sleeps: PSRING_SPIN_US and the call's share."""
-        return min(self.g.net.config.spin_s + nbytes * self.g.world_size * SPIN_PER_BYTE, SPIN_MAX)
+        return min(self.net.config.spin_s + nbytes * self.world_size * SPIN_PER_BYTE, SPIN_MAX)
 
     def alone_rows(self, n: int, count: int, dtype: np.dtype) -> np.ndarray:
         """``n`` rows of ``count`` elements (uninitialized) for a call alone in flight -- the caller's

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .paths import Path, choose_all_reduce
+from .context import RingContext, RingPart
+from .paths import Path
 
 if TYPE_CHECKING:
     from ..collective import Collective
-    from .group import RingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -53,20 +53,7 @@ class Call:
         return cls(int(x.nbytes), int(x.size), int(x.ndim), np.dtype(x.dtype), op, world, numpy)
 
 
-class GroupPart:
-    """A part of a ring group (an algorithm, the exchange, the TCP one-hop short way): the group, and what
-    never changes for it, kept here because the hot paths read them on every call."""
-
-    def __init__(self, g: RingGroup) -> None:
-        self.g = g
-        self.net = g.net
-        self.rank = g.rank
-        self.world_size = g.world_size
-        self.gid = g.gid
-        self.members = g.members
-
-
-class Algorithm(GroupPart):
+class Algorithm(RingPart):
     """One way the ring all_reduces: a route of :class:`~psring.topology.ring.paths.Path`."""
 
     route: ClassVar[Path]
@@ -87,7 +74,7 @@ class Algorithm(GroupPart):
     async def all_reduce(self, x: np.ndarray, op: str) -> Any:
         """The whole call from the event loop once the short way said not now: by default the general
         collective (Group.all_reduce: checks, a Collective, then :meth:`run`)."""
-        return await self.g.general_all_reduce(x, op)
+        return await self.ctx.general_all_reduce(x, op)
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         """The call as a collective on the loop (numbered, timed, abortable), x flat or shaped."""
@@ -106,8 +93,8 @@ class Chooser:
     depends only on (dtype, shape, op), so it is kept by that key: a repeated call asks one dict.
     """
 
-    def __init__(self, g: RingGroup, same_host: list[Algorithm], by_route: dict[Path, Algorithm]) -> None:
-        self.g = g
+    def __init__(self, ctx: RingContext, same_host: list[Algorithm], by_route: dict[Path, Algorithm]) -> None:
+        self.ctx = ctx
         self.same_host = same_host
         self.by_route = by_route
         self._known: dict[tuple[Any, ...], Algorithm] = {}
@@ -126,10 +113,10 @@ class Chooser:
         key = (x.dtype, x.shape, op)
         algo = self._known.get(key)
         if algo is None:
-            algo = self.choose(Call.of(x, op, self.g.gid == "0"))
+            algo = self.choose(Call.of(x, op, self.ctx.gid == "0"))
             if len(self._known) < 1024:
                 self._known[key] = algo
-            logger.debug("%r: all_reduce of %s %s %s takes %r", self.g, x.dtype, x.shape, op, algo)
+            logger.debug("%r: all_reduce of %s %s %s takes %r", self.ctx, x.dtype, x.shape, op, algo)
         return algo
 
     def choose(self, call: Call) -> Algorithm:
@@ -143,17 +130,8 @@ class Chooser:
         return self.choose(call).route
 
     def loop_path(self, nbytes: int, coded: bool = False) -> Path:
-        """The route of a call that did not take the boards: ring.paths decides, from what every rank agreed."""
-        g = self.g
-        plane = g.net.plane
-        return choose_all_reduce(
-            nbytes,
-            g.world_size,
-            g.net.paths,
-            world=g.gid == "0",
-            coded=coded,
-            plane_up=plane is not None and plane.ready,
-        )
+        """The route of a call that did not take the boards (RingContext.loop_path)."""
+        return self.ctx.loop_path(nbytes, coded)
 
 
-__all__ = ["Algorithm", "Call", "Chooser", "GroupPart"]
+__all__ = ["Algorithm", "Call", "Chooser"]

@@ -15,30 +15,37 @@ from ...core.reduceop import OPS
 from ...errors import ProtocolError
 from ...transport.connection import Connection
 from ..collective import Collective
-from .chooser import GroupPart
 from .constants import AG, DIRECT, RS
+from .context import RingContext, RingPart
+from .exchange import Exchange
+from .onehop import OneHop
 from .paths import Path
+from .pipeline import PipelinedRing
 
 logger = logging.getLogger(__name__)
 
 
-class CodedRing(GroupPart):
+class CodedRing(RingPart):
     """all_reduce with a codec on the wire (``compression=``): one hop when small, else the pipelined
     ring's skeleton with encoded pieces, every partial sum rounded through the codec where it is sent."""
+
+    def __init__(self, ctx: RingContext, one_hop: OneHop, exchange: Exchange, ring: PipelinedRing) -> None:
+        super().__init__(ctx)
+        self.one_hop, self.exchange, self.ring = one_hop, exchange, ring
 
     async def all_reduce(self, coll: Collective, x: np.ndarray, op: str, codec: Codec, e: Any) -> np.ndarray:
         n_ranks = self.world_size
         q = codec.encode(x, e)
-        path = self.g.chooser.loop_path(x.nbytes, coded=True)
+        path = self.ctx.loop_path(x.nbytes, coded=True)
         if path is Path.ROOTED:  # the result travels encoded too
-            folded = await self.g.one_hop.rooted(coll, q, lambda b: codec.fold(b, op, e, np.empty_like(q)))
+            folded = await self.one_hop.rooted(coll, q, lambda b: codec.fold(b, op, e, np.empty_like(q)))
             return codec.decode(folded, e)
         if path is Path.DIRECT:
             bufs = np.empty((n_ranks, x.size), codec.wire)
             bufs[self.rank] = q
             if n_ranks > 1:
                 ranks = list(range(n_ranks))
-                await self.g.exchange.direct(coll, q, DIRECT, bufs, ranks, ranks)
+                await self.exchange.direct(coll, q, DIRECT, bufs, ranks, ranks)
             return codec.decode(codec.fold(bufs, op, e, np.empty(x.size, codec.wire)), e)
         return await self._ring(coll, q, op, codec, e)
 
@@ -52,9 +59,9 @@ class CodedRing(GroupPart):
         out = np.empty(q.size, np.float32)
         rs_in, ag_io = np.empty_like(q), np.empty_like(q)  # partial sums in, final values in and out
         final_chunk = right_rank
-        right = await self.g._link(right_rank)
+        right = await self.ctx.link(right_rank)
         ag_chunks = [c for c in range(n_ranks) if c != final_chunk]
-        header = self.g._header
+        header = self.ctx.header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
@@ -84,5 +91,5 @@ class CodedRing(GroupPart):
 
             return cb
 
-        await self.g.ring.ring_pass(coll, right, chunk_pieces, ag_chunks, q, rs_in, ag_io, rs_arrived, ag_arrived)
+        await self.ring.ring_pass(coll, right, chunk_pieces, ag_chunks, q, rs_in, ag_io, rs_arrived, ag_arrived)
         return out

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -25,21 +25,18 @@ from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ...transport.loop import poll_until
 from ..collective import Collective
-from .chooser import GroupPart
-from .constants import BOARD_HERE, BOARD_WAKE, MESH_EARLY_MAX, MESH_MAX_BYTES
+from .constants import MESH_EARLY_MAX, MESH_MAX_BYTES
+from .context import RingContext, RingPart
 from .net import PeerNet
-
-if TYPE_CHECKING:
-    from .group import RingGroup
 
 logger = logging.getLogger(__name__)
 
 
-class Exchange(GroupPart):
+class Exchange(RingPart):
     """A ring group's small-message exchange (one per group)."""
 
-    def __init__(self, g: RingGroup) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext) -> None:
+        super().__init__(ctx)
         #: receives posted on the small-message links, by (seq, phase); and messages that came first
         self.slots: dict[tuple[int, int], _MeshSlot] = {}
         self.early: dict[tuple[int, int, int], tuple[tuple[Any, ...], bytes]] = {}
@@ -50,34 +47,29 @@ class Exchange(GroupPart):
             self.forget_early(seq)
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
-        """A message from a same-host link (psring.transport.unixmesh): into its posted receive, or kept."""
-        if phase == BOARD_WAKE:
-            self.g.board.on_wake()
-            return
-        if phase == BOARD_HERE:
-            self.g.board.on_here(peer, seq, call)
-            return
-        src = self.g._local.get(peer)
+        """A message from a same-host link (psring.transport.unixmesh) for a one-hop or ring phase: into its
+        posted receive, or kept. (The boards' own messages go to the boards: RingGroup.on_mesh.)"""
+        src = self.ctx.local.get(peer)
         if src is None:
             return  # not a member of this group: nothing of ours
         slot = self.slots.get((seq, phase))
         if slot is not None:
             self.deliver(slot, src, call, payload)
             return
-        coll = self.g._active.get(seq)
+        coll = self.rt.active(seq)
         if coll is None:
-            if not self.g.on_stray(seq, call, src):
+            if not self.rt.on_stray(seq, call, src):
                 return  # a collective this rank ended: a leftover (or a mismatch, now reported)
             # else one not begun yet (its number may be reserved already: a codec's scale agreement)
         elif call != coll.desc:  # a different call (whose messages this one will never ask for)
             if not coll.done.done():
-                self.g._abort_everywhere(coll, self.g._mismatch_error(coll, src, call), "mismatch")
+                self.rt.abort_mismatch(coll, src, call)
             return
         early = self.early
         if len(early) >= MESH_EARLY_MAX:
             early.pop(next(iter(early)))
             logger.warning(
-                "%r: over %d same-host messages ahead of this rank; dropped the oldest", self.g, MESH_EARLY_MAX
+                "%r: over %d same-host messages ahead of this rank; dropped the oldest", self.ctx, MESH_EARLY_MAX
             )
         early[(seq, phase, src)] = (call, bytes(payload))
 
@@ -86,7 +78,7 @@ class Exchange(GroupPart):
         if coll.done.done():
             return
         if call != coll.desc:
-            self.g._abort_everywhere(coll, self.g._mismatch_error(coll, src, call), "mismatch")
+            self.rt.abort_mismatch(coll, src, call)
             return
         expect = slot.expect
         if src not in expect:
@@ -131,12 +123,12 @@ class Exchange(GroupPart):
         for, are another call's: a mismatch to name now, not a receive to wait on forever."""
         for (seq, _phase, src), (call, _payload) in list(self.early.items()):
             if seq == coll.seq and call != coll.desc and not coll.done.done():
-                self.g._abort_everywhere(coll, self.g._mismatch_error(coll, src, call), "mismatch")
+                self.rt.abort_mismatch(coll, src, call)
                 return
 
     def forget_early(self, seq: int) -> None:
         """Drop kept messages of collective seq, and of any collective this rank is done with."""
-        done_below = self.g.stopped_at()
+        done_below = self.rt.stopped_at()
         for key in [k for k in self.early if k[0] == seq or k[0] < done_below]:
             del self.early[key]
 
@@ -191,8 +183,8 @@ class Exchange(GroupPart):
                     if d != me:
                         send(members[d], msg)
             if slot is not None:
-                if self.g._broken is not None and not slot.done.done():
-                    self.g._check_usable()  # a peer was lost: raise, rather than wait on what may never come
+                if self.rt.broken and not slot.done.done():
+                    self.rt.check_usable()  # a peer was lost: raise, rather than wait on what may never come
                 if mesh.spins and self.net.config.spin_us > 0 and PeerNet.live == 1 and not slot.done.done():
                     self._spin(slot)  # not with other ranks in this process: they could not run
                 await slot.done
@@ -253,12 +245,12 @@ class Exchange(GroupPart):
                     coll.waiting_on.clear()  # every frame is in: a peer leaving now costs nothing
                     done.set_result(None)
 
-            post = self.g.mailbox.post
+            post = self.ctx.mailbox.post
             for src in expect:
                 dest = byte_view(out[src]) if out is not None and out[src].nbytes else None
                 post((gid, seq, recv_phase, src), dest, arrived)
         targets = [d for d in receivers if d != me]
-        conns = await self.g._links(targets) if targets else []
+        conns = await self.ctx.links(targets) if targets else []
         if conns:
             header: dict[str, Any] = {"kind": "data", "tag": (gid, seq, phase, me), "call": coll.desc, "src": me}
             payload = None

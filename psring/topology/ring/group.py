@@ -32,22 +32,12 @@ from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
 from . import agree, quorum
-from .board import BoardAllReduce
-from .caller import CallerThread
-from .chooser import Algorithm, Chooser
-from .coded import CodedRing
-from .constants import SCATTER
-from .exchange import Exchange
-from .hier import Hierarchical
+from .constants import BOARD_HERE, BOARD_WAKE, SCATTER
+from .context import RingContext
 from .net import PeerNet
-from .onehop import OneHop
+from .parts import RingParts
 from .paths import Path, choose_reduce
-from .pipeline import PipelinedRing
-from .plane.allreduce import PlaneAllReduce
 from .quorum import Quorum
-from .streamed import StreamedBoard
-from .tcpdirect import TcpDirect
-from .twohop import TwoHop
 
 logger = logging.getLogger(__name__)
 
@@ -72,35 +62,29 @@ class RingGroup(Group):
         #: a new worker of a running elastic ring, until SyncSGD took its state; and what admitted it said
         self.joining = False
         self.joined_with: dict[str, Any] | None = None
-        self._local = {g: r for r, g in enumerate(members)}
-        #: the peers in the order this rank sends to them (not everyone to rank 0 first)
-        self.peer_order = tuple((rank + k) % world_size for k in range(1, world_size))
-        self.caller = CallerThread(self)
-        self.exchange = Exchange(self)
-        # the algorithms (ring.chooser), each owning its state and plan caches
-        self.board = BoardAllReduce(self)
-        self.streamed = StreamedBoard(self, self.board)
-        self.hier = Hierarchical(self)
-        self.tcp = TcpDirect(self)  # (the DIRECT route's short way between hosts)
-        self.direct = OneHop(self, Path.DIRECT)
-        self.rooted = OneHop(self, Path.ROOTED)
+        #: what the group's parts see of it (ring.context), and the parts (ring.parts: the algorithms, the
+        #: chooser over them, the exchange, the short ways' helpers)
+        self.ctx = RingContext(
+            net,
+            rank,
+            world_size,
+            members,
+            gid,
+            runtime=self,
+            timeout=timeout,
+            mailbox=net.mailbox,
+            general_all_reduce=self.general_all_reduce,
+        )
+        self.peer_order = self.ctx.peer_order
+        parts = RingParts(self.ctx)
+        self.caller, self.exchange, self.chooser = parts.caller, parts.exchange, parts.chooser
+        self.board, self.streamed, self.hier, self.tcp = parts.board, parts.streamed, parts.hier, parts.tcp
+        self.direct, self.rooted, self.two_hop, self.ring = parts.direct, parts.rooted, parts.two_hop, parts.ring
+        self.plane, self.coded = parts.plane, parts.coded
         self.one_hop = self.direct  # (gather_and_fold for reduce_scatter and reduce, either route)
-        self.two_hop = TwoHop(self)
-        self.ring = PipelinedRing(self)
-        self.plane = PlaneAllReduce(self)
-        self.coded = CodedRing(self)
-        by_route: dict[Path, Algorithm] = {
-            Path.HIERARCHICAL: self.hier,
-            Path.TWO_HOP: self.two_hop,
-            Path.PLANE: self.plane,
-            Path.DIRECT: self.direct,
-            Path.ROOTED: self.rooted,
-            Path.RING: self.ring,
-        }
-        self.chooser = Chooser(self, [self.streamed, self.board], by_route)
         net.groups[gid] = self
         for peer, head, payload in net.small.orphans.pop(gid, ()):
-            self.exchange.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
+            self.on_mesh(peer, head[1], head[2], head[3], memoryview(payload))
 
     @classmethod
     async def create(cls, settings: GroupSettings, **options: Any) -> RingGroup:
@@ -147,26 +131,10 @@ class RingGroup(Group):
         await super().close()
 
     # ---------------------------------------------------------------- plumbing
-    async def _link(self, local_rank: int) -> Connection:
-        conn = self.net.links.get(self.members[local_rank])
-        if conn is not None and conn.is_open:
-            return conn  # the common case, without a dial
-        return await self.net.link(self.members[local_rank], self.timeout)
-
-    async def _links(self, local_ranks: list[int]) -> list[Connection]:
-        links, members = self.net.links, self.members
-        conns = [links.get(members[r]) for r in local_ranks]
-        if all(c is not None and c.is_open for c in conns):
-            return conns  # type: ignore[return-value]
-        return list(await asyncio.gather(*(self._link(r) for r in local_ranks)))
-
-    def _header(self, coll: Collective, *tag: Any) -> dict[str, Any]:
-        return {"kind": "data", "tag": (self.gid, coll.seq, *tag), "call": coll.desc, "src": self.rank}
-
-    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+    def send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         self.net.flood({"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err)})
 
-    def _make_subgroup(self, gid: str, ranks: list[int]) -> RingGroup:
+    def make_subgroup(self, gid: str, ranks: list[int]) -> RingGroup:
         return RingGroup(
             self.net, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
         )
@@ -198,7 +166,13 @@ class RingGroup(Group):
         return self.exchange.has_its_data(coll)
 
     def on_mesh(self, peer: int, seq: int, phase: int, call: tuple[Any, ...], payload: memoryview) -> None:
-        self.exchange.on_mesh(peer, seq, phase, call, payload)
+        """A message from a same-host link (psring.transport.unixmesh): the boards' own, or the exchange's."""
+        if phase == BOARD_WAKE:
+            self.board.on_wake()
+        elif phase == BOARD_HERE:
+            self.board.on_here(peer, seq, call)
+        else:
+            self.exchange.on_mesh(peer, seq, phase, call, payload)
 
     def on_mesh_closed(self, local_rank: int, gone: PeerLostError) -> None:
         self.exchange.on_mesh_closed(local_rank, gone)
@@ -297,9 +271,9 @@ class RingGroup(Group):
         if me == src:
             assert xs is not None and meta is not None
             targets = [r for r in range(self.world_size) if r != me]
-            conns = await self._links(targets)
+            conns = await self.ctx.links(targets)
             for r, conn in zip(targets, conns, strict=True):
-                conn.send_tensor(self._header(coll, SCATTER, 0), xs[r])
+                conn.send_tensor(self.ctx.header(coll, SCATTER, 0), xs[r])
             await self._flush_all(list(conns))
             return xs[me].copy(), (str(meta.dtype), meta.shape), "cpu"
         coll.waiting_on = {src}
@@ -326,7 +300,7 @@ class RingGroup(Group):
         return await self.direct.gather(coll, x, dst)
 
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
-        conn = await self._link(dst)
+        conn = await self.ctx.link(dst)
         conn.send_tensor({"kind": "data", "tag": (self.gid, "p2p", self.rank, n), "dev": device}, x)
         await conn.flush()
 

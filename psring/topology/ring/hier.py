@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -36,9 +36,6 @@ from .chooser import Algorithm, Call
 from .constants import HIER, HIER_BLOCK, HIER_DEPTH
 from .paths import Path
 
-if TYPE_CHECKING:
-    pass
-
 
 class Hierarchical(Algorithm):
     """The HIERARCHICAL route: all_reduce in two levels across hosts."""
@@ -46,7 +43,7 @@ class Hierarchical(Algorithm):
     route = Path.HIERARCHICAL
 
     def eligible(self, call: Call) -> bool:
-        return self.g.chooser.loop_path(call.nbytes) is Path.HIERARCHICAL
+        return self.ctx.loop_path(call.nbytes) is Path.HIERARCHICAL
 
     def hosts(self) -> Layout | None:
         """The hosts, when this group's all_reduces go hierarchical (the whole job's group only)."""
@@ -60,7 +57,7 @@ class Hierarchical(Algorithm):
         local = home.index(me)
         cross = [h[local] for h in hosts]  # this rank's counterparts, one per host, in host order
         peers = sorted({*home, *cross} - {me})
-        conns = dict(zip(peers, await self.g._links(peers), strict=True))
+        conns = dict(zip(peers, await self.ctx.links(peers), strict=True))
         out = result_empty(x)  # recycled when large, as the flat ring's: no page faults per call
         ufunc = reduce_op(op)
         per_block = max(len(home) * len(hosts), HIER_BLOCK // max(x.itemsize, 1))
@@ -151,7 +148,7 @@ class Hierarchical(Algorithm):
             if left == 0 and not done.done():
                 done.set_result(None)
 
-        post = self.g.mailbox.post
+        post = self.ctx.mailbox.post
         for src, buf in into.items():
             post((gid, seq, phase, src), byte_view(buf) if buf.nbytes else None, arrived)
         return done
@@ -161,6 +158,6 @@ class Hierarchical(Algorithm):
     ) -> None:
         me = self.rank
         for dst, part in parts.items():  # a header each: send_frame writes its size into it
-            conns[dst].send_frame(self.g._header(coll, phase, me), byte_view(part) if part.nbytes else None)
+            conns[dst].send_frame(self.ctx.header(coll, phase, me), byte_view(part) if part.nbytes else None)
         for dst in parts:
             await conns[dst].flush()

@@ -23,7 +23,6 @@ from ...transport.samehost import host_key
 from ...transport.shmboard import Board, board_possible
 from ..group import farewell
 from ..stall import StallInspector
-from . import agree
 from .paths import NEVER, RingPaths
 from .plane.dataplane import DataPlane
 from .plane.links import PlaneLinks
@@ -144,11 +143,23 @@ class PeerNet:
                         self.board = None
                 unix = msgpack.packb(record)
         await self.store.set(f"{self.prefix}/unix/{self.rank}", unix)
-        await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(agree.path_settings(self)))
+        await self.store.set(f"{self.prefix}/paths/{self.rank}", msgpack.packb(self.path_settings()))
         where = [self.config.host_id or host_key(), self.config.hierarchical]
         await self.store.set(f"{self.prefix}/host/{self.rank}", msgpack.packb(where))
         address = f"{self.settings.advertise_host}:{self.listener.port}"
         await self.store.set(f"{self.prefix}/addr/{self.rank}", address.encode())
+
+    def path_settings(self) -> dict[str, int]:
+        """This rank's settings that decide which path a call takes or how it is cut into frames:
+        ranks that differ would wait on frames the others never send (agreed in ring.agree.resolve)."""
+        return {
+            "PSRING_RING_ROOTED_MIN": self.config.ring_rooted_min,
+            "PSRING_RING_PIECE": self.config.ring_piece,
+            "PSRING_RING_PLANE_PIECE": self.config.ring_plane_piece,
+            "PSRING_RING_TCP_MESH": self.small.tcp_max,
+            "PSRING_RING_TWO_HOP": self.two_hop_max,
+            "PSRING_RING_TWO_HOP_MIN": self.two_hop_min,
+        }
 
     def _register(self, conn: Connection, peer_rank: int) -> None:
         self.conns.add(conn)

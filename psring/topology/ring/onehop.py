@@ -20,39 +20,43 @@ from .constants import DIRECT, RESULT, ROOT_REPORT_GRACE, TO_ROOT
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from .context import RingContext
+    from .exchange import Exchange
+    from .hier import Hierarchical
+    from .tcpdirect import TcpDirect
 
 
 class OneHop(Algorithm):
     """The DIRECT or ROOTED route (one object each): small calls in one hop."""
 
-    def __init__(self, g: RingGroup, route: Path) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, route: Path, exchange: Exchange, hier: Hierarchical, tcp: TcpDirect) -> None:
+        super().__init__(ctx)
         self.route = route  # type: ignore[misc]
+        self.exchange, self.hier, self.tcp = exchange, hier, tcp
 
     def eligible(self, call: Call) -> bool:
-        return self.g.chooser.loop_path(call.nbytes) is self.route
+        return self.ctx.loop_path(call.nbytes) is self.route
 
     def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
         """Between hosts, a DIRECT call on the caller's thread over the TCP small-message links."""
         if self.route is Path.DIRECT and self.net.small.tcp is not None:
-            return self.g.tcp.soon(x, op, on_loop)
+            return self.tcp.soon(x, op, on_loop)
         return None
 
     async def all_reduce(self, x: np.ndarray, op: str) -> Any:
         """The latency path: a contiguous array whose (op, dtype) passed the checks once goes straight
         to the exchange, past the generic staging and dispatch (the same checks hold; the same bits)."""
-        g = self.g
+        rt = self.rt
         if self.net.small.active is not None and x.flags.c_contiguous and (op, x.dtype) in _VALID_OPS:
-            coll = g._begin("all_reduce", x, op)
-            out = await g._run(coll, self.run(coll, x, op))
+            coll = rt.begin("all_reduce", x, op)
+            out = await rt.run(coll, self.run(coll, x, op))
             return out.reshape(x.shape)
-        out = await g.general_all_reduce(x, op)
+        out = await self.ctx.general_all_reduce(x, op)
         _VALID_OPS.add((op, x.dtype))  # it passed the checks: next time take the short way
         return out
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
-        return await self.gather_and_fold(coll, x.reshape(-1), op, hosts=self.g.hier.hosts(), path=self.route)
+        return await self.gather_and_fold(coll, x.reshape(-1), op, hosts=self.hier.hosts(), path=self.route)
 
     async def gather_and_fold(
         self,
@@ -75,7 +79,7 @@ class OneHop(Algorithm):
         if bufs is not None:
             bufs[me] = x
         if n_ranks > 1:
-            await self.g.exchange.direct(
+            await self.exchange.direct(
                 coll, x, DIRECT, bufs, ranks if receives else [], ranks if dst is None else [dst]
             )
         return None if bufs is None else canonical_fold(bufs, op, np.empty_like(x), hosts=hosts)
@@ -90,13 +94,13 @@ class OneHop(Algorithm):
         if me == root:
             bufs = np.empty((n_ranks, x.size), x.dtype)
             bufs[me] = x
-            await self.g.exchange.direct(coll, None, DIRECT, bufs, list(range(n_ranks)), [])
+            await self.exchange.direct(coll, None, DIRECT, bufs, list(range(n_ranks)), [])
             out = fold(bufs)
-            await self.g.exchange.direct(coll, out, RESULT, None, [], list(range(n_ranks)))
+            await self.exchange.direct(coll, out, RESULT, None, [], list(range(n_ranks)))
             return out
         out = np.empty_like(x)
         coll.report_grace = ROOT_REPORT_GRACE  # a silent rank is the root's to name
-        await self.g.exchange.direct(coll, x, DIRECT, {root: out}, [root], [root], recv_phase=RESULT)
+        await self.exchange.direct(coll, x, DIRECT, {root: out}, [root], [root], recv_phase=RESULT)
         return out
 
     async def barrier(self, coll: Collective) -> None:
@@ -105,13 +109,13 @@ class OneHop(Algorithm):
         if self.net.paths.one_hop(n_ranks) is Path.ROOTED:  # through a rotating root, as a small all_reduce
             root = coll.seq % n_ranks
             if me == root:
-                await self.g.exchange.direct(coll, None, DIRECT, None, ranks, [])
-                await self.g.exchange.direct(coll, None, RESULT, None, [], ranks)
+                await self.exchange.direct(coll, None, DIRECT, None, ranks, [])
+                await self.exchange.direct(coll, None, RESULT, None, [], ranks)
             else:
                 coll.report_grace = ROOT_REPORT_GRACE
-                await self.g.exchange.direct(coll, None, DIRECT, None, [root], [root], recv_phase=RESULT)
+                await self.exchange.direct(coll, None, DIRECT, None, [root], [root], recv_phase=RESULT)
         elif n_ranks > 1:
-            await self.g.exchange.direct(coll, None, DIRECT, None, ranks, ranks)
+            await self.exchange.direct(coll, None, DIRECT, None, ranks, ranks)
 
     async def gather(self, coll: Collective, x: np.ndarray, dst: int) -> np.ndarray | None:
         n_ranks, me = self.world_size, self.rank
@@ -119,9 +123,9 @@ class OneHop(Algorithm):
             out = np.empty((n_ranks, x.size), x.dtype)
             out[me] = x
             if n_ranks > 1:
-                await self.g.exchange.direct(coll, None, TO_ROOT, out, list(range(n_ranks)), [])
+                await self.exchange.direct(coll, None, TO_ROOT, out, list(range(n_ranks)), [])
             return out
-        await self.g.exchange.direct(coll, x, TO_ROOT, None, [], [dst])
+        await self.exchange.direct(coll, x, TO_ROOT, None, [], [dst])
         return None
 
 

@@ -22,7 +22,8 @@ from .constants import AG, BCAST, DIRECT, GATHER_RING, RS
 from .paths import SMALL_BYTES, Path
 
 if TYPE_CHECKING:
-    pass
+    from .context import RingContext
+    from .exchange import Exchange
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +34,12 @@ class PipelinedRing(Algorithm):
 
     route = Path.RING
 
+    def __init__(self, ctx: RingContext, exchange: Exchange) -> None:
+        super().__init__(ctx)
+        self.exchange = exchange
+
     def eligible(self, call: Call) -> bool:
-        return self.g.chooser.loop_path(call.nbytes) is Path.RING
+        return self.ctx.loop_path(call.nbytes) is Path.RING
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         return await self.reduce(coll, x, op, mode="all")
@@ -95,9 +100,9 @@ class PipelinedRing(Algorithm):
                 coll.arrived_from(src)
                 one_done()  # every posted receive counts once: done means all forwarding duties are met too
 
-            return self.g._guard(coll, run)
+            return self.rt.guard(coll, run)
 
-        post, gid, seq = self.g.mailbox.post, self.gid, coll.seq
+        post, gid, seq = self.ctx.mailbox.post, self.gid, coll.seq
         for c in range(n_ranks):
             if c != me:
                 for j, (a, b) in enumerate(chunk_pieces[c]):
@@ -106,7 +111,7 @@ class PipelinedRing(Algorithm):
             for j, (a, b) in enumerate(chunk_pieces[c]):
                 post((gid, seq, AG, c, j), byte_view(ag_into[a:b]), counted(ag_arrived(c, j, a, b), src))
         for j, (a, b) in enumerate(chunk_pieces[me]):
-            right.send_tensor(self.g._header(coll, RS, me, j), sends[a:b])
+            right.send_tensor(self.ctx.header(coll, RS, me, j), sends[a:b])
         await done
         await right.flush()
 
@@ -120,15 +125,15 @@ class PipelinedRing(Algorithm):
         out = result_empty(x)
         ufunc = reduce_op(op)
         final_chunk = right_rank  # the chunk whose fold completes here
-        right = await self.g._link(right_rank)
-        to_dst = await self.g._link(dst) if mode == "reduce" and me != dst else None
+        right = await self.ctx.link(right_rank)
+        to_dst = await self.ctx.link(dst) if mode == "reduce" and me != dst else None
         ag_chunks = [
             c
             for c in range(n_ranks)
             if c != final_chunk
             and (mode == "all" or (mode == "scatter" and c == me) or (mode == "reduce" and me == dst))
         ]
-        header = self.g._header
+        header = self.ctx.header
 
         def rs_arrived(c: int, j: int, a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
@@ -170,20 +175,20 @@ class PipelinedRing(Algorithm):
             return out
         if x.nbytes <= SMALL_BYTES:
             if me == src:
-                await self.g.exchange.direct(coll, x, BCAST, None, [], list(range(n_ranks)))
+                await self.exchange.direct(coll, x, BCAST, None, [], list(range(n_ranks)))
             else:
-                await self.g.exchange.direct(coll, None, BCAST, {src: out}, [src], [])
+                await self.exchange.direct(coll, None, BCAST, {src: out}, [src], [])
             return out
         # pipelined chain src -> src+1 -> ... -> src-1
         right_rank = (me + 1) % n_ranks
         forward = right_rank != src
-        right = await self.g._link(right_rank) if (forward or me == src) else None
+        right = await self.ctx.link(right_rank) if (forward or me == src) else None
         per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         if me == src:
             assert right is not None
             for j, (a, b) in enumerate(parts):
-                right.send_tensor(self.g._header(coll, BCAST, "p", j), x[a:b])
+                right.send_tensor(self.ctx.header(coll, BCAST, "p", j), x[a:b])
             await right.flush()
             return out
         done, one_done = self._wait_piece(coll, len(parts))
@@ -192,14 +197,14 @@ class PipelinedRing(Algorithm):
         def arrived(a: int, b: int) -> Callable[..., None]:
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if forward and right is not None:
-                    right.send_tensor(self.g._header(coll, *hdr["tag"][2:]), out[a:b])
+                    right.send_tensor(self.ctx.header(coll, *hdr["tag"][2:]), out[a:b])
                 one_done()
 
             return cb
 
         for j, (a, b) in enumerate(parts):
-            self.g.mailbox.post(
-                (self.gid, coll.seq, BCAST, "p", j), byte_view(out[a:b]), self.g._guard(coll, arrived(a, b))
+            self.ctx.mailbox.post(
+                (self.gid, coll.seq, BCAST, "p", j), byte_view(out[a:b]), self.rt.guard(coll, arrived(a, b))
             )
         await done
         if right is not None:
@@ -214,10 +219,10 @@ class PipelinedRing(Algorithm):
             return out
         ranks = list(range(n_ranks))
         if x.nbytes <= SMALL_BYTES:
-            await self.g.exchange.direct(coll, x, DIRECT, out, ranks, ranks)
+            await self.exchange.direct(coll, x, DIRECT, out, ranks, ranks)
             return out
         right_rank = (me + 1) % n_ranks
-        right = await self.g._link(right_rank)
+        right = await self.ctx.link(right_rank)
         per_piece = max(1, self.net.config.ring_piece // x.itemsize)
         parts = pieces(0, x.size, per_piece)
         done, one_done = self._wait_piece(coll, (n_ranks - 1) * len(parts))
@@ -228,7 +233,7 @@ class PipelinedRing(Algorithm):
 
             def cb(conn: Connection, hdr: dict[str, Any], payload: Any) -> None:
                 if forward:
-                    right.send_tensor(self.g._header(coll, GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
+                    right.send_tensor(self.ctx.header(coll, GATHER_RING, c, hdr["tag"][4]), out[c, a:b])
                 one_done()
 
             return cb
@@ -237,13 +242,13 @@ class PipelinedRing(Algorithm):
             if c == me:
                 continue
             for j, (a, b) in enumerate(parts):
-                self.g.mailbox.post(
+                self.ctx.mailbox.post(
                     (self.gid, coll.seq, GATHER_RING, c, j),
                     byte_view(out[c, a:b]),
-                    self.g._guard(coll, arrived(c, a, b)),
+                    self.rt.guard(coll, arrived(c, a, b)),
                 )
         for j, (a, b) in enumerate(parts):
-            right.send_tensor(self.g._header(coll, GATHER_RING, me, j), x[a:b])
+            right.send_tensor(self.ctx.header(coll, GATHER_RING, me, j), x[a:b])
         await done
         await right.flush()
         return out

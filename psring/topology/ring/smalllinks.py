@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ...errors import CollectiveTimeoutError, PeerLostError, ProtocolError
+from ...rendezvous.scheduler import GroupSettings
 from ...settings import Settings
 from ...transport.connection import Connection
 from ...transport.samehost import same_host_paths
@@ -18,10 +19,24 @@ from ...transport.tcpmesh import TcpMesh
 from ...transport.unixmesh import UnixMesh
 from .constants import MESH_EARLY_MAX, PLANE_GRACE
 
-if TYPE_CHECKING:
-    from .net import PeerNet
-
 logger = logging.getLogger(__name__)
+
+
+class Endpoint(Protocol):
+    """What the small-message links need of the rank's endpoint (ring.net.PeerNet)."""
+
+    rank: int
+    world_size: int
+    settings: GroupSettings
+    config: Settings
+    #: gid -> the group (its ``on_mesh``, ``on_mesh_closed``)
+    groups: dict[str, Any]
+    closing: bool
+    lost: dict[int, PeerLostError]
+
+    async def dial(self, rank: int, timeout: float, *, data: bool | str = False) -> Connection: ...
+
+    def peer_lost(self, peer_rank: int, err: PeerLostError) -> None: ...
 
 
 def tcp_mesh_possible(settings: Settings) -> bool:
@@ -41,7 +56,7 @@ class SmallLinks:
     kept. Held by the rank's endpoint (ring.net.PeerNet) as ``net.small``; its groups take their
     messages (``group.on_mesh``), its loss handling hears of a link that ended."""
 
-    def __init__(self, net: PeerNet) -> None:
+    def __init__(self, net: Endpoint) -> None:
         self.net = net
         self.rank = net.rank
         self.world_size = net.world_size

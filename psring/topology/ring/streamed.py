@@ -25,7 +25,7 @@ from .paths import Path
 
 if TYPE_CHECKING:
     from .board import BoardAllReduce
-    from .group import RingGroup
+    from .context import RingContext
 
 #: a streamed call moves this many bytes of the tensor through the slots at a time (every rank's piece of
 #: each ring chunk): small enough to overlap the ranks' copies, large enough to wait seldom
@@ -49,10 +49,11 @@ class StreamedBoard(Algorithm):
 
     route = Path.STREAMED
 
-    def __init__(self, g: RingGroup, board: BoardAllReduce) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, board: BoardAllReduce) -> None:
+        super().__init__(ctx)
         #: the board calls' machinery this shares: their turn in call order, sleeping, posting, mismatches
         self.board = board
+        self.caller, self.hier = board.caller, board.hier
         #: a streamed call is running (the next one posts after it ended: every rank runs them in call order)
         self._streaming = False
         self.ran = 0  # streamed calls that ended here
@@ -67,7 +68,7 @@ class StreamedBoard(Algorithm):
             or call.nbytes < board.stream_min
             or call.size < self.world_size
             or call.ndim > 16  # (its call descriptor must fit a post's tag)
-            or self.g.hier.hosts() is not None
+            or self.hier.hosts() is not None
         ):
             return False
         kind = board.native_kind(call.dtype, call.op)
@@ -103,13 +104,13 @@ class StreamedBoard(Algorithm):
                 self.board.on_wake()
 
     async def _all_reduce(self, board: Board, x: np.ndarray, op: str, kind: str) -> np.ndarray:
-        x = self.g.caller.checked(x, op)
+        x = self.caller.checked(x, op)
         if not x.flags.aligned:
             x = x.copy()
-        coll = self.g._begin("all_reduce", x, op)
+        coll = self.rt.begin("all_reduce", x, op)
         self.board.unposted.add(coll.seq)
         try:
-            return await self.g._run(coll, self._body(coll, board, x, op, kind))
+            return await self.rt.run(coll, self._body(coll, board, x, op, kind))
         finally:
             self.board.unposted.discard(coll.seq)
             if self.board.wake_futs:
@@ -182,7 +183,7 @@ class StreamedBoard(Algorithm):
                 break
             if code == 2:
                 raise GroupClosedError(f"{coll.label}: the same-host board closed while the call streamed")
-            coll.waiting_on = {self.g._local[p] for p in board.stream_behind(k)}
+            coll.waiting_on = {self.ctx.local[p] for p in board.stream_behind(k)}
         coll.waiting_on.clear()
         self.ran += 1
         return out if x.ndim == 1 else out.reshape(x.shape)

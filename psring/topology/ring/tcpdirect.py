@@ -30,13 +30,16 @@ from ...core import wire
 from ...core.arrays import byte_view, dtype_name, pooled_empty
 from ...core.fold import canonical_fold
 from ...transport.shmboard import fold_kind
-from .chooser import GroupPart
 from .constants import DIRECT, MESH_MAX_BYTES
+from .context import RingPart
 from .net import PeerNet
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from .caller import CallerThread
+    from .context import RingContext
+    from .exchange import Exchange
+    from .hier import Hierarchical
 
 #: seconds the caller's thread waits for its peers' messages before the event loop takes the call over
 ADOPT_AFTER = 0.2
@@ -55,12 +58,13 @@ NATIVE_YIELDS = 64
 POOL_FROM = 64 << 10
 
 
-class TcpDirect(GroupPart):
+class TcpDirect(RingPart):
     """The DIRECT route's short way between hosts (ring.onehop): a small all_reduce on the caller's thread
     over the TCP small-message links, or straight from the loop within its spin budget."""
 
-    def __init__(self, g: RingGroup) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange, hier: Hierarchical) -> None:
+        super().__init__(ctx)
+        self.caller, self.exchange, self.hier = caller, exchange, hier
         #: calls that ended here, those the loop took over, and of the first those that were one native
         #: call (TcpMesh.exchange)
         self.ran_now = 0
@@ -87,7 +91,7 @@ class TcpDirect(GroupPart):
             or type(x) is not np.ndarray
             or mesh.holds
             or mesh.backlog
-            or not self.g.caller.idle(numbered=True)
+            or not self.caller.idle(numbered=True)
         ):
             return None
         quick = self.quick(x, op, on_loop)
@@ -96,7 +100,7 @@ class TcpDirect(GroupPart):
         nbytes = x.nbytes
         if not self.takes(nbytes):
             return None
-        x, seq, desc, started = self.g.caller.number(x, op)
+        x, seq, desc, started = self.caller.number(x, op)
         n_ranks, members = self.world_size, self.members
         bufs = pooled_empty(n_ranks * x.size, x.dtype, POOL_FROM).reshape(n_ranks, x.size)
         flat = x.reshape(-1)
@@ -106,31 +110,31 @@ class TcpDirect(GroupPart):
             frame = mesh.framed(wire.message_header((self.gid, seq, DIRECT, desc)), byte_view(x) if nbytes else None)
             expect = frame[: len(frame) - nbytes]
             sent = True
-            missing = list(self.g.peer_order)  # not everyone to rank 0 first
+            missing = list(self.ctx.peer_order)  # not everyone to rank 0 first
             for d in missing:
                 if not mesh.send_now(members[d], frame):
                     sent = False
-            if self.g.exchange.early:  # messages the loop read for this call before it began
+            if self.exchange.early:  # messages the loop read for this call before it began
                 for src in list(missing):
-                    item = self.g.exchange.early.get((seq, DIRECT, src))
+                    item = self.exchange.early.get((seq, DIRECT, src))
                     if item is not None and item[0] == desc and len(item[1]) == nbytes:
-                        del self.g.exchange.early[(seq, DIRECT, src)]
+                        del self.exchange.early[(seq, DIRECT, src)]
                         byte_view(bufs[src])[:] = item[1]
                         missing.remove(src)
             if sent and missing:
                 missing = self._read(expect, bufs, missing, on_loop)
         except BaseException as exc:
-            self.g.caller.books(seq, desc, started, exc)
+            self.caller.books(seq, desc, started, exc)
             raise
         if missing or not sent:
             self.adopted += 1
             return False, self._adopt(seq, x, op, bufs, missing, started, flushed=sent)
         try:
-            out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self.g.hier.hosts())
+            out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self.hier.hosts())
         except BaseException as exc:
-            self.g.caller.books(seq, desc, started, exc)
+            self.caller.books(seq, desc, started, exc)
             raise
-        self.g.caller.books(seq, desc, started, None)
+        self.caller.books(seq, desc, started, None)
         self.ran_now += 1
         return True, out.reshape(x.shape)
 
@@ -149,13 +153,13 @@ class TcpDirect(GroupPart):
             kind = fold_kind(x.dtype, op)
             if kind is not None and 0 < x.nbytes and self.takes(x.nbytes):
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None)
-                links = [mesh.links[self.members[d]] for d in self.g.peer_order]
+                links = [mesh.links[self.members[d]] for d in self.ctx.peer_order]
                 plan = (
                     desc,
                     wire.header_maker(self.gid, DIRECT, desc),
                     kind,
                     links,
-                    self.g.caller.spin_budget(x.nbytes),
+                    self.caller.spin_budget(x.nbytes),
                 )
             if len(self.plans) < 1024:
                 self.plans[key] = plan
@@ -163,33 +167,31 @@ class TcpDirect(GroupPart):
             plan is False
             or self.net.hosts is not None
             or mesh.holds
-            or self.g.exchange.early
+            or self.exchange.early
             or not x.flags.c_contiguous
             or not x.flags.aligned
-            or not self.g.caller.idle()
+            or not self.caller.idle()
         ):
             return None
         desc, header, kind, links, budget = plan  # type: ignore[misc]
         if not mesh.usable(links):
             return None
-        self.g._check_usable()
-        seq = self.g._seq
-        self.g._seq += 1
-        self.g._reserved.add(seq)
+        self.rt.check_usable()
+        seq = self.rt.take_number()
         started = time.monotonic()
         # the rows and the result of the last call of this kind again, where the rows are still the scratch's
         # and nothing holds the result (as twohop's fast way: each numpy call costs, cold, a few us a call)
         last = self._last
         out = last[1] if last is not None and last[0] is plan else None
         # (references: the tuple's, `out`, the argument -- a view of it holds it too: it owns its memory)
-        if last is not None and out is not None and getrefcount(out) == 3 and last[2].base is self.g.caller.scratch:
+        if last is not None and out is not None and getrefcount(out) == 3 and last[2].base is self.caller.scratch:
             bufs = last[2]
         else:
-            bufs = self.g.caller.alone_rows(self.world_size, x.size, x.dtype)
+            bufs = self.caller.alone_rows(self.world_size, x.size, x.dtype)
             out = np.empty_like(x)
             self._last = (plan, out, bufs)
         head = mesh.head(header(seq), x.nbytes)
-        missing = list(self.g.peer_order)
+        missing = list(self.ctx.peer_order)
         spin = self.net.config.spin_us > 0 and PeerNet.live == 1
         if not spin:
             budget = 0.0
@@ -203,10 +205,10 @@ class TcpDirect(GroupPart):
                 if not missing:
                     out = canonical_fold(bufs, op, out.reshape(-1)).reshape(x.shape)
         except BaseException as exc:
-            self.g.caller.books(seq, desc, started, exc)
+            self.caller.books(seq, desc, started, exc)
             raise
         if code == 0:
-            self.g.caller.books(seq, desc, started, None)
+            self.caller.books(seq, desc, started, None)
             self.ran_now += 1
             self.ran_native += 1
             return True, out
@@ -221,7 +223,7 @@ class TcpDirect(GroupPart):
             direct = (
                 self.gid == "0"
                 and nbytes <= MESH_MAX_BYTES
-                and self.g.chooser.loop_path(nbytes) is Path.DIRECT
+                and self.ctx.loop_path(nbytes) is Path.DIRECT
                 and nbytes < self.net.paths.plane_min  # (a larger size's path follows the plane's state)
             )
             if len(self._direct) < 1024:
@@ -237,22 +239,16 @@ class TcpDirect(GroupPart):
         links = [mesh.links[self.members[r]] for r in missing]
         row = bufs.shape[1] * bufs.itemsize
         # the loop waits only within its spin budget, and not at all for ranks that share it (in this process)
-        wait = (self.g.caller.spin_budget(row) if PeerNet.live == 1 else 0.0) if on_loop else ADOPT_AFTER
+        wait = (self.caller.spin_budget(row) if PeerNet.live == 1 else 0.0) if on_loop else ADOPT_AFTER
         end = time.monotonic() + wait
         # a lone rank in its process yields its core a few times before it sleeps in poll (YIELDS)
         spin = self.net.config.spin_us > 0 and PeerNet.live == 1
-        spin_end = time.perf_counter() + self.g.caller.spin_budget(row) if spin else 0.0
+        spin_end = time.perf_counter() + self.caller.spin_budget(row) if spin else 0.0
         if mesh.native:  # the same loop in C (psring._native), the GIL released
-            yields, budget = (NATIVE_YIELDS, self.g.caller.spin_budget(row)) if spin else (0, 0.0)
+            yields, budget = (NATIVE_YIELDS, self.caller.spin_budget(row)) if spin else (0, 0.0)
             while True:
                 code = mesh.read(links, missing, expect, bufs, yields, budget, min(end - time.monotonic(), LOOK_EVERY))
-                if (
-                    code != 1
-                    or time.monotonic() >= end
-                    or self.g._broken is not None
-                    or self.g._aborted
-                    or self.g._closed
-                ):
+                if code != 1 or time.monotonic() >= end or self.rt.interrupted:
                     return missing
                 yields, budget = 0, 0.0
         yields = 0
@@ -273,7 +269,7 @@ class TcpDirect(GroupPart):
             if not missing:
                 return missing
             left = end - time.monotonic()
-            if left <= 0 or self.g._broken is not None or self.g._aborted or self.g._closed:
+            if left <= 0 or self.rt.interrupted:
                 return missing
             if spin_end and yields < YIELDS and time.perf_counter() < spin_end:
                 yields += 1
@@ -297,13 +293,13 @@ class TcpDirect(GroupPart):
         assert mesh is not None
         if not flushed:
             mesh.flush()
-        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
-        return await self.g._run(coll, self._rest(coll, x, op, bufs, missing))
+        coll = self.rt.begin("all_reduce", x, op, seq=seq, started=started)
+        return await self.rt.run(coll, self._rest(coll, x, op, bufs, missing))
 
     async def _rest(self, coll: Any, x: np.ndarray, op: str, bufs: np.ndarray, missing: list[int]) -> np.ndarray:
         if missing:
-            await self.g.exchange.direct(coll, None, DIRECT, bufs, [self.rank, *missing], [])
+            await self.exchange.direct(coll, None, DIRECT, bufs, [self.rank, *missing], [])
         elif self.net.small.tcp is not None and self.net.small.tcp.backlog:
             await self.net.small.tcp.drain()
-        out = canonical_fold(bufs, op, np.empty(x.size, x.dtype), hosts=self.g.hier.hosts())
+        out = canonical_fold(bufs, op, np.empty(x.size, x.dtype), hosts=self.hier.hosts())
         return out.reshape(x.shape)

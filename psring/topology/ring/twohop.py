@@ -46,7 +46,9 @@ except ImportError:  # not built here: numpy's fold, the same bits
     _fold_chunk = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .group import RingGroup
+    from .caller import CallerThread
+    from .context import RingContext
+    from .exchange import Exchange
 
 #: with nothing to do a lone rank in its process gives up its core this many times (counted again after
 #: each move) before it sleeps in poll, as the data plane's native ring does (dataplane.NATIVE_HOT)
@@ -78,7 +80,7 @@ class _Plan:
         self.bounds = ring_chunk_bounds(x.size, group.world_size)
         self.makers = {phase: wire.header_maker(group.gid, phase, self.desc) for phase in (TWO_SCATTER, TWO_GATHER)}
         #: whether a call of this size takes two hops (ring.paths: the same for every call of it)
-        self.takes = group.g.chooser.loop_path(x.nbytes) is Path.TWO_HOP
+        self.takes = group.ctx.loop_path(x.nbytes) is Path.TWO_HOP
         item = x.itemsize
         a, b = self.bounds[group.rank]
         #: the whole call goes in one native call (the fold between the phases in C too)
@@ -87,8 +89,8 @@ class _Plan:
         #: chunk in bytes, as int64 bytes; the room a link's buffer needs for the largest message, made by
         #: the first such call (where nothing else reads the links: not here, on whichever thread)
         mesh = group.net.small.tcp
-        self.links = [mesh.links[group.members[p]] for p in group.g.peer_order] if self.takes and mesh else []
-        self.order = np.array(group.g.peer_order, np.int64).tobytes()
+        self.links = [mesh.links[group.members[p]] for p in group.ctx.peer_order] if self.takes and mesh else []
+        self.order = np.array(group.ctx.peer_order, np.int64).tobytes()
         self.edges = np.array([(a * item, b * item) for a, b in self.bounds], np.int64).tobytes()
         longest = max(b - a for a, b in self.bounds) * item
         most = len(self.makers[TWO_GATHER]((1 << 64) - 1))  # the longest header (a plan of any size is made)
@@ -125,7 +127,7 @@ class _Call:
         if rows is not None:
             self.rows = rows
         elif alone:
-            self.rows = group.g.caller.alone_rows(n, b - a, x.dtype)
+            self.rows = group.caller.alone_rows(n, b - a, x.dtype)
         else:
             self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
         self.out = result_empty(self.flat, POOL_FROM) if out is None else out.reshape(-1)
@@ -143,8 +145,9 @@ class TwoHop(Algorithm):
     route = Path.TWO_HOP
     holds_caller = True
 
-    def __init__(self, g: RingGroup) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange) -> None:
+        super().__init__(ctx)
+        self.caller, self.exchange = caller, exchange
         #: calls that ended on the caller's thread, those the loop took over from it, and those the loop
         #: ran from their start (the asyncio API, the torch backend's, calls beside others); of the first,
         #: those that took fast whole
@@ -196,15 +199,15 @@ class TwoHop(Algorithm):
             or self.gid != "0"
             or mesh.holds
             or mesh.backlog
-            or self.g.exchange.early
-            or not self.g.caller.idle(numbered=True)
+            or self.exchange.early
+            or not self.caller.idle(numbered=True)
             or not self.net.paths.two_hop(x.nbytes, self.world_size)  # (no plan for a size it never takes)
         ):
             return None
-        plan = self._plan(x, op, x.shape, self.g._after)  # (the after number() gives it)
+        plan = self._plan(x, op, x.shape, self.rt.after)  # (the after number() gives it)
         if not plan.takes or not mesh.usable(plan.links):
             return None
-        x, seq, desc, started = self.g.caller.number(x, op)
+        x, seq, desc, started = self.caller.number(x, op)
         # (its dtype and op checked: later calls of this kind may take fast)
         plan.fast = plan.native and self.net.board is None
         call = _Call(self, seq, x, op, plan, alone=True)
@@ -212,12 +215,12 @@ class TwoHop(Algorithm):
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
         if on_loop:  # (no waiting beyond the first native call)
-            wait = self.g.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            wait = self.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
             end = 0.0
         try:
             code = self._first(call, plan, mesh, hot, wait) if plan.native else 1
         except BaseException as exc:
-            self.g.caller.books(seq, desc, started, exc)
+            self.caller.books(seq, desc, started, exc)
             raise
         return self._then(call, x, started, code, hot, end)
 
@@ -236,18 +239,14 @@ class TwoHop(Algorithm):
             mesh is None
             or mesh.holds
             or mesh.backlog
-            or self.g.exchange.early
-            or not self.g.caller.idle()
-            or self.g._closed  # (what _check_usable would raise for, or let run: the usual way does that)
-            or self.g._broken is not None
-            or self.g._departed
+            or self.exchange.early
+            or not self.caller.idle()
+            or self.rt.troubled  # (what check_usable would raise for, or let run: the usual way does that)
             or not x.flags.c_contiguous
             or not mesh.usable(plan.links)
         ):
             return None
-        seq = self.g._seq
-        self.g._seq = seq + 1
-        self.g._reserved.add(seq)
+        seq = self.rt.take_number()
         started = time.monotonic()
         # the result: the last one again where nothing holds it or its memory any more (a memoryview or a
         # torch tensor of it holds the array; a view or a reshape, the array's base), else a pooled one -- a
@@ -260,16 +259,16 @@ class TwoHop(Algorithm):
         if out is None or getrefcount(out) != 3 or (base is not None and getrefcount(base) != 3):
             out = result_empty(x, POOL_FROM)  # (shaped as x)
             last = None
-        if last is not None and last[2].base is self.g.caller.scratch:
+        if last is not None and last[2].base is self.caller.scratch:
             rows = last[2]
         else:
             a, b = plan.bounds[self.rank]
-            rows = self.g.caller.alone_rows(len(plan.bounds), b - a, x.dtype)
+            rows = self.caller.alone_rows(len(plan.bounds), b - a, x.dtype)
             self._last = (plan, out, rows)
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
         if on_loop:  # (as _soon's: within the spin budget, and no waiting beyond the native call)
-            wait = self.g.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            wait = self.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
         makers, kind = plan.makers, plan.kind
         assert kind is not None  # (plan.fast: plan.native)
         try:
@@ -278,14 +277,14 @@ class TwoHop(Algorithm):
                 makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, wait,
             )  # fmt: skip
             if code == 0 and phase == 2:
-                self.g.caller.books(seq, plan.desc, started, None)
+                self.caller.books(seq, plan.desc, started, None)
                 self.ran_now += 1
                 self.ran_fast += 1
                 return True, out
             call = _Call(self, seq, x, op, plan, rows=rows, out=out)
             self._stopped(call, code, sent, read, phase)
         except BaseException as exc:
-            self.g.caller.books(seq, plan.desc, started, exc)
+            self.caller.books(seq, plan.desc, started, exc)
             raise
         return self._then(call, x, started, code, hot, 0.0 if on_loop else time.monotonic() + ADOPT_AFTER)
 
@@ -296,22 +295,22 @@ class TwoHop(Algorithm):
             if code == 1 and call.phase == TWO_SCATTER and not call.messages and not call.left:
                 self._start(call)  # (not begun: the general way)
             while code == 1:
-                if time.monotonic() >= end or self.g._broken is not None or self.g._aborted or self.g._closed:
+                if time.monotonic() >= end or self.rt.interrupted:
                     break
                 code = self._drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
         except BaseException as exc:
-            self.g.caller.books(call.seq, call.desc, started, exc)
+            self.caller.books(call.seq, call.desc, started, exc)
             raise
         if code == 0:
-            self.g.caller.books(call.seq, call.desc, started, None)
+            self.caller.books(call.seq, call.desc, started, None)
             self.ran_now += 1
             return True, call.out.reshape(x.shape)
         self.adopted += 1
         return False, self._adopt(call, x, started)
 
     async def _adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
-        coll = self.g._begin("all_reduce", x, call.op, seq=call.seq, started=started)
-        out = await self.g._run(coll, self._rest(coll, call))
+        coll = self.rt.begin("all_reduce", x, call.op, seq=call.seq, started=started)
+        out = await self.rt.run(coll, self._rest(coll, call))
         return out.reshape(x.shape)
 
     # ---------------------------------------------------------------------- the loop
@@ -322,24 +321,24 @@ class TwoHop(Algorithm):
         plan = self._plan(x, op, coll.desc[2], coll.desc[5])
         self.ran_on_loop += 1
         # (nothing else of the group active, and no call of a caller's thread under way: _reserved)
-        call = _Call(self, coll.seq, x, op, plan, alone=len(self.g._active) == 1 and not self.g._reserved)
+        call = _Call(self, coll.seq, x, op, plan, alone=self.rt.alone())
         mesh = self.net.small.tcp
         if (
             mesh is not None
             and mesh.native
-            and not self.g._reserved  # (a caller's thread may be reading the links)
+            and not self.rt.numbered_ahead  # (a caller's thread may be reading the links)
             and not mesh.holds
             and not mesh.backlog
-            and not self.g.exchange.early
+            and not self.exchange.early
             and mesh.usable(list(mesh.links.values()))
             and self.net.config.spin_us > 0
             and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
         ):
             if plan.native:
-                self._first(call, plan, mesh, HOT, self.g.caller.spin_budget(x.nbytes))
+                self._first(call, plan, mesh, HOT, self.caller.spin_budget(x.nbytes))
             else:
                 self._start(call)
-                self._drive(call, self.g.caller.spin_budget(x.nbytes), HOT)
+                self._drive(call, self.caller.spin_budget(x.nbytes), HOT)
         else:
             self._start(call)
         return await self._rest(coll, call)
@@ -352,9 +351,9 @@ class TwoHop(Algorithm):
         self._queue(call, mesh)
         if call.phase == TWO_SCATTER:
             if call.left:
-                await self.g.exchange.mesh_exchange(coll, None, TWO_SCATTER, call.rows, call.left, [], TWO_SCATTER)
+                await self.exchange.mesh_exchange(coll, None, TWO_SCATTER, call.rows, call.left, [], TWO_SCATTER)
             self._fold(call)
-            call.left = list(self.g.peer_order)
+            call.left = list(self.ctx.peer_order)
             call.phase, call.messages = TWO_GATHER, []
             a, b = call.bounds[self.rank]
             mine: np.ndarray | None = call.out[a:b]
@@ -364,7 +363,7 @@ class TwoHop(Algorithm):
         if call.left or receivers:
             item = call.flat.itemsize
             spans = {p: (a * item, (b - a) * item) for p, (a, b) in enumerate(call.bounds)}
-            await self.g.exchange.mesh_exchange(
+            await self.exchange.mesh_exchange(
                 coll, mine, TWO_GATHER, call.out, call.left, receivers, TWO_GATHER, spans=spans
             )
         if mesh.backlog:
@@ -378,9 +377,9 @@ class TwoHop(Algorithm):
         assert mesh is not None
         item, flat = call.flat.itemsize, call.flat
         header = call.makers[TWO_SCATTER](call.seq)
-        call.left = list(self.g.peer_order)
+        call.left = list(self.ctx.peer_order)
         call.messages = []
-        for p in self.g.peer_order:
+        for p in self.ctx.peer_order:
             a, b = call.bounds[p]
             call.messages.append([p, mesh.head(header, (b - a) * item), byte_view(flat[a:b]), 0])
 
@@ -447,7 +446,7 @@ class TwoHop(Algorithm):
         rheads: list[Any] = []
         dests: list[Any] = []
         heads: dict[int, bytes] = {}
-        for p in self.g.peer_order:
+        for p in self.ctx.peer_order:
             m = sending.get(p)
             if m is None:
                 sheads.append(b"")
@@ -486,14 +485,14 @@ class TwoHop(Algorithm):
             call.phase = TWO_SCATTER
             second, (call.messages, call.left) = (call.messages, call.left), first
         links, members = mesh.links, self.members
-        on = [links[members[p]] for p in self.g.peer_order]
+        on = [links[members[p]] for p in self.ctx.peer_order]
         if any(link.closed for link in on):  # (its socket is gone: the loop names the loss)
             return 3
         code, sent, read, phase = mesh.scatter(on, sheads, sends, rheads, dests, hot, wait, then)
         if phase == 2:  # the first phase went whole, and the fold: the results are the second's
             call.phase, (call.messages, call.left) = TWO_GATHER, second
         sending = {m[0]: m for m in call.messages}
-        for p, went, got in zip(self.g.peer_order, sent, read, strict=True):
+        for p, went, got in zip(self.ctx.peer_order, sent, read, strict=True):
             m = sending.get(p)
             if m is not None:
                 m[3] += went
@@ -521,8 +520,8 @@ class TwoHop(Algorithm):
         call.phase = TWO_GATHER
         head = mesh.head(call.makers[TWO_GATHER](call.seq), (b - a) * call.flat.itemsize)
         payload = byte_view(call.out[a:b])
-        call.left = list(self.g.peer_order)
-        call.messages = [[p, head, payload, 0] for p in self.g.peer_order]
+        call.left = list(self.ctx.peer_order)
+        call.messages = [[p, head, payload, 0] for p in self.ctx.peer_order]
 
     def _queue(self, call: _Call, mesh: TcpMesh) -> None:
         """What the C calls did not send of this phase's messages, queued on the links for the loop."""

@@ -248,7 +248,7 @@ class Shard:
             if self.finished[key] != "done":  # abandoned: tell the latecomer at once
                 lost = self.lost_in.get(key)
                 why = f": {self.gone[lost]}" if lost in self.gone else ""
-                self._send_abort(conn, key, self.finished[key], f"{desc[0]} #{key[1]} was abandoned{why}", lost=lost)
+                self.send_abort(conn, key, self.finished[key], f"{desc[0]} #{key[1]} was abandoned{why}", lost=lost)
             return
         pending = self.pending.get(key)
         if pending is None:
@@ -369,7 +369,7 @@ class Shard:
                 conn.send_frame(dict(header))
         self._finish(key, reason)
 
-    def _send_abort(
+    def send_abort(
         self, conn: Connection, key: tuple[str, int], reason: str, message: str, lost: int | None = None
     ) -> None:
         """Collective key was abandoned (reason: mismatch, timeout, or lost: worker ``lost`` went away)."""

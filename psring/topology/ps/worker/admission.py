@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -17,8 +17,17 @@ from ....errors import CollectiveTimeoutError, PeerLostError, PsringError
 from ..plan import live_gid
 
 if TYPE_CHECKING:
-    from .group import PsGroup
-    from .params import ParameterClient
+    from .view import WorkerGroup
+
+
+class Params(Protocol):
+    """What admission needs of the group's parameter client (ps.worker.params.ParameterClient)."""
+
+    async def pull_all(self, buckets: list[np.ndarray], what: str) -> tuple[list[np.ndarray], list[int]]: ...
+
+    def result_tags(self, t: int, grads: list[np.ndarray]) -> list[tuple[tuple[Any, ...], int, int, int]]: ...
+
+    def layout(self, b: int, flat: np.ndarray) -> list[tuple[int, int, list[tuple[int, int]]]]: ...
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +53,7 @@ def joins_closed(value: bytes) -> str:
 class Admission:
     """A PsGroup's elastic membership (``group.params.admission``): joining, admitting, closing joins."""
 
-    def __init__(self, g: PsGroup, params: ParameterClient) -> None:
+    def __init__(self, g: WorkerGroup, params: Params) -> None:
         self.g = g
         self.params = params
 
@@ -173,6 +182,5 @@ class Admission:
         group = self.g.links.groups.get(gid)
         if group is None:
             me = live.index(self.g.members[self.g.rank])
-            make: Any = type(self.g)  # PsGroup: (links, rank, world_size, members, gid, timeout)
-            group = make(self.g.links, me, len(live), list(live), gid, self.g.timeout)
+            group = self.g.sibling(me, list(live), gid)
         return group

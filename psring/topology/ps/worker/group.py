@@ -79,8 +79,23 @@ class PsGroup(Group):
         self.host_reduce: HostReduce | None = None
         #: parameter mode and sparse tables (SyncSGD over ps), composed
         self.params = ParameterClient(self)
-        self.tables = SparseTables(self)
+        self.tables = SparseTables(self, self.params)
         links.groups[gid] = self
+
+    def watch_broken(self) -> asyncio.Future[None]:
+        """A future set when a worker is lost (at once if the group is broken already); unwatch it after."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._broken is not None:
+            fut.set_result(None)
+        self._broken_waiters.add(fut)
+        return fut
+
+    def unwatch_broken(self, fut: asyncio.Future[None]) -> None:
+        self._broken_waiters.discard(fut)
+
+    def sibling(self, rank: int, members: list[int], gid: str) -> PsGroup:
+        """A group of the same job over the same links (the live workers' subgroup of an elastic job)."""
+        return PsGroup(self.links, rank, len(members), members, gid, self.timeout)
 
     @property
     def num_servers(self) -> int:
@@ -113,7 +128,7 @@ class PsGroup(Group):
         for coll in list(self._active.values()):
             coll.fail(type(err)(f"{err} (while {coll.label} was pending on rank {self.rank})"))
 
-    def _send_abort(self, seq: int, err: PsringError, reason: str) -> None:
+    def send_abort(self, seq: int, err: PsringError, reason: str) -> None:
         header = {"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err), "src": self.rank}
         for conn in self.links.shards:
             if conn.is_open:
@@ -145,7 +160,7 @@ class PsGroup(Group):
             )
         )
 
-    def _make_subgroup(self, gid: str, ranks: list[int]) -> PsGroup:
+    def make_subgroup(self, gid: str, ranks: list[int]) -> PsGroup:
         return PsGroup(
             self.links, ranks.index(self.rank), len(ranks), [self.members[r] for r in ranks], gid, self.timeout
         )
@@ -168,11 +183,11 @@ class PsGroup(Group):
     def _layer(self) -> Any:
         return self.links
 
-    def _check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
-        super()._check_usable(peer, receiving, seq)
+    def check_usable(self, peer: int | None = None, receiving: bool = False, seq: int | None = None) -> None:
+        super().check_usable(peer, receiving, seq)
         if self.links.lost is not None and self._broken is None:
             self._broken = self.links.lost
-            super()._check_usable(peer, receiving, seq)
+            super().check_usable(peer, receiving, seq)
 
     # ------------------------------------------------------------- the engine
     def _join(self, coll: Collective, piece: int) -> dict[str, Any]:
@@ -223,7 +238,7 @@ class PsGroup(Group):
 
         for tag, dest in expects:
             view = byte_view(dest) if dest is not None and dest.nbytes else None
-            self.mailbox.post(tag, view, self._guard(coll, make_cb(dest)))
+            self.mailbox.post(tag, view, self.guard(coll, make_cb(dest)))
         if not expects:
             done.set_result(None)
         # pieces may go through shared memory (the shard holds them there until folded or forwarded),

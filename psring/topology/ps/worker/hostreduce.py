@@ -42,7 +42,7 @@ from ....transport.shmboard import Board, board_possible
 from ...collective import Collective
 
 if TYPE_CHECKING:
-    from .group import PsGroup
+    from .view import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def _shown(tag: bytes) -> str:
 class HostReduce:
     """One rank's part of the ps's host-reduced all_reduce (see the module's docstring)."""
 
-    def __init__(self, group: PsGroup, board: Board, hosts: Layout, block_bytes: int, min_bytes: int) -> None:
+    def __init__(self, group: WorkerGroup, board: Board, hosts: Layout, block_bytes: int, min_bytes: int) -> None:
         me = group.rank
         self.group = group
         self.board = board
@@ -144,7 +144,7 @@ class HostReduce:
         self.local = self.home.index(me)
         # this rank's counterparts, one a host, in host order: the subgroup's ranks are host indices
         cross = [h[self.local] for h in hosts]
-        self.cross = group._make_subgroup(f"{group.gid}.host{self.local}", cross)
+        self.cross = group.make_subgroup(f"{group.gid}.host{self.local}", cross)
         self.cross.ordered = True  # its shards fold the hosts in host order, not from a ring chunk's owner
         self.next_post = 0  # board post numbers: one a block, the same sequence on every rank
         self.blocks_done = 0
@@ -244,7 +244,7 @@ class HostReduce:
             f"(on their host's board): every rank must make the same calls, with the same arguments, in the "
             f"same order"
         )
-        self.group._send_abort(coll.seq, err, "mismatch")  # the shards tell every rank of the job
+        self.group.send_abort(coll.seq, err, "mismatch")  # the shards tell every rank of the job
         raise err
 
     async def _wait(
@@ -261,6 +261,6 @@ class HostReduce:
                     f"{late} on this host did not {what} (a host-reduced all_reduce's same-host board)",
                     missing=tuple(late),
                 )
-            self.group._check_usable()
+            self.group.check_usable()
             await asyncio.sleep(delay)
             delay = min(delay * 2 or 50e-6, 2e-3)

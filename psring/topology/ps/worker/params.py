@@ -23,7 +23,7 @@ from ..rows import pack_by_shard, row_range
 from .admission import Admission
 
 if TYPE_CHECKING:
-    from .group import PsGroup
+    from .view import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class ParameterClient:
     """A PsGroup's parameter mode (SyncSGD over ps): parameters and optimizer state on the shards,
     gradients pushed and parameters pulled by piece; the group holds one (``group.params``)."""
 
-    def __init__(self, g: PsGroup) -> None:
+    def __init__(self, g: WorkerGroup) -> None:
         self.g = g
         self._state_requests = 0
         #: an elastic job's membership: joining, admitting at boundaries, the live workers' group
@@ -62,7 +62,7 @@ class ParameterClient:
         those too: shards that hold nothing yet take them; shards that already hold the bucket
         (alive, or restored from their own checkpoints) keep theirs.
         """
-        self.g._check_usable()
+        self.g.check_usable()
         if self.g.gid != "0":
             raise ValueError("parameter mode runs on the main group, not a subgroup")
         if self.g.rank == 0:
@@ -138,14 +138,14 @@ class ParameterClient:
                 lost = self.g.links.lost
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away: reconnect first
-                self.g._check_usable()
+                self.g.check_usable()
                 return await self._param_state_once(buckets, keys)
             except PeerLostError as exc:
                 if exc.rank is not None or not self.g.links.reconnect_servers:
                     raise
                 logger.warning("%r: %s; reconnecting to read the optimizer state again", self.g, exc)
                 await self.g.links.reconnect(deadline)
-                self.g._broken = None
+                self.g.mend()
 
     async def _param_state_once(
         self, buckets: list[np.ndarray], keys: list[str]
@@ -225,7 +225,7 @@ class ParameterClient:
                 lost = self.g.links.lost
                 if isinstance(lost, PeerLostError) and lost.rank is None:
                     raise lost  # a server went away since the last step: reconnect first
-                self.g._check_usable()
+                self.g.check_usable()
                 await self._param_round(t, grads, wire_grads, outs, got, deadline, resend, codec, buckets)
                 return 1 + self._catch_up(t, grads, outs) if self.g.backup else 1
             except PeerLostError as exc:
@@ -233,7 +233,7 @@ class ParameterClient:
                     raise
                 logger.warning("%r: %s; reconnecting to re-send step %d", self.g, exc, t)
                 await self.g.links.reconnect(deadline)
-                self.g._broken = None
+                self.g.mend()
                 resend = True
 
     async def _agreed_max(self, amax: np.ndarray) -> np.ndarray:
@@ -355,17 +355,14 @@ class ParameterClient:
 
     async def wait(self, work: Any, what: str, deadline: float | None = None) -> None:
         lost = self.g.links.loss_future()
-        broken: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # a worker was lost
-        if self.g._broken is not None:
-            broken.set_result(None)
-        self.g._broken_waiters.add(broken)
+        broken = self.g.watch_broken()  # a worker was lost
         remaining = (deadline or time.monotonic() + self.g.timeout) - time.monotonic()
         try:
             done, _ = await asyncio.wait(
                 {work, lost, broken}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED
             )
         finally:
-            self.g._broken_waiters.discard(broken)
+            self.g.unwatch_broken(broken)
             if not lost.done():
                 lost.cancel()
         if work in done:
@@ -376,9 +373,10 @@ class ParameterClient:
             await work
         if lost in done:
             raise lost.exception() or PeerLostError("a server shard was lost")
-        if broken in done and isinstance(self.g._broken, PeerLostError):
-            lost_rank = self.g._broken.rank if self.g._broken.rank is not None else -1  # a worker, not a server
-            raise PeerLostError(f"{self.g!r}: {self.g._broken} (during {what})", rank=lost_rank) from self.g._broken
+        why = self.g.broken_error
+        if broken in done and isinstance(why, PeerLostError):
+            lost_rank = why.rank if why.rank is not None else -1  # a worker, not a server
+            raise PeerLostError(f"{self.g!r}: {why} (during {what})", rank=lost_rank) from why
         raise CollectiveTimeoutError(
             f"rank {self.g.rank}: the servers did not answer {what} within {self.g.timeout:g}s"
         )
@@ -399,8 +397,10 @@ class SparseTables:
     """A PsGroup's sparse tables that live on the shards (SyncSGD(..., sparse=[...]) over ps; the shard
     side is ``tables``); the group holds one (``group.tables``)."""
 
-    def __init__(self, g: PsGroup) -> None:
+    def __init__(self, g: WorkerGroup, params: ParameterClient) -> None:
         self.g = g
+        #: the group's parameter client: its waits (a lost shard or worker ends them) serve the tables too
+        self.params = params
         self._pull_requests = 0
         #: table -> the step of it this worker pushes next: with backup workers the steps before one it
         #: pushes were taken without it (it skipped them), and their answers are taken off the mailbox
@@ -458,7 +458,7 @@ class SparseTables:
         every rank; empty: applied) and the pulled rows (None when bad or not asked)."""
         for skipped in range(self.next_step.get(k, t), t):  # taken without this worker: answered all the same
             done = [self.g.mailbox.expect(("param", k, "sp_done", s, skipped)) for s in range(self.g.num_servers)]
-            await self.g.params.wait(asyncio.gather(*done), f"sparse table {k}'s step {skipped}")
+            await self.params.wait(asyncio.gather(*done), f"sparse table {k}'s step {skipped}")
         self.next_step[k] = t + 1
         futs = []
         if bad:  # nothing will be applied: every shard gets the word and no rows
@@ -475,7 +475,7 @@ class SparseTables:
             if pulls is not None:
                 header["pull"] = int(pulls[s].size)
             self.g.links.shards[s].send_tensor(header, payload)
-        await self.g.params.wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
+        await self.params.wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
         said = [int(r) for r in futs[0].result()[1].get("bad") or []]
         if said or pull is None or wheres is None:
             return said, None
@@ -526,7 +526,7 @@ class SparseTables:
                     out[where] = rows
 
         try:
-            await self.g.params.wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
+            await self.params.wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
         finally:  # cut short: nothing stays posted for answers that will not come
             for s in range(self.g.num_servers):
                 self.g.mailbox.unpost(("param", k, "sp_rows", s, req))

@@ -5,7 +5,8 @@ joining a running elastic job (``init_group(topology="ps", join=True)``)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ....errors import PsringError, StoreError
 from ....rendezvous.join import assign_rank, group_set_up
@@ -15,14 +16,16 @@ from . import hostreduce
 from .admission import joins_closed, joins_closed_key
 from .hostreduce import HostReduce
 from .links import ServerLinks
-
-if TYPE_CHECKING:
-    from .group import PsGroup
+from .view import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
+G = TypeVar("G", bound=WorkerGroup)
+#: how set-up makes the group: (links, rank, world_size, members, gid, timeout) -> the group (PsGroup)
+Make = Callable[[ServerLinks, int, int, list[int], str, float], G]
 
-async def create(cls: type[PsGroup], settings: GroupSettings, **options: Any) -> PsGroup:
+
+async def create(cls: Make[G], settings: GroupSettings, **options: Any) -> G:
     servers = options.pop("servers", None)
     colocate = options.pop("colocate", None)
     join = options.pop("join", False)
@@ -103,7 +106,7 @@ async def create(cls: type[PsGroup], settings: GroupSettings, **options: Any) ->
         logger.info("%r ready with %d server shard(s)", group, len(links.shards))
         return group
 
-async def join_running(cls: type[PsGroup], settings: GroupSettings, options: dict[str, Any]) -> PsGroup:
+async def join_running(cls: Make[G], settings: GroupSettings, options: dict[str, Any]) -> G:
     """A new worker for a running elastic job (SyncSGD(elastic=True)): it takes the next free
     rank past the job's world size and waits in SyncSGD.start until a boundary admits it."""
     if options:

@@ -21,7 +21,8 @@ from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .native import Here
 
 if TYPE_CHECKING:
-    from ..group import RingGroup
+    from ..caller import CallerThread
+    from ..context import RingContext
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,15 @@ class PlaneAllReduce(Algorithm):
     route = Path.PLANE
     holds_caller = True
 
-    def __init__(self, g: RingGroup) -> None:
-        super().__init__(g)
+    def __init__(self, ctx: RingContext, caller: CallerThread) -> None:
+        super().__init__(ctx)
+        self.caller = caller
         #: plane all_reduces that ended on the caller's thread (soon), and those it handed to the plane
         self.ran_now = 0
         self.adopted = 0
 
     def eligible(self, call: Call) -> bool:
-        return self.g.chooser.loop_path(call.nbytes) is Path.PLANE
+        return self.ctx.loop_path(call.nbytes) is Path.PLANE
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         plane = self.net.plane
@@ -57,7 +59,7 @@ class PlaneAllReduce(Algorithm):
     def input_order(self, count: int, nbytes: int) -> list[tuple[int, int]] | None:
         """On the data plane this rank reads its input chunk by chunk: its own chunk first
         (sent as is), then the chunks it folds, in ring order."""
-        if self.g.chooser.loop_path(nbytes) is not Path.PLANE:
+        if self.ctx.loop_path(nbytes) is not Path.PLANE:
             return None
         n_ranks, me = self.world_size, self.rank
         bounds = ring_chunk_bounds(count, n_ranks)
@@ -82,8 +84,8 @@ class PlaneAllReduce(Algorithm):
             or plane.native is None
             or type(x) is not np.ndarray
             or self.gid != "0"
-            or self.g.chooser.loop_path(x.nbytes) is not Path.PLANE
-            or not self.g.caller.idle(numbered=True)
+            or self.ctx.loop_path(x.nbytes) is not Path.PLANE
+            or not self.caller.idle(numbered=True)
             or not plane.idle()
         ):
             return None
@@ -91,7 +93,7 @@ class PlaneAllReduce(Algorithm):
         kind = native.kind(x, op)
         if kind is None:
             return None
-        x, seq, desc, started = self.g.caller.number(x, op)
+        x, seq, desc, started = self.caller.number(x, op)
         flat = x.reshape(-1)
         try:
             here = native.begin_here(
@@ -99,10 +101,10 @@ class PlaneAllReduce(Algorithm):
             )
             done = native.run_here(here, PLANE_ADOPT_AFTER)
         except BaseException as exc:
-            self.g.caller.books(seq, desc, started, exc)
+            self.caller.books(seq, desc, started, exc)
             raise
         if done:
-            self.g.caller.books(seq, desc, started, None)
+            self.caller.books(seq, desc, started, None)
             self.ran_now += 1
             return True, here[2].reshape(x.shape)
         self.adopted += 1
@@ -111,8 +113,8 @@ class PlaneAllReduce(Algorithm):
     async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: Here) -> Any:
         plane = self.net.plane
         assert plane is not None
-        coll = self.g._begin("all_reduce", x, op, seq=seq, started=started)
-        out = await self.g._run(coll, self.run_job(coll, x.reshape(-1), op, plane, here))
+        coll = self.rt.begin("all_reduce", x, op, seq=seq, started=started)
+        out = await self.rt.run(coll, self.run_job(coll, x.reshape(-1), op, plane, here))
         return out.reshape(x.shape)
 
     async def run_job(
@@ -135,7 +137,7 @@ class PlaneAllReduce(Algorithm):
             if kind is not None:  # the job in C on the loop's own thread while it moves (as soon)
                 call = msgpack.packb(coll.desc)
                 here = native.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, OPS[op].mean)
-                if native.run_here(here, self.g.caller.spin_budget(x.nbytes)):
+                if native.run_here(here, self.caller.spin_budget(x.nbytes)):
                     self.ran_now += 1
                     return here[2]
                 self.adopted += 1
@@ -168,7 +170,7 @@ class PlaneAllReduce(Algorithm):
             return
         n_ranks, me = self.world_size, self.rank
         if isinstance(exc, PlaneMismatch):
-            self.g._abort_everywhere(coll, self.g._mismatch_error(coll, (me - 1) % n_ranks, exc.call), "mismatch")
+            self.rt.abort_mismatch(coll, (me - 1) % n_ranks, exc.call)
         elif isinstance(exc, PlaneLinkError):
             self.net.plane_links.broken((me + 1) % n_ranks if exc.side == "send" else (me - 1) % n_ranks, exc, coll)
         else:

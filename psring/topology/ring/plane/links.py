@@ -7,21 +7,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import msgpack
 
 from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, StoreError
+from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.shmpool import PeerPool, ShmPool
 from ...collective import Collective
 from ..constants import PLANE_GRACE
+from ..smalllinks import SmallLinks
+from .dataplane import DataPlane
 from .job import PlaneLinkError
 
-if TYPE_CHECKING:
-    from ..net import PeerNet
-
 logger = logging.getLogger(__name__)
+
+
+class Endpoint(Protocol):
+    """What the data links need of the rank's endpoint (ring.net.PeerNet)."""
+
+    rank: int
+    world_size: int
+    config: Settings
+    #: the rendezvous store (the shared-memory offers go through it) and this job's prefix in it
+    store: Any
+    prefix: str
+    addresses: dict[int, tuple[str, int]]
+    plane: DataPlane | None
+    small: SmallLinks
+    closing: bool
+    lost: dict[int, PeerLostError]
+
+    async def dial(self, rank: int, timeout: float, *, data: bool | str = False) -> Connection: ...
+
+    def peer_lost(self, peer_rank: int, err: PeerLostError) -> None: ...
 
 
 class PlaneLinks:
@@ -30,7 +50,7 @@ class PlaneLinks:
     dials (:meth:`accept`), a broken one reported as the peer's loss (:meth:`broken`). Held by the rank's
     endpoint (ring.net.PeerNet), whose plane, store and links it uses."""
 
-    def __init__(self, net: PeerNet) -> None:
+    def __init__(self, net: Endpoint) -> None:
         self.net = net
         self.rank = net.rank
         self.world_size = net.world_size
