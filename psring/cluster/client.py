@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import settings as settings_mod
@@ -452,19 +452,20 @@ def _blame(jid: int, chosen: list[str], failed: dict[int, dict[str, Any]]) -> st
 class Job:
     """A submitted job: ``wait()``, ``stream()``, ``id``."""
 
-    def __init__(self, client: Client, jid: int) -> None:
-        self.client, self.id = client, jid
+    def __init__(self, call: Callable[[Any], Any], inner: AsyncClient, jid: int) -> None:
+        #: the client's way to run a coroutine (its portal's call) and its async client
+        self._call, self._inner, self.id = call, inner, jid
 
     def wait(self, timeout: float | None = None) -> Any:
         """The job's result (rank 0's summary or metrics); raises JobError naming the failed daemon."""
-        return self.client._portal.call(self.client._inner.wait(self.id, timeout))
+        return self._call(self._inner.wait(self.id, timeout))
 
     def stream(self, interval: float = 0.2) -> Iterator[dict[str, Any]]:
         """Progress records as they change, until the job ends (then wait() gives the outcome).
 
         A job submitted with ``max_restarts`` is restarted from here when a rank fails, with a
         record ``{"restart": attempt, "of": max_restarts, "why": ...}`` first."""
-        call, inner = self.client._portal.call, self.client._inner
+        call, inner = self._call, self._inner
         beats: dict[str, tuple[int, float]] = {}
         last = None
         while True:
@@ -498,7 +499,7 @@ class Client:
             raise
 
     def submit(self, topology: str | None = None, workers: int = 2, **kwargs: Any) -> Job:
-        return Job(self, self._portal.call(self._inner.submit(topology, workers, **kwargs)))
+        return Job(self._portal.call, self._inner, self._portal.call(self._inner.submit(topology, workers, **kwargs)))
 
     def status(self) -> dict[str, Any]:
         return self._portal.call(self._inner.status())

@@ -100,7 +100,7 @@ class EtcdStoreClient:
             silent = 0
             for i, (host, port) in enumerate(client.endpoints):
                 try:
-                    status = await client._post_to(host, port, "/v3/maintenance/status", {}, timeout=5.0)
+                    status = await client.post_to(host, port, "/v3/maintenance/status", {}, timeout=5.0)
                 except _Unavailable as exc:
                     last = exc
                     silent += "without an answer" in str(exc)
@@ -111,7 +111,7 @@ class EtcdStoreClient:
                     raise ValueError(
                         f"store={client.address}: {host}:{port} answered, but not as etcd v3 ({str(status)[:200]})"
                     )
-                client._current = i
+                client.use_endpoint(i)
                 return client
             mute = mute + 1 if silent == len(client.endpoints) else 0
             if mute >= 3:  # something listens there, but it does not speak HTTP
@@ -132,7 +132,11 @@ class EtcdStoreClient:
             self._unreachable = PeerLostError(f"the etcd store at {self.address}: {reason}")
 
     # ------------------------------------------------------------------ HTTP
-    async def _post_to(self, host: str, port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
+    def use_endpoint(self, i: int) -> None:
+        """Send requests to ``endpoints[i]`` first (one that answered)."""
+        self._current = i
+
+    async def post_to(self, host: str, port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
         payload = json.dumps(body).encode()
         request = (
             f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
@@ -189,7 +193,7 @@ class EtcdStoreClient:
                 host, port = self.endpoints[i]
                 try:
                     # a member that cannot reach a leader holds a request for seconds: ask another sooner
-                    answer = await self._post_to(host, port, path, body, timeout=REQUEST_TIMEOUT_S)
+                    answer = await self.post_to(host, port, path, body, timeout=REQUEST_TIMEOUT_S)
                 except _Unavailable as exc:
                     last = exc
                     if retried is not None:

@@ -2,9 +2,9 @@
 
 Each blocking method submits the coroutine to that loop and waits; ``async_op=True``
 returns a :class:`Handle` instead (isend/irecv-style overlap from plain scripts).
-The async Group is the only implementation; where it offers ``<name>_now`` (the ring's
-small same-host all_reduce), a blocking call with nothing of this group in flight runs
-there, on the caller's thread, without the hop to the loop and back.
+The async Group is the only implementation; where its ``try_now`` has a short way for an all_reduce
+(the ring's boards, TCP one- and two-hop calls, data plane in C), a blocking call with nothing of this
+group in flight runs there, on the caller's thread, without the hop to the loop and back.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 from ..transport.loop import Portal
 from .api import init_group
+from .now import Done
 from .stall import install_dump_signal
 
 
@@ -45,28 +46,10 @@ _live: weakref.WeakSet[BlockingGroup] = weakref.WeakSet()
 
 
 def _blocking(name: str) -> Any:
-    now = f"{name}_now"  # a group's way to run the call on the caller's thread (NotImplemented: not this one)
-
     def method(self: BlockingGroup, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        if not async_op and not self._pending:
-            # looked up on the class: a non-member subgroup answers every name (with a refusal)
-            run_now = getattr(type(self._group), now, None)
-            if run_now is not None:
-                out = run_now(self._group, *args, **kwargs)
-                if out is not NotImplemented:
-                    return out
-        elif self._pending:
+        if self._pending:
             self._pending = [f for f in self._pending if not f.done()]
-        coro = getattr(self._group, name)(*args, **kwargs)
-        fut = self._portal.submit(coro)
-        if async_op:
-            self._pending.append(fut)
-            return Handle(fut)
-        try:
-            return fut.result()
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
+        return self._on_loop(getattr(self._group, name)(*args, **kwargs), async_op)
 
     method.__name__ = name
     method.__doc__ = f"Blocking {name}; async_op=True returns a Handle."
@@ -106,7 +89,34 @@ class BlockingGroup:
     def portal(self) -> Portal:
         return self._portal
 
-    all_reduce = _blocking("all_reduce")
+    def all_reduce(
+        self, x: Any, op: str = "sum", compression: Any = None, *, async_op: bool = False
+    ) -> Any:
+        """Blocking all_reduce; async_op=True returns a Handle. On the caller's thread where the group has a
+        short way for the call and nothing is in flight (Group.try_now: the ring's boards, its TCP one- and
+        two-hop calls, its data plane in C): no hop to the event loop and none back."""
+        if not async_op and not self._pending:
+            now = self._group.try_now(x, op, compression)
+            if isinstance(now, Done):
+                return now.value
+            if now is not None:
+                return self._on_loop(now.rest, False)
+        elif self._pending:
+            self._pending = [f for f in self._pending if not f.done()]
+        return self._on_loop(self._group.all_reduce(x, op, compression), async_op)
+
+    def _on_loop(self, coro: Any, async_op: bool) -> Any:
+        """Run coro on the portal's loop: its result (this thread waits), or a Handle (async_op)."""
+        fut = self._portal.submit(coro)
+        if async_op:
+            self._pending.append(fut)
+            return Handle(fut)
+        try:
+            return fut.result()
+        except KeyboardInterrupt:
+            fut.cancel()
+            raise
+
     broadcast = _blocking("broadcast")
     barrier = _blocking("barrier")
     all_gather = _blocking("all_gather")

@@ -36,6 +36,7 @@ from ..rendezvous.scheduler import GroupSettings
 from ..settings import Settings
 from ..transport.mailbox import Mailbox
 from .collective import Collective
+from .now import NOT_NOW, Now
 from .p2p import PointToPoint
 from .runtime import CollectiveRuntime
 from .sparsecall import sparse_all_reduce
@@ -162,6 +163,15 @@ class Group(CollectiveRuntime):
         size reads its input, when it can start before all of it is in host memory (then it
         calls ``coll.input_wait`` before reading each range); None: it needs it all at once."""
         return None
+
+    def try_now(self, x: Any, op: str = "sum", compression: Any = None, holds_caller: bool = True) -> Now:
+        """all_reduce on the caller's thread, off the event loop, where this group has a short way for
+        the call and nothing of it is in flight: :class:`~psring.topology.now.Done` (the result),
+        :class:`~psring.topology.now.Carry` (a peer was late: a coroutine for the loop finishes it), or
+        ``NOT_NOW`` (None: nothing was done; call :meth:`all_reduce`). The blocking facade and the torch
+        backend ask it. ``holds_caller=False``: not a way that holds the caller's thread for the whole
+        transfer (a caller with other work to overlap with it). By default, never now."""
+        return NOT_NOW
 
     async def broadcast(self, x: Any, src: int = 0) -> Any:
         """Every rank gets src's x; other ranks pass an array of the same shape and dtype."""
@@ -371,6 +381,9 @@ class NonMemberGroup:
         self.world_size = len(ranks)
         self.gid = gid
         self._message = f"this process (parent rank {rank}) is not a member of subgroup {gid} over ranks {ranks}"
+
+    def try_now(self, x: Any, op: str = "sum", compression: Any = None, holds_caller: bool = True) -> Now:
+        return NOT_NOW  # (all_reduce then refuses)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

@@ -31,6 +31,11 @@ class FlightRecorder:
         self._lock = threading.Lock()
         OBSERVERS.append(self)
 
+    @property
+    def closed(self) -> bool:
+        """Whether its file was closed (the process's recorder for the directory is then made anew)."""
+        return self._fh.closed
+
     def __call__(self, record: dict[str, Any]) -> None:
         line = json.dumps({"job": self.job, **{k: v for k, v in record.items() if v is not None}, "pid": os.getpid()})
         with self._lock:
@@ -50,7 +55,7 @@ _process_recorders: dict[str, FlightRecorder] = {}
 def process_recorder(directory: str, job: str) -> FlightRecorder:
     """The one recorder of this process for ``directory`` (every group's collectives go there)."""
     rec = _process_recorders.get(directory)
-    if rec is None or rec._fh.closed:
+    if rec is None or rec.closed:
         rec = _process_recorders[directory] = FlightRecorder(directory, job)
     return rec
 

@@ -301,7 +301,7 @@ class CollectiveRuntime(abc.ABC):
             after = self._after  # what this rank called before (collective.after_of)
         else:
             # a number reserved earlier: by a call of several collectives (reserved after its first: no partial
-            # call before it) or by a short way (CallerThread.number keeps the after it named)
+            # call before it) or by a short way (ShortWays.number keeps the after it named)
             self._reserved.discard(seq)
             self.check_usable(seq=seq)
             after = self._reserved_after.pop(seq, None) if self._reserved_after else None
@@ -347,7 +347,7 @@ class CollectiveRuntime(abc.ABC):
         self.mailbox.forget((self.gid, coll.seq), drop_queued=not ok)
 
     def _failed(self, seq: int, error: BaseException) -> None:
-        """Call seq raised here (on the loop, or a short way's: CallerThread.books).
+        """Call seq raised here (on the loop, or a short way's: ShortWays.books).
 
         A mismatch reports every mismatch before it (see _found_late). And if no call has begun after it,
         the next one names no call before it (collective.after_of is for a rank that returned: this one
@@ -357,6 +357,14 @@ class CollectiveRuntime(abc.ABC):
             self._mismatched_at = seq
         if seq == self._seq - 1:
             self._after = None
+
+    def in_flight(self) -> list[Collective]:
+        """The calls running here now (what the stall inspector and ``psring doctor --job`` show)."""
+        return list(self._active.values())
+
+    def ended_calls(self) -> list[Recent]:
+        """The calls the flight recorder remembers, in call order."""
+        return sorted((Recent(*r) for r in list(self._recent) if r is not None), key=lambda r: r.seq)
 
     def recent(self, seq: int) -> Recent | None:
         """What this rank called as collective seq, if it has ended and is still remembered."""

@@ -1,7 +1,7 @@
 """The stall inspector: when a call has waited ``PSRING_STALL_S``, the ranks compare what they called.
 
 Nothing extra moves while nothing stalls. Each group keeps its last calls in memory (the flight
-recorder, ``Group._recent``, beside the calls in flight); a call that has waited one stall threshold
+recorder, ``Group.ended_calls``, beside the calls in flight); a call that has waited one stall threshold
 asks the other ranks of its group for theirs -- a ``stall`` frame over the links the rank already
 has: straight to each rank on the ring, through a server shard on ps -- and judges what comes back:
 
@@ -66,13 +66,12 @@ def snapshot(layer: Any) -> dict[str, Any]:
     recvs: list[Any] = []
     for gid, g in list(layer.groups.items()):
         calls: list[Any] = []
-        ended = sorted((r for r in list(g._recent) if r is not None), key=lambda r: r[0])[-SHOWN:]
-        for seq, desc, ok, at in ended:
+        for seq, desc, ok, at in g.ended_calls()[-SHOWN:]:
             calls.append([seq, list(desc), "done" if ok else "failed", round(now - at, 3), []])
-        for c in list(g._active.values()):
+        for c in g.in_flight():
             waiting_on = sorted(g.members[r] for r in c.waiting_on if 0 <= r < len(g.members))
             calls.append([c.seq, list(c.desc), "waiting", round(now - c.started, 3), waiting_on])
-        groups.append([gid, list(g.members), g._seq, calls])
+        groups.append([gid, list(g.members), g.next_seq, calls])
         for (src, n), wait in list(g.p2p.waits.items()):
             recvs.append([gid, g.members[src], n, round(now - wait.started, 3)])
     return {"rank": layer.rank, "host": socket.gethostname(), "pid": os.getpid(), "groups": groups, "recvs": recvs}
@@ -365,7 +364,7 @@ class StallInspector:
         if (
             error is None
             and self._published
-            and not any(c.stalled for g in list(self.layer.groups.values()) for c in g._active.values())
+            and not any(c.stalled for g in list(self.layer.groups.values()) for c in g.in_flight())
         ):
             self._published = False
             self._spawn(self._unpublish())

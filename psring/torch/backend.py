@@ -47,6 +47,7 @@ from ..errors import CollectiveTimeoutError, PsringError
 from ..rendezvous.torchstore import TorchStoreClient
 from ..settings import current as current_settings
 from ..topology.blocking import BlockingGroup, init
+from ..topology.now import Done
 
 NAME = "psring"
 
@@ -362,16 +363,14 @@ class ProcessGroupPsring(dist.ProcessGroup):
     def _all_reduce(self, x: np.ndarray, op: str, finish: Callable[[Any], Any]) -> Work:
         """all_reduce of x; on the calling thread when the group offers its short way for it and
         nothing is in flight (the ring's same-host board: no hop to the event loop, none back)."""
-        # looked up on the class: a non-member subgroup answers every name (with a refusal)
-        soon = getattr(type(self._g), "all_reduce_soon", None)
-        if soon is None or self._inflight or self._closed:
+        if self._inflight or self._closed:
             return self._start(self._g.all_reduce(x, op), finish)
         future: torch.futures.Future = torch.futures.Future()
         try:
-            got = soon(self._g, x, op, plane=False)  # a plane job stays off this thread: DDP overlaps it
-            if got is None or not got[0]:  # not a board call, or a late peer: the loop runs (the rest of) it
-                return self._start(got[1] if got else self._g.all_reduce(x, op), finish)
-            future.set_result(finish(got[1]))
+            now = self._g.try_now(x, op, holds_caller=False)  # a plane job stays off this thread: DDP overlaps it
+            if not isinstance(now, Done):  # not a short way's call, or a late peer: the loop runs (the rest of) it
+                return self._start(now.rest if now is not None else self._g.all_reduce(x, op), finish)
+            future.set_result(finish(now.value))
         except BaseException as exc:  # torch's Future carries any failure
             future.set_exception(_as_torch_error(exc))
         return Work(future)
@@ -757,6 +756,10 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if len(xs) != self.size():
             raise ValueError(f"psring: {what} has {len(xs)} tensors, the group has {self.size()} ranks")
 
+    def closed_with_world(self) -> None:
+        """The world group was shut down: this subgroup is closed with it (its group went with the world's)."""
+        self._closed = True
+
     def shutdown(self) -> None:
         """Leave the psring group (destroy_process_group calls this)."""
         if self._closed:
@@ -766,7 +769,7 @@ class ProcessGroupPsring(dist.ProcessGroup):
         if self._world:
             _state.world = None
             for sub in list(_groups.values()):
-                sub._closed = True
+                sub.closed_with_world()
             _groups.clear()
             self.psring_group.close()
         else:

@@ -175,7 +175,7 @@ class _Run:
         elif self.opt.state_dict_needs_every_rank:
             await self.opt.state_dict()  # (its all_gathers of every rank's own state)
 
-    def _report(self) -> None:
+    def report_progress(self) -> None:
         """This rank's recent steps: seconds per step computing and communicating (the straggler
         computes longest, the others wait for it in the exchange), and bytes per link so far."""
         assert self.report is not None
@@ -252,7 +252,7 @@ class _Run:
             if self.steps % 10 == 0 or start + batch_size >= len(idx):
                 self._progress(epoch, float(np.mean(losses[-10:])))
             if self.report is not None and time.perf_counter() - self._reported[0] >= REPORT_S:
-                self._report()
+                self.report_progress()
             if every and self.steps % (every * self.per_exchange) == 0 and start + batch_size < len(idx):
                 await self.save()
         if self.opt.elastic:
@@ -396,7 +396,7 @@ async def worker(
     Its settings come from ``env`` (default: the process's environment).
 
     ``progress`` receives rank 0's progress records (default: printed as PSRING-PROGRESS lines);
-    ``report``, every rank's step times and link bytes, about once a second (``_Run._report``).
+    ``report``, every rank's step times and link bytes, about once a second (``_Run.report_progress``).
     ``checkpoints`` (psring.training.checkpoint): where rank 0 saves one every
     ``spec["checkpoint_every"]`` optimizer steps and at each epoch's end, and where the run
     resumes from when one is there.
@@ -420,7 +420,7 @@ async def worker(
         for epoch in range(first, spec["epochs"]):
             await run.epoch(epoch)
         if report is not None:
-            run._report()  # the last steps too
+            run.report_progress()  # the last steps too
         summary = await run.summary()
         if summary is not None and spec.get("out"):
             with open(spec["out"], "w") as fh:

@@ -473,6 +473,10 @@ class Connection(asyncio.BufferedProtocol):
     async def wait_closed(self) -> None:
         await asyncio.shield(self._closed)
 
+    def on_closed(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the loop) once this connection has closed, for whatever reason."""
+        self._closed.add_done_callback(lambda _f: callback())
+
     def hold_slot(self) -> int:
         """Called by a router while a frame is delivered whose payload is in the peer's pool:
         keep the slot (the payload stays valid) until ``conn.shm.release_slot``."""

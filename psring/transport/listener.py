@@ -195,7 +195,7 @@ class Listener:
             conn.abort(exc)
             return
         self.connections.add(conn)
-        conn._closed.add_done_callback(lambda _f: self.connections.discard(conn))
+        conn.on_closed(lambda: self.connections.discard(conn))
         try:
             if self._router_for is not None:
                 conn.router = self._router_for(conn)

@@ -14,7 +14,7 @@ posted pokes it over the same-host link (a short timed sleep covers a poke that 
 going to sleep).
 
 The blocking API (``psring.init()``) runs the call on the caller's thread when nothing else of the
-group is in flight (:meth:`BoardPath.all_reduce_now`): it posts, and when every peer's post comes
+group is in flight (:meth:`BoardAllReduce.soon`): it posts, and when every peer's post comes
 within its spin it folds there, with no hop to the event loop and back (which costs more than the
 exchange itself). A call whose peers are late is handed to the event loop where it stands, and from
 there on is a collective like any other: timed out, reported when it stalls, abandoned on an abort.
@@ -38,16 +38,17 @@ from ...core.reduceop import OPS
 from ...errors import MismatchError
 from ...transport.shmboard import Board
 from ..collective import Collective, mismatch_message
+from ..now import Carry, Done, Now
 from .chooser import Algorithm, Call
 from .constants import BOARD_HERE, BOARD_WAKE, MESH_EARLY_MAX
 from .net import PeerNet
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .caller import CallerThread
     from .context import RingContext
     from .exchange import Exchange
     from .hier import Hierarchical
+    from .shortways import ShortWays
 
 #: the call descriptor of a wake-up message (it carries no call; messages must name one)
 _WAKE = ("wake", None, None, None, None, None)
@@ -69,9 +70,9 @@ class BoardAllReduce(Algorithm):
 
     route = Path.BOARD
 
-    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange, hier: Hierarchical) -> None:
+    def __init__(self, ctx: RingContext, short: ShortWays, exchange: Exchange, hier: Hierarchical) -> None:
         super().__init__(ctx)
-        self.caller, self.exchange, self.hier = caller, exchange, hier
+        self.short, self.exchange, self.hier = short, exchange, hier
         self.unposted: set[int] = set()  # the loop's board calls begun and not posted yet, in call order
         #: calls that took the short way (start) and ended there, and those the loop took over
         self.ran_now = 0
@@ -93,7 +94,7 @@ class BoardAllReduce(Algorithm):
             return None
         return board
 
-    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> Now:
         """The short way: the whole call in one native call (quick) where it can, else numbered and
         posted here (start), folded here when every peer's post comes within the spin (posted)."""
         quick = self.quick(x, op)
@@ -107,7 +108,7 @@ class BoardAllReduce(Algorithm):
         begun before it, whichever way they went)."""
         board = self.net.board
         assert board is not None
-        x = self.caller.checked(x, op)
+        x = self.short.checked(x, op)
         coll = self.rt.begin("all_reduce", x, op)
         self.unposted.add(coll.seq)
         try:
@@ -195,7 +196,7 @@ class BoardAllReduce(Algorithm):
                 for _ in range(HOT_POLLS):  # as _spin
                     if ready():
                         return
-            end = time.perf_counter() + self.caller.spin_budget(nbytes)
+            end = time.perf_counter() + self.short.spin_budget(nbytes)
             while time.perf_counter() < end:
                 if ready():
                     return
@@ -231,15 +232,15 @@ class BoardAllReduce(Algorithm):
 
     def posted(
         self, board: Board, seq: int, desc: tuple[Any, ...], x: np.ndarray, started: float, op: str, late: bool = False
-    ) -> tuple[bool, Any]:
+    ) -> Done | Carry:
         """soon once the call is numbered and posted (``late``: its peers were not all there
         within the spin already)."""
         if late or not (board.all_posted(seq) or self._spin(board, False, seq, x.nbytes)):
             self.adopted += 1
-            return False, self._adopt(board, seq, x, op, started)
+            return Carry(self._adopt(board, seq, x, op, started))
         if not self._split(x):
             self.ran_now += 1
-            return True, self._end_now(board, seq, desc, x, op, started)
+            return Done(self._end_now(board, seq, desc, x, op, started))
         try:
             self._fold_mine(board, seq, desc, x, op)
         except BaseException as exc:
@@ -247,11 +248,11 @@ class BoardAllReduce(Algorithm):
             raise
         if board.all_marked(seq) or self._spin(board, True, seq, x.nbytes):
             self.ran_now += 1
-            return True, self._end_now(board, seq, desc, x, op, started, folded=True)
+            return Done(self._end_now(board, seq, desc, x, op, started, folded=True))
         self.adopted += 1
-        return False, self._adopt(board, seq, x, op, started, folded=True)
+        return Carry(self._adopt(board, seq, x, op, started, folded=True))
 
-    def quick(self, x: Any, op: str) -> tuple[bool, Any] | None:
+    def quick(self, x: Any, op: str) -> Now:
         """The short way whole in one native call (Board.exchange: post, poll, check, fold in C -- the split
         fold too: this rank's chunk, the mark, the peers' folded chunks) where the board is native, folds
         the call's dtype and op, and the call is not two-level; else None, and nothing was done. A call
@@ -268,7 +269,7 @@ class BoardAllReduce(Algorithm):
             if kind is not None and x.nbytes <= board.limit:  # (streamed calls: the chooser's, not this)
                 desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, None)
                 hot = HOT_POLLS if self.world_size <= CORES else 0
-                plan = (desc, self.tag(desc), kind, self._split(x), hot, self.caller.spin_budget(x.nbytes))
+                plan = (desc, self.tag(desc), kind, self._split(x), hot, self.short.spin_budget(x.nbytes))
             if len(self._quick) < 1024:
                 self._quick[key] = plan
         if plan is False or self.net.hosts is not None:
@@ -276,7 +277,7 @@ class BoardAllReduce(Algorithm):
         flags = x.flags
         if (
             not (flags.c_contiguous and flags.aligned)
-            or not self.caller.idle()
+            or not self.short.idle()
             or not board.clear_to_post(self.rt.next_seq)
         ):
             return None
@@ -296,7 +297,7 @@ class BoardAllReduce(Algorithm):
         if code == 0:
             self.ran_now += 1
             self._books(board, seq, desc, started, None)
-            return True, out
+            return Done(out)
         if code == 3:
             self.poke(board.sleepers(seq))
         if code <= 3:
@@ -306,17 +307,17 @@ class BoardAllReduce(Algorithm):
             self.poke(board.sleepers(seq, marked=True))
             if board.all_marked(seq) or self._spin(board, True, seq, x.nbytes):
                 self.ran_now += 1
-                return True, self._end_now(board, seq, desc, x, op, started, folded=True)
+                return Done(self._end_now(board, seq, desc, x, op, started, folded=True))
         self.adopted += 1
-        return False, self._adopt(board, seq, x, op, started, folded=True)
+        return Carry(self._adopt(board, seq, x, op, started, folded=True))
 
     def start(self, x: Any, op: str) -> tuple[Board, int, tuple[Any, ...], np.ndarray, float] | None:
         """The short way (any thread, nothing of this group in flight): number the call and post it;
         (board, seq, call, x, when it began), or None: take the long way (all_reduce)."""
         board = self._board(x)
-        if board is None or not self.caller.idle(numbered=True) or not board.clear_to_post(self.rt.next_seq):
+        if board is None or not self.short.idle(numbered=True) or not board.clear_to_post(self.rt.next_seq):
             return None
-        x, seq, desc, started = self.caller.number(x, op)
+        x, seq, desc, started = self.short.number(x, op)
         self._post(board, seq, desc, x)
         return board, seq, desc, x, started
 
@@ -344,7 +345,7 @@ class BoardAllReduce(Algorithm):
         self, board: Board, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None
     ) -> None:
         """A board call the caller's thread ended: its books (_books_now), and the board acked."""
-        self.caller.books(seq, desc, started, error)
+        self.short.books(seq, desc, started, error)
         board.ack(self.rt.stopped_at() - 1)
 
     def _spin(self, board: Board, marked: bool, k: int, nbytes: int) -> bool:
@@ -353,14 +354,14 @@ class BoardAllReduce(Algorithm):
         if self.net.config.spin_us <= 0 or PeerNet.live != 1:
             return False
         hot = HOT_POLLS if self.world_size <= CORES else 0
-        got = board.spin(k, marked, hot, self.caller.spin_budget(nbytes))  # in C where the board is native
+        got = board.spin(k, marked, hot, self.short.spin_budget(nbytes))  # in C where the board is native
         if got is not None:
             return got
         ready = board.all_marked if marked else board.all_posted
         for _ in range(hot):  # a peer on another core posts within these: no syscall in between
             if ready(k):
                 return True
-        end = time.perf_counter() + self.caller.spin_budget(nbytes)
+        end = time.perf_counter() + self.short.spin_budget(nbytes)
         while time.perf_counter() < end:
             os.sched_yield()
             if ready(k):

@@ -8,7 +8,7 @@ no :class:`~psring.topology.collective.Collective` around it (:meth:`Algorithm.s
 thread for the blocking API and the torch backend, or straight from the loop for the asyncio API).
 
 :class:`Chooser` holds them in order and answers which one takes an all_reduce; the asyncio API
-(``RingGroup.all_reduce``), the blocking API and the torch backend (``RingGroup.all_reduce_soon``) and
+(``RingGroup.all_reduce``), the blocking API and the torch backend (``RingGroup.try_now``) and
 the collective's own body (``RingGroup._all_reduce``) all ask it, and ``psring advise`` predicts from
 the same thresholds (:mod:`psring.topology.ring.paths`). Every rank asks with the same call and the
 same agreed thresholds, so every rank takes the same algorithm: the messages one rank sends are the
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from ..now import NOT_NOW, Now
 from .context import RingContext, RingPart
 from .paths import Path
 
@@ -58,18 +59,18 @@ class Algorithm(RingPart):
 
     route: ClassVar[Path]
     #: its short way runs the whole transfer on the caller's thread (a caller with other work to overlap
-    #: with the transfer -- DDP's gradient hooks -- asks for the loop instead: all_reduce_soon(plane=False))
+    #: with the transfer -- DDP's gradient hooks -- asks for the loop instead: try_now(holds_caller=False))
     holds_caller: ClassVar[bool] = False
 
     def eligible(self, call: Call) -> bool:
         """Whether this algorithm takes the call (pure: the same answer on every rank)."""
         raise NotImplementedError
 
-    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
-        """The short way, where the algorithm has one and nothing of the group is in flight: (True, the
-        result) when it ended here; (False, a coroutine for the loop) when a peer was late and the loop
-        carries it on as a collective; None when not now (nothing was done: take the loop's way)."""
-        return None
+    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> Now:
+        """The short way, where the algorithm has one and nothing of the group is in flight: ``Done(the
+        result)`` when it ended here; ``Carry(a coroutine for the loop)`` when a peer was late and the loop
+        carries it on as a collective; ``NOT_NOW`` (None: nothing was done: take the loop's way)."""
+        return NOT_NOW
 
     async def all_reduce(self, x: np.ndarray, op: str) -> Any:
         """The whole call from the event loop once the short way said not now: by default the general

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from . import frames
 from .paths import Path, choose_all_reduce
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class RingContext:
 
     def header(self, coll: Collective, *tag: Any) -> dict[str, Any]:
         """A data frame's header for collective coll (its descriptor, so a mismatch is named)."""
-        return {"kind": "data", "tag": (self.gid, coll.seq, *tag), "call": coll.desc, "src": self.rank}
+        return frames.data(self.gid, coll.seq, tag, coll.desc, self.rank)
 
     def loop_path(self, nbytes: int, coded: bool = False) -> Path:
         """The route of a call that did not take the boards: ring.paths decides, from what every rank agreed."""

@@ -25,6 +25,7 @@ from ...errors import PeerLostError, ProtocolError
 from ...transport.connection import Connection
 from ...transport.loop import poll_until
 from ..collective import Collective
+from . import frames
 from .constants import MESH_EARLY_MAX, MESH_MAX_BYTES
 from .context import RingContext, RingPart
 from .net import PeerNet
@@ -252,7 +253,7 @@ class Exchange(RingPart):
         targets = [d for d in receivers if d != me]
         conns = await self.ctx.links(targets) if targets else []
         if conns:
-            header: dict[str, Any] = {"kind": "data", "tag": (gid, seq, phase, me), "call": coll.desc, "src": me}
+            header = frames.data(gid, seq, (phase, me), coll.desc, me)
             payload = None
             if x is not None:
                 header["dtype"], header["shape"] = dtype_name(x.dtype), list(x.shape)

@@ -15,7 +15,6 @@ A rank listens on one port (PSRING_PORT, or an ephemeral one); peers and its dat
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -31,7 +30,8 @@ from ...rendezvous.scheduler import GroupSettings
 from ...transport.connection import Connection
 from ..collective import Collective
 from ..group import Group
-from . import agree, quorum
+from ..now import NOT_NOW, Done, Now
+from . import agree, frames, quorum
 from .constants import BOARD_HERE, BOARD_WAKE, SCATTER
 from .context import RingContext
 from .net import PeerNet
@@ -47,7 +47,7 @@ class RingGroup(Group):
 
     The group holds the rank's endpoint (``net``: links, boards, the data plane) and one object per
     algorithm (ring.chooser); the chooser picks an all_reduce's algorithm, the same on every rank. What
-    the algorithms share is here or below: the group's numbering and books (Group, ``caller``), the
+    the algorithms share is here or below: the group's numbering and books (Group, ``short``: ring.shortways), the
     small-message exchange (``exchange``), the links (``_link``, ``_links``, ``_header``).
     """
 
@@ -77,7 +77,7 @@ class RingGroup(Group):
         )
         self.peer_order = self.ctx.peer_order
         parts = RingParts(self.ctx)
-        self.caller, self.exchange, self.chooser = parts.caller, parts.exchange, parts.chooser
+        self.short, self.exchange, self.chooser = parts.short, parts.exchange, parts.chooser
         self.board, self.streamed, self.hier, self.tcp = parts.board, parts.streamed, parts.hier, parts.tcp
         self.direct, self.rooted, self.two_hop, self.ring = parts.direct, parts.rooted, parts.two_hop, parts.ring
         self.plane, self.coded = parts.plane, parts.coded
@@ -132,7 +132,7 @@ class RingGroup(Group):
 
     # ---------------------------------------------------------------- plumbing
     def send_abort(self, seq: int, err: PsringError, reason: str) -> None:
-        self.net.flood({"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err)})
+        self.net.flood(frames.abort(self.gid, seq, reason, str(err)))
 
     def make_subgroup(self, gid: str, ranks: list[int]) -> RingGroup:
         return RingGroup(
@@ -142,9 +142,16 @@ class RingGroup(Group):
     def quorum(self) -> Quorum:
         """The rounds that re-form this ring's survivors after a loss (one per ring, kept by its root)."""
         root = self.net.groups.get("0", self)
-        if root._quorum is None:
-            root._quorum = Quorum(root)
-        return root._quorum
+        return root.keep_quorum(None)
+
+    def keep_quorum(self, q: Quorum | None) -> Quorum:
+        """This ring's quorum: ``q`` for a ring a round formed (its ids, registry, round), else the one it
+        has, made on first use."""
+        if q is not None:
+            self._quorum = q
+        elif self._quorum is None:
+            self._quorum = Quorum(self)
+        return self._quorum
 
     def on_peer_lost(self, err: PeerLostError) -> None:
         if err.rank is not None and err.rank in self.members and self.members != list(range(self.world_size)):
@@ -191,10 +198,11 @@ class RingGroup(Group):
     async def all_reduce(self, x: Any, op: str = "sum", compression: str | Codec | None = None) -> Any:
         if compression is None and type(x) is np.ndarray:
             algo = self.chooser.algorithm(x, op)
-            soon = algo.soon(x, op, on_loop=True)
-            if soon is not None:
-                done, value = soon
-                return value if done else await value
+            now = algo.soon(x, op, on_loop=True)
+            if isinstance(now, Done):
+                return now.value
+            if now is not None:
+                return await now.rest
             return await algo.all_reduce(x, op)
         return await super().all_reduce(x, op, compression)
 
@@ -202,38 +210,17 @@ class RingGroup(Group):
         """all_reduce the general way: Group's checks and staging, a Collective, then _all_reduce."""
         return await super().all_reduce(x, op)
 
-    def all_reduce_now(self, x: Any, op: str = "sum", compression: str | None = None) -> Any:
-        """all_reduce from the caller's thread (the blocking API), or ``NotImplemented`` where the call
-        must take the event loop (no short way for it, or something of this group in flight there).
-        A call whose peers are late is carried on by the loop, and the thread waits for it."""
-        soon = self.all_reduce_soon(x, op, compression)
-        if soon is None:
-            return NotImplemented
-        done, value = soon
-        if done:
-            return value
-        assert self.net.loop is not None
-        fut = asyncio.run_coroutine_threadsafe(value, self.net.loop)
-        try:
-            return fut.result()
-        except KeyboardInterrupt:
-            fut.cancel()
-            raise
-
-    def all_reduce_soon(
-        self, x: Any, op: str = "sum", compression: str | None = None, plane: bool = True
-    ) -> tuple[bool, Any] | None:
-        """all_reduce's short way for a caller off the event loop that waits in its own way (the
-        blocking API, the torch backend), when nothing of this group is in flight on the loop: (True,
-        the result) when it ended on the caller's thread; (False, a coroutine to run on the loop) when a
-        peer was late; None: not this call, use all_reduce. ``plane``: a call whose algorithm holds the
-        caller's thread for the whole transfer (two hops, the data plane) may run there too -- a caller
-        that has other work to overlap with the transfer (DDP's gradient hooks) says False."""
+    def try_now(self, x: Any, op: str = "sum", compression: Any = None, holds_caller: bool = True) -> Now:
+        """all_reduce's short way for a caller off the event loop (the blocking API, the torch backend), when
+        nothing of this group is in flight on the loop: the chooser's algorithm's ``soon``. ``holds_caller``:
+        a call whose algorithm holds the caller's thread for the whole transfer (two hops, the data plane)
+        may run there too -- a caller that has other work to overlap with the transfer (DDP's gradient
+        hooks) says False."""
         if compression is not None or type(x) is not np.ndarray:
-            return None
+            return NOT_NOW
         algo = self.chooser.algorithm(x, op)
-        if algo.holds_caller and not plane:
-            return None
+        if algo.holds_caller and not holds_caller:
+            return NOT_NOW
         return algo.soon(x, op)
 
     async def _all_reduce(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
@@ -301,7 +288,7 @@ class RingGroup(Group):
 
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
         conn = await self.ctx.link(dst)
-        conn.send_tensor({"kind": "data", "tag": (self.gid, "p2p", self.rank, n), "dev": device}, x)
+        conn.send_tensor(frames.p2p(self.gid, self.rank, n, device), x)
         await conn.flush()
 
 

@@ -23,6 +23,7 @@ from ...transport.samehost import host_key
 from ...transport.shmboard import Board, board_possible
 from ..group import farewell
 from ..stall import StallInspector
+from . import frames
 from .paths import NEVER, RingPaths
 from .plane.dataplane import DataPlane
 from .plane.links import PlaneLinks
@@ -271,7 +272,7 @@ class PeerNet:
         for group in list(self.groups.values()):
             if peer_rank in group.members:
                 group.on_peer_lost(err)
-        self.flood({"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": peer_rank, "message": str(err)})
+        self.flood(frames.lost(peer_rank, str(err)))
 
     def flood(self, header: dict[str, Any]) -> None:
         """Send a control frame over every open link (receivers forward it once)."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from ...core.fold import Layout, canonical_fold
 from ..collective import Collective
+from ..now import Now
 from .chooser import Algorithm, Call
 from .constants import DIRECT, RESULT, ROOT_REPORT_GRACE, TO_ROOT
 from .paths import Path
@@ -37,7 +38,7 @@ class OneHop(Algorithm):
     def eligible(self, call: Call) -> bool:
         return self.ctx.loop_path(call.nbytes) is self.route
 
-    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> Now:
         """Between hosts, a DIRECT call on the caller's thread over the TCP small-message links."""
         if self.route is Path.DIRECT and self.net.small.tcp is not None:
             return self.tcp.soon(x, op, on_loop)

@@ -122,7 +122,7 @@ class Quorum:
         logger.warning("elastic ring: round %d: admitting new worker(s) %s (ranks %s)", e, ids[group.world_size :], ids)
         members = set(group.members)
         ring = await _meet(
-            type(self.root).reformed(self.net.settings, self._job(reg), e, group.rank, len(ids)),
+            type(self.root).reformed(self.net.settings, self.job_of(reg), e, group.rank, len(ids)),
             store, f"{reg.prefix}/round/{e}", lambda: not members.isdisjoint(self.net.lost), self.net.settings.timeout,
         )  # fmt: skip
         self.epoch = e  # (an abandoned round's prefix is not used again)
@@ -131,7 +131,7 @@ class Quorum:
                            "worker(s) %s wait for the next boundary", e, sorted(members & set(self.net.lost)),
                            ids[group.world_size :])  # fmt: skip
             return None
-        ring._quorum = Quorum(ring, ids, reg, e, asked)
+        ring.keep_quorum(Quorum(ring, ids, reg, e, asked))
         self.spawned.append(ring)
         return ring
 
@@ -141,7 +141,7 @@ class Quorum:
             await self.net.store.set(f"{self.registry.prefix}/closed", json.dumps({"step": step}).encode())
 
     @staticmethod
-    def _job(reg: Registry) -> str:
+    def job_of(reg: Registry) -> str:
         """The job name of the first ring (its prefix is psring/<job>; later rings psring/<job>/e<n>)."""
         return reg.prefix.removeprefix("psring/").removesuffix("/elastic")
 
@@ -253,7 +253,7 @@ async def join(ring_class: Any, settings: Any) -> Any:
             record = await _admitted(store, key, closed, abandoned, settings)
             reg = Registry(record["registry"], int(record["world0"]))
             e = int(record["round"])
-            form = ring_class.reformed(settings, Quorum._job(reg), e, int(record["rank"]), len(record["ids"]))
+            form = ring_class.reformed(settings, Quorum.job_of(reg), e, int(record["rank"]), len(record["ids"]))
             ring = await _meet(form, store, f"{reg.prefix}/round/{e}", lambda: False, settings.timeout)
             if ring is not None:
                 break
@@ -264,7 +264,7 @@ async def join(ring_class: Any, settings: Any) -> Any:
         if store is not settings.client:
             with contextlib.suppress(Exception):  # cleanup: the store may be gone with the job
                 await store.close()
-    ring._quorum = Quorum(ring, record["ids"], reg, e, int(record["asked"]))
+    ring.keep_quorum(Quorum(ring, record["ids"], reg, e, int(record["asked"])))
     ring.joining = True
     ring.joined_with = record["extra"]
     return ring

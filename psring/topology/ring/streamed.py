@@ -53,7 +53,7 @@ class StreamedBoard(Algorithm):
         super().__init__(ctx)
         #: the board calls' machinery this shares: their turn in call order, sleeping, posting, mismatches
         self.board = board
-        self.caller, self.hier = board.caller, board.hier
+        self.short, self.hier = board.short, board.hier
         #: a streamed call is running (the next one posts after it ended: every rank runs them in call order)
         self._streaming = False
         self.ran = 0  # streamed calls that ended here
@@ -104,7 +104,7 @@ class StreamedBoard(Algorithm):
                 self.board.on_wake()
 
     async def _all_reduce(self, board: Board, x: np.ndarray, op: str, kind: str) -> np.ndarray:
-        x = self.caller.checked(x, op)
+        x = self.short.checked(x, op)
         if not x.flags.aligned:
             x = x.copy()
         coll = self.rt.begin("all_reduce", x, op)

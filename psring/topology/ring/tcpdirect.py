@@ -30,16 +30,17 @@ from ...core import wire
 from ...core.arrays import byte_view, dtype_name, pooled_empty
 from ...core.fold import canonical_fold
 from ...transport.shmboard import fold_kind
+from ..now import Carry, Done, Now
 from .constants import DIRECT, MESH_MAX_BYTES
 from .context import RingPart
 from .net import PeerNet
 from .paths import Path
 
 if TYPE_CHECKING:
-    from .caller import CallerThread
     from .context import RingContext
     from .exchange import Exchange
     from .hier import Hierarchical
+    from .shortways import ShortWays
 
 #: seconds the caller's thread waits for its peers' messages before the event loop takes the call over
 ADOPT_AFTER = 0.2
@@ -53,7 +54,7 @@ YIELDS = 16
 #: loop's, so more of them fit in a peer's answer
 NATIVE_YIELDS = 64
 #: the buffers a call receives into (a row a rank) and a two-hop call's result come from the buffer pool
-#: from this size (a call alone in flight: from the group's scratch, CallerThread.alone_rows): a few hundred
+#: from this size (a call alone in flight: from the group's scratch, ShortWays.alone_rows): a few hundred
 #: KiB freed every call go back to the kernel and cost their page faults on every call
 POOL_FROM = 64 << 10
 
@@ -62,9 +63,9 @@ class TcpDirect(RingPart):
     """The DIRECT route's short way between hosts (ring.onehop): a small all_reduce on the caller's thread
     over the TCP small-message links, or straight from the loop within its spin budget."""
 
-    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange, hier: Hierarchical) -> None:
+    def __init__(self, ctx: RingContext, short: ShortWays, exchange: Exchange, hier: Hierarchical) -> None:
         super().__init__(ctx)
-        self.caller, self.exchange, self.hier = caller, exchange, hier
+        self.short, self.exchange, self.hier = short, exchange, hier
         #: calls that ended here, those the loop took over, and of the first those that were one native
         #: call (TcpMesh.exchange)
         self.ran_now = 0
@@ -78,7 +79,7 @@ class TcpDirect(RingPart):
         #: quick's last plan, result and rows (one kept at a time)
         self._last: tuple[Any, np.ndarray, np.ndarray] | None = None
 
-    def soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def soon(self, x: Any, op: str, on_loop: bool = False) -> Now:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
         loop) when it must end there; None: not this call, or not now (take all_reduce).
 
@@ -91,7 +92,7 @@ class TcpDirect(RingPart):
             or type(x) is not np.ndarray
             or mesh.holds
             or mesh.backlog
-            or not self.caller.idle(numbered=True)
+            or not self.short.idle(numbered=True)
         ):
             return None
         quick = self.quick(x, op, on_loop)
@@ -100,7 +101,7 @@ class TcpDirect(RingPart):
         nbytes = x.nbytes
         if not self.takes(nbytes):
             return None
-        x, seq, desc, started = self.caller.number(x, op)
+        x, seq, desc, started = self.short.number(x, op)
         n_ranks, members = self.world_size, self.members
         bufs = pooled_empty(n_ranks * x.size, x.dtype, POOL_FROM).reshape(n_ranks, x.size)
         flat = x.reshape(-1)
@@ -124,21 +125,21 @@ class TcpDirect(RingPart):
             if sent and missing:
                 missing = self._read(expect, bufs, missing, on_loop)
         except BaseException as exc:
-            self.caller.books(seq, desc, started, exc)
+            self.short.books(seq, desc, started, exc)
             raise
         if missing or not sent:
             self.adopted += 1
-            return False, self._adopt(seq, x, op, bufs, missing, started, flushed=sent)
+            return Carry(self._adopt(seq, x, op, bufs, missing, started, flushed=sent))
         try:
             out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self.hier.hosts())
         except BaseException as exc:
-            self.caller.books(seq, desc, started, exc)
+            self.short.books(seq, desc, started, exc)
             raise
-        self.caller.books(seq, desc, started, None)
+        self.short.books(seq, desc, started, None)
         self.ran_now += 1
-        return True, out.reshape(x.shape)
+        return Done(out.reshape(x.shape))
 
-    def quick(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def quick(self, x: Any, op: str, on_loop: bool = False) -> Now:
         """soon's call whole in one native call (TcpMesh.exchange: send, read, fold in C) where the
         mesh is native, the C fold takes the call's dtype and op, and the call is not two-level; else
         None, and nothing was done. A call whose peers are late (past the spin; on the loop, past
@@ -159,7 +160,7 @@ class TcpDirect(RingPart):
                     wire.header_maker(self.gid, DIRECT, desc),
                     kind,
                     links,
-                    self.caller.spin_budget(x.nbytes),
+                    self.short.spin_budget(x.nbytes),
                 )
             if len(self.plans) < 1024:
                 self.plans[key] = plan
@@ -170,7 +171,7 @@ class TcpDirect(RingPart):
             or self.exchange.early
             or not x.flags.c_contiguous
             or not x.flags.aligned
-            or not self.caller.idle()
+            or not self.short.idle()
         ):
             return None
         desc, header, kind, links, budget = plan  # type: ignore[misc]
@@ -184,10 +185,10 @@ class TcpDirect(RingPart):
         last = self._last
         out = last[1] if last is not None and last[0] is plan else None
         # (references: the tuple's, `out`, the argument -- a view of it holds it too: it owns its memory)
-        if last is not None and out is not None and getrefcount(out) == 3 and last[2].base is self.caller.scratch:
+        if last is not None and out is not None and getrefcount(out) == 3 and last[2].base is self.short.scratch:
             bufs = last[2]
         else:
-            bufs = self.caller.alone_rows(self.world_size, x.size, x.dtype)
+            bufs = self.short.alone_rows(self.world_size, x.size, x.dtype)
             out = np.empty_like(x)
             self._last = (plan, out, bufs)
         head = mesh.head(header(seq), x.nbytes)
@@ -205,15 +206,15 @@ class TcpDirect(RingPart):
                 if not missing:
                     out = canonical_fold(bufs, op, out.reshape(-1)).reshape(x.shape)
         except BaseException as exc:
-            self.caller.books(seq, desc, started, exc)
+            self.short.books(seq, desc, started, exc)
             raise
         if code == 0:
-            self.caller.books(seq, desc, started, None)
+            self.short.books(seq, desc, started, None)
             self.ran_now += 1
             self.ran_native += 1
-            return True, out
+            return Done(out)
         self.adopted += 1
-        return False, self._adopt(seq, x, op, bufs, missing, started, flushed=code != 4)
+        return Carry(self._adopt(seq, x, op, bufs, missing, started, flushed=code != 4))
 
     def takes(self, nbytes: int) -> bool:
         """Whether an all_reduce of ``nbytes`` takes the caller's-thread way (the job's group, a DIRECT
@@ -239,13 +240,13 @@ class TcpDirect(RingPart):
         links = [mesh.links[self.members[r]] for r in missing]
         row = bufs.shape[1] * bufs.itemsize
         # the loop waits only within its spin budget, and not at all for ranks that share it (in this process)
-        wait = (self.caller.spin_budget(row) if PeerNet.live == 1 else 0.0) if on_loop else ADOPT_AFTER
+        wait = (self.short.spin_budget(row) if PeerNet.live == 1 else 0.0) if on_loop else ADOPT_AFTER
         end = time.monotonic() + wait
         # a lone rank in its process yields its core a few times before it sleeps in poll (YIELDS)
         spin = self.net.config.spin_us > 0 and PeerNet.live == 1
-        spin_end = time.perf_counter() + self.caller.spin_budget(row) if spin else 0.0
+        spin_end = time.perf_counter() + self.short.spin_budget(row) if spin else 0.0
         if mesh.native:  # the same loop in C (psring._native), the GIL released
-            yields, budget = (NATIVE_YIELDS, self.caller.spin_budget(row)) if spin else (0, 0.0)
+            yields, budget = (NATIVE_YIELDS, self.short.spin_budget(row)) if spin else (0, 0.0)
             while True:
                 code = mesh.read(links, missing, expect, bufs, yields, budget, min(end - time.monotonic(), LOOK_EVERY))
                 if code != 1 or time.monotonic() >= end or self.rt.interrupted:

@@ -34,6 +34,7 @@ from ...core.fold import canonical_fold, ring_chunk_bounds
 from ...transport.shmboard import fold_kind
 from ...transport.tcpmesh import TcpMesh
 from ..collective import Collective
+from ..now import Carry, Done, Now
 from .chooser import Algorithm, Call
 from .constants import TWO_GATHER, TWO_SCATTER
 from .net import PeerNet
@@ -46,9 +47,9 @@ except ImportError:  # not built here: numpy's fold, the same bits
     _fold_chunk = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
-    from .caller import CallerThread
     from .context import RingContext
     from .exchange import Exchange
+    from .shortways import ShortWays
 
 #: with nothing to do a lone rank in its process gives up its core this many times (counted again after
 #: each move) before it sleeps in poll, as the data plane's native ring does (dataplane.NATIVE_HOT)
@@ -127,7 +128,7 @@ class _Call:
         if rows is not None:
             self.rows = rows
         elif alone:
-            self.rows = group.caller.alone_rows(n, b - a, x.dtype)
+            self.rows = group.short.alone_rows(n, b - a, x.dtype)
         else:
             self.rows = pooled_empty(n * (b - a), x.dtype, POOL_FROM).reshape(n, b - a)
         self.out = result_empty(self.flat, POOL_FROM) if out is None else out.reshape(-1)
@@ -145,9 +146,9 @@ class TwoHop(Algorithm):
     route = Path.TWO_HOP
     holds_caller = True
 
-    def __init__(self, ctx: RingContext, caller: CallerThread, exchange: Exchange) -> None:
+    def __init__(self, ctx: RingContext, short: ShortWays, exchange: Exchange) -> None:
         super().__init__(ctx)
-        self.caller, self.exchange = caller, exchange
+        self.short, self.exchange = short, exchange
         #: calls that ended on the caller's thread, those the loop took over from it, and those the loop
         #: ran from their start (the asyncio API, the torch backend's, calls beside others); of the first,
         #: those that took fast whole
@@ -164,7 +165,7 @@ class TwoHop(Algorithm):
     def eligible(self, call: Call) -> bool:
         return call.world and self.net.paths.two_hop(call.nbytes, self.world_size)
 
-    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def soon(self, x: np.ndarray, op: str, on_loop: bool = False) -> Now:
         """The kind of call that took two hops whole before goes the fastest way (fast); else _soon."""
         if self.plans:
             quick = self.fast(x, op, on_loop)
@@ -184,7 +185,7 @@ class TwoHop(Algorithm):
         return plan
 
     # ------------------------------------------------------------------ the caller's thread
-    def _soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def _soon(self, x: Any, op: str, on_loop: bool = False) -> Now:
         """(True, the result) when the call ended on the caller's thread; (False, a coroutine for the
         loop) when it must end there; None: not this call, or not now (take all_reduce).
 
@@ -200,14 +201,14 @@ class TwoHop(Algorithm):
             or mesh.holds
             or mesh.backlog
             or self.exchange.early
-            or not self.caller.idle(numbered=True)
+            or not self.short.idle(numbered=True)
             or not self.net.paths.two_hop(x.nbytes, self.world_size)  # (no plan for a size it never takes)
         ):
             return None
         plan = self._plan(x, op, x.shape, self.rt.after)  # (the after number() gives it)
         if not plan.takes or not mesh.usable(plan.links):
             return None
-        x, seq, desc, started = self.caller.number(x, op)
+        x, seq, desc, started = self.short.number(x, op)
         # (its dtype and op checked: later calls of this kind may take fast)
         plan.fast = plan.native and self.net.board is None
         call = _Call(self, seq, x, op, plan, alone=True)
@@ -215,16 +216,16 @@ class TwoHop(Algorithm):
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
         if on_loop:  # (no waiting beyond the first native call)
-            wait = self.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            wait = self.short.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
             end = 0.0
         try:
             code = self._first(call, plan, mesh, hot, wait) if plan.native else 1
         except BaseException as exc:
-            self.caller.books(seq, desc, started, exc)
+            self.short.books(seq, desc, started, exc)
             raise
         return self._then(call, x, started, code, hot, end)
 
-    def fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def fast(self, x: np.ndarray, op: str, on_loop: bool = False) -> Now:
         """_soon for a kind of call (dtype, shape, op) that took two hops whole on the caller's thread
         before: the same checks and books with as little Python around the native call as can be (``on_loop``:
         the asyncio API's call, from the loop, as _soon's). Over TCP the Python around the native call
@@ -240,7 +241,7 @@ class TwoHop(Algorithm):
             or mesh.holds
             or mesh.backlog
             or self.exchange.early
-            or not self.caller.idle()
+            or not self.short.idle()
             or self.rt.troubled  # (what check_usable would raise for, or let run: the usual way does that)
             or not x.flags.c_contiguous
             or not mesh.usable(plan.links)
@@ -259,16 +260,16 @@ class TwoHop(Algorithm):
         if out is None or getrefcount(out) != 3 or (base is not None and getrefcount(base) != 3):
             out = result_empty(x, POOL_FROM)  # (shaped as x)
             last = None
-        if last is not None and last[2].base is self.caller.scratch:
+        if last is not None and last[2].base is self.short.scratch:
             rows = last[2]
         else:
             a, b = plan.bounds[self.rank]
-            rows = self.caller.alone_rows(len(plan.bounds), b - a, x.dtype)
+            rows = self.short.alone_rows(len(plan.bounds), b - a, x.dtype)
             self._last = (plan, out, rows)
         hot = HOT if PeerNet.live == 1 else 0
         wait = LOOK_EVERY
         if on_loop:  # (as _soon's: within the spin budget, and no waiting beyond the native call)
-            wait = self.caller.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
+            wait = self.short.spin_budget(x.nbytes) if self.net.config.spin_us > 0 and PeerNet.live == 1 else 0.0
         makers, kind = plan.makers, plan.kind
         assert kind is not None  # (plan.fast: plan.native)
         try:
@@ -277,18 +278,18 @@ class TwoHop(Algorithm):
                 makers[TWO_SCATTER](seq), makers[TWO_GATHER](seq), kind, op, hot, wait,
             )  # fmt: skip
             if code == 0 and phase == 2:
-                self.caller.books(seq, plan.desc, started, None)
+                self.short.books(seq, plan.desc, started, None)
                 self.ran_now += 1
                 self.ran_fast += 1
-                return True, out
+                return Done(out)
             call = _Call(self, seq, x, op, plan, rows=rows, out=out)
             self._stopped(call, code, sent, read, phase)
         except BaseException as exc:
-            self.caller.books(seq, plan.desc, started, exc)
+            self.short.books(seq, plan.desc, started, exc)
             raise
         return self._then(call, x, started, code, hot, 0.0 if on_loop else time.monotonic() + ADOPT_AFTER)
 
-    def _then(self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float) -> tuple[bool, Any]:
+    def _then(self, call: _Call, x: np.ndarray, started: float, code: int, hot: int, end: float) -> Done | Carry:
         """A call of the caller's thread after its first native call stopped with ``code``: driven on
         there until ``end``, then ended, or handed to the loop where it stands."""
         try:
@@ -299,14 +300,14 @@ class TwoHop(Algorithm):
                     break
                 code = self._drive(call, min(end - time.monotonic(), LOOK_EVERY), hot)
         except BaseException as exc:
-            self.caller.books(call.seq, call.desc, started, exc)
+            self.short.books(call.seq, call.desc, started, exc)
             raise
         if code == 0:
-            self.caller.books(call.seq, call.desc, started, None)
+            self.short.books(call.seq, call.desc, started, None)
             self.ran_now += 1
-            return True, call.out.reshape(x.shape)
+            return Done(call.out.reshape(x.shape))
         self.adopted += 1
-        return False, self._adopt(call, x, started)
+        return Carry(self._adopt(call, x, started))
 
     async def _adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
         coll = self.rt.begin("all_reduce", x, call.op, seq=call.seq, started=started)
@@ -335,10 +336,10 @@ class TwoHop(Algorithm):
             and PeerNet.live == 1  # (ranks that share this loop could not answer meanwhile)
         ):
             if plan.native:
-                self._first(call, plan, mesh, HOT, self.caller.spin_budget(x.nbytes))
+                self._first(call, plan, mesh, HOT, self.short.spin_budget(x.nbytes))
             else:
                 self._start(call)
-                self._drive(call, self.caller.spin_budget(x.nbytes), HOT)
+                self._drive(call, self.short.spin_budget(x.nbytes), HOT)
         else:
             self._start(call)
         return await self._rest(coll, call)

@@ -19,6 +19,7 @@ from ....errors import PeerLostError, ProtocolError, PsringError
 from ....settings import Settings
 from ....transport.connection import Connection
 from ....transport.local import LocalConnection
+from .. import frames
 from .pending import _Pending, _result_ranks
 from .relay import release_held, send_once, shared_pool
 
@@ -60,7 +61,7 @@ class Folding:
         # the result goes into a slot of this process's pool when the workers map it: written once, read by all
         pool = shared_pool(targets, (pb - pa) * dtype.itemsize, self.settings.ps_shm_min)
         slot = pool.take() if pool is not None else None
-        header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j), "call": pending.desc}
+        header = frames.data_result(pending.gid, pending.seq, self.index, j, pending.desc)
         local, out = None, None
         if slot is not None:
             assert pool is not None
@@ -121,7 +122,7 @@ class Folding:
         task.add_done_callback(self._handing.discard)
 
     def forward(self, pending: _Pending, src: int, j: int, data: np.ndarray, header: dict[str, Any]) -> None:
-        out = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "r", self.index, j, src), "call": pending.desc}
+        out = frames.data_relayed(pending.gid, pending.seq, self.index, j, src, pending.desc)
         if pending.kind == "gather":
             targets = [pending.root] if src != pending.root else []
         else:
@@ -192,7 +193,7 @@ class Folding:
             return
         if pending.done_pieces >= pending.expected_frames(self.index, self.shards):
             if pending.kind != "scatter" and not pending.pieces:  # nothing to send: say it is done
-                header = {"kind": "ps_data", "tag": (pending.gid, pending.seq, "done"), "call": pending.desc}
+                header = frames.data_done(pending.gid, pending.seq, pending.desc)
                 for conn in pending.conns.values():
                     with contextlib.suppress(PsringError):
                         conn.send_frame(dict(header))

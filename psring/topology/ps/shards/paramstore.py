@@ -39,6 +39,7 @@ from ....core.fold import canonical_fold
 from ....core.optim import Optimizer
 from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
+from .. import frames
 from .bucket import Bucket, enough_pushed
 from .checkpoint import ShardCheckpoint
 from .pending import weights_in
@@ -71,11 +72,7 @@ class ParamStore:
 
     # ----------------------------------------------------------------- frames
     def handle(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
-        op = header.get("op")
-        tag = header.get("tag")
-        if not (isinstance(tag, tuple) and len(tag) >= 2 and tag[0] == "param" and type(tag[1]) is int):
-            raise ProtocolError(f"parameter frame with a malformed tag {tag!r}")
-        b = tag[1]
+        op, b = frames.param_op(header)
         if op == "init":
             self._init(conn, b, header, payload)
         elif op == "init_state":
@@ -210,24 +207,12 @@ class ParamStore:
         keys = sorted(Optimizer.state_arrays(bucket.state))
         for key in keys:
             for j in range(len(bucket.pieces)):
-                header = {
-                    "kind": "ps_param",
-                    "op": "state",
-                    "tag": ("param", bucket.b, "state", self.shard.index, key, j, *req),
-                }
+                header = frames.state_piece(bucket.b, self.shard.index, key, j, req)
                 send_once(
                     [conn], header, bucket.state_view(key, j), stable=False, shm_min=self.shard.settings.ps_shm_min
                 )
         with contextlib.suppress(PsringError):
-            conn.send_frame(
-                {
-                    "kind": "ps_param",
-                    "op": "state",
-                    "tag": ("param", bucket.b, "stated", self.shard.index, *req),
-                    "step": bucket.step,
-                    "keys": keys,
-                }
-            )
+            conn.send_frame(frames.stated(bucket.b, self.shard.index, req, bucket.step, keys))
 
     def _push(self, conn: Connection, b: int, header: dict[str, Any], payload: Any) -> None:
         bucket = self._bucket(b)
@@ -390,12 +375,7 @@ class ParamStore:
         """Piece j's parameters after step t, to conn (a re-send) or to every worker (with backup
         workers: the stragglers too, who did not push it; ``folded`` names whose pushes it took)."""
         _pa, _pb, view = bucket.piece_view(j)
-        header = {
-            "kind": "ps_param",
-            "op": "result",
-            "tag": ("param", bucket.b, t, "r", self.shard.index, j),
-            "step": t + 1,
-        }
+        header = frames.result(bucket.b, t, self.shard.index, j)
         if conn is not None:
             conns = [conn]
         elif bucket.backup:
@@ -412,23 +392,10 @@ class ParamStore:
     def _send_params(self, conn: Connection, bucket: Bucket, why: str) -> None:
         for j in range(len(bucket.pieces)):
             _pa, _pb, view = bucket.piece_view(j)
-            header = {
-                "kind": "ps_param",
-                "op": "params",
-                "tag": ("param", bucket.b, "pull", self.shard.index, j),
-                "step": bucket.step,
-            }
+            header = frames.params_piece(bucket.b, self.shard.index, j, bucket.step)
             send_once([conn], header, view, stable=False, shm_min=self.shard.settings.ps_shm_min)
         with contextlib.suppress(PsringError):
-            conn.send_frame(
-                {
-                    "kind": "ps_param",
-                    "op": "params",
-                    "tag": ("param", bucket.b, "pulled", self.shard.index),
-                    "step": bucket.step,
-                    "pieces": len(bucket.pieces),
-                }
-            )
+            conn.send_frame(frames.pulled(bucket.b, self.shard.index, bucket.step, len(bucket.pieces)))
 
 
 def param_store(shard: Any) -> ParamStore:

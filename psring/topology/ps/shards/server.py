@@ -63,10 +63,10 @@ class ShardServer:
             raise ProtocolError(f"this process hosts shards {sorted(self.shards)}, not {shard_id!r}")
         return self.shards[shard_id]
 
-    def _router_for(self, conn: Connection) -> Any:
+    def router_for(self, conn: Connection) -> Any:
         return _ShardRouter(self._route(conn))
 
-    def _accepted(self, conn: Connection) -> None:
+    def accepted(self, conn: Connection) -> None:
         self._route(conn).attach(conn)
         conn.shm.pool_factory = self._pool_for_peers
 
@@ -87,19 +87,19 @@ class ShardServer:
         """
         worker_end, shard_end = local_pair(name, f"server shard {hello.get('shard')}")
         shard_end.peer = dict(hello)
-        shard_end.router = self._router_for(shard_end)  # checks job and shard, as for a dial
-        self._accepted(shard_end)
+        shard_end.router = self.router_for(shard_end)  # checks job and shard, as for a dial
+        self.accepted(shard_end)
         self.local.add(shard_end)
-        shard_end._closed.add_done_callback(lambda _f: self.local.discard(shard_end))  # no pool: no socket either
+        shard_end.on_closed(lambda: self.local.discard(shard_end))  # no pool: no socket either
         worker_end.peer = {"role": "server", "shards": [hello.get("shard")], "job": self.job}
         return worker_end
 
     async def start(self, host: str, port: int, advertise: str) -> ShardServer:
         self.listener = Listener(
-            self._accepted,
+            self.accepted,
             secret=self.secret,
             info=self.info(),
-            router_for=self._router_for,
+            router_for=self.router_for,
             name=f"server shard(s) {sorted(self.shards)}",
             settings=self.settings,
         )
@@ -174,10 +174,10 @@ class ShardHost:
     async def start(self, host: str, port: int, *, serving: bool = True) -> ShardHost:
         """Listen on host:port; ``serving=False`` binds only, until :meth:`start_serving`."""
         self.listener = Listener(
-            self._accepted,
+            self.accepted,
             secret=self.secret,
             info=self._info,
-            router_for=self._router_for,
+            router_for=self.router_for,
             name=self.name,
             settings=self.settings,
         )
@@ -210,14 +210,14 @@ class ShardHost:
             raise ProtocolError(f"{self.name} serves no shards of job {job!r} (it serves jobs {sorted(self.servers)})")
         return server
 
-    def _router_for(self, conn: Connection) -> Any:
+    def router_for(self, conn: Connection) -> Any:
         server = self._server(conn)
-        return server._router_for(conn) if server is not None else Mailbox()
+        return server.router_for(conn) if server is not None else Mailbox()
 
-    def _accepted(self, conn: Connection) -> None:
+    def accepted(self, conn: Connection) -> None:
         server = self._server(conn)
         if server is not None:
-            server._accepted(conn)
+            server.accepted(conn)
 
     async def close(self) -> None:
         for server in list(self.servers.values()):

@@ -48,6 +48,7 @@ from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
 from ....transport.tcpsocket import limit_send_buffer
 from ...collective import mismatch_message
+from .. import frames
 from ..plan import FOLD_KINDS, may_need
 from .folding import Folding
 from .paramstore import handle_param
@@ -195,7 +196,7 @@ class Shard:
         return at is None or seq >= at
 
     def _report_lost(self, rank: Any, how: str) -> None:
-        header = {"kind": "abort", "tag": ("*", -1), "reason": "lost", "lost": rank, "message": how}
+        header = frames.abort(("*", -1), "lost", how, lost=rank)
         for other in list(self.conns):
             with contextlib.suppress(PsringError):
                 other.send_frame(dict(header))
@@ -237,7 +238,7 @@ class Shard:
     def _reject(self, conn: Connection, message: str) -> None:
         logger.warning("%r: dropping rank %s (%s): %s", self, conn.peer.get("rank"), conn.peername, message)
         with contextlib.suppress(PsringError):
-            conn.send_frame({"kind": "reject", "reason": f"server shard {self.index}: {message}"})
+            conn.send_frame(frames.reject(f"server shard {self.index}: {message}"))
         asyncio.get_running_loop().call_later(0.05, conn.abort, ProtocolError(message))
 
     def _on_join(self, conn: Connection, header: dict[str, Any]) -> None:
@@ -254,15 +255,7 @@ class Shard:
         if pending is None:
             gone = [r for r in self.gone if r < join.size and self._left_before(r, key[1])] if key[0] == "0" else []
             if gone:  # it can never complete: say so now rather than at the deadline
-                conn.send_frame(
-                    {
-                        "kind": "abort",
-                        "tag": ("*", -1),
-                        "reason": "lost",
-                        "lost": gone[0],
-                        "message": self.gone[gone[0]],
-                    }
-                )
+                conn.send_frame(frames.abort(("*", -1), "lost", self.gone[gone[0]], lost=gone[0]))
                 # its data frames are already on the way (a worker sends them right behind the
                 # join): they and any later join must meet an abandoned collective, not a stranger
                 self._finish(key, "lost", lost=gone[0])
@@ -363,7 +356,7 @@ class Shard:
 
     # ------------------------------------------------------------- aborts
     def _abort_all(self, key: tuple[str, int], reason: str, message: str, missing: list[int] | None = None) -> None:
-        header = {"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": missing or []}
+        header = frames.abort(key, reason, message, missing=missing or [])
         for conn in list(self.conns):
             with contextlib.suppress(PsringError):
                 conn.send_frame(dict(header))
@@ -373,9 +366,7 @@ class Shard:
         self, conn: Connection, key: tuple[str, int], reason: str, message: str, lost: int | None = None
     ) -> None:
         """Collective key was abandoned (reason: mismatch, timeout, or lost: worker ``lost`` went away)."""
-        header: dict[str, Any] = {"kind": "abort", "tag": key, "reason": reason, "message": message, "missing": []}
-        if lost is not None:
-            header["lost"] = lost
+        header = frames.abort(key, reason, message, missing=[], **({"lost": lost} if lost is not None else {}))
         with contextlib.suppress(PsringError):
             conn.send_frame(header)
 
@@ -451,7 +442,7 @@ def on_link(settings: Settings, conn: Connection, header: dict[str, Any]) -> Non
     if tag is not None:
         if not isinstance(tag, tuple) or len(tag) != 2 or tag[0] != "link":
             raise ProtocolError(f"a ps_link probe with tag {tag!r}")
-        conn.send_frame({"kind": "ps_link", "tag": tag})
+        conn.send_frame(frames.link(tag))
     elif type(sndbuf) is not int or not 0 < sndbuf <= MAX_SNDBUF:
         raise ProtocolError(f"a ps_link frame names send buffer {sndbuf!r} (1 to {MAX_SNDBUF} bytes)")
     elif settings.ps_sndbuf is None and elsewhere(conn.peer.get("host")):

@@ -27,6 +27,7 @@ from ....core.optim import Optimizer
 from ....core.sparse import merge_rows
 from ....errors import ProtocolError, PsringError
 from ....transport.connection import Connection
+from .. import frames
 from ..rows import row_range, unpack_rows
 from .bucket import enough_pushed
 
@@ -79,15 +80,13 @@ class Tables:
         self.rows_applied = 0
 
     def handle(self, conn: Connection, header: dict[str, Any], payload: Any) -> None:
-        op, tag = header.get("op"), header.get("tag")
-        if not (isinstance(tag, tuple) and len(tag) >= 2 and type(tag[1]) is int):
-            raise ProtocolError(f"sparse table frame with a malformed tag {tag!r}")
+        op, k = frames.param_op(header, "sparse table")
         if op == "sp_init":
             self._init(header, payload)
         elif op == "sp_push":
-            self._push(conn, tag[1], header, payload)
+            self._push(conn, k, header, payload)
         elif op == "sp_pull":
-            self._pull(conn, tag[1], header, payload)
+            self._pull(conn, k, header, payload)
         elif op == "sp_admit":
             ranks, at = header.get("ranks"), header.get("at")
             if not (
@@ -244,7 +243,7 @@ class Tables:
         bad, table.inbox, table.bad = sorted(table.bad), {}, set()
         pulls, table.pulls = table.pulls, {}
         t = table.step
-        header = {"kind": "ps_param", "op": "sp_done", "tag": ("param", table.k, "sp_done", self.shard.index, t)}
+        header = frames.sp_done(table.k, self.shard.index, t)
         if bad:  # a rank's rows do not fit the table: nothing applied, the step taken again (every shard alike)
             header["bad"] = bad
             self._reply(table, header)
@@ -305,12 +304,7 @@ class Tables:
         if not isinstance(source, np.ndarray) or source.shape != table.param.shape:
             raise ProtocolError(f"sparse pull of table {k}: {of!r} is not the table or its optimizer's state")
         rows = np.take(source, idx - a, axis=0) if idx.size else np.empty((0, table.width), table.dtype)
-        reply = {
-            "kind": "ps_param",
-            "op": "sp_rows",
-            "tag": ("param", k, "sp_rows", self.shard.index, req),
-            "step": table.step,
-        }
+        reply = frames.sp_rows(k, self.shard.index, req, table.step)
         with contextlib.suppress(PsringError):
             conn.send_tensor(reply, rows)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ....errors import CollectiveTimeoutError, PeerLostError, PsringError
+from .. import frames
 from ..plan import live_gid
 
 if TYPE_CHECKING:
@@ -155,12 +156,9 @@ class Admission:
         # it complete without some of the old ones
         for b, flat in enumerate(buckets):  # every shard that holds a slice of it
             for shard, _a, _parts in self.params.layout(b, flat):
-                self.g.links.shards[shard].send_frame(
-                    {"kind": "ps_param", "op": "admit", "tag": ("param", b, "admit"), "ranks": new, "at": step}
-                )
+                self.g.links.shards[shard].send_frame(frames.admit(b, new, step))
         for conn in self.g.links.shards:  # every shard holds rows of every sparse table (if any)
-            conn.send_frame({"kind": "ps_param", "op": "sp_admit", "tag": ("param", 0, "sp_admit"), "ranks": new,
-                             "at": step})  # fmt: skip
+            conn.send_frame(frames.sp_admit(new, step))
         if me == live[0]:
             for r in new:
                 await self.g.links.store.set(f"{self.g.links.prefix}/join/{r}", b"admitted")

@@ -37,6 +37,7 @@ from ....transport.local import LocalConnection
 from ....transport.loop import poll_until
 from ...collective import Collective
 from ...group import Group
+from .. import frames
 from ..plan import SHARED_KINDS, per_piece, plan
 from . import setup
 from .hostreduce import HostReduce
@@ -129,7 +130,7 @@ class PsGroup(Group):
             coll.fail(type(err)(f"{err} (while {coll.label} was pending on rank {self.rank})"))
 
     def send_abort(self, seq: int, err: PsringError, reason: str) -> None:
-        header = {"kind": "abort", "tag": (self.gid, seq), "reason": reason, "message": str(err), "src": self.rank}
+        header = frames.abort((self.gid, seq), reason, str(err), src=self.rank)
         for conn in self.links.shards:
             if conn.is_open:
                 with contextlib.suppress(PsringError):
@@ -139,14 +140,8 @@ class PsGroup(Group):
         """Ask the shards who is missing; they answer every worker with an abort naming them."""
         if coll.done.done():
             return
-        header = {
-            "kind": "abort",
-            "tag": (self.gid, coll.seq),
-            "reason": "timeout",
-            "timeout": self.timeout,
-            "src": self.rank,
-            "message": f"{coll.label} timed out after {self.timeout:g}s on rank {self.rank}",
-        }
+        message = f"{coll.label} timed out after {self.timeout:g}s on rank {self.rank}"
+        header = frames.abort((self.gid, coll.seq), "timeout", message, timeout=self.timeout, src=self.rank)
         for conn in self.links.shards:
             if conn.is_open:
                 with contextlib.suppress(PsringError):
@@ -191,19 +186,14 @@ class PsGroup(Group):
 
     # ------------------------------------------------------------- the engine
     def _join(self, coll: Collective, piece: int) -> dict[str, Any]:
-        return {
-            "kind": "ps_req",
-            "tag": (self.gid, coll.seq, "join"),
-            "call": coll.desc,
-            "src": self.rank,
-            "size": self.world_size,
-            "piece": piece,  # the shard splits its slice alike
+        return frames.join(
+            self.gid, coll.seq, coll.desc, self.rank, self.world_size, piece,  # the shard splits its slice alike
             **({"ordered": True} if self.ordered else {}),
             **({"weights": list(self.links.weights)} if self.links.weights else {}),  # and cuts the tensor alike
-        }
+        )
 
     def _push(self, coll: Collective, j: int) -> dict[str, Any]:
-        return {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", j), "call": coll.desc, "src": self.rank}
+        return frames.data_push(self.gid, coll.seq, j, coll.desc, self.rank)
 
     async def _exchange(
         self,
@@ -381,7 +371,7 @@ class PsGroup(Group):
                 for r in range(self.world_size):
                     if r != me and r % shards == s:
                         conn.send_tensor(
-                            {"kind": "ps_data", "tag": (self.gid, coll.seq, "p", r), "call": coll.desc, "src": me},
+                            frames.data_push(self.gid, coll.seq, r, coll.desc, me),
                             xs[r],
                         )
             for conn in self.links.shards:
@@ -423,7 +413,7 @@ class PsGroup(Group):
 
     async def _send(self, x: np.ndarray, dst: int, n: int, device: str) -> None:
         conn = self._relay_shard(self.rank, dst)
-        header = {"kind": "ps_data", "tag": (self.gid, "p2p", self.rank, n), "dev": device, "to": self.members[dst]}
+        header = frames.p2p(self.gid, self.rank, n, device, self.members[dst])
         conn.send_tensor(header, x)
         await conn.flush()
 

@@ -27,12 +27,11 @@ from ....errors import PsringError
 from ....transport.connection import Connection
 from ....transport.samehost import elsewhere
 from ....transport.tcpsocket import kernel_round_trip
+from .. import frames
 from ..plan import WIRE_PIECES, link_tuning
 
 logger = logging.getLogger(__name__)
 
-#: the frame kind of a probe (a shard answers it at once) and of a worker's word on its send buffer
-KIND = "ps_link"
 #: the first round's bytes; the second's last about ROUND_S at the first's rate, within [FIRST, MOST]
 FIRST = 1 << 20
 MOST = 8 << 20
@@ -96,7 +95,7 @@ async def _round(probes: Probes, conns: list[Connection], nbytes: int, timeout: 
     start = time.perf_counter()
     try:
         for conn, tag in zip(conns, tags, strict=True):
-            conn.send_frame({"kind": KIND, "tag": tag}, share)
+            conn.send_frame(frames.link(tag), share)
         async with asyncio.timeout(timeout):
             await asyncio.gather(*waits)
     finally:

@@ -20,6 +20,7 @@ from ....transport.shmpool import ShmPool
 from ....transport.tcpsocket import limit_send_buffer
 from ...group import farewell
 from ...stall import StallInspector
+from .. import frames
 from ..plan import WIRE_PIECES, check_weights, piece_bytes
 from ..shards.server import ShardServer
 from . import linkprobe
@@ -166,7 +167,7 @@ class ServerLinks:
         if sndbuf > 0 and not conn.is_local and elsewhere(conn.peer.get("host")):
             limit_send_buffer(conn, sndbuf)
             with contextlib.suppress(PsringError):  # a connection lost meanwhile: its loss is reported
-                conn.send_frame({"kind": linkprobe.KIND, "sndbuf": sndbuf})
+                conn.send_frame(frames.link(sndbuf=sndbuf))
 
     def reaches_other_hosts(self) -> bool:
         """Whether some shard connection of this worker leaves its host (its handshake says so)."""
@@ -313,7 +314,7 @@ class ServerLinks:
         if kind == "stall":
             self.stalls.on_frame(conn, header)
             return True
-        if kind == linkprobe.KIND:  # a shard's answer to a link probe
+        if kind == frames.LINK:  # a shard's answer to a link probe
             fut = self.probes.pop(header.get("tag"), None)  # type: ignore[arg-type]  # wire values
             if fut is not None and not fut.done():
                 fut.set_result(None)

@@ -18,6 +18,7 @@ from ....core.arrays import byte_view
 from ....core.codec import Codec, codec_named
 from ....core.fold import pieces
 from ....errors import CollectiveTimeoutError, PeerLostError, ProtocolError, PsringError
+from .. import frames
 from ..plan import per_piece, plan
 from ..rows import pack_by_shard, row_range
 from .admission import Admission
@@ -69,9 +70,7 @@ class ParameterClient:
             for b, flat in enumerate(buckets):
                 for shard, _a, parts in self.layout(b, flat):
                     conn = self.g.links.shards[shard]
-                    base = {
-                        "kind": "ps_param",
-                        "op": "init",
+                    base: dict[str, Any] = {
                         "n": flat.size,
                         "dtype": wire.tensor_fields(flat)["dtype"],
                         "size": self.g.world_size,
@@ -85,14 +84,13 @@ class ParameterClient:
                     if step is not None and state is not None:
                         base.update(step=step, state_keys=sorted(state[b]))
                     if not parts:
-                        conn.send_frame({**base, "tag": ("param", b, "init", -1), "piece": None})
+                        conn.send_frame(frames.init(b, -1, **base))
                     for j, (pa, pb) in enumerate(parts):
-                        conn.send_tensor({**base, "tag": ("param", b, "init", j), "piece": j}, flat[pa:pb])
+                        conn.send_tensor(frames.init(b, j, **base), flat[pa:pb])
                     if step is not None and state is not None:
                         for key in sorted(state[b]):
                             for j, (pa, pb) in enumerate(parts):
-                                header = {"kind": "ps_param", "op": "init_state", "tag": ("param", b, "init_state", j)}
-                                conn.send_tensor({**header, "key": key}, state[b][key][pa:pb])
+                                conn.send_tensor(frames.init_state(b, j, key), state[b][key][pa:pb])
         if self.g.elastic and self.g.rank == 0:  # new workers may join it (init_group(join=True))
             await self.g.links.store.set(f"{self.g.links.prefix}/elastic", b"1")
         outs, steps = await self.pull_all(buckets, "pulling the initial parameters")
@@ -107,13 +105,11 @@ class ParameterClient:
 
         async def pull(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
             futs = [
-                self.g.mailbox.expect(("param", b, "pull", shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
+                self.g.mailbox.expect(frames.pull_tag(b, shard, j), byte_view(outs[b][pa:pb]) if pb > pa else None)
                 for j, (pa, pb) in enumerate(parts)
             ]
-            marker = self.g.mailbox.expect(("param", b, "pulled", shard))
-            self.g.links.shards[shard].send_frame(
-                {"kind": "ps_param", "op": "pull", "tag": ("param", b, "pull"), "src": self.g.rank}
-            )
+            marker = self.g.mailbox.expect(frames.pulled_tag(b, shard))
+            self.g.links.shards[shard].send_frame(frames.pull(b, self.g.rank))
             for fut in futs:
                 _c, hdr, payload = await fut
                 if payload is not None and hdr["nbytes"] and not _same(payload, outs[b]):
@@ -158,15 +154,13 @@ class ParameterClient:
 
         async def fetch(b: int, shard: int, parts: list[tuple[int, int]]) -> None:
             tags = [
-                (("param", b, "state", shard, k, j, req), outs[b][k][pa:pb])
+                (frames.state_tag(b, shard, k, j, req), outs[b][k][pa:pb])
                 for k in keys
                 for j, (pa, pb) in enumerate(parts)
             ]
             futs = [self.g.mailbox.expect(tag, byte_view(dest) if dest.size else None) for tag, dest in tags]
-            marker = self.g.mailbox.expect(("param", b, "stated", shard, req))
-            self.g.links.shards[shard].send_frame(
-                {"kind": "ps_param", "op": "state", "tag": ("param", b, "state"), "src": self.g.rank, "req": req}
-            )
+            marker = self.g.mailbox.expect(frames.stated_tag(b, shard, req))
+            self.g.links.shards[shard].send_frame(frames.state_request(b, self.g.rank, req))
             try:
                 for fut in futs:
                     await fut
@@ -174,7 +168,7 @@ class ParameterClient:
             finally:  # cut short (a server lost): nothing stays posted for answers that will not come
                 for tag, _dest in tags:
                     self.g.mailbox.unpost(tag)
-                self.g.mailbox.unpost(("param", b, "stated", shard, req))
+                self.g.mailbox.unpost(frames.stated_tag(b, shard, req))
             if sorted(hdr.get("keys") or []) != sorted(keys):
                 raise ProtocolError(f"server shard {shard} holds optimizer state {hdr.get('keys')}, expected {keys}")
             steps.append(int(hdr["step"]))
@@ -261,7 +255,7 @@ class ParameterClient:
     def result_tags(self, t: int, grads: list[np.ndarray]) -> list[tuple[tuple[Any, ...], int, int, int]]:
         """(tag, bucket, start, end) of every result piece of step t."""
         return [
-            (("param", b, t, "r", shard, j), b, pa, pb)
+            (frames.result_tag(b, t, shard, j), b, pa, pb)
             for b, flat in enumerate(grads)
             for shard, _a, parts in self.layout(b, flat)
             for j, (pa, pb) in enumerate(parts)
@@ -305,16 +299,13 @@ class ParameterClient:
         for i, flat in enumerate(grads):
             b = ids[i]
             sent, e = wire_grads[i]
-            push: dict[str, Any] = {"kind": "ps_param", "op": "push", "src": self.g.rank}
-            if e is not None:
-                assert codec is not None
-                push["codec"] = codec.name
-            if resend:  # after a reconnect: a piece applied already is answered, not dropped as late
-                push["resend"] = True
+            # (after a reconnect, resend: a piece applied already is answered, not dropped as late)
+            assert e is None or codec is not None
+            push = frames.push(self.g.rank, codec.name if e is not None and codec is not None else None, resend)
             for shard, _a, parts in self.layout(b, flat):
                 conn = self.g.links.shards[shard]
                 for j, (pa, pb) in enumerate(parts):
-                    tag = ("param", b, t, "r", shard, j)
+                    tag = frames.result_tag(b, t, shard, j)
                     if tag in got:
                         continue
                     self.g.mailbox.unpost(tag)
@@ -327,7 +318,7 @@ class ParameterClient:
                     shared = piece.nbytes >= self.g.links.config.ps_shm_min and conn.shm.peer_maps_pool
                     if shared:
                         await self.g.links.slot_for(("param", t))
-                    header = {**push, "tag": ("param", b, t, j)}
+                    header = frames.push_piece(push, b, t, j)
                     if e is not None:
                         assert codec is not None
                         header["scale"] = codec.wire_scale(e, pa, pb)  # what the shard decodes the piece's fold with
@@ -421,10 +412,10 @@ class SparseTables:
             per = max(1, self.g.links.config.ps_piece // max(width * table.itemsize, 1))
             for s, (a, b) in enumerate(self._shard_rows(num_rows)):
                 conn = self.g.links.shards[s]
-                base = {"kind": "ps_param", "op": "sp_init", "tag": ("param", k, "sp_init"), "table": k,
-                        "num_rows": num_rows, "width": width, "dtype": dtype, "size": self.g.world_size,
-                        "optimizer": optimizer, "step": step, "state_keys": sorted(state),
-                        "elastic": self.g.elastic, "backup": self.g.backup}  # fmt: skip
+                base = frames.sp_init(
+                    k, num_rows=num_rows, width=width, dtype=dtype, size=self.g.world_size, optimizer=optimizer,
+                    step=step, state_keys=sorted(state), elastic=self.g.elastic, backup=self.g.backup,
+                )
                 for of, rows in [(None, table), *sorted(state.items())]:
                     for first in range(a, max(b, a + 1), per):
                         count = max(0, min(per, b - first))
@@ -457,7 +448,7 @@ class SparseTables:
         read after the update (a pull saved). Returns the ranks that said bad (the same list on
         every rank; empty: applied) and the pulled rows (None when bad or not asked)."""
         for skipped in range(self.next_step.get(k, t), t):  # taken without this worker: answered all the same
-            done = [self.g.mailbox.expect(("param", k, "sp_done", s, skipped)) for s in range(self.g.num_servers)]
+            done = [self.g.mailbox.expect(frames.sp_done_tag(k, s, skipped)) for s in range(self.g.num_servers)]
             await self.params.wait(asyncio.gather(*done), f"sparse table {k}'s step {skipped}")
         self.next_step[k] = t + 1
         futs = []
@@ -469,11 +460,10 @@ class SparseTables:
             pulls = [pull[w] for w in wheres]
         packed = pack_by_shard(indices.astype(np.int64, copy=False), values, num_rows, self.g.num_servers, pulls)
         for s, (count, payload) in enumerate(packed):
-            futs.append(self.g.mailbox.expect(("param", k, "sp_done", s, t)))
-            header = {"kind": "ps_param", "op": "sp_push", "tag": ("param", k, "sp_push"), "step": t,
-                      "src": self.g.rank, "count": count, "bad": bool(bad)}  # fmt: skip
-            if pulls is not None:
-                header["pull"] = int(pulls[s].size)
+            futs.append(self.g.mailbox.expect(frames.sp_done_tag(k, s, t)))
+            header = frames.sp_push(
+                k, t, self.g.rank, count, bool(bad), int(pulls[s].size) if pulls is not None else None
+            )
             self.g.links.shards[s].send_tensor(header, payload)
         await self.params.wait(asyncio.gather(*futs), f"sparse table {k}'s step {t}")
         said = [int(r) for r in futs[0].result()[1].get("bad") or []]
@@ -505,12 +495,9 @@ class SparseTables:
             where = np.nonzero((indices >= a) & (indices < b))[0]
             if where.size == 0 and indices.size:
                 continue
-            tag = ("param", k, "sp_rows", s, req)
+            tag = frames.sp_rows_tag(k, s, req)
             fut = self.g.mailbox.expect(tag)
-            header = {"kind": "ps_param", "op": "sp_pull", "tag": ("param", k, "sp_pull"), "req": req,
-                      "count": int(where.size)}  # fmt: skip
-            if of is not None:
-                header["of"] = of
+            header = frames.sp_pull(k, req, int(where.size), of)
             self.g.links.shards[s].send_tensor(header, indices[where].astype(np.int64))
             jobs.append((fut, where))
 
@@ -529,5 +516,5 @@ class SparseTables:
             await self.params.wait(asyncio.ensure_future(land()), f"pulling rows of sparse table {k}")
         finally:  # cut short: nothing stays posted for answers that will not come
             for s in range(self.g.num_servers):
-                self.g.mailbox.unpost(("param", k, "sp_rows", s, req))
+                self.g.mailbox.unpost(frames.sp_rows_tag(k, s, req))
         return out

@@ -15,14 +15,15 @@ from ....core.arrays import result_empty
 from ....core.fold import pieces, reduce_op, ring_chunk_bounds
 from ....core.reduceop import OPS
 from ...collective import Collective
+from ...now import Carry, Done, Now
 from ..chooser import Algorithm, Call
 from ..paths import Path
 from .dataplane import DataPlane, PlaneLinkError, PlaneMismatch
 from .native import Here
 
 if TYPE_CHECKING:
-    from ..caller import CallerThread
     from ..context import RingContext
+    from ..shortways import ShortWays
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,9 @@ class PlaneAllReduce(Algorithm):
     route = Path.PLANE
     holds_caller = True
 
-    def __init__(self, ctx: RingContext, caller: CallerThread) -> None:
+    def __init__(self, ctx: RingContext, short: ShortWays) -> None:
         super().__init__(ctx)
-        self.caller = caller
+        self.short = short
         #: plane all_reduces that ended on the caller's thread (soon), and those it handed to the plane
         self.ran_now = 0
         self.adopted = 0
@@ -70,7 +71,7 @@ class PlaneAllReduce(Algorithm):
         per_piece = max(1, self.net.config.ring_plane_piece // x.itemsize)
         return [pieces(a, b, per_piece) for a, b in ring_chunk_bounds(x.size, self.world_size)]
 
-    def soon(self, x: Any, op: str, on_loop: bool = False) -> tuple[bool, Any] | None:
+    def soon(self, x: Any, op: str, on_loop: bool = False) -> Now:
         """A plane all_reduce on the caller's thread (the blocking API), where the job would run in C
         (NativeJobs.kind) and nothing of the group or the plane is in flight: the caller sends and
         receives every frame itself (NativeJobs.run_here), with no hop to the event loop and the plane's
@@ -85,7 +86,7 @@ class PlaneAllReduce(Algorithm):
             or type(x) is not np.ndarray
             or self.gid != "0"
             or self.ctx.loop_path(x.nbytes) is not Path.PLANE
-            or not self.caller.idle(numbered=True)
+            or not self.short.idle(numbered=True)
             or not plane.idle()
         ):
             return None
@@ -93,7 +94,7 @@ class PlaneAllReduce(Algorithm):
         kind = native.kind(x, op)
         if kind is None:
             return None
-        x, seq, desc, started = self.caller.number(x, op)
+        x, seq, desc, started = self.short.number(x, op)
         flat = x.reshape(-1)
         try:
             here = native.begin_here(
@@ -101,14 +102,14 @@ class PlaneAllReduce(Algorithm):
             )
             done = native.run_here(here, PLANE_ADOPT_AFTER)
         except BaseException as exc:
-            self.caller.books(seq, desc, started, exc)
+            self.short.books(seq, desc, started, exc)
             raise
         if done:
-            self.caller.books(seq, desc, started, None)
+            self.short.books(seq, desc, started, None)
             self.ran_now += 1
-            return True, here[2].reshape(x.shape)
+            return Done(here[2].reshape(x.shape))
         self.adopted += 1
-        return False, self._adopt(seq, x, op, started, here)
+        return Carry(self._adopt(seq, x, op, started, here))
 
     async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: Here) -> Any:
         plane = self.net.plane
@@ -137,7 +138,7 @@ class PlaneAllReduce(Algorithm):
             if kind is not None:  # the job in C on the loop's own thread while it moves (as soon)
                 call = msgpack.packb(coll.desc)
                 here = native.begin_here(coll.seq, call, x, result_empty(x), parts, kind, op, OPS[op].mean)
-                if native.run_here(here, self.caller.spin_budget(x.nbytes)):
+                if native.run_here(here, self.short.spin_budget(x.nbytes)):
                     self.ran_now += 1
                     return here[2]
                 self.adopted += 1

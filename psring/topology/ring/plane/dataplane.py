@@ -301,7 +301,7 @@ class DataPlane:
                 job.native = native.ring(seq, call, x, job.out, steps, parts[me], kind, op, avg)
         if job.native is not None:
             assert native is not None  # (a job in C is one of its)
-            job._pending = 1
+            job.one_thread()
             native.jobs += 1
             self._recv_q.put(job)
             return job

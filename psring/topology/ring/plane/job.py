@@ -119,6 +119,10 @@ class Job:
         self.native: Any = None
         self._lock = threading.Lock()
 
+    def one_thread(self) -> None:
+        """The job runs on one thread (the receive thread, in C): one part_done ends it."""
+        self._pending = 1
+
     def cancel(self) -> None:
         self.cancelled.set()
 

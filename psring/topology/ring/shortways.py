@@ -29,7 +29,7 @@ SPIN_PER_BYTE = 1e-9
 SPIN_MAX = 0.02
 
 
-class CallerThread:
+class ShortWays:
     """A ring group's helpers for calls that take a short way (one per group): the checks, the numbers
     (the runtime's tickets), the spin budget and the scratch rows of a call alone in flight."""
 
@@ -84,4 +84,4 @@ class CallerThread:
         return buf[:nbytes].view(dtype).reshape(n, count)
 
 
-__all__ = ["SPIN_MAX", "SPIN_PER_BYTE", "CallerThread"]
+__all__ = ["SPIN_MAX", "SPIN_PER_BYTE", "ShortWays"]
