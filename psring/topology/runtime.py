@@ -210,7 +210,10 @@ class CollectiveRuntime(abc.ABC):
 
     def take_number(self) -> int:
         """The next number, reserved, for a quick way that made its descriptor already (no call before it
-        is partial: :meth:`quiet` said so); settled by :meth:`close_ticket` or adopted by :meth:`begin`."""
+        is partial: :meth:`quiet` said so); settled by :meth:`close_number` or adopted by :meth:`begin`.
+        Raises what :meth:`check_usable` raises (a departed peer's calls still to run go on)."""
+        if self._closed or self._broken is not None or self._departed:
+            self.check_usable()
         seq = self._seq
         self._seq = seq + 1
         self._reserved.add(seq)

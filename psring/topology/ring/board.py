@@ -237,10 +237,10 @@ class BoardAllReduce(Algorithm):
         within the spin already)."""
         if late or not (board.all_posted(seq) or self._spin(board, False, seq, x.nbytes)):
             self.adopted += 1
-            return Carry(self._adopt(board, seq, x, op, started))
+            return Carry((self._adopt(board, seq, x, op, started),))
         if not self._split(x):
             self.ran_now += 1
-            return Done(self._end_now(board, seq, desc, x, op, started))
+            return Done((self._end_now(board, seq, desc, x, op, started),))
         try:
             self._fold_mine(board, seq, desc, x, op)
         except BaseException as exc:
@@ -248,9 +248,9 @@ class BoardAllReduce(Algorithm):
             raise
         if board.all_marked(seq) or self._spin(board, True, seq, x.nbytes):
             self.ran_now += 1
-            return Done(self._end_now(board, seq, desc, x, op, started, folded=True))
+            return Done((self._end_now(board, seq, desc, x, op, started, folded=True),))
         self.adopted += 1
-        return Carry(self._adopt(board, seq, x, op, started, folded=True))
+        return Carry((self._adopt(board, seq, x, op, started, folded=True),))
 
     def quick(self, x: Any, op: str) -> Now:
         """The short way whole in one native call (Board.exchange: post, poll, check, fold in C -- the split
@@ -282,9 +282,7 @@ class BoardAllReduce(Algorithm):
         ):
             return None
         desc, tag, kind, split, hot, budget = plan  # type: ignore[misc]
-        if self.rt.troubled:
-            self.rt.check_usable()  # (raises what is wrong, or finds a departed peer's calls still to run)
-        seq = self.rt.take_number()
+        seq = self.rt.take_number()  # (raises what is wrong, or finds a departed peer's calls still to run)
         started = time.monotonic()
         if not (PeerNet.live == 1 and self.net.config.spin_us > 0):
             hot, budget = 0, 0.0
@@ -297,7 +295,7 @@ class BoardAllReduce(Algorithm):
         if code == 0:
             self.ran_now += 1
             self._books(board, seq, desc, started, None)
-            return Done(out)
+            return Done((out,))
         if code == 3:
             self.poke(board.sleepers(seq))
         if code <= 3:
@@ -307,9 +305,9 @@ class BoardAllReduce(Algorithm):
             self.poke(board.sleepers(seq, marked=True))
             if board.all_marked(seq) or self._spin(board, True, seq, x.nbytes):
                 self.ran_now += 1
-                return Done(self._end_now(board, seq, desc, x, op, started, folded=True))
+                return Done((self._end_now(board, seq, desc, x, op, started, folded=True),))
         self.adopted += 1
-        return Carry(self._adopt(board, seq, x, op, started, folded=True))
+        return Carry((self._adopt(board, seq, x, op, started, folded=True),))
 
     def start(self, x: Any, op: str) -> tuple[Board, int, tuple[Any, ...], np.ndarray, float] | None:
         """The short way (any thread, nothing of this group in flight): number the call and post it;
@@ -345,7 +343,7 @@ class BoardAllReduce(Algorithm):
         self, board: Board, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None
     ) -> None:
         """A board call the caller's thread ended: its books (_books_now), and the board acked."""
-        self.short.books(seq, desc, started, error)
+        self.rt.close_number(seq, desc, started, error)
         board.ack(self.rt.stopped_at() - 1)
 
     def _spin(self, board: Board, marked: bool, k: int, nbytes: int) -> bool:

@@ -129,7 +129,7 @@ class TcpDirect(RingPart):
             raise
         if missing or not sent:
             self.adopted += 1
-            return Carry(self._adopt(seq, x, op, bufs, missing, started, flushed=sent))
+            return Carry((self._adopt(seq, x, op, bufs, missing, started, flushed=sent),))
         try:
             out = canonical_fold(bufs, op, np.empty_like(flat), hosts=self.hier.hosts())
         except BaseException as exc:
@@ -137,7 +137,7 @@ class TcpDirect(RingPart):
             raise
         self.short.books(seq, desc, started, None)
         self.ran_now += 1
-        return Done(out.reshape(x.shape))
+        return Done((out.reshape(x.shape),))
 
     def quick(self, x: Any, op: str, on_loop: bool = False) -> Now:
         """soon's call whole in one native call (TcpMesh.exchange: send, read, fold in C) where the
@@ -212,9 +212,9 @@ class TcpDirect(RingPart):
             self.short.books(seq, desc, started, None)
             self.ran_now += 1
             self.ran_native += 1
-            return Done(out)
+            return Done((out,))
         self.adopted += 1
-        return Carry(self._adopt(seq, x, op, bufs, missing, started, flushed=code != 4))
+        return Carry((self._adopt(seq, x, op, bufs, missing, started, flushed=code != 4),))
 
     def takes(self, nbytes: int) -> bool:
         """Whether an all_reduce of ``nbytes`` takes the caller's-thread way (the job's group, a DIRECT

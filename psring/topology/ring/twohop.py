@@ -281,7 +281,7 @@ class TwoHop(Algorithm):
                 self.short.books(seq, plan.desc, started, None)
                 self.ran_now += 1
                 self.ran_fast += 1
-                return Done(out)
+                return Done((out,))
             call = _Call(self, seq, x, op, plan, rows=rows, out=out)
             self._stopped(call, code, sent, read, phase)
         except BaseException as exc:
@@ -305,9 +305,9 @@ class TwoHop(Algorithm):
         if code == 0:
             self.short.books(call.seq, call.desc, started, None)
             self.ran_now += 1
-            return Done(call.out.reshape(x.shape))
+            return Done((call.out.reshape(x.shape),))
         self.adopted += 1
-        return Carry(self._adopt(call, x, started))
+        return Carry((self._adopt(call, x, started),))
 
     async def _adopt(self, call: _Call, x: np.ndarray, started: float) -> Any:
         coll = self.rt.begin("all_reduce", x, call.op, seq=call.seq, started=started)

@@ -107,9 +107,9 @@ class PlaneAllReduce(Algorithm):
         if done:
             self.short.books(seq, desc, started, None)
             self.ran_now += 1
-            return Done(here[2].reshape(x.shape))
+            return Done((here[2].reshape(x.shape),))
         self.adopted += 1
-        return Carry(self._adopt(seq, x, op, started, here))
+        return Carry((self._adopt(seq, x, op, started, here),))
 
     async def _adopt(self, seq: int, x: np.ndarray, op: str, started: float, here: Here) -> Any:
         plane = self.net.plane
