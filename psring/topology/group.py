@@ -17,7 +17,7 @@ import asyncio
 import logging
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -42,6 +42,9 @@ from .runtime import CollectiveRuntime
 from .sparsecall import sparse_all_reduce
 
 logger = logging.getLogger(__name__)
+
+#: an all_reduce's body on the loop: (the collective, the flat host array, op) -> the flat result
+Body = Callable[[Collective, np.ndarray, str], Awaitable[np.ndarray]]
 
 #: with PSRING_GPU_OVERLAP=1, cupy all_reduces of at least this many bytes copy their input off
 #: the device range by range while the network already moves the first ranges (where the
@@ -143,6 +146,15 @@ class Group(CollectiveRuntime):
         coll = self.begin("all_reduce", host, op)
         out = await self.run(coll, self._all_reduce(coll, host.reshape(-1), op))
         return gpu.back_to(out.reshape(host.shape), xp)
+
+    async def all_reduce_by(self, x: np.ndarray, op: str, body: Body) -> np.ndarray:
+        """all_reduce of host array x as a collective whose body is ``body`` (coll, flat x, op) -> the flat
+        result: a topology's algorithm, chosen once for the call (the same checks as all_reduce's)."""
+        host, _ = gpu.host_of(x)
+        check_op(op, host.dtype)
+        coll = self.begin("all_reduce", host, op)
+        out = await self.run(coll, body(coll, host.reshape(-1), op))
+        return out.reshape(host.shape)
 
     async def _all_reduce_streamed(self, x: Any, op: str, order: list[tuple[int, int]]) -> Any:
         """all_reduce of a cupy array whose copy to the host overlaps the network: the

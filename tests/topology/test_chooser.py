@@ -45,7 +45,7 @@ def _chooser(world_size: int = 4, gid: str = "0", board: Any = None, hosts: Any 
         runtime=None,  # type: ignore[arg-type]
         timeout=10.0,
         mailbox=None,  # type: ignore[arg-type]
-        general_all_reduce=None,  # type: ignore[arg-type]
+        all_reduce_by=None,  # type: ignore[arg-type]
     )
     return RingParts(ctx).chooser
 

@@ -174,7 +174,7 @@ class BoardAllReduce(Algorithm):
     async def _adopt(
         self, board: Board, seq: int, x: np.ndarray, op: str, started: float, folded: bool = False
     ) -> np.ndarray:
-        """A call _board_start numbered and posted, and whose peers were not all there within its
+        """A call start numbered and posted, and whose peers were not all there within its
         spin: from here on a collective like any other (deadline, stall reports, aborts)."""
         coll = self.rt.begin("all_reduce", x, op, seq=seq, started=started)
         return await self.rt.run(coll, self._rest(coll, board, x, op, folded))
@@ -256,7 +256,7 @@ class BoardAllReduce(Algorithm):
         """The short way whole in one native call (Board.exchange: post, poll, check, fold in C -- the split
         fold too: this rank's chunk, the mark, the peers' folded chunks) where the board is native, folds
         the call's dtype and op, and the call is not two-level; else None, and nothing was done. A call
-        whose peers are late, whose posts differ or that wakes a sleeping peer goes on as _board_start's
+        whose peers are late, whose posts differ or that wakes a sleeping peer goes on as start's
         would, from its post (or from its mark)."""
         board = self.net.board
         if board is None or self.gid != "0" or type(x) is not np.ndarray:
@@ -329,7 +329,7 @@ class BoardAllReduce(Algorithm):
         started: float,
         folded: bool = False,
     ) -> np.ndarray:
-        """Fold (``folded``: gather) a call _board_start numbered and found ready, and close its books."""
+        """Fold (``folded``: gather) a call start numbered and found ready, and close its books."""
         error: BaseException | None = None
         try:
             return self._gather(board, seq, x) if folded else self._fold(board, seq, desc, x, op)
@@ -342,7 +342,7 @@ class BoardAllReduce(Algorithm):
     def _books(
         self, board: Board, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None
     ) -> None:
-        """A board call the caller's thread ended: its books (_books_now), and the board acked."""
+        """A board call the caller's thread ended: its books (the runtime's close_number), and the board acked."""
         self.rt.close_number(seq, desc, started, error)
         board.ack(self.rt.stopped_at() - 1)
 

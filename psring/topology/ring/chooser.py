@@ -73,9 +73,10 @@ class Algorithm(RingPart):
         return NOT_NOW
 
     async def all_reduce(self, x: np.ndarray, op: str) -> Any:
-        """The whole call from the event loop once the short way said not now: by default the general
-        collective (Group.all_reduce: checks, a Collective, then :meth:`run`)."""
-        return await self.ctx.general_all_reduce(x, op)
+        """The whole call from the event loop once the short way said not now: by default a collective
+        whose body is this algorithm's :meth:`run` (Group.all_reduce_by: the checks, a Collective, then
+        run) -- the chooser's decision carried by the call, not taken again."""
+        return await self.ctx.all_reduce_by(x, op, self.run)
 
     async def run(self, coll: Collective, x: np.ndarray, op: str) -> np.ndarray:
         """The call as a collective on the loop (numbered, timed, abortable), x flat or shaped."""

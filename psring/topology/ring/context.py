@@ -41,7 +41,7 @@ class RingContext:
         runtime: CollectiveRuntime,
         timeout: float,
         mailbox: Mailbox,
-        general_all_reduce: Callable[[np.ndarray, str], Awaitable[Any]],
+        all_reduce_by: Callable[[np.ndarray, str, Any], Awaitable[Any]],
     ) -> None:
         self.net = net
         self.rank = rank
@@ -56,8 +56,9 @@ class RingContext:
         self.runtime = runtime
         self.timeout = timeout
         self.mailbox = mailbox
-        #: all_reduce the general way (the group's checks, a Collective, then the chooser's algorithm)
-        self.general_all_reduce = general_all_reduce
+        #: all_reduce as a collective on the loop whose body is the algorithm the chooser picked (the
+        #: group's checks, a Collective, then ``body``): the call is decided once (Group.all_reduce_by)
+        self.all_reduce_by = all_reduce_by
 
     async def link(self, local_rank: int) -> Connection:
         """The connection to rank ``local_rank`` of the group (dialled if it is not open)."""

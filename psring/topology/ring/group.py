@@ -73,7 +73,7 @@ class RingGroup(Group):
             runtime=self,
             timeout=timeout,
             mailbox=net.mailbox,
-            general_all_reduce=self.general_all_reduce,
+            all_reduce_by=self.all_reduce_by,
         )
         self.peer_order = self.ctx.peer_order
         parts = RingParts(self.ctx)
@@ -205,10 +205,6 @@ class RingGroup(Group):
                 return await now.rest
             return await algo.all_reduce(x, op)
         return await super().all_reduce(x, op, compression)
-
-    async def general_all_reduce(self, x: np.ndarray, op: str) -> Any:
-        """all_reduce the general way: Group's checks and staging, a Collective, then _all_reduce."""
-        return await super().all_reduce(x, op)
 
     def try_now(self, x: Any, op: str = "sum", compression: Any = None, holds_caller: bool = True) -> Now:
         """all_reduce's short way for a caller off the event loop (the blocking API, the torch backend), when
