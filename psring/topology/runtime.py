@@ -59,7 +59,7 @@ class RecvWait:
 class Ticket:
     """A call numbered off the loop (a short way: the boards, the TCP one- and two-hop calls, the data
     plane): the runtime makes it (:meth:`CollectiveRuntime.ticket`) and closes it
-    (:meth:`CollectiveRuntime.close_ticket`), or the loop adopts its number (``begin(seq=, started=)``)."""
+    (:meth:`CollectiveRuntime.close_number`), or the loop adopts its number (``begin(seq=, started=)``)."""
 
     __slots__ = ("desc", "seq", "started")
 
@@ -221,7 +221,7 @@ class CollectiveRuntime(abc.ABC):
 
     def ticket(self, x: np.ndarray, op: str) -> Ticket:
         """Number an all_reduce a short way takes (raising what :meth:`check_usable` raises). The number is
-        reserved, so a peer's abort or early frame for it is kept, until :meth:`close_ticket` or the loop's
+        reserved, so a peer's abort or early frame for it is kept, until :meth:`close_number` or the loop's
         adoption (``begin(seq=)``) releases it."""
         self.check_usable()
         seq = self._seq
@@ -234,13 +234,10 @@ class CollectiveRuntime(abc.ABC):
         desc = ("all_reduce", dtype_name(x.dtype), tuple(x.shape), op, None, after)
         return Ticket(seq, desc, time.monotonic())
 
-    def close_ticket(self, t: Ticket, error: BaseException | None = None) -> None:
-        """A call a short way ended: as :meth:`_end` would (its number released, kept among the recent
-        calls, observers told)."""
-        self.close_number(t.seq, t.desc, t.started, error)
-
     def close_number(self, seq: int, desc: tuple[Any, ...], started: float, error: BaseException | None) -> None:
-        """:meth:`close_ticket` for a quick way's number (:meth:`take_number`), its descriptor made once."""
+        """A call a short way ended (its :meth:`ticket`'s, or a quick way's number from :meth:`take_number`
+        with the descriptor it made once): as :meth:`_end` would -- its number released, kept among the
+        recent calls, observers told."""
         self._reserved.discard(seq)
         if self._reserved_after:
             self._reserved_after.pop(seq, None)
