@@ -91,7 +91,7 @@ class RingContext:
         )
 
     def __repr__(self) -> str:
-        return f"RingGroup({self.gid}, rank {self.rank}/{self.world_size})"
+        return f"RingGroup(rank={self.rank}/{self.world_size}, gid={self.gid})"  # (as the group says itself)
 
 
 class RingPart:
